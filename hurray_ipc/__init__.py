@@ -1,0 +1,43 @@
+"""Hurray IPC: zero-copy, race-free handoff of GPU and host buffers between processes.
+
+Layers, each importing only those below it::
+
+    format/     the 16-byte buffer handle                        (bottom)
+    contract/   sync modes per transport; the handoff object
+    devices/    CPU shared memory, CUDA (real or emulated backend)
+    transport/  the IPC wire protocol, object export, staging pool
+    client/     Producer and Consumer
+    cli/, broker/ (top)
+"""
+
+from .contract import (
+    AlreadyReleasedError,
+    EndpointCapabilities,
+    Handoff,
+    HandoffError,
+    Transport,
+    check_network_handle,
+    choose_sync_mode,
+    explain_sync_modes,
+    valid_sync_modes,
+)
+from .format import BufferHandle, DeviceTag, HandleError, ReservedSyncMode, SyncMode
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AlreadyReleasedError",
+    "BufferHandle",
+    "DeviceTag",
+    "EndpointCapabilities",
+    "Handoff",
+    "HandoffError",
+    "HandleError",
+    "ReservedSyncMode",
+    "SyncMode",
+    "Transport",
+    "check_network_handle",
+    "choose_sync_mode",
+    "explain_sync_modes",
+    "valid_sync_modes",
+]
