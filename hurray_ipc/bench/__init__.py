@@ -1,0 +1,1 @@
+"""Benchmarks (hurray-bench) and the producer-stall timing used by scripts/gpu-check."""

@@ -1,0 +1,145 @@
+"""The CUDA runtime surface the device layer uses, as one abstract class.
+
+Two backends implement it: :mod:`.real` (cuda.bindings.runtime) and :mod:`.emulated` (a
+cross-process emulation for machines without a GPU). :func:`hurray_ipc.devices.backend.get_runtime`
+chooses between them in one place, from ``HURRAY_CUDA``.
+
+Pointers (device and host) are ints. Streams and events are opaque objects owned by the backend;
+``stream_id`` gives the integer a ``__cuda_array_interface__`` consumer expects. Every method
+raises :class:`~hurray_ipc.devices.errors.DeviceError` naming the CUDA call and error on failure.
+IPC blobs are exactly :data:`IPC_HANDLE_SIZE` bytes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+IPC_HANDLE_SIZE = 64
+EMULATED_MAGIC = b"HRYEMU"  # every emulated IPC blob starts with it; the real backend refuses them
+
+
+class Runtime(ABC):
+    name: str  # "real" or "emulated"
+    emulated: bool
+
+    # --- devices -------------------------------------------------------------------------------
+    @abstractmethod
+    def probe(self) -> str | None:
+        """None when usable, else why not (e.g. 'cudaGetDeviceCount: cudaErrorInsufficientDriver')."""
+
+    @abstractmethod
+    def device_count(self) -> int: ...
+
+    @abstractmethod
+    def set_device(self, ordinal: int) -> None: ...
+
+    @abstractmethod
+    def device_uuid(self, ordinal: int) -> str: ...
+
+    @abstractmethod
+    def pci_bus_id(self, ordinal: int) -> str: ...
+
+    @abstractmethod
+    def ipc_memory_support(self, ordinal: int) -> bool: ...
+
+    @abstractmethod
+    def ipc_event_support(self, ordinal: int) -> bool:
+        """cudaDevAttrIpcEventSupport."""
+
+    @abstractmethod
+    def can_access_peer(self, ordinal: int, peer: int) -> bool: ...
+
+    # --- memory --------------------------------------------------------------------------------
+    @abstractmethod
+    def malloc(self, nbytes: int) -> int: ...
+
+    @abstractmethod
+    def free(self, ptr: int) -> None: ...
+
+    @abstractmethod
+    def mem_range(self, ptr: int) -> tuple[int, int]:
+        """(base, size) of the allocation containing ``ptr``."""
+
+    @abstractmethod
+    def ipc_get_mem_handle(self, base: int) -> bytes:
+        """The 64-byte cudaIpcMemHandle of the allocation starting at ``base``."""
+
+    @abstractmethod
+    def ipc_open_mem_handle(self, blob: bytes) -> int:
+        """Map another process's allocation; returns its base in this process."""
+
+    @abstractmethod
+    def ipc_close_mem_handle(self, base: int) -> None: ...
+
+    @abstractmethod
+    def host_register(self, ptr: int, nbytes: int) -> None:
+        """Page-lock host memory (cudaHostRegister) so copies from/to it run at DMA speed."""
+
+    @abstractmethod
+    def host_unregister(self, ptr: int) -> None: ...
+
+    # --- streams -------------------------------------------------------------------------------
+    @abstractmethod
+    def stream_create(self) -> Any: ...
+
+    @abstractmethod
+    def stream_destroy(self, stream: Any) -> None: ...
+
+    @abstractmethod
+    def stream_synchronize(self, stream: Any) -> None: ...
+
+    @abstractmethod
+    def stream_query(self, stream: Any) -> bool:
+        """True when all work enqueued on ``stream`` has completed."""
+
+    @abstractmethod
+    def stream_wait_event(self, stream: Any, event: Any) -> None:
+        """Order later work on ``stream`` after the event's latest record at the time of this call."""
+
+    @abstractmethod
+    def stream_id(self, stream: Any) -> int: ...
+
+    @abstractmethod
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        """cudaMemcpyAsync with cudaMemcpyDefault (unified addressing infers the direction)."""
+
+    @abstractmethod
+    def memset_async(self, ptr: int, value: int, nbytes: int, stream: Any) -> None: ...
+
+    # --- events --------------------------------------------------------------------------------
+    @abstractmethod
+    def event_create(self, interprocess: bool) -> Any:
+        """interprocess=True: cudaEventInterprocess | cudaEventDisableTiming."""
+
+    @abstractmethod
+    def event_destroy(self, event: Any) -> None: ...
+
+    @abstractmethod
+    def event_record(self, event: Any, stream: Any) -> None: ...
+
+    @abstractmethod
+    def event_synchronize(self, event: Any) -> None: ...
+
+    @abstractmethod
+    def event_query(self, event: Any) -> bool: ...
+
+    @abstractmethod
+    def ipc_get_event_handle(self, event: Any) -> bytes: ...
+
+    @abstractmethod
+    def ipc_open_event_handle(self, blob: bytes) -> Any: ...
+
+
+def check_blob(blob: bytes, what: str, *, emulated: bool) -> bytes:
+    """Refuse a blob of the wrong length or from the other backend."""
+    from ..errors import DeviceError
+
+    raw = bytes(blob)
+    if len(raw) != IPC_HANDLE_SIZE:
+        raise DeviceError(what, f"an IPC handle is {IPC_HANDLE_SIZE} bytes, got {len(raw)}")
+    if raw.startswith(EMULATED_MAGIC) != emulated:
+        side = "an emulated-CUDA handle given to the real CUDA runtime" if not emulated else (
+            "a handle that is not from the emulated runtime (a real CUDA handle?)")
+        raise DeviceError(what, side)
+    return raw

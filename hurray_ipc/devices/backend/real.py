@@ -1,0 +1,189 @@
+"""The real CUDA runtime, through cuda.bindings.runtime (cuda-python).
+
+Every cuda.bindings call returns ``(err, value...)``; :func:`_check` turns a non-success ``err``
+into a :class:`DeviceError` that names the call and the CUDA error. Nothing here caches device
+state beyond what the driver itself keeps.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+from ..errors import DeviceError
+from .base import IPC_HANDLE_SIZE, Runtime, check_blob
+
+
+def _import_bindings():
+    try:
+        from cuda.bindings import driver, runtime
+    except ImportError:  # cuda-python < 12.6 spells it cuda.cudart
+        from cuda import cuda as driver  # type: ignore[no-redef]
+        from cuda import cudart as runtime  # type: ignore[no-redef]
+    return runtime, driver
+
+
+def _err_name(err: Any) -> str:
+    return getattr(err, "name", None) or str(err)
+
+
+def _check(call: str, result: Any) -> Any:
+    """Unpack a cuda.bindings result tuple, raising on error."""
+    if not isinstance(result, tuple):
+        result = (result,)
+    err = result[0]
+    if int(err) != 0:
+        raise DeviceError(call, "CUDA call failed", code=_err_name(err))
+    rest = result[1:]
+    return rest[0] if len(rest) == 1 else (rest or None)
+
+
+def _handle_bytes(h: Any) -> bytes:
+    reserved = getattr(h, "reserved", None)
+    if reserved is not None:
+        return bytes(bytearray(reserved))[:IPC_HANDLE_SIZE]
+    return ctypes.string_at(h.getPtr(), IPC_HANDLE_SIZE)
+
+
+def _handle_from(cls: Any, blob: bytes) -> Any:
+    h = cls()
+    ctypes.memmove(h.getPtr(), blob, IPC_HANDLE_SIZE)
+    return h
+
+
+class RealRuntime(Runtime):
+    name = "real"
+    emulated = False
+
+    def __init__(self) -> None:
+        self.rt, self.drv = _import_bindings()
+        self._tls = threading.local()
+
+    def probe(self) -> str | None:
+        try:
+            n = _check("cudaGetDeviceCount", self.rt.cudaGetDeviceCount())
+        except DeviceError as e:
+            return str(e)
+        return None if n > 0 else "cudaGetDeviceCount: no CUDA device present"
+
+    def device_count(self) -> int:
+        return int(_check("cudaGetDeviceCount", self.rt.cudaGetDeviceCount()))
+
+    def set_device(self, ordinal: int) -> None:
+        if getattr(self._tls, "device", None) != ordinal:
+            _check("cudaSetDevice", self.rt.cudaSetDevice(ordinal))
+            self._tls.device = ordinal
+
+    def device_uuid(self, ordinal: int) -> str:
+        props = _check("cudaGetDeviceProperties", self.rt.cudaGetDeviceProperties(ordinal))
+        raw = bytes(bytearray(props.uuid.bytes))[:16]
+        h = raw.hex()
+        return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+    def pci_bus_id(self, ordinal: int) -> str:
+        raw = _check("cudaDeviceGetPCIBusId", self.rt.cudaDeviceGetPCIBusId(32, ordinal))
+        return bytes(raw).split(b"\0", 1)[0].decode("ascii", "replace")
+
+    def _attr(self, attr: str, ordinal: int) -> int:
+        return int(_check(f"cudaDeviceGetAttribute({attr})",
+                          self.rt.cudaDeviceGetAttribute(getattr(self.rt.cudaDeviceAttr, attr), ordinal)))
+
+    def ipc_memory_support(self, ordinal: int) -> bool:
+        # cudaIpcGetMemHandle works on Linux for devices with unified addressing.
+        import sys
+
+        return sys.platform.startswith("linux") and self._attr("cudaDevAttrUnifiedAddressing", ordinal) == 1
+
+    def ipc_event_support(self, ordinal: int) -> bool:
+        return self._attr("cudaDevAttrIpcEventSupport", ordinal) == 1
+
+    def can_access_peer(self, ordinal: int, peer: int) -> bool:
+        if ordinal == peer:
+            return True
+        return bool(_check("cudaDeviceCanAccessPeer", self.rt.cudaDeviceCanAccessPeer(ordinal, peer)))
+
+    def malloc(self, nbytes: int) -> int:
+        return int(_check("cudaMalloc", self.rt.cudaMalloc(max(nbytes, 1))))
+
+    def free(self, ptr: int) -> None:
+        _check("cudaFree", self.rt.cudaFree(ptr))
+
+    def mem_range(self, ptr: int) -> tuple[int, int]:
+        base, size = _check("cuMemGetAddressRange", self.drv.cuMemGetAddressRange(self.drv.CUdeviceptr(ptr)))
+        return int(base), int(size)
+
+    def ipc_get_mem_handle(self, base: int) -> bytes:
+        return _handle_bytes(_check("cudaIpcGetMemHandle", self.rt.cudaIpcGetMemHandle(base)))
+
+    def ipc_open_mem_handle(self, blob: bytes) -> int:
+        raw = check_blob(blob, "cudaIpcOpenMemHandle", emulated=False)
+        h = _handle_from(self.rt.cudaIpcMemHandle_t, raw)
+        return int(_check("cudaIpcOpenMemHandle",
+                          self.rt.cudaIpcOpenMemHandle(h, self.rt.cudaIpcMemLazyEnablePeerAccess)))
+
+    def ipc_close_mem_handle(self, base: int) -> None:
+        _check("cudaIpcCloseMemHandle", self.rt.cudaIpcCloseMemHandle(base))
+
+    def host_register(self, ptr: int, nbytes: int) -> None:
+        _check("cudaHostRegister", self.rt.cudaHostRegister(ptr, nbytes, self.rt.cudaHostRegisterPortable))
+
+    def host_unregister(self, ptr: int) -> None:
+        _check("cudaHostUnregister", self.rt.cudaHostUnregister(ptr))
+
+    def stream_create(self) -> Any:
+        return _check("cudaStreamCreateWithFlags", self.rt.cudaStreamCreateWithFlags(self.rt.cudaStreamNonBlocking))
+
+    def stream_destroy(self, stream: Any) -> None:
+        _check("cudaStreamDestroy", self.rt.cudaStreamDestroy(stream))
+
+    def stream_synchronize(self, stream: Any) -> None:
+        _check("cudaStreamSynchronize", self.rt.cudaStreamSynchronize(stream))
+
+    def stream_query(self, stream: Any) -> bool:
+        (err,) = self.rt.cudaStreamQuery(stream)
+        if err == self.rt.cudaError_t.cudaErrorNotReady:
+            return False
+        _check("cudaStreamQuery", (err,))
+        return True
+
+    def stream_wait_event(self, stream: Any, event: Any) -> None:
+        _check("cudaStreamWaitEvent", self.rt.cudaStreamWaitEvent(stream, event, 0))
+
+    def stream_id(self, stream: Any) -> int:
+        return int(stream)
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        _check("cudaMemcpyAsync",
+               self.rt.cudaMemcpyAsync(dst, src, nbytes, self.rt.cudaMemcpyKind.cudaMemcpyDefault, stream))
+
+    def memset_async(self, ptr: int, value: int, nbytes: int, stream: Any) -> None:
+        _check("cudaMemsetAsync", self.rt.cudaMemsetAsync(ptr, value, nbytes, stream))
+
+    def event_create(self, interprocess: bool) -> Any:
+        flags = self.rt.cudaEventDisableTiming | (self.rt.cudaEventInterprocess if interprocess else 0)
+        return _check("cudaEventCreateWithFlags", self.rt.cudaEventCreateWithFlags(flags))
+
+    def event_destroy(self, event: Any) -> None:
+        _check("cudaEventDestroy", self.rt.cudaEventDestroy(event))
+
+    def event_record(self, event: Any, stream: Any) -> None:
+        _check("cudaEventRecord", self.rt.cudaEventRecord(event, stream))
+
+    def event_synchronize(self, event: Any) -> None:
+        _check("cudaEventSynchronize", self.rt.cudaEventSynchronize(event))
+
+    def event_query(self, event: Any) -> bool:
+        (err,) = self.rt.cudaEventQuery(event)
+        if err == self.rt.cudaError_t.cudaErrorNotReady:
+            return False
+        _check("cudaEventQuery", (err,))
+        return True
+
+    def ipc_get_event_handle(self, event: Any) -> bytes:
+        return _handle_bytes(_check("cudaIpcGetEventHandle", self.rt.cudaIpcGetEventHandle(event)))
+
+    def ipc_open_event_handle(self, blob: bytes) -> Any:
+        raw = check_blob(blob, "cudaIpcOpenEventHandle", emulated=False)
+        h = _handle_from(self.rt.cudaIpcEventHandle_t, raw)
+        return _check("cudaIpcOpenEventHandle", self.rt.cudaIpcOpenEventHandle(h))

@@ -1,0 +1,315 @@
+"""What every device offers: buffers, streams, events, export/import, identity and capabilities.
+
+Lifetimes are explicit: every :class:`Buffer`, :class:`Stream` and :class:`Event` has ``close()``
+(and is a context manager). Closing an owned buffer frees it; closing an imported one drops this
+process's reference to the cached mapping. Closing an exported event destroys it; closing an
+imported event destroys this process's opened copy only.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from ..format.handle import DeviceTag
+from .errors import DeviceError
+
+
+def host_id() -> str:
+    """Identifies this machine (boot), so endpoints can tell 'same host' from 'other host'."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+@dataclass(frozen=True)
+class DeviceIdentity:
+    kind: str  # "cpu" or "cuda"
+    ordinal: int
+    uuid: str
+    pci_bus_id: str = ""
+    emulated: bool = False
+    host: str = field(default_factory=host_id)
+
+    @property
+    def spec(self) -> str:
+        return "cpu" if self.kind == "cpu" else f"{self.kind}:{self.ordinal}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "ordinal": self.ordinal, "uuid": self.uuid, "pci_bus_id": self.pci_bus_id,
+                "emulated": self.emulated, "host": self.host}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DeviceIdentity":
+        return cls(str(d["kind"]), int(d["ordinal"]), str(d["uuid"]), str(d.get("pci_bus_id", "")),
+                   bool(d.get("emulated", False)), str(d.get("host", "")))
+
+
+@dataclass(frozen=True)
+class DeviceCapabilities:
+    ipc_memory: bool
+    ipc_events: bool
+    ipc_streams: bool = False  # no CUDA device exports streams
+    peers: tuple[str, ...] = ()  # uuids this device can access as a peer
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ipc_memory": self.ipc_memory, "ipc_events": self.ipc_events,
+                "ipc_streams": self.ipc_streams, "peers": list(self.peers)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DeviceCapabilities":
+        return cls(bool(d["ipc_memory"]), bool(d["ipc_events"]), bool(d.get("ipc_streams", False)),
+                   tuple(str(p) for p in d.get("peers", ())))
+
+
+@dataclass(frozen=True)
+class MemoryExport:
+    """What travels out of band for one buffer: the allocation's 64-byte blob and the offset."""
+
+    blob: bytes
+    offset: int
+    size: int
+
+
+class Buffer:
+    """A span of memory on one device. ``ptr`` is an address valid in this process only."""
+
+    def __init__(self, device: "Device", ptr: int, size: int, *, closer: Callable[[], None] | None = None,
+                 host: memoryview | None = None, imported: bool = False):
+        self.device = device
+        self.ptr = ptr
+        self.size = size
+        self.imported = imported
+        self._closer = closer
+        self._host = host
+
+    @property
+    def tag(self) -> DeviceTag:
+        return self.device.tag
+
+    @property
+    def closed(self) -> bool:
+        return self._closer is None and self.ptr == 0
+
+    def host_view(self) -> memoryview:
+        """The bytes, for host memory only (device memory needs a copy on a stream)."""
+        if self._host is None:
+            raise DeviceError("host_view", f"{self.device.identity.spec} memory is not host-addressable")
+        return self._host
+
+    def close(self) -> None:
+        closer, self._closer = self._closer, None
+        self._host = None
+        self.ptr = 0
+        if closer is not None:
+            closer()
+
+    def __enter__(self) -> "Buffer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Buffer {self.device.identity.spec} 0x{self.ptr:x} {self.size}B{' imported' if self.imported else ''}>"
+
+
+def host_pointer(obj: Any, writable: bool) -> tuple[int, int, Any]:
+    """(address, nbytes, keepalive) of a host object exposing the buffer protocol."""
+    arr = np.frombuffer(obj, dtype=np.uint8) if not isinstance(obj, np.ndarray) else obj.reshape(-1).view(np.uint8)
+    if writable and not arr.flags.writeable:
+        raise DeviceError("copy", "destination host buffer is read-only")
+    if not arr.flags.c_contiguous:
+        raise DeviceError("copy", "host buffer must be contiguous")
+    return int(arr.ctypes.data), int(arr.nbytes), arr
+
+
+def resolve_copy(dst: Any, src: Any, nbytes: int | None, keep: list[Any]) -> tuple[int, int, int]:
+    """(dst address, src address, byte count) for a copy between Buffers, raw pointers and host
+    buffers. Host objects are appended to ``keep`` (they must outlive the async copy)."""
+
+    def addr(obj: Any, writable: bool) -> tuple[int, int]:
+        if isinstance(obj, Buffer):
+            return obj.ptr, obj.size
+        if isinstance(obj, int):
+            return obj, -1
+        ptr, n, keepalive = host_pointer(obj, writable)
+        keep.append(keepalive)
+        return ptr, n
+
+    d, dn = addr(dst, True)
+    s, sn = addr(src, False)
+    known = [x for x in (dn, sn) if x >= 0]
+    if nbytes is None:
+        if not known:
+            raise DeviceError("copy", "nbytes is required when both ends are raw pointers")
+        if len(known) == 2 and dn != sn:
+            raise DeviceError("copy", f"source is {sn} bytes, destination {dn}: pass nbytes to copy a part")
+        nbytes = known[0]
+    if nbytes < 0 or any(nbytes > x for x in known):
+        raise DeviceError("copy", f"{nbytes} bytes do not fit (source {sn}, destination {dn})")
+    return d, s, nbytes
+
+
+class Event(ABC):
+    device: "Device"
+
+    @abstractmethod
+    def record(self, stream: "Stream") -> None: ...
+
+    @abstractmethod
+    def synchronize(self) -> None: ...
+
+    @abstractmethod
+    def query(self) -> bool: ...
+
+    @abstractmethod
+    def export(self) -> bytes:
+        """The 64-byte IPC blob (cudaIpcEventHandle) of an interprocess event."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> "Event":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Stream(ABC):
+    """An in-order queue of device work. Copies take Buffers, device pointers or host buffers."""
+
+    device: "Device"
+
+    @property
+    @abstractmethod
+    def handle(self) -> int:
+        """The integer a ``__cuda_array_interface__`` consumer expects as its ``stream``."""
+
+    @abstractmethod
+    def copy(self, dst: Any, src: Any, nbytes: int | None = None) -> None: ...
+
+    @abstractmethod
+    def memset(self, dst: Buffer, value: int, nbytes: int | None = None) -> None: ...
+
+    @abstractmethod
+    def record(self, event: Event) -> None: ...
+
+    @abstractmethod
+    def wait(self, event: Event) -> None:
+        """Order later work on this stream after the event's latest record (at call time)."""
+
+    @abstractmethod
+    def synchronize(self) -> None: ...
+
+    @abstractmethod
+    def query(self) -> bool: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Device(ABC):
+    tag: DeviceTag
+    identity: DeviceIdentity
+
+    @abstractmethod
+    def capabilities(self) -> DeviceCapabilities: ...
+
+    @abstractmethod
+    def allocate(self, size: int) -> Buffer: ...
+
+    @abstractmethod
+    def export_memory(self, buf: Buffer) -> MemoryExport: ...
+
+    @abstractmethod
+    def import_memory(self, exp: MemoryExport) -> Buffer:
+        """Map another process's buffer; the allocation is opened once per process and cached."""
+
+    @abstractmethod
+    def create_stream(self) -> Stream: ...
+
+    @abstractmethod
+    def create_event(self, interprocess: bool = True) -> Event: ...
+
+    @abstractmethod
+    def import_event(self, blob: bytes) -> Event: ...
+
+    def buffer_at(self, ptr: int, size: int) -> Buffer:
+        """A non-owning Buffer for memory someone else allocated (a CuPy/PyTorch array)."""
+        return Buffer(self, ptr, size)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "Device":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ImportCache:
+    """Opened allocations, keyed by their blob: each is opened once per process.
+
+    Opening costs about a millisecond on CUDA (far more in some frameworks), so buffers carved
+    from one allocation share one mapping. Entries no Buffer references are closed once more than
+    ``limit`` are cached (``HURRAY_IMPORT_CACHE``, default 64), oldest first, and all on ``clear``.
+    """
+
+    def __init__(self, limit: int | None = None):
+        self.limit = limit if limit is not None else int(os.environ.get("HURRAY_IMPORT_CACHE", "64"))
+        self._entries: dict[bytes, list[Any]] = {}  # blob -> [opened, closer, refs]
+        self.opens = 0  # how many times an allocation was actually opened (tests read it)
+        import threading
+
+        self._lock = threading.Lock()
+
+    def acquire(self, blob: bytes, opener: Callable[[], tuple[Any, Callable[[], None]]]) -> Any:
+        """The opened allocation for ``blob`` (``opener()`` -> (opened, closer) on first use)."""
+        with self._lock:
+            e = self._entries.get(blob)
+            if e is None:
+                base, closer = opener()
+                self.opens += 1
+                e = self._entries[blob] = [base, closer, 0]
+            else:  # move to the end: most recently used
+                self._entries[blob] = self._entries.pop(blob)
+            e[2] += 1
+            self._evict()
+            return e[0]
+
+    def release(self, blob: bytes) -> None:
+        with self._lock:
+            e = self._entries.get(blob)
+            if e is not None:
+                e[2] -= 1
+                self._evict()
+
+    def _evict(self) -> None:
+        idle = [k for k, e in self._entries.items() if e[2] <= 0]
+        while len(self._entries) > self.limit and idle:
+            self._entries.pop(idle.pop(0))[1]()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        with self._lock:
+            entries, self._entries = self._entries, {}
+        for _base, closer, _refs in entries.values():
+            closer()

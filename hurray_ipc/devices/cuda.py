@@ -1,0 +1,198 @@
+"""The CUDA device, over an exchangeable runtime backend (real cuda.bindings or the emulation)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..format.handle import DeviceTag
+from .backend import Runtime, get_runtime
+from .base import (
+    Buffer,
+    Device,
+    DeviceCapabilities,
+    DeviceIdentity,
+    Event,
+    ImportCache,
+    MemoryExport,
+    Stream,
+    resolve_copy,
+)
+from .errors import DeviceError
+
+
+class CudaEvent(Event):
+    """An event. Exported (owned) events are destroyed on close; imported ones drop our copy."""
+
+    def __init__(self, device: "CudaDevice", raw: Any, *, interprocess: bool, imported: bool = False):
+        self.device = device
+        self.raw = raw
+        self.interprocess = interprocess
+        self.imported = imported
+        self._blob: bytes | None = None
+
+    def _live(self) -> Any:
+        if self.raw is None:
+            raise DeviceError("event", "event already destroyed")
+        return self.raw
+
+    def record(self, stream: "Stream") -> None:
+        if not isinstance(stream, CudaStream):
+            raise DeviceError("cudaEventRecord", f"{stream!r} is not a CUDA stream")
+        self.device.rt.event_record(self._live(), stream.raw)
+
+    def synchronize(self) -> None:
+        self.device.rt.event_synchronize(self._live())
+
+    def query(self) -> bool:
+        return self.device.rt.event_query(self._live())
+
+    def export(self) -> bytes:
+        if self._blob is None:  # the handle of an event never changes; fetch it once
+            self._blob = self.device.rt.ipc_get_event_handle(self._live())
+        return self._blob
+
+    def close(self) -> None:
+        raw, self.raw = self.raw, None
+        if raw is not None:
+            self.device.rt.event_destroy(raw)
+
+
+class CudaStream(Stream):
+    def __init__(self, device: "CudaDevice", raw: Any, *, owned: bool = True):
+        self.device = device
+        self.raw = raw
+        self.owned = owned
+        self._keep: list[Any] = []  # host objects an async copy still reads or writes
+
+    @property
+    def handle(self) -> int:
+        return self.device.rt.stream_id(self.raw)
+
+    def copy(self, dst: Any, src: Any, nbytes: int | None = None) -> None:
+        """Enqueue a copy; host objects must stay alive and unchanged until synchronize."""
+        d, s, n = resolve_copy(dst, src, nbytes, self._keep)
+        self.device.activate()
+        self.device.rt.memcpy_async(d, s, n, self.raw)
+
+    def memset(self, dst: Buffer, value: int, nbytes: int | None = None) -> None:
+        self.device.activate()
+        self.device.rt.memset_async(dst.ptr, value, dst.size if nbytes is None else nbytes, self.raw)
+
+    def record(self, event: Event) -> None:
+        event.record(self)
+
+    def wait(self, event: Event) -> None:
+        if not isinstance(event, CudaEvent):
+            raise DeviceError("cudaStreamWaitEvent", f"{event!r} is not a CUDA event")
+        self.device.rt.stream_wait_event(self.raw, event._live())
+
+    def synchronize(self) -> None:
+        try:
+            self.device.rt.stream_synchronize(self.raw)
+        finally:
+            self._keep.clear()
+
+    def query(self) -> bool:
+        done = self.device.rt.stream_query(self.raw)
+        if done:
+            self._keep.clear()
+        return done
+
+    def close(self) -> None:
+        raw, self.raw = self.raw, None
+        if raw is not None and self.owned:
+            self.device.rt.stream_destroy(raw)
+
+
+class CudaDevice(Device):
+    """One CUDA device (``cuda:N``). Raises DeviceError('CUDA unavailable: ...') without one."""
+
+    tag = DeviceTag.CUDA
+
+    def __init__(self, ordinal: int = 0, runtime: Runtime | None = None):
+        self.rt = runtime or get_runtime()
+        why = self.rt.probe()
+        if why is not None:
+            raise DeviceError("CudaDevice", f"CUDA unavailable: {why}")
+        n = self.rt.device_count()
+        if not 0 <= ordinal < n:
+            raise DeviceError("CudaDevice", f"cuda:{ordinal} does not exist ({n} device(s))")
+        self.ordinal = ordinal
+        self.activate()
+        self.identity = DeviceIdentity("cuda", ordinal, self.rt.device_uuid(ordinal), self.rt.pci_bus_id(ordinal),
+                                       emulated=self.rt.emulated)
+        self._cache = ImportCache()
+        self._export_blobs: dict[int, bytes] = {}
+        self._caps: DeviceCapabilities | None = None
+
+    def activate(self) -> None:
+        self.rt.set_device(self.ordinal)
+
+    def capabilities(self) -> DeviceCapabilities:
+        if self._caps is None:
+            rt, o = self.rt, self.ordinal
+            peers = tuple(rt.device_uuid(p) for p in range(rt.device_count()) if p != o and rt.can_access_peer(o, p))
+            self._caps = DeviceCapabilities(rt.ipc_memory_support(o), rt.ipc_event_support(o), False, peers)
+        return self._caps
+
+    def allocate(self, size: int) -> Buffer:
+        self.activate()
+        ptr = self.rt.malloc(size)
+
+        def free() -> None:
+            self._export_blobs.pop(ptr, None)
+            self.activate()
+            self.rt.free(ptr)
+
+        return Buffer(self, ptr, size, closer=free)
+
+    def export_memory(self, buf: Buffer) -> MemoryExport:
+        """The base allocation's handle plus the buffer's offset from it (handles name allocations)."""
+        self.activate()
+        base, _size = self.rt.mem_range(buf.ptr)
+        blob = self._export_blobs.get(base)
+        if blob is None:
+            blob = self._export_blobs[base] = self.rt.ipc_get_mem_handle(base)
+        return MemoryExport(blob, buf.ptr - base, buf.size)
+
+    def import_memory(self, exp: MemoryExport) -> Buffer:
+        blob = bytes(exp.blob)
+        if exp.offset < 0 or exp.size < 0:
+            raise DeviceError("import_memory", f"negative offset {exp.offset} or size {exp.size}")
+        self.activate()
+
+        def opener() -> tuple[int, Any]:
+            base = self.rt.ipc_open_mem_handle(blob)
+            return base, lambda: (self.activate(), self.rt.ipc_close_mem_handle(base))
+
+        base = self._cache.acquire(blob, opener)
+        return Buffer(self, base + exp.offset, exp.size, closer=lambda: self._cache.release(blob), imported=True)
+
+    @property
+    def import_cache(self) -> ImportCache:
+        return self._cache
+
+    def create_stream(self) -> CudaStream:
+        self.activate()
+        return CudaStream(self, self.rt.stream_create())
+
+    def wrap_stream(self, raw: Any) -> CudaStream:
+        """A non-owning CudaStream for a stream someone else created (never destroyed by us)."""
+        return CudaStream(self, raw, owned=False)
+
+    def create_event(self, interprocess: bool = True) -> CudaEvent:
+        self.activate()
+        return CudaEvent(self, self.rt.event_create(interprocess), interprocess=interprocess)
+
+    def import_event(self, blob: bytes) -> CudaEvent:
+        self.activate()
+        return CudaEvent(self, self.rt.ipc_open_event_handle(blob), interprocess=True, imported=True)
+
+    def host_register(self, buf: Buffer) -> None:
+        self.rt.host_register(buf.ptr, max(buf.size, 1))
+
+    def host_unregister(self, buf: Buffer) -> None:
+        self.rt.host_unregister(buf.ptr)
+
+    def close(self) -> None:
+        self._cache.clear()

@@ -1,0 +1,197 @@
+"""POSIX shared-memory segments with findable names, space checks and stale-segment cleanup.
+
+Every segment this project creates is named ``/hurray-<uid>-<pid>-<kind><n>-<rand>``: the uid and
+pid of the creating process, so :func:`cleanup_stale` can remove what a crashed process left behind
+(POSIX shared memory outlives its creator); ``kind`` says what it holds (``c`` CPU buffer, ``s``
+staging slot, ``m`` emulated device memory, ``v`` emulated event).
+
+Segments are mode 0600 by default; ``HURRAY_SHM_MODE=0660`` (octal) shares them with the group.
+We use posix_ipc + mmap rather than ``multiprocessing.shared_memory``, whose resource tracker
+unlinks segments that a process merely attached (CPython #82300).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import mmap
+import os
+import re
+import secrets
+import threading
+from pathlib import Path
+
+import posix_ipc
+
+from .errors import DeviceError
+
+SHM_DIR = Path("/dev/shm")
+PREFIX = "hurray"
+_NAME_RE = re.compile(rf"^{PREFIX}-(\d+)-(\d+)-([a-z])(\d+)-([0-9a-f]+)$")
+_counter = itertools.count(1)
+_counter_lock = threading.Lock()
+# Headroom kept free in /dev/shm: running it to zero turns the next page fault into SIGBUS.
+SPACE_MARGIN = 16 << 20
+
+
+def shm_mode() -> int:
+    raw = os.environ.get("HURRAY_SHM_MODE", "0600")
+    try:
+        mode = int(raw, 8)
+    except ValueError:
+        raise DeviceError("shm_mode", f"HURRAY_SHM_MODE={raw!r} is not an octal mode such as 0600 or 0660") from None
+    if mode & 0o007:
+        raise DeviceError("shm_mode", f"HURRAY_SHM_MODE={raw!r} would open segments to every user; at most 0660")
+    return mode
+
+
+def new_name(kind: str) -> str:
+    with _counter_lock:
+        n = next(_counter)
+    return f"/{PREFIX}-{os.getuid()}-{os.getpid()}-{kind}{n}-{secrets.token_hex(3)}"
+
+
+def free_bytes() -> int:
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+def check_space(nbytes: int) -> None:
+    """Refuse an allocation that would fill /dev/shm (which later surfaces as SIGBUS)."""
+    avail = free_bytes()
+    if nbytes + SPACE_MARGIN > avail:
+        raise DeviceError(
+            "shm_open",
+            f"not enough space in {SHM_DIR}: need {nbytes} bytes plus {SPACE_MARGIN} headroom, "
+            f"{avail} available",
+        )
+
+
+class Segment:
+    """One mapped POSIX shared-memory segment.
+
+    The creator owns it: :meth:`close` unmaps and, for the owner, unlinks. An attached segment
+    stays valid after its owner unlinked it, until this process unmaps it.
+    """
+
+    def __init__(self, name: str, size: int, mem: posix_ipc.SharedMemory, owner: bool):
+        self.name = name
+        self.size = size
+        self.owner = owner
+        self._shm = mem
+        self.map = mmap.mmap(mem.fd, size)
+        self.fd = mem.fd  # kept open: emulated allocations lock it with flock
+        self.closed = False
+        self._pin: ctypes.Array | None = None
+
+    @classmethod
+    def create(cls, size: int, kind: str) -> "Segment":
+        size = max(int(size), 1)  # mmap refuses length 0; a 0-byte buffer still gets a segment
+        check_space(size)
+        name = new_name(kind)
+        mode = shm_mode()
+        try:
+            mem = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=size)
+            os.fchmod(mem.fd, mode)  # exactly the mode asked for, whatever the umask
+        except (posix_ipc.Error, OSError) as e:
+            raise DeviceError("shm_open", f"cannot create {name} ({size} bytes): {e}") from e
+        return cls(name, size, mem, owner=True)
+
+    @classmethod
+    def attach(cls, name: str) -> "Segment":
+        if not isinstance(name, str) or not _NAME_RE.match(name.lstrip("/")):
+            raise DeviceError("shm_open", f"{name!r} is not a hurray shared-memory segment name")
+        try:
+            mem = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError as e:
+            raise DeviceError("shm_open", f"segment {name} does not exist (owner gone or released): {e}") from e
+        except (posix_ipc.Error, OSError) as e:
+            raise DeviceError("shm_open", f"cannot open {name}: {e}") from e
+        if mem.size <= 0:
+            mem.close_fd()
+            raise DeviceError("shm_open", f"segment {name} is empty")
+        return cls(name, mem.size, mem, owner=False)
+
+    def address(self) -> int:
+        """The mapping's address in this process (pins the mapping until close)."""
+        if self._pin is None:
+            # The ctypes view pins the mapping (mmap.close() raises BufferError while it lives):
+            # an address must never outlive its mapping.
+            self._pin = (ctypes.c_char * self.size).from_buffer(self.map)
+        return ctypes.addressof(self._pin)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._pin = None
+        try:
+            self.map.close()
+        except BufferError:
+            # Someone still holds a view (a numpy array or memoryview a user kept); the mapping
+            # is released when that view is collected. Unlinking below is still correct.
+            pass
+        try:
+            self._shm.close_fd()
+        except (posix_ipc.Error, OSError):
+            pass
+        if self.owner:
+            unlink(self.name)
+
+    def __enter__(self) -> "Segment":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def unlink(name: str) -> bool:
+    try:
+        posix_ipc.unlink_shared_memory(name)
+        return True
+    except posix_ipc.ExistentialError:
+        return False
+
+
+def parse_name(name: str) -> tuple[int, int, str] | None:
+    """(uid, pid, kind) of a hurray segment name, or None for any other name."""
+    m = _NAME_RE.match(name.lstrip("/"))
+    return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def list_segments(uid: int | None = None, pid: int | None = None) -> list[str]:
+    """Names of this project's segments in /dev/shm (optionally of one uid / pid)."""
+    uid = os.getuid() if uid is None else uid
+    out = []
+    try:
+        entries = os.listdir(SHM_DIR)
+    except OSError:
+        return out
+    for e in entries:
+        parsed = parse_name(e)
+        if parsed and parsed[0] == uid and (pid is None or parsed[1] == pid):
+            out.append("/" + e)
+    return sorted(out)
+
+
+def cleanup_stale(uid: int | None = None) -> list[str]:
+    """Unlink segments whose creating process is gone. Returns the names removed.
+
+    Safe while consumers still map them: unlinking removes the name, not a live mapping.
+    """
+    removed = []
+    for name in list_segments(uid):
+        parsed = parse_name(name)
+        if parsed and not pid_alive(parsed[1]) and unlink(name):
+            removed.append(name)
+    return removed

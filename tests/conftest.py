@@ -1,0 +1,72 @@
+"""Shared fixtures: the device implementations every conformance test runs against."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import pytest
+
+from hurray_ipc.devices import CpuDevice, CudaDevice, DeviceError
+from hurray_ipc.devices.backend.emulated import EmulationConfig, EmulatedRuntime
+from hurray_ipc.devices.backend.real import RealRuntime
+
+SPAWN = mp.get_context("spawn")
+
+
+def real_cuda_reason() -> str | None:
+    try:
+        return RealRuntime().probe()
+    except Exception as e:  # noqa: BLE001
+        return f"cuda-python unusable: {e}"
+
+
+REAL_SKIP = real_cuda_reason()
+
+
+def emu_config(**kw) -> EmulationConfig:
+    base = dict(devices=2, op_delay_s=0.002)
+    base.update(kw)
+    return EmulationConfig(**base)
+
+
+@pytest.fixture(params=["cpu", "emulated", "real"])
+def impl(request):
+    """(device, spec, env for spawned children) for each implementation."""
+    kind = request.param
+    if kind == "cpu":
+        dev = CpuDevice()
+        yield dev, "cpu", {}
+    elif kind == "emulated":
+        cfg = emu_config()
+        dev = CudaDevice(0, runtime=EmulatedRuntime(cfg))
+        yield dev, "cuda:0", cfg.to_env()
+    else:
+        if REAL_SKIP:
+            pytest.skip(f"real CUDA not available here: {REAL_SKIP}")
+        dev = CudaDevice(0, runtime=RealRuntime())
+        yield dev, "cuda:0", {"HURRAY_CUDA": "real"}
+    dev.close()
+
+
+@pytest.fixture
+def cuda_impl(impl):
+    dev, spec, env = impl
+    if spec == "cpu":
+        pytest.skip("CPU device has no streams/events to order")
+    return impl
+
+
+def run_child(target, *args, timeout=60):
+    q = SPAWN.Queue()
+    p = SPAWN.Process(target=target, args=(*args, q))
+    p.start()
+    try:
+        res = q.get(timeout=timeout)
+    finally:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    if res[0] == "error":
+        raise AssertionError("child failed:\n" + res[1])
+    return res[1:]

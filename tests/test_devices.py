@@ -1,0 +1,255 @@
+"""Device conformance: one suite over CPU, emulated CUDA and real CUDA (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+import pytest
+
+import workers
+from conftest import REAL_SKIP, emu_config, run_child
+from hurray_ipc.devices import CpuDevice, CudaDevice, DeviceError, RaceError, probe_cuda, shm
+from hurray_ipc.devices.backend.emulated import EmulatedRuntime
+from hurray_ipc.devices.backend.real import RealRuntime
+from hurray_ipc.format import DeviceTag
+
+PATTERN = (np.arange(4096, dtype=np.uint32) * 2654435761).astype(np.uint32).tobytes()
+
+
+def test_roundtrip_host_device_host(impl):
+    dev, _, _ = impl
+    s = dev.create_stream()
+    buf = dev.allocate(len(PATTERN))
+    s.copy(buf, PATTERN)
+    out = bytearray(len(PATTERN))
+    s.copy(out, buf)
+    s.synchronize()
+    assert bytes(out) == PATTERN
+    buf.close()
+
+
+def test_memset_and_device_to_device(impl):
+    dev, _, _ = impl
+    s = dev.create_stream()
+    a, b = dev.allocate(1000), dev.allocate(1000)
+    s.memset(a, 0x5A)
+    s.copy(b, a)
+    out = bytearray(1000)
+    s.copy(out, b)
+    s.synchronize()
+    assert out == b"\x5a" * 1000
+    a.close(), b.close()
+
+
+def test_identity_and_capabilities(impl):
+    dev, spec, _ = impl
+    assert dev.identity.spec == spec
+    caps = dev.capabilities()
+    assert caps.ipc_memory in (True, False) and caps.ipc_streams is False
+    if dev.identity.emulated:
+        assert dev.identity.uuid.startswith("EMU-")
+
+
+def test_copy_bounds_checked(cuda_impl):
+    dev, _, _ = cuda_impl
+    s = dev.create_stream()
+    buf = dev.allocate(16)
+    with pytest.raises(DeviceError):
+        s.copy(buf, b"x" * 32)
+    buf.close()
+
+
+def test_event_orders_second_stream(cuda_impl):
+    dev, _, _ = cuda_impl
+    s1, s2 = dev.create_stream(), dev.create_stream()
+    buf = dev.allocate(1 << 16)
+    ev = dev.create_event()
+    s1.memset(buf, 0x11)
+    ev.record(s1)
+    s2.wait(ev)
+    out = bytearray(1 << 16)
+    s2.copy(out, buf)
+    s2.synchronize()
+    assert out == b"\x11" * (1 << 16)
+    assert ev.query()
+    ev.close(), buf.close(), s1.close(), s2.close()
+
+
+def test_wait_orders_after_latest_record_at_call_time(cuda_impl):
+    """A re-recorded event: a wait issued before the re-record is not held back by it."""
+    dev, _, _ = cuda_impl
+    s1, s2 = dev.create_stream(), dev.create_stream()
+    a = dev.allocate(64)
+    ev = dev.create_event()
+    s1.memset(a, 1)
+    ev.record(s1)
+    s1.synchronize()
+    s2.wait(ev)  # orders after record #1, already complete
+    s1.memset(a, 2)
+    ev.record(s1)  # record #2, after the wait was issued
+    s2.synchronize()  # must not wait for record #2
+    s1.synchronize()
+    assert ev.query()
+    ev.close(), a.close()
+
+
+def test_export_carries_base_handle_and_offset(cuda_impl):
+    dev, _, _ = cuda_impl
+    buf = dev.allocate(4096)
+    sub = dev.buffer_at(buf.ptr + 1024, 512)
+    e1, e2 = dev.export_memory(buf), dev.export_memory(sub)
+    assert e1.blob == e2.blob and len(e1.blob) == 64
+    assert (e1.offset, e2.offset, e2.size) == (0, 1024, 512)
+    buf.close()
+
+
+def test_cross_process_memory_with_offsets_and_cache(impl):
+    dev, spec, env = impl
+    s = dev.create_stream()
+    buf = dev.allocate(len(PATTERN))
+    s.copy(buf, PATTERN)
+    s.synchronize()
+    whole = dev.export_memory(buf)
+    parts = [(0, 4096), (4096, 1024), (len(PATTERN) - 100, 100)]
+    digests, opens = run_child(workers.import_and_read, spec, env, whole.blob, parts)
+    assert digests == [hashlib.sha256(PATTERN[o:o + n]).hexdigest() for o, n in parts]
+    assert opens == 1, "the allocation must be opened once per process and cached"
+    buf.close()
+
+
+def test_cross_process_event_wait(cuda_impl):
+    dev, spec, env = cuda_impl
+    s = dev.create_stream()
+    buf = dev.allocate(1 << 16)
+    s.memset(buf, 0)
+    s.synchronize()
+    ev = dev.create_event(interprocess=True)
+    s.memset(buf, 0xAB)
+    ev.record(s)
+    exp = dev.export_memory(buf)
+    data, race = run_child(workers.wait_and_read, spec, env, exp.blob, exp.offset, exp.size, ev.export(), True)
+    assert race is None
+    assert data == b"\xab" * (1 << 16)
+    s.synchronize()
+    ev.close(), buf.close()
+
+
+def test_negative_control_missing_wait_is_caught():
+    """Proof the suite can fail: a consumer that skips the stream-wait reads stale bytes and the
+    emulation's race check reports it."""
+    cfg = emu_config(op_delay_s=0.3)
+    dev = CudaDevice(0, runtime=EmulatedRuntime(cfg))
+    s = dev.create_stream()
+    buf = dev.allocate(4096)
+    ev = dev.create_event(interprocess=True)
+    s.memset(buf, 0xCD)  # in flight for 300 ms
+    ev.record(s)
+    exp = dev.export_memory(buf)
+    data, race = run_child(workers.wait_and_read, "cuda:0", cfg.to_env(), exp.blob, exp.offset, exp.size,
+                           ev.export(), False)
+    assert race is not None and "not ordered" in race
+    assert data != b"\xcd" * 4096
+    s.synchronize()
+    ev.close(), buf.close(), dev.close()
+
+
+def test_emulated_capabilities_configurable():
+    rt = EmulatedRuntime(emu_config(devices=3, ipc_events=False, peer_access=False))
+    dev = CudaDevice(1, runtime=rt)
+    caps = dev.capabilities()
+    assert caps.ipc_events is False and caps.peers == ()
+    with pytest.raises(DeviceError, match="cudaErrorNotSupported"):
+        dev.create_event(interprocess=True).export()
+    with pytest.raises(DeviceError, match="does not exist"):
+        CudaDevice(3, runtime=rt)
+    assert CudaDevice(0, runtime=EmulatedRuntime(emu_config(peer_access=True))).capabilities().peers
+
+
+def test_blobs_never_cross_backends():
+    emu = CudaDevice(0, runtime=EmulatedRuntime(emu_config()))
+    buf = emu.allocate(64)
+    blob = emu.export_memory(buf).blob
+    with pytest.raises(DeviceError, match="emulated-CUDA handle given to the real CUDA runtime"):
+        RealRuntime().ipc_open_mem_handle(blob)
+    with pytest.raises(DeviceError, match="not from the emulated runtime"):
+        emu.rt.ipc_open_mem_handle(b"\x01" * 64)
+    with pytest.raises(DeviceError, match="64 bytes"):
+        emu.rt.ipc_open_mem_handle(b"short")
+    buf.close()
+
+
+def test_real_cuda_unavailable_is_reported_not_raised(monkeypatch):
+    if not REAL_SKIP:
+        pytest.skip("a real GPU is present")
+    monkeypatch.setenv("HURRAY_CUDA", "real")
+    from hurray_ipc.devices import set_runtime
+
+    set_runtime(None)
+    p = probe_cuda()
+    set_runtime(None)
+    assert not p.available and p.reason.startswith("CUDA unavailable:")
+    with pytest.raises(DeviceError, match="CUDA unavailable"):
+        CudaDevice(0, runtime=RealRuntime())
+
+
+def test_backend_choice_is_explicit(monkeypatch):
+    from hurray_ipc.devices import backend
+
+    monkeypatch.setenv("HURRAY_CUDA", "gpu-please")
+    with pytest.raises(DeviceError, match="HURRAY_CUDA"):
+        backend.backend_name()
+    monkeypatch.delenv("HURRAY_CUDA")
+    assert backend.backend_name() == "real"
+
+
+# --- shared memory ---------------------------------------------------------------------------
+
+def test_cpu_segments_named_owner_only_and_unlinked():
+    dev = CpuDevice()
+    buf = dev.allocate(100)
+    (name,) = [n for n in shm.list_segments(pid=os.getpid()) if "-c" in n]
+    uid, pid, kind = shm.parse_name(name)
+    assert (uid, pid, kind) == (os.getuid(), os.getpid(), "c")
+    assert (os.stat("/dev/shm" + name).st_mode & 0o777) == 0o600
+    assert buf.tag is DeviceTag.CPU
+    buf.close()
+    assert name not in shm.list_segments()
+
+
+def test_cpu_import_is_zero_copy():
+    dev = CpuDevice()
+    buf = dev.allocate(64)
+    other = CpuDevice()
+    imp = other.import_memory(dev.export_memory(buf))
+    buf.host_view()[:5] = b"hello"
+    assert bytes(imp.host_view()[:5]) == b"hello"
+    imp.close(), buf.close(), other.close()
+
+
+def test_stale_segments_of_dead_processes_are_cleaned():
+    import subprocess
+    import sys
+
+    code = ("from hurray_ipc.devices.shm import Segment; import os; s = Segment.create(4096, 'c'); "
+            "print(s.name, flush=True); os._exit(0)")  # dies without unlinking
+    name = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert name in shm.list_segments()
+    removed = shm.cleanup_stale()
+    assert name in removed and name not in shm.list_segments()
+
+
+def test_space_check_refuses_overfull_allocation():
+    with pytest.raises(DeviceError, match="not enough space"):
+        shm.check_space(shm.free_bytes() + 1)
+
+
+def test_group_mode_option(monkeypatch):
+    monkeypatch.setenv("HURRAY_SHM_MODE", "0660")
+    seg = shm.Segment.create(10, "c")
+    assert (os.stat("/dev/shm" + seg.name).st_mode & 0o777) == 0o660
+    seg.close()
+    monkeypatch.setenv("HURRAY_SHM_MODE", "0666")
+    with pytest.raises(DeviceError, match="every user"):
+        shm.Segment.create(10, "c")

@@ -1,0 +1,63 @@
+"""Functions run in spawned child processes by the cross-process tests (spawn: CUDA and ZeroMQ
+contexts do not survive fork). Each takes a device spec and the environment that selects the
+backend, and reports through a multiprocessing queue."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import traceback
+
+
+def _device(spec: str, env: dict[str, str]):
+    os.environ.update(env)
+    from hurray_ipc.devices import open_device, set_runtime
+
+    set_runtime(None)
+    return open_device(spec)
+
+
+def import_and_read(spec, env, blob, parts, q):
+    """Import one allocation at several (offset, size) parts; report digests and open count."""
+    try:
+        from hurray_ipc.devices import MemoryExport
+
+        dev = _device(spec, env)
+        stream = dev.create_stream()
+        digests = []
+        for off, size in parts:
+            buf = dev.import_memory(MemoryExport(blob, off, size))
+            out = bytearray(size)
+            stream.copy(out, buf)
+            stream.synchronize()
+            digests.append(hashlib.sha256(out).hexdigest())
+            buf.close()
+        opens = getattr(dev, "import_cache", None) or dev._cache
+        q.put(("ok", digests, opens.opens))
+    except Exception:
+        q.put(("error", traceback.format_exc()))
+
+
+def wait_and_read(spec, env, mem_blob, offset, size, ev_blob, do_wait, q):
+    """Import a buffer and an event; stream-wait on it (unless told not to), read, report."""
+    try:
+        from hurray_ipc.devices import MemoryExport, RaceError
+
+        dev = _device(spec, env)
+        stream = dev.create_stream()
+        buf = dev.import_memory(MemoryExport(mem_blob, offset, size))
+        ev = dev.import_event(ev_blob)
+        if do_wait:
+            stream.wait(ev)
+        ev.close()  # the importer destroys its copy once the wait is issued
+        out = bytearray(size)
+        stream.copy(out, buf)
+        race = None
+        try:
+            stream.synchronize()
+        except RaceError as e:
+            race = str(e)
+        buf.close()
+        q.put(("ok", bytes(out), race))
+    except Exception:
+        q.put(("error", traceback.format_exc()))
