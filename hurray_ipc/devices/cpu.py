@@ -112,6 +112,11 @@ class CpuDevice(Device):
         return Buffer(self, seg.address() + exp.offset, exp.size, closer=lambda: self._cache.release(blob),
                       host=view, imported=True)
 
+    def buffer_at(self, ptr: int, size: int) -> Buffer:
+        """A non-owning view of host memory at ``ptr`` (the caller keeps the memory alive)."""
+        view = memoryview((ctypes.c_char * size).from_address(ptr)).cast("B") if size else memoryview(b"")
+        return Buffer(self, ptr, size, host=view)
+
     def create_stream(self) -> Stream:
         return HostStream(self)
 

@@ -12,6 +12,7 @@ unlinks segments that a process merely attached (CPython #82300).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import itertools
 import mmap
@@ -19,6 +20,7 @@ import os
 import re
 import secrets
 import threading
+import weakref
 from pathlib import Path
 
 import posix_ipc
@@ -30,6 +32,18 @@ PREFIX = "hurray"
 _NAME_RE = re.compile(rf"^{PREFIX}-(\d+)-(\d+)-([a-z])(\d+)-([0-9a-f]+)$")
 _counter = itertools.count(1)
 _counter_lock = threading.Lock()
+_owned: "weakref.WeakSet[Segment]" = weakref.WeakSet()
+
+
+@atexit.register
+def _unlink_owned_at_exit() -> None:
+    # A clean exit that forgot a close() must not leave names behind; crashes are what
+    # cleanup_stale() is for.
+    for seg in list(_owned):
+        if not seg.closed:
+            unlink(seg.name)
+
+
 # Headroom kept free in /dev/shm: running it to zero turns the next page fault into SIGBUS.
 SPACE_MARGIN = 16 << 20
 
@@ -95,7 +109,9 @@ class Segment:
             os.fchmod(mem.fd, mode)  # exactly the mode asked for, whatever the umask
         except (posix_ipc.Error, OSError) as e:
             raise DeviceError("shm_open", f"cannot create {name} ({size} bytes): {e}") from e
-        return cls(name, size, mem, owner=True)
+        seg = cls(name, size, mem, owner=True)
+        _owned.add(seg)
+        return seg
 
     @classmethod
     def attach(cls, name: str) -> "Segment":

@@ -101,6 +101,10 @@ class Runtime(ABC):
     def stream_id(self, stream: Any) -> int: ...
 
     @abstractmethod
+    def stream_from_id(self, ident: int) -> Any:
+        """The stream a ``__cuda_array_interface__`` names by integer (1, 2: the default streams)."""
+
+    @abstractmethod
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
         """cudaMemcpyAsync with cudaMemcpyDefault (unified addressing infers the direction)."""
 

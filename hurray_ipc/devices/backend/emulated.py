@@ -409,6 +409,14 @@ class EmulatedRuntime(Runtime):
     def stream_id(self, stream: Any) -> int:
         return self._stream(stream).id
 
+    def stream_from_id(self, ident: int) -> Any:
+        if ident in (0, 1, 2):
+            return self._stream(0)
+        for st in list(self._streams):
+            if st.id == ident:
+                return st
+        raise DeviceError("stream", f"no emulated stream {ident:#x} in this process", code="cudaErrorInvalidResourceHandle")
+
     def stream_wait_event(self, stream: Any, event: Any) -> None:
         ev = self._event(event, "cudaStreamWaitEvent")
         target = int(ev.words[1])  # the latest record at the time of this call

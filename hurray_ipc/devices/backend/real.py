@@ -153,6 +153,9 @@ class RealRuntime(Runtime):
     def stream_id(self, stream: Any) -> int:
         return int(stream)
 
+    def stream_from_id(self, ident: int) -> Any:
+        return self.rt.cudaStream_t(ident)
+
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
         _check("cudaMemcpyAsync",
                self.rt.cudaMemcpyAsync(dst, src, nbytes, self.rt.cudaMemcpyKind.cudaMemcpyDefault, stream))

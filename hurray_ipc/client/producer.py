@@ -1,0 +1,341 @@
+"""The producer: hands buffers to consumers through the broker, in the cheapest valid sync mode.
+
+Contract (ADR-018 §1, docs/spec/sync-contract.md): before a handle leaves ``send``, the producer
+has either host-waited the writing stream (PRODUCER_SYNCED), recorded an event on it (EVENT), or
+made the consumer's declared stream wait on it (CONSUMER_STREAM, in-process). The producer keeps
+the buffer (and an EVENT's event) alive until the consumer releases it; then ``on_release`` fires
+exactly once. Events come from a pool and are re-recorded after their release.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..contract.sync import Transport, choose_sync_mode
+from ..devices import Device, open_device
+from ..devices.base import Buffer, DeviceIdentity
+from ..devices.cpu import CpuDevice
+from ..devices.cuda import CudaDevice, CudaEvent, CudaStream
+from ..format.handle import BufferHandle, DeviceTag, SyncMode
+from ..transport import inproc
+from ..transport.pairing import Endpoint, pair_modes
+from ..transport.protocol import Message
+from ..transport.source import Source, resolve
+from ..transport.staging import StagingExhausted, StagingPool
+from .session import BrokerUnavailable, RemoteError, Session
+
+log = logging.getLogger("hurray.producer")
+
+DEFAULT_ALIGNMENT = 256
+
+
+class EventPool:
+    """Interprocess events of one device, re-recorded once their consumer released them.
+
+    Re-recording is safe: a consumer's stream-wait orders after the record that was latest when
+    the wait was *issued*, and the release comes after that issue.
+    """
+
+    def __init__(self, device: CudaDevice):
+        self.device = device
+        self._idle: list[CudaEvent] = []
+        self._all: list[CudaEvent] = []
+        self._lock = threading.Lock()
+
+    def acquire(self) -> CudaEvent:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+            ev = self.device.create_event(interprocess=True)
+            self._all.append(ev)
+            return ev
+
+    def release(self, ev: CudaEvent) -> None:
+        with self._lock:
+            self._idle.append(ev)
+
+    @property
+    def size(self) -> int:
+        return len(self._all)
+
+    def close(self) -> None:
+        with self._lock:
+            for ev in self._all:
+                ev.close()
+            self._all.clear(), self._idle.clear()
+
+
+@dataclass
+class Ticket:
+    """One handoff as the producer sees it. ``outcome`` once released: 'released' (by the
+    consumer), 'consumer_gone' (broker released it for a dead consumer), or 'rejected'."""
+
+    handoff_id: int
+    mode: SyncMode
+    staged: bool
+    transport: Transport
+    consumer: str
+    accepted: bool = False
+    outcome: str | None = None
+    error: RemoteError | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def released(self) -> bool:
+        return self.outcome is not None
+
+
+@dataclass
+class _Outgoing:
+    ticket: Ticket
+    source: Source
+    event: CudaEvent | None = None
+    slot: Buffer | None = None
+    inproc_key: str | None = None
+    on_release: Callable[[Ticket], None] | None = None
+    resend: bool = False  # send() re-sends the source if the consumer died before delivery
+
+
+class Producer:
+    """Hand buffers to the consumers of ``channel``.
+
+    ``device``: 'cpu', 'cuda:N' or a Device; ``stream``: the CUDA stream your writes go to (one is
+    created if omitted; see :attr:`stream`); ``prefetch``: how many consumer requests to hold ahead.
+    """
+
+    def __init__(self, endpoint: str | None = None, channel: str = "default", device: "str | Device" = "cpu", *,
+                 stream: CudaStream | None = None, prefetch: int = 1, heartbeat_s: float = 0.5,
+                 timeout_s: float = 3.0, name: str | None = None):
+        self.device = open_device(device)
+        self.cpu: CpuDevice = open_device("cpu")  # type: ignore[assignment]
+        self.gpu: CudaDevice | None = self.device if isinstance(self.device, CudaDevice) else None
+        self.stream: CudaStream | None = stream or (self.gpu.create_stream() if self.gpu else None)
+        self.events = EventPool(self.gpu) if self.gpu else None
+        self.staging = StagingPool(self.cpu, pin_with=self.gpu)
+        self.prefetch = max(1, prefetch)
+        self.endpoint_info = Endpoint(self.device.identity, self.device.capabilities(), os.getpid())
+        self._cpu_info = Endpoint(self.cpu.identity, self.cpu.capabilities(), os.getpid())
+        self._grants: deque[dict[str, Any]] = deque()
+        self._ready = 0  # READY credits sent and not yet granted
+        self._ids = itertools.count(1)
+        self._out: dict[int, _Outgoing] = {}
+        self._tickets: dict[int, Ticket] = {}
+        self.name = name or f"producer-{os.getpid()}"
+        self.session = Session(endpoint, "producer", channel, self._hello, self._dispatch,
+                               heartbeat_s=heartbeat_s, timeout_s=timeout_s)
+
+    # --- broker messages -------------------------------------------------------------------
+    def _hello(self) -> dict[str, Any]:
+        # Grants of a previous broker are void; ask the new one for as many again.
+        self._ready += len(self._grants)
+        self._grants.clear()
+        return {"name": self.name, "endpoint": self.endpoint_info.to_dict(), "credits": self._ready,
+                "outstanding": [h for h, o in self._out.items() if o.ticket.accepted]}
+
+    def _dispatch(self, msg: Message) -> list[Callable[[], None]]:
+        h = msg.header
+        if msg.verb == "GRANT":
+            self._ready = max(0, self._ready - 1)
+            self._grants.append(h)
+        elif msg.verb == "ACCEPTED":
+            t = self._tickets.get(int(h.get("handoff_id", -1)))
+            if t is not None:
+                t.accepted = True
+        elif msg.verb == "EVENT_RELEASED":
+            o = self._out.get(int(h.get("handoff_id", -1)))
+            if o is not None and o.event is not None:
+                self.events.release(o.event)  # type: ignore[union-attr]
+                o.event = None
+        elif msg.verb == "RELEASED":
+            return self._finish(int(h.get("handoff_id", -1)), str(h.get("reason", "released")))
+        elif msg.verb == "ERROR":
+            hid = h.get("handoff_id")
+            if hid is not None and int(hid) in self._out:
+                o = self._out[int(hid)]
+                o.ticket.error = RemoteError(str(h.get("code")), str(h.get("message")), h)
+                keep = o.resend and o.ticket.error.code == "consumer_gone"
+                return self._finish(int(hid), "rejected", free_source=not keep)
+            log.warning("broker error: %s: %s", h.get("code"), h.get("message"))
+        return []
+
+    def _finish(self, handoff_id: int, outcome: str, free_source: bool = True) -> list[Callable[[], None]]:
+        o = self._out.pop(handoff_id, None)
+        if o is None:
+            return []
+        self._tickets.pop(handoff_id, None)
+        if o.event is not None:
+            self.events.release(o.event)  # type: ignore[union-attr]
+        if o.slot is not None:
+            self.staging.release(o.slot)
+        if o.inproc_key is not None:
+            inproc.drop(o.inproc_key)
+        if free_source and o.source.cleanup is not None:
+            o.source.cleanup()
+        o.ticket.outcome = outcome
+        o.ticket.done.set()
+        if not free_source:
+            return []  # re-sent: on_release belongs to the handoff that is delivered
+        cb = o.on_release
+        return [lambda: cb(o.ticket)] if cb is not None else []
+
+    # --- the API ---------------------------------------------------------------------------
+    @property
+    def outstanding(self) -> int:
+        """Handoffs sent and not yet released."""
+        return len(self._out)
+
+    def allocate(self, size: int) -> Buffer:
+        """A buffer on the producer's device that hands off without a copy."""
+        return self.device.allocate(size)
+
+    def _take_grant(self, timeout: float | None) -> dict[str, Any]:
+        s = self.session
+        with s.lock:
+            want = self.prefetch - len(self._grants) - self._ready
+            if not self._grants and want > 0:
+                s.send(Message("READY", {"credits": want}))
+                self._ready += want
+        s.pump(lambda: bool(self._grants), timeout, "waiting for a consumer request")
+        with s.lock:
+            return self._grants.popleft()
+
+    def send(self, obj: Any, mode: SyncMode | None = None, *, stream: CudaStream | None = None,
+             timeout: float | None = None, block: bool = True,
+             on_release: Callable[[Ticket], None] | None = None) -> Ticket:
+        """Hand ``obj`` to the next consumer that asks.
+
+        ``mode``: preferred sync mode; the cheapest valid one is used where it is not valid for
+        the consumer (EVENT, then CONSUMER_STREAM, then PRODUCER_SYNCED, then a host-staged copy).
+        ``stream``: where ``obj``'s writes were enqueued (default: :attr:`stream`).
+        ``block``: wait until the broker accepted the handoff (errors raise here); with
+        ``block=False`` they land on the returned ticket. ``on_release(ticket)`` runs once.
+        A handoff whose consumer died before it arrived is re-sent to the next consumer.
+        """
+        src = resolve(obj, self.cpu, self.gpu, stream or self.stream)
+        try:
+            while True:
+                grant = self._take_grant(timeout)
+                consumer = Endpoint.from_dict(grant["consumer"])
+                ticket = self._handoff(src, grant, consumer, mode, on_release, resend=block)
+                if not block:
+                    return ticket
+                self.session.pump(lambda: ticket.accepted or ticket.released, timeout, "waiting for the broker to accept")
+                if ticket.error is not None and ticket.error.code == "consumer_gone":
+                    continue  # that consumer died before delivery: the next one gets it
+                if ticket.error is not None:
+                    raise ticket.error
+                return ticket
+        except BaseException:
+            if src.cleanup is not None and not any(o.source is src for o in self._out.values()):
+                src.cleanup()
+            raise
+
+    def _handoff(self, src: Source, grant: dict[str, Any], consumer: Endpoint, preferred: SyncMode | None,
+                 on_release: Callable[[Ticket], None] | None, resend: bool) -> Ticket:
+        buf = src.buffer
+        on_gpu = isinstance(buf.device, CudaDevice)
+        pm = pair_modes(self.endpoint_info if on_gpu else self._cpu_info, consumer)
+        hid = next(self._ids)
+        out = _Outgoing(Ticket(hid, SyncMode.PRODUCER_SYNCED, False, pm.transport, grant["consumer_id"]), src,
+                        on_release=on_release, resend=resend)
+        frames: dict[str, bytes] = {}
+        header: dict[str, Any] = {"grant_id": grant["grant_id"], "handoff_id": hid, "size": buf.size,
+                                  "meta": src.meta(), "staged": False, "inproc": pm.transport is Transport.IN_PROCESS}
+        inproc_obj: dict[str, Any] = {}
+        if on_gpu and pm.host_staged:
+            slot = self._stage(buf, src.stream)
+            out.slot, out.ticket.staged, header["staged"] = slot, True, True
+            handle = BufferHandle(buf.size, DEFAULT_ALIGNMENT, DeviceTag.CPU)
+            target = self.cpu.buffer_at(slot.ptr, buf.size)
+            share = slot
+        else:
+            mode = choose_sync_mode(pm.valid, preferred) if on_gpu else SyncMode.PRODUCER_SYNCED
+            assert mode is not None
+            handle = BufferHandle(buf.size, DEFAULT_ALIGNMENT, buf.tag, mode)
+            out.ticket.mode = mode
+            target = share = buf
+            if on_gpu:
+                self._order(mode, src.stream, out, consumer, inproc_obj, frames, pm.transport)
+        if header["inproc"]:
+            inproc_obj["buffer"] = target
+            out.inproc_key = header["inproc_ref"] = inproc.put(inproc_obj)
+        else:
+            exp = share.device.export_memory(share)
+            frames["memory"] = exp.blob
+            header["offset"] = exp.offset
+        frames = {"handle": handle.encode(), **frames}
+        self._out[hid] = out
+        self._tickets[hid] = out.ticket
+        self.session.send(Message("HANDOFF", header, frames))
+        return out.ticket
+
+    def _order(self, mode: SyncMode, stream: CudaStream | None, out: _Outgoing, consumer: Endpoint,
+               inproc_obj: dict[str, Any], frames: dict[str, bytes], transport: Transport) -> None:
+        """Make the buffer's writes visible per ``mode`` (ADR-018 §1), before the handle leaves."""
+        if stream is None:
+            raise ValueError("a GPU buffer needs the stream its writes were enqueued on (send(stream=...))")
+        if mode is SyncMode.PRODUCER_SYNCED:
+            stream.synchronize()
+            return
+        ev = self.events.acquire()  # type: ignore[union-attr]
+        ev.record(stream)
+        if mode is SyncMode.EVENT:
+            out.event = ev
+            if transport is Transport.IN_PROCESS:
+                inproc_obj["event"] = ev
+            else:
+                frames["event"] = ev.export()
+        else:  # CONSUMER_STREAM: the consumer's stream waits; no event crosses the boundary
+            inproc.stream(consumer.stream).wait(ev)  # type: ignore[arg-type]
+            self.events.release(ev)  # type: ignore[union-attr]
+
+    def _stage(self, buf: Buffer, stream: CudaStream | None) -> Buffer:
+        """Copy a GPU buffer into a staging slot and host-wait the copy (host-staged fallback)."""
+        while True:
+            try:
+                slot = self.staging.acquire(buf.size)
+                break
+            except StagingExhausted:
+                before = self.staging.in_use
+                self.session.pump(lambda: self.staging.in_use < before, self.session.timeout_s * 4,
+                                  "waiting for a staging slot to be released")
+        s = stream or self.stream
+        s.copy(slot, buf, buf.size)  # type: ignore[union-attr]
+        s.synchronize()  # type: ignore[union-attr]
+        return slot
+
+    def wait_released(self, timeout: float | None = None) -> None:
+        """Wait until at least one outstanding handoff is released."""
+        before = len(self._out)
+        if before:
+            self.session.pump(lambda: len(self._out) < before, timeout, "waiting for a release")
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every handoff was released."""
+        self.session.pump(lambda: not self._out, timeout, f"waiting for {len(self._out)} release(s)")
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Wait (bounded) for outstanding releases, then disconnect and free pooled resources."""
+        try:
+            if self._out and self.session.alive:
+                self.flush(timeout)
+        except (TimeoutError, BrokerUnavailable):
+            log.warning("closing with %d handoff(s) unreleased", len(self._out))
+        finally:
+            self.session.close()
+            if self.events is not None and not self._out:
+                self.events.close()
+            if not self._out:
+                self.staging.close()
+
+    def __enter__(self) -> "Producer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

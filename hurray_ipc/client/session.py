@@ -1,0 +1,199 @@
+"""One client's connection to the broker: registration, heartbeats, and message pumping.
+
+The calling thread does the socket work itself (no extra thread hop on the fast path): an API call
+takes the session lock and *pumps* — sends, polls, dispatches what arrives — until its condition
+holds. A background thread pumps only while no API call does, so releases and heartbeats are
+handled while the application is busy elsewhere. Callbacks produced by dispatch run after the lock
+is dropped, so a release callback may itself call into the client.
+
+The broker is considered gone after ``timeout_s`` without any message from it; calls then raise
+:class:`BrokerUnavailable`. The session keeps pinging, and when a broker answers again (a restarted
+one replies ``not_registered``) it registers anew with the state its owner reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from typing import Any, Callable
+
+import zmq
+
+from ..transport.protocol import BROKER_VERBS, PROTOCOL_VERSION, Message, ProtocolError, decode
+from .endpoint import default_endpoint
+
+log = logging.getLogger("hurray.client")
+
+Callback = Callable[[], None]
+
+
+class BrokerUnavailable(ConnectionError):
+    """No reply from the broker within the session's timeout (or it announced shutdown)."""
+
+
+class RemoteError(RuntimeError):
+    """The broker refused a message: ``code`` (protocol.ERROR_CODES) and its explanation."""
+
+    def __init__(self, code: str, message: str, header: dict[str, Any] | None = None):
+        self.code = code
+        self.header = header or {}
+        super().__init__(f"broker refused: {code}: {message}")
+
+
+class Session:
+    def __init__(
+        self,
+        endpoint: str | None,
+        role: str,
+        channel: str,
+        hello: Callable[[], dict[str, Any]],
+        dispatch: Callable[[Message], list[Callback]],
+        *,
+        heartbeat_s: float = 0.5,
+        timeout_s: float = 3.0,
+    ):
+        self.endpoint = endpoint or default_endpoint()
+        self.role = role
+        self.channel = channel
+        self.client_id = secrets.token_hex(16)
+        self._hello = hello
+        self._dispatch = dispatch
+        self.heartbeat_s = heartbeat_s
+        self.timeout_s = timeout_s
+        self.lock = threading.RLock()
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, self.client_id.encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(self.endpoint)
+        self.registered = False
+        self.shutdown_reason: str | None = None
+        self.broker_session: str | None = None
+        self.last_rx = time.monotonic()
+        self.last_tx = 0.0
+        self._hello_sent = 0.0
+        self.closed = False
+        self._register()
+        self._bg = threading.Thread(target=self._background, name=f"hurray-{role}-pump", daemon=True)
+        self._bg.start()
+
+    # --- sending ---------------------------------------------------------------------------
+    def send(self, msg: Message) -> None:
+        with self.lock:
+            self.sock.send_multipart(msg.encode(), copy=True)
+            self.last_tx = time.monotonic()
+
+    def _register(self) -> None:
+        header = {"protocol": PROTOCOL_VERSION, "role": self.role, "channel": self.channel,
+                  "client_id": self.client_id, "pid": os.getpid(), **self._hello()}
+        self.send(Message("HELLO", header))
+        self._hello_sent = time.monotonic()
+
+    # --- receiving -------------------------------------------------------------------------
+    def _handle(self, parts: list[bytes], out: list[Callback]) -> None:
+        self.last_rx = time.monotonic()
+        try:
+            msg = decode(parts, allowed=BROKER_VERBS)
+        except ProtocolError as e:
+            log.warning("dropping malformed message from broker: %s", e)
+            return
+        if msg.verb == "WELCOME":
+            self.registered = True
+            self.shutdown_reason = None
+            self.broker_session = msg.header.get("session")
+            return
+        if msg.verb == "PONG":
+            return
+        if msg.verb == "SHUTDOWN":
+            self.registered = False
+            self.shutdown_reason = str(msg.header.get("reason", "broker shut down"))
+            return
+        if msg.verb == "ERROR" and msg.header.get("code") == "not_registered":
+            # A restarted broker (or one that timed us out): register again, once per round trip.
+            self.registered = False
+            if time.monotonic() - self._hello_sent > min(self.heartbeat_s, 0.2):
+                self._register()
+            return
+        out.extend(self._dispatch(msg))
+
+    def pump(self, until: Callable[[], bool], timeout: float | None, what: str) -> None:
+        """Send heartbeats and dispatch messages until ``until()`` is true.
+
+        Raises TimeoutError after ``timeout`` seconds, BrokerUnavailable once the broker has been
+        silent for ``timeout_s`` (or shut down) while ``until()`` is still false.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            callbacks: list[Callback] = []
+            with self.lock:
+                done = self._pump_once(until, deadline, callbacks)
+            for cb in callbacks:
+                cb()
+            if done:
+                return
+            now = time.monotonic()
+            if self.shutdown_reason and not self.registered:
+                raise BrokerUnavailable(f"broker at {self.endpoint} shut down ({self.shutdown_reason}) while {what}")
+            if now - self.last_rx > self.timeout_s:
+                raise BrokerUnavailable(f"no reply from broker at {self.endpoint} for {now - self.last_rx:.1f} s while {what}")
+            if deadline is not None and now >= deadline:
+                raise TimeoutError(f"timed out after {timeout} s while {what}")
+
+    def _pump_once(self, until: Callable[[], bool], deadline: float | None, out: list[Callback]) -> bool:
+        if until():
+            return True
+        now = time.monotonic()
+        if now - self.last_tx >= self.heartbeat_s:
+            if not self.registered and now - self._hello_sent >= self.heartbeat_s:
+                self._register()
+            else:
+                self.send(Message("PING", {}))
+        wait = self.heartbeat_s if deadline is None else max(0.0, min(self.heartbeat_s, deadline - now))
+        if self.sock.poll(int(wait * 1000) if wait > 0 else 0, zmq.POLLIN):
+            while True:
+                try:
+                    parts = self.sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._handle(parts, out)
+        return until()
+
+    @property
+    def alive(self) -> bool:
+        return self.registered and time.monotonic() - self.last_rx <= self.timeout_s
+
+    def _background(self) -> None:
+        # Never blocks while holding the lock: an API call waits at most one non-blocking drain.
+        idle = min(0.02, self.heartbeat_s / 5)
+        while not self.closed:
+            if self.lock.acquire(blocking=False):
+                callbacks: list[Callback] = []
+                try:
+                    if not self.closed:
+                        self._pump_once(lambda: False, time.monotonic(), callbacks)
+                except zmq.ZMQError:
+                    return
+                finally:
+                    self.lock.release()
+                for cb in callbacks:
+                    try:
+                        cb()
+                    except Exception:  # noqa: BLE001 - a user callback must not kill the pump
+                        log.exception("release callback failed")
+            time.sleep(idle)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        with self.lock:
+            try:
+                if self.registered:
+                    self.send(Message("BYE", {}))
+            except zmq.ZMQError:
+                pass
+            self.closed = True
+            self.sock.close(linger=100)
+        self._bg.join(timeout=2)

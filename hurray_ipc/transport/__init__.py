@@ -1,0 +1,1 @@
+"""Transport: the broker wire protocol, pairing rules, object export, staging, in-process registry."""

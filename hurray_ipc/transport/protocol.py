@@ -1,0 +1,155 @@
+"""The broker wire protocol, version 1 (docs/spec/ipc-protocol.md).
+
+A message is a ZeroMQ multipart message::
+
+    frame 0   verb      ASCII, e.g. b"HANDOFF"
+    frame 1   header    UTF-8 JSON object
+    frame 2.. payload   binary frames named by the verb (see PAYLOAD)
+
+The 16-byte buffer handle always travels verbatim in its own frame; IPC blobs (64 bytes) travel
+in frames of their own, never inside the handle or the JSON. The broker's ROUTER socket adds the
+sender's routing id in front; nothing here deals with it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 64 * 1024
+BLOB_SIZE = 64
+
+# verb -> names of its binary payload frames, in order; "?" marks an optional trailing frame.
+PAYLOAD: dict[str, tuple[str, ...]] = {
+    # client -> broker
+    "HELLO": (),
+    "PING": (),
+    "CAPS": (),
+    "REQUEST": (),
+    "READY": (),
+    "HANDOFF": ("handle", "memory?", "event?"),
+    "RELEASE": (),
+    "EVENT_RELEASE": (),
+    "BYE": (),
+    # broker -> client
+    "WELCOME": (),
+    "PONG": (),
+    "CAPS_REPLY": (),
+    "GRANT": (),
+    "DELIVER": ("handle", "memory?", "event?"),
+    "ACCEPTED": (),
+    "RELEASED": (),
+    "EVENT_RELEASED": (),
+    "PRODUCER_GONE": (),
+    "ERROR": (),
+    "SHUTDOWN": (),
+}
+CLIENT_VERBS = frozenset(["HELLO", "PING", "CAPS", "REQUEST", "READY", "HANDOFF", "RELEASE", "EVENT_RELEASE", "BYE"])
+BROKER_VERBS = frozenset(PAYLOAD) - CLIENT_VERBS
+
+# Error codes a broker sends in ERROR.code.
+ERROR_CODES = frozenset({
+    "bad_frames",        # not [verb, header, payload...] or wrong payload frame count/size
+    "unknown_verb",
+    "bad_header",        # not a JSON object, or a field missing / of the wrong type
+    "protocol_version",  # HELLO with a version this broker does not speak
+    "not_registered",    # a message before HELLO (or after the broker restarted): send HELLO
+    "wrong_role",        # e.g. a consumer sending READY
+    "bad_handle",        # the 16-byte handle is invalid (HandleError reason in `reason`)
+    "mode_not_valid",    # the declared sync_mode is not valid for this producer/consumer pair
+    "payload_mismatch",  # payload frames do not match the declared sync_mode
+    "unknown_grant",
+    "unknown_token",
+    "foreign_token",     # a release of a token delivered to another consumer
+    "already_released",
+    "consumer_gone",     # the consumer of a grant died before the handoff arrived
+})
+
+
+class ProtocolError(ValueError):
+    """A message that violates the protocol. ``code`` is one of ERROR_CODES."""
+
+    def __init__(self, code: str, message: str):
+        assert code in ERROR_CODES, code
+        self.code = code
+        super().__init__(f"{code}: {message}")
+
+
+@dataclass
+class Message:
+    verb: str
+    header: dict[str, Any] = field(default_factory=dict)
+    frames: dict[str, bytes] = field(default_factory=dict)
+
+    def encode(self) -> list[bytes]:
+        names = PAYLOAD[self.verb]
+        out = [self.verb.encode("ascii"), json.dumps(self.header, separators=(",", ":")).encode()]
+        gap = False
+        for name in names:
+            key = name.rstrip("?")
+            if key in self.frames:
+                if gap:
+                    raise ProtocolError("bad_frames", f"{self.verb}: '{key}' cannot follow a missing optional frame")
+                out.append(bytes(self.frames[key]))
+            elif name.endswith("?"):
+                gap = True
+            else:
+                raise ProtocolError("bad_frames", f"{self.verb} needs a '{key}' frame")
+        unknown = set(self.frames) - {n.rstrip("?") for n in names}
+        if unknown:
+            raise ProtocolError("bad_frames", f"{self.verb} has no {sorted(unknown)} frame")
+        return out
+
+
+def decode(parts: Sequence[bytes], *, allowed: frozenset[str] | None = None) -> Message:
+    """Parse and validate the shape of a message (not its meaning)."""
+    if len(parts) < 2:
+        raise ProtocolError("bad_frames", f"a message has at least 2 frames (verb, header), got {len(parts)}")
+    try:
+        verb = bytes(parts[0]).decode("ascii")
+    except UnicodeDecodeError:
+        raise ProtocolError("unknown_verb", f"verb frame {bytes(parts[0])[:32]!r} is not ASCII") from None
+    if verb not in PAYLOAD or (allowed is not None and verb not in allowed):
+        raise ProtocolError("unknown_verb", f"{verb[:32]!r} is not a verb this side accepts")
+    raw = bytes(parts[1])
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError("bad_header", f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        header = json.loads(raw.decode("utf-8")) if raw else {}
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ProtocolError("bad_header", f"{verb} header is not UTF-8 JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("bad_header", f"{verb} header must be a JSON object, not {type(header).__name__}")
+    names = PAYLOAD[verb]
+    required = sum(1 for n in names if not n.endswith("?"))
+    payload = parts[2:]
+    if not required <= len(payload) <= len(names):
+        raise ProtocolError("bad_frames", f"{verb} takes {required}-{len(names)} payload frames, got {len(payload)}")
+    frames = {}
+    for name, data in zip(names, payload):
+        key = name.rstrip("?")
+        data = bytes(data)
+        if key in ("memory", "event") and len(data) != BLOB_SIZE:
+            raise ProtocolError("bad_frames", f"{verb} '{key}' frame must be {BLOB_SIZE} bytes, got {len(data)}")
+        frames[key] = data
+    return Message(verb, header, frames)
+
+
+def field_of(msg: Message, name: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:
+    """A typed header field, or ProtocolError('bad_header') naming it."""
+    if name not in msg.header or msg.header[name] is None:
+        if optional:
+            return None
+        raise ProtocolError("bad_header", f"{msg.verb} header lacks '{name}'")
+    v = msg.header[name]
+    if isinstance(v, bool) and kind is not bool and (kind is int or (isinstance(kind, tuple) and bool not in kind)):
+        raise ProtocolError("bad_header", f"{msg.verb} '{name}' must be {kind}, got a boolean")
+    if not isinstance(v, kind):
+        raise ProtocolError("bad_header", f"{msg.verb} '{name}' must be {getattr(kind, '__name__', kind)}, got {type(v).__name__}")
+    return v
+
+
+def error(code: str, message: str, **extra: Any) -> Message:
+    return Message("ERROR", {"code": code, "message": message, **extra})

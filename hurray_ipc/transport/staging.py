@@ -1,0 +1,80 @@
+"""The host-staged fallback's pool of POSIX shared-memory slots (ADR-018 §6).
+
+When no sync mode is valid for a GPU buffer, the producer copies it into a slot, host-waits the
+copy, and hands the slot off as a CPU buffer (SYNC_PRODUCER_SYNCED). Slots come in power-of-two
+size classes (at least 64 KiB), are page-locked with CUDA when a real CUDA device is given (so the
+copy runs at DMA speed), and go back to their class when the consumer releases them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from ..devices.base import Buffer
+from ..devices.cpu import CpuDevice
+from ..devices.cuda import CudaDevice
+from ..devices.errors import DeviceError
+
+MIN_SLOT = 64 << 10
+
+
+class StagingExhausted(DeviceError):
+    """Every slot is in use and the pool is at its byte limit; wait for a release."""
+
+
+def size_class(nbytes: int) -> int:
+    return max(MIN_SLOT, 1 << max(nbytes - 1, 0).bit_length())
+
+
+class StagingPool:
+    def __init__(self, cpu: CpuDevice, pin_with: CudaDevice | None = None, max_bytes: int | None = None):
+        self.cpu = cpu
+        self.pin_with = pin_with if pin_with is not None and not pin_with.identity.emulated else None
+        self.max_bytes = max_bytes if max_bytes is not None else int(os.environ.get("HURRAY_STAGING_BYTES", str(1 << 30)))
+        self._free: dict[int, list[Buffer]] = {}
+        self._busy: set[int] = set()
+        self._all: list[Buffer] = []
+        self.total = 0
+        self._lock = threading.Lock()
+
+    def acquire(self, nbytes: int) -> Buffer:
+        """A slot of at least ``nbytes``; raises StagingExhausted at the byte limit."""
+        cls = size_class(nbytes)
+        with self._lock:
+            free = self._free.setdefault(cls, [])
+            if free:
+                slot = free.pop()
+            else:
+                if self.total + cls > self.max_bytes:
+                    raise StagingExhausted("staging", f"pool at its limit ({self.total} of {self.max_bytes} bytes in slots)")
+                slot = self.cpu.allocate(cls)
+                if self.pin_with is not None:
+                    self.pin_with.host_register(slot)
+                self.total += cls
+                self._all.append(slot)
+            self._busy.add(id(slot))
+            return slot
+
+    def release(self, slot: Buffer) -> None:
+        with self._lock:
+            if id(slot) not in self._busy:
+                raise DeviceError("staging", "slot released twice or not from this pool")
+            self._busy.discard(id(slot))
+            self._free.setdefault(slot.size, []).append(slot)
+
+    @property
+    def in_use(self) -> int:
+        return len(self._busy)
+
+    def close(self) -> None:
+        with self._lock:
+            for slot in self._all:
+                if self.pin_with is not None:
+                    try:
+                        self.pin_with.host_unregister(slot)
+                    except DeviceError:
+                        pass
+                slot.close()
+            self._all.clear(), self._free.clear(), self._busy.clear()
+            self.total = 0

@@ -1,0 +1,169 @@
+"""A checksummed producer/consumer workload, shared by the demo, the stress runner and the tests.
+
+Every buffer's bytes are a pattern derived from (producer, sequence number), written on the
+producer's stream (an async copy, so on emulated CUDA it is still in flight at handoff), and
+checked on the consumer's stream after the consumer applied the sync rule. A sync bug therefore
+shows up as a corrupt buffer, not as luck.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .devices.base import Buffer
+from .devices.cuda import CudaDevice
+from .format.handle import SyncMode
+
+_MUL = np.uint64(0x9E3779B97F4A7C15)
+
+
+def pattern(tag: int, seq: int, nbytes: int) -> np.ndarray:
+    """The bytes buffer ``seq`` of producer ``tag`` carries; the first 16 name (tag, seq)."""
+    words = max(2, -(-nbytes // 8))
+    a = np.arange(words, dtype=np.uint64) * _MUL + np.uint64((tag << 32) ^ seq)
+    a[0], a[1] = tag, seq
+    return a.view(np.uint8)[:nbytes]
+
+
+def verify(data: np.ndarray) -> tuple[int, int, bool]:
+    """(tag, seq, intact) of received bytes."""
+    if data.nbytes < 16:
+        return -1, -1, False
+    head = data[:16].view(np.uint64)
+    tag, seq = int(head[0]), int(head[1])
+    return tag, seq, bool(np.array_equal(data, pattern(tag, seq, data.nbytes)))
+
+
+@dataclass
+class ProducerReport:
+    tag: int
+    sent: int = 0
+    released: int = 0
+    consumer_gone: int = 0
+    modes: dict[str, int] = field(default_factory=dict)
+    staged: int = 0
+    error: str | None = None
+
+
+@dataclass
+class ConsumerReport:
+    received: int = 0
+    intact: int = 0
+    corrupt: int = 0
+    producer_gone: int = 0
+    races: int = 0  # reads the emulation saw unordered after the producer's write
+    modes: dict[str, int] = field(default_factory=dict)
+    staged: int = 0
+    seen: list[tuple[int, int]] = field(default_factory=list)
+    error: str | None = None
+
+
+def run_producer(endpoint: str, channel: str, device: str, count: int, size: int, *, mode: str | None = None,
+                 tag: int | None = None, pool: int = 4, duration: float | None = None, timeout: float = 30.0,
+                 env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Send ``count`` checksummed buffers (or until ``duration``); wait for their releases."""
+    if env:
+        os.environ.update(env)
+    from .client import Producer
+
+    tag = os.getpid() if tag is None else tag
+    rep = ProducerReport(tag)
+    pref = SyncMode.from_name(mode) if mode else None
+    try:
+        with Producer(endpoint, channel, device) as p:
+            free: list[Buffer] = [p.allocate(size) for _ in range(pool)]
+            host = [None] * pool
+            end = None if duration is None else time.monotonic() + duration
+
+            def back(t: Any, buf: Buffer) -> None:
+                rep.released += 1
+                rep.consumer_gone += t.outcome == "consumer_gone"
+                free.append(buf)
+
+            seq = 0
+            while seq < count and (end is None or time.monotonic() < end):
+                if not free:
+                    p.wait_released(timeout)
+                    continue
+                buf = free.pop()
+                data = pattern(tag, seq, size)
+                if isinstance(p.device, CudaDevice):
+                    p.stream.copy(buf, data)  # async: still in flight when the handle leaves
+                    keep = data
+                else:
+                    np.frombuffer(buf.host_view(), dtype=np.uint8)[:] = data
+                    keep = None
+                host[seq % pool] = keep  # an async copy's source must outlive it
+                t = p.send(buf, pref, timeout=timeout, on_release=lambda t, b=buf: back(t, b))
+                rep.sent += 1
+                rep.modes[t.mode.wire_name] = rep.modes.get(t.mode.wire_name, 0) + 1
+                rep.staged += t.staged
+                seq += 1
+            p.flush(timeout)
+            for buf in free:
+                buf.close()
+    except Exception:
+        rep.error = traceback.format_exc()
+    return asdict(rep)
+
+
+def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *, timeout: float = 30.0,
+                 idle_stop: float | None = None, hold: float = 0.0, env: dict[str, str] | None = None,
+                 keep_seen: bool = True, skip_wait: bool = False) -> dict[str, Any]:
+    """Receive up to ``count`` buffers (or until ``idle_stop`` s pass with none), checking each.
+
+    ``skip_wait`` is fault injection: the consumer breaks the contract by not waiting, which the
+    checksums (and the emulation's race check) must catch.
+    """
+    if env:
+        os.environ.update(env)
+    from .client import Consumer, ProducerGone
+    from .devices.errors import RaceError
+
+    rep = ConsumerReport()
+    try:
+        with Consumer(endpoint, channel, device) as c:
+            while count is None or rep.received < count:
+                try:
+                    h = c.receive(timeout=idle_stop if idle_stop is not None else timeout)
+                except TimeoutError:
+                    if idle_stop is not None:
+                        break
+                    raise
+                rep.received += 1
+                rep.modes[h.sync_mode.wire_name] = rep.modes.get(h.sync_mode.wire_name, 0) + 1
+                rep.staged += h.staged
+                try:
+                    if not skip_wait:
+                        h.wait()
+                    elif h.sync_mode is SyncMode.EVENT:
+                        h.release_event()  # give the event back without having waited on it
+                    out = np.empty(h.handle.size, dtype=np.uint8)
+                    if h.buffer.on_host:
+                        out[:] = h.buffer.numpy().reshape(-1).view(np.uint8)
+                    else:
+                        c.stream.copy(out, h.buffer.device_buffer)  # our own read, on our stream
+                        c.stream.synchronize()  # our device work is complete: now we may release
+                    if hold:
+                        time.sleep(hold)
+                    tag, seq, ok = verify(out)
+                    rep.intact += ok
+                    rep.corrupt += not ok
+                    if keep_seen:
+                        rep.seen.append((tag, seq))
+                    h.release()
+                except ProducerGone:
+                    rep.producer_gone += 1
+                except RaceError:
+                    rep.races += 1
+                    rep.corrupt += 1
+                    h.release()
+    except Exception:
+        rep.error = traceback.format_exc()
+    return asdict(rep)

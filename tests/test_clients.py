@@ -1,0 +1,268 @@
+"""Producer/consumer through a real broker process, in spawned processes, on CPU and emulated CUDA,
+for every valid mode, the host-staged fallback, and process death."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from brokerproc import BrokerProcess
+from conftest import SPAWN, emu_config
+from hurray_ipc import workload
+from hurray_ipc.client import BrokerUnavailable, Consumer, Producer, ProducerGone
+from hurray_ipc.devices import shm
+
+
+def _call(fn, kwargs, q):
+    q.put(fn(**kwargs))
+
+
+class Proc:
+    def __init__(self, fn, **kwargs):
+        self.q = SPAWN.Queue()
+        self.p = SPAWN.Process(target=_call, args=(fn, kwargs, self.q), daemon=True)
+        self.p.start()
+
+    def result(self, timeout=90):
+        r = self.q.get(timeout=timeout)
+        self.p.join(10)
+        return r
+
+    def kill(self):
+        os.kill(self.p.pid, signal.SIGKILL)
+        self.p.join(10)
+
+
+@pytest.fixture
+def broker(tmp_path):
+    b = BrokerProcess(f"ipc://{tmp_path}/broker.sock", timeout=2.0).start()
+    yield b
+    b.stop()
+
+
+def emu_env(**kw):
+    return emu_config(**kw).to_env()
+
+
+def run_pair(broker, pdev, cdev, env, n=12, size=64 << 10, mode=None, channel="ch"):
+    c = Proc(workload.run_consumer, endpoint=broker.endpoint, channel=channel, device=cdev, count=n, env=env)
+    p = Proc(workload.run_producer, endpoint=broker.endpoint, channel=channel, device=pdev, count=n, size=size,
+             mode=mode, env=env)
+    pr, cr = p.result(), c.result()
+    assert pr["error"] is None, pr["error"]
+    assert cr["error"] is None, cr["error"]
+    assert pr["sent"] == pr["released"] == n
+    assert cr["received"] == cr["intact"] == n and cr["corrupt"] == 0 and cr["races"] == 0
+    assert sorted(s for _, s in cr["seen"]) == list(range(n))
+    return pr, cr
+
+
+def test_cpu_ipc_zero_copy(broker):
+    pr, cr = run_pair(broker, "cpu", "cpu", {})
+    assert cr["modes"] == {"SYNC_PRODUCER_SYNCED": 12} and cr["staged"] == 0
+
+
+def test_emulated_cuda_event_mode(broker):
+    pr, cr = run_pair(broker, "cuda:0", "cuda:0", emu_env(op_delay_s=0.005))
+    assert cr["modes"] == {"SYNC_EVENT": 12} and cr["staged"] == 0
+
+
+def test_emulated_cuda_producer_synced_when_asked(broker):
+    pr, cr = run_pair(broker, "cuda:0", "cuda:0", emu_env(), mode="PRODUCER_SYNCED")
+    assert cr["modes"] == {"SYNC_PRODUCER_SYNCED": 12}
+
+
+def test_emulated_without_ipc_events_falls_to_producer_synced(broker):
+    pr, cr = run_pair(broker, "cuda:0", "cuda:0", emu_env(ipc_events=False), mode="EVENT")
+    assert cr["modes"] == {"SYNC_PRODUCER_SYNCED": 12}
+
+
+def test_peer_gpu_event(broker):
+    pr, cr = run_pair(broker, "cuda:0", "cuda:1", emu_env(peer_access=True))
+    assert cr["modes"] == {"SYNC_EVENT": 12} and cr["staged"] == 0
+
+
+@pytest.mark.parametrize("cdev,env", [
+    ("cpu", emu_env()),  # consumer without a GPU
+    ("cuda:1", emu_env(peer_access=False)),  # another GPU without peer access
+    ("cuda:0", emu_env(ipc_memory=False)),  # IPC memory unsupported
+], ids=["cpu-consumer", "no-peer-access", "no-ipc-memory"])
+def test_host_staged_fallback(broker, cdev, env):
+    pr, cr = run_pair(broker, "cuda:0", cdev, env, n=8)
+    assert cr["staged"] == 8 and cr["modes"] == {"SYNC_PRODUCER_SYNCED": 8}
+    assert pr["staged"] == 8
+
+
+def test_two_producers_two_consumers_each_handoff_owned_once(broker):
+    env = emu_env()
+    cs = [Proc(workload.run_consumer, endpoint=broker.endpoint, channel="mp", device="cuda:0", count=None,
+               idle_stop=3.0, env=env) for _ in range(2)]
+    ps = [Proc(workload.run_producer, endpoint=broker.endpoint, channel="mp", device="cuda:0", count=10,
+               size=4096, tag=t, env=env) for t in (1, 2)]
+    prs = [p.result() for p in ps]
+    crs = [c.result() for c in cs]
+    for r in prs + crs:
+        assert r["error"] is None, r["error"]
+    seen = [tuple(x) for r in crs for x in r["seen"]]
+    assert sorted(seen) == sorted((t, s) for t in (1, 2) for s in range(10)), "every handoff exactly once"
+    assert all(r["corrupt"] == 0 for r in crs)
+
+
+def test_negative_control_consumer_skipping_wait_sees_corruption(broker):
+    env = emu_env(op_delay_s=0.2)
+    c = Proc(workload.run_consumer, endpoint=broker.endpoint, channel="neg", device="cuda:0", count=3, env=env,
+             skip_wait=True)
+    p = Proc(workload.run_producer, endpoint=broker.endpoint, channel="neg", device="cuda:0", count=3, size=4096,
+             env=env)
+    pr, cr = p.result(), c.result()
+    assert cr["error"] is None, cr["error"]
+    assert cr["corrupt"] == 3 and cr["races"] == 3
+
+
+def test_in_process_all_modes_consumer_stream(broker):
+    """Threads of one process: CONSUMER_STREAM is valid and exercised; in-process EVENT too."""
+    from hurray_ipc.devices import CudaDevice, set_runtime
+    from hurray_ipc.devices.backend.emulated import EmulatedRuntime
+
+    rt = EmulatedRuntime(emu_config(op_delay_s=0.01))
+    set_runtime(rt)
+    try:
+        dev = CudaDevice(0, runtime=rt)
+        cstream = dev.create_stream()
+        got = []
+        with Producer(broker.endpoint, "inproc", dev) as p, Consumer(broker.endpoint, "inproc", dev, stream=cstream) as c:
+            def produce():
+                for i, mode in enumerate(["CONSUMER_STREAM", "EVENT", "PRODUCER_SYNCED"]):
+                    buf = p.allocate(4096)
+                    p.stream.copy(buf, workload.pattern(7, i, 4096))
+                    t = p.send(buf, workload.SyncMode.from_name(mode), on_release=lambda t, b=buf: b.close())
+                    got.append((t.mode.wire_name, t.transport.value))
+
+            th = threading.Thread(target=produce)
+            th.start()
+            for i in range(3):
+                h = c.receive(timeout=10)
+                h.wait()
+                out = np.empty(4096, np.uint8)
+                cstream.copy(out, h.buffer.device_buffer)
+                cstream.synchronize()
+                assert workload.verify(out) == (7, i, True)
+                h.release()
+            th.join()
+            p.flush(5)
+        assert got == [("SYNC_CONSUMER_STREAM", "in-process"), ("SYNC_EVENT", "in-process"),
+                       ("SYNC_PRODUCER_SYNCED", "in-process")]
+        assert not rt.races
+    finally:
+        set_runtime(None)
+
+
+def test_consumer_death_releases_back_to_producer(broker):
+    env = emu_env()
+    c = Proc(workload.run_consumer, endpoint=broker.endpoint, channel="cd", device="cuda:0", count=50, env=env,
+             hold=30.0)  # holds the first buffer "forever"
+    p = Proc(workload.run_producer, endpoint=broker.endpoint, channel="cd", device="cuda:0", count=1, size=4096,
+             env=env)
+    time.sleep(3.0)
+    c.kill()
+    pr = p.result(timeout=30)
+    assert pr["error"] is None, pr["error"]
+    assert pr["sent"] == 1 and pr["released"] == 1 and pr["consumer_gone"] == 1
+
+
+def test_producer_death_tells_consumer(broker, tmp_path):
+    env = emu_env()
+    os.environ.update(env)
+    from hurray_ipc.devices import set_runtime
+
+    set_runtime(None)
+    try:
+        with Consumer(broker.endpoint, "pd", "cuda:0", timeout_s=5) as c:
+            p = Proc(_hold_producer, endpoint=broker.endpoint, env=env)
+            h = c.receive(timeout=30)
+            p.kill()
+            deadline = time.monotonic() + 10
+            while not h.producer_gone and time.monotonic() < deadline:
+                try:
+                    c.receive(timeout=0.2)
+                except TimeoutError:
+                    pass
+            assert h.producer_gone
+            with pytest.raises(ProducerGone):
+                h.wait()
+            h.release()  # a local no-op now; must not raise
+    finally:
+        for k in env:
+            os.environ.pop(k, None)
+        set_runtime(None)
+
+
+def _hold_producer(endpoint, env):
+    os.environ.update(env)
+    with Producer(endpoint, "pd", "cuda:0") as p:
+        buf = p.allocate(4096)
+        p.send(buf)
+        time.sleep(60)
+    return {}
+
+
+def test_broker_gone_then_back(tmp_path):
+    b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=2.0).start()
+    c = Consumer(b.endpoint, "bg", "cpu", heartbeat_s=0.2, timeout_s=1.5)
+    try:
+        with pytest.raises(TimeoutError):
+            c.receive(timeout=0.5)
+        b.stop(signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(BrokerUnavailable, match="no reply from broker"):
+            c.receive(timeout=10)
+        assert time.monotonic() - t0 < 4.0
+        b.start()
+        p = Producer(b.endpoint, "bg", "cpu", heartbeat_s=0.2, timeout_s=1.5)
+        buf = p.allocate(16)
+        buf.host_view()[:] = b"back again......"
+        th = threading.Thread(target=lambda: p.send(buf, timeout=10))
+        th.start()
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                h = c.receive(timeout=5)
+                break
+            except BrokerUnavailable:
+                assert time.monotonic() < deadline, "consumer never reconnected"
+                time.sleep(0.2)
+        assert bytes(h.buffer.host_view()) == b"back again......"
+        h.release()
+        th.join(10)
+        p.flush(5)
+        p.close()
+    finally:
+        c.close()
+        b.stop()
+
+
+def test_broker_shutdown_tells_clients(tmp_path):
+    b = BrokerProcess(f"ipc://{tmp_path}/b.sock").start()
+    c = Consumer(b.endpoint, "sd", "cpu", heartbeat_s=0.2)
+    try:
+        time.sleep(0.5)
+        err = b.stop(signal.SIGTERM)
+        with pytest.raises(BrokerUnavailable, match="shut down"):
+            c.receive(timeout=5)
+        assert b.returncode == 0, err
+    finally:
+        c.close()
+
+
+def test_no_segments_left_behind(broker):
+    before = set(shm.list_segments())
+    run_pair(broker, "cuda:0", "cuda:0", emu_env(), n=4)
+    run_pair(broker, "cuda:0", "cpu", emu_env(), n=4)
+    time.sleep(0.2)
+    left = set(shm.list_segments()) - before
+    assert not left, left
