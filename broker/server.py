@@ -229,9 +229,8 @@ class Broker:
                         extra = {k: hdr[k] for k in ("handoff_id", "request_id", "token") if k in hdr}
                 except ValueError:
                     pass
+            extra.update(e.extra)
             self._error(rid, e.code, str(e), ref=bytes(body[0])[:32].decode(errors="replace") if body else "", **extra)
-        except HandleError as e:
-            self._error(rid, "bad_handle", str(e), reason=e.reason)
         except Exception as e:  # noqa: BLE001 - a bug must cost one message, never the broker
             log.exception("internal error handling a message")
             self._error(rid, "bad_header", f"internal error: {e!r}")
@@ -354,15 +353,16 @@ class Broker:
         g = self.grants.get(gid)
         if g is None or g.producer != c.rid:
             raise ProtocolError("unknown_grant", f"grant {gid} is not one this producer holds")
-        handle = BufferHandle.decode(msg.frames["handle"])
-        del self.grants[gid]
+        del self.grants[gid]  # a grant is used once, whatever the outcome
         consumer = self.clients.get(g.consumer)
         if consumer is None or g.consumer_gone:
             self.stats.rejected += 1
-            self._error(c.rid, "consumer_gone", f"the consumer of grant {gid} died before the handoff arrived",
-                        handoff_id=hid)
-            return
+            raise ProtocolError("consumer_gone", f"the consumer of grant {gid} died before the handoff arrived")
         try:
+            try:
+                handle = BufferHandle.decode(msg.frames["handle"])
+            except HandleError as e:
+                raise ProtocolError("bad_handle", str(e), reason=e.reason) from None
             self._check_handoff(c, consumer, msg, handle)
         except ProtocolError:
             # The consumer's request is not lost with a bad handoff: it goes back to the front.

@@ -25,14 +25,28 @@ from .format import BufferHandle, DeviceTag, HandleError, ReservedSyncMode, Sync
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # Producer and Consumer pull in ZeroMQ and the device layer; import them on first use.
+    if name in ("Producer", "Consumer", "BrokerUnavailable", "ProducerGone", "RemoteError"):
+        from . import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'hurray_ipc' has no attribute {name!r}")
+
 __all__ = [
     "AlreadyReleasedError",
+    "BrokerUnavailable",
     "BufferHandle",
+    "Consumer",
     "DeviceTag",
     "EndpointCapabilities",
     "Handoff",
     "HandoffError",
     "HandleError",
+    "Producer",
+    "ProducerGone",
+    "RemoteError",
     "ReservedSyncMode",
     "SyncMode",
     "Transport",

@@ -71,9 +71,10 @@ ERROR_CODES = frozenset({
 class ProtocolError(ValueError):
     """A message that violates the protocol. ``code`` is one of ERROR_CODES."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, **extra: Any):
         assert code in ERROR_CODES, code
         self.code = code
+        self.extra = extra  # more fields for the ERROR header, e.g. a HandleError's reason
         super().__init__(f"{code}: {message}")
 
 

@@ -1,0 +1,68 @@
+"""hurray-caps: local probe and broker query, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from brokerproc import BrokerProcess
+from conftest import emu_config
+
+
+def caps(*args, env=None):
+    e = {**os.environ, **(env or {})}
+    r = subprocess.run([sys.executable, "-m", "hurray_ipc.cli.caps", *args], capture_output=True, text=True,
+                       timeout=60, env=e)
+    return r.returncode, r.stdout, r.stderr
+
+
+EMU = emu_config().to_env()
+
+
+@pytest.mark.parametrize("args,env,valid,staged", [
+    (["--device", "cuda:0", "--transport", "ipc"], EMU, ["SYNC_PRODUCER_SYNCED", "SYNC_EVENT"], False),
+    (["--device", "cuda:0", "--transport", "in-process"], EMU,
+     ["SYNC_PRODUCER_SYNCED", "SYNC_EVENT", "SYNC_CONSUMER_STREAM"], False),
+    (["--device", "cuda:0", "--transport", "network"], EMU, ["SYNC_PRODUCER_SYNCED"], False),
+    (["--device", "cuda:0", "--peer-device", "cpu", "--transport", "ipc"], EMU, [], True),
+    (["--device", "cuda:0", "--transport", "ipc"], {**EMU, "HURRAY_EMU_IPC_EVENTS": "0"}, ["SYNC_PRODUCER_SYNCED"], False),
+    (["--device", "cpu", "--transport", "ipc"], {}, ["SYNC_PRODUCER_SYNCED"], False),
+])
+def test_local_probe(args, env, valid, staged):
+    rc, out, err = caps(*args, "--json", env=env)
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["valid_sync_modes"] == valid and d["host_staged"] is staged
+    assert set(d["excluded"]) == {"SYNC_PRODUCER_SYNCED", "SYNC_EVENT", "SYNC_CONSUMER_STREAM"} - set(valid)
+
+
+def test_table_output_names_reasons():
+    rc, out, _ = caps("--device", "cuda:0", "--peer-device", "cuda:1", "--transport", "ipc",
+                      env={**EMU, "HURRAY_EMU_PEER": "0"})
+    assert rc == 0 and "consumer on another GPU without peer access" in out and "host-staged copy       yes" in out
+
+
+def test_real_cuda_missing_is_a_clear_error():
+    from conftest import REAL_SKIP
+
+    if not REAL_SKIP:
+        pytest.skip("a real GPU is present")
+    rc, _, err = caps("--device", "cuda:0", "--transport", "ipc", env={"HURRAY_CUDA": "real"})
+    assert rc == 2 and "CUDA unavailable" in err
+
+
+def test_broker_query(tmp_path):
+    b = BrokerProcess(f"ipc://{tmp_path}/b.sock").start()
+    try:
+        rc, out, err = caps("--broker", b.endpoint, "--device", "cuda:0", "--peer-device", "cpu", "--json", env=EMU)
+        assert rc == 0, err
+        d = json.loads(out)
+        assert d["host_staged"] and d["excluded"]["SYNC_EVENT"] == "consumer has no GPU"
+    finally:
+        b.stop()
+    rc, _, err = caps("--broker", b.endpoint, "--device", "cpu", "--timeout", "0.5")
+    assert rc == 2 and "no reply from broker" in err

@@ -1,0 +1,201 @@
+"""Speak the broker protocol with raw pyzmq frames written from docs/spec/ipc-protocol.md, not
+through the library; and feed the broker bad input, checking that every other client keeps working."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import pytest
+import zmq
+
+from brokerproc import BrokerProcess
+from hurray_ipc.devices.base import host_id
+
+HOST = host_id()
+
+
+def endpoint_dict(pid, kind="cpu", ipc_events=False, uuid=None):
+    return {"device": {"kind": kind, "ordinal": 0, "uuid": uuid or f"{kind}-test", "pci_bus_id": "",
+                       "emulated": kind != "cpu", "host": HOST},
+            "caps": {"ipc_memory": True, "ipc_events": ipc_events, "ipc_streams": False, "peers": []},
+            "pid": pid, "stream": None}
+
+
+def handle(size, tag, mode, align=256, reserved=b"\0\0"):
+    return struct.pack("<QIBB2s", size, align, tag, mode, reserved)
+
+
+class Raw:
+    def __init__(self, ctx, ep, ident):
+        self.s = ctx.socket(zmq.DEALER)
+        self.s.setsockopt(zmq.IDENTITY, ident.encode())
+        self.s.setsockopt(zmq.LINGER, 0)
+        self.s.connect(ep)
+
+    def send(self, verb, header=None, *frames):
+        body = header if isinstance(header, bytes) else json.dumps(header or {}).encode()
+        self.s.send_multipart([verb if isinstance(verb, bytes) else verb.encode(), body, *frames])
+
+    def recv(self, timeout=5000):
+        assert self.s.poll(timeout), "no reply from broker"
+        parts = self.s.recv_multipart()
+        return parts[0].decode(), json.loads(parts[1]), parts[2:]
+
+    def expect(self, verb, timeout=5000):
+        while True:
+            v, h, f = self.recv(timeout)
+            if v != "PONG":
+                assert v == verb, (v, h)
+                return h, f
+
+    def hello(self, role, channel, ep):
+        self.send("HELLO", {"protocol": 1, "role": role, "channel": channel, "client_id": "x", "pid": ep["pid"],
+                            "endpoint": ep})
+        h, _ = self.expect("WELCOME")
+        assert h["protocol"] == 1
+        return h
+
+
+@pytest.fixture
+def env(tmp_path):
+    b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=30).start()
+    ctx = zmq.Context()
+    yield b, ctx
+    ctx.destroy(linger=0)
+    b.stop()
+
+
+def one_handoff(prod, cons, frames_mem=b"M" * 64, offset=0):
+    cons.send("REQUEST", {"credits": 1})
+    prod.send("READY", {"credits": 1})
+    g, _ = prod.expect("GRANT")
+    assert g["consumer"]["pid"] == os.getpid()
+    hid = g["grant_id"] * 10
+    hd = handle(4096, 0, 0)
+    prod.send("HANDOFF", {"grant_id": g["grant_id"], "handoff_id": hid, "size": 4096, "offset": offset}, hd, frames_mem)
+    d, frames = cons.expect("DELIVER")
+    assert frames == [hd, frames_mem], "handle verbatim in its own frame, blob in another"
+    assert d["offset"] == offset and d["handoff_id"] == hid and len(d["token"]) >= 32
+    a, _ = prod.expect("ACCEPTED")
+    assert a["handoff_id"] == hid
+    return d["token"], hid
+
+
+def test_raw_protocol_roundtrip_and_bad_input(env):
+    b, ctx = env
+    prod, cons, other = Raw(ctx, b.endpoint, "p1"), Raw(ctx, b.endpoint, "c1"), Raw(ctx, b.endpoint, "c2")
+    prod.hello("producer", "raw", endpoint_dict(os.getppid()))
+    cons.hello("consumer", "raw", endpoint_dict(os.getpid()))
+    other.hello("consumer", "other-channel", endpoint_dict(os.getpid()))
+
+    token, hid = one_handoff(prod, cons)
+    cons.send("RELEASE", {"token": token})
+    r, _ = prod.expect("RELEASED")
+    assert r["handoff_id"] == hid
+
+    # releases: twice, foreign, unknown
+    cons.send("RELEASE", {"token": token})
+    assert cons.expect("ERROR")[0]["code"] == "already_released"
+    token2, hid2 = one_handoff(prod, cons)
+    other.send("RELEASE", {"token": token2})
+    assert other.expect("ERROR")[0]["code"] == "foreign_token"
+    cons.send("RELEASE", {"token": "guess" * 8})
+    assert cons.expect("ERROR")[0]["code"] == "unknown_token"
+
+    # malformed messages
+    stranger = Raw(ctx, b.endpoint, "s1")
+    stranger.s.send_multipart([b"\xff"])
+    assert stranger.expect("ERROR")[0]["code"] == "bad_frames"
+    stranger.send(b"NOPE", {})
+    assert stranger.expect("ERROR")[0]["code"] == "unknown_verb"
+    stranger.send("REQUEST", b"{not json")
+    assert stranger.expect("ERROR")[0]["code"] == "bad_header"
+    stranger.send("REQUEST", {"credits": 1})
+    assert stranger.expect("ERROR")[0]["code"] == "not_registered"
+    stranger.send("HELLO", {"protocol": 99, "role": "consumer", "channel": "raw", "endpoint": endpoint_dict(1)})
+    assert stranger.expect("ERROR")[0]["code"] == "protocol_version"
+    cons.send("READY", {"credits": 1})
+    assert cons.expect("ERROR")[0]["code"] == "wrong_role"
+    cons.send("REQUEST", {"credits": True})
+    assert cons.expect("ERROR")[0]["code"] == "bad_header"
+
+    # bad handoffs: each rejected with a reason; the consumer's request is not lost
+    cons.send("REQUEST", {"credits": 1})
+    g = None
+    for hd, frames, code, reason in [
+        (handle(64, 1, 0xFF), [b"M" * 64], "bad_handle", "sync_mode_invalid"),
+        (handle(64, 0, 1), [b"M" * 64], "bad_handle", "cpu_sync_mode"),
+        (handle(64, 0, 0, reserved=b"\1\0"), [b"M" * 64], "bad_handle", "reserved_nonzero"),
+        (handle(64, 0, 0), [b"short"], "bad_frames", None),
+        (handle(64, 0, 0), [], "payload_mismatch", None),
+    ]:
+        if g is None:
+            prod.send("READY", {"credits": 1})
+            g, _ = prod.expect("GRANT")
+        prod.send("HANDOFF", {"grant_id": g["grant_id"], "handoff_id": 7, "offset": 0}, hd, *frames)
+        err, _ = prod.expect("ERROR")
+        assert err["code"] == code, err
+        if reason:
+            assert err["reason"] == reason and reason in err["message"]
+        # A message too malformed to parse cannot use up its grant; any other rejection does,
+        # and puts the consumer's request back in the queue.
+        g = g if code == "bad_frames" else None
+    prod.send("HANDOFF", {"grant_id": 12345, "handoff_id": 8, "offset": 0}, handle(64, 0, 0), b"M" * 64)
+    assert prod.expect("ERROR")[0]["code"] == "unknown_grant"
+
+    # ... and the good clients still work, the pending request served first
+    prod.send("READY", {"credits": 1})
+    g, _ = prod.expect("GRANT")
+    prod.send("HANDOFF", {"grant_id": g["grant_id"], "handoff_id": 99, "offset": 0}, handle(8, 0, 0), b"M" * 64)
+    d, _ = cons.expect("DELIVER")
+    assert d["handoff_id"] == 99
+    assert prod.expect("ACCEPTED")[0]["handoff_id"] == 99
+    cons.send("RELEASE", {"token": token2})
+    assert prod.expect("RELEASED")[0]["handoff_id"] == hid2
+
+
+def test_mode_not_valid_for_pair(env):
+    b, ctx = env
+    prod, cons = Raw(ctx, b.endpoint, "p1"), Raw(ctx, b.endpoint, "c1")
+    prod.hello("producer", "m", endpoint_dict(os.getppid(), "cuda", ipc_events=False, uuid="EMU-x"))
+    cons.hello("consumer", "m", endpoint_dict(os.getpid(), "cuda", ipc_events=True, uuid="EMU-x"))
+    cons.send("REQUEST", {"credits": 1})
+    prod.send("READY", {"credits": 1})
+    g, _ = prod.expect("GRANT")
+    prod.send("HANDOFF", {"grant_id": g["grant_id"], "handoff_id": 1, "offset": 0}, handle(64, 1, 1), b"M" * 64, b"E" * 64)
+    err, _ = prod.expect("ERROR")
+    assert err["code"] == "mode_not_valid" and "IPC-exportable events" in err["message"] and err["handoff_id"] == 1
+    prod.send("HANDOFF", {"grant_id": g["grant_id"] + 1, "handoff_id": 2, "offset": 0}, handle(64, 1, 2), b"M" * 64)
+    assert prod.expect("ERROR")[0]["code"] == "unknown_grant"
+    prod.send("READY", {"credits": 1})
+    g, _ = prod.expect("GRANT")
+    prod.send("HANDOFF", {"grant_id": g["grant_id"], "handoff_id": 3, "offset": 0}, handle(64, 1, 2), b"M" * 64)
+    assert "IPC-exportable" in prod.expect("ERROR")[0]["message"]
+
+
+def test_caps_query(env):
+    b, ctx = env
+    q = Raw(ctx, b.endpoint, "q")
+    q.send("CAPS", {"request_id": 5, "device": endpoint_dict(1, "cuda", ipc_events=True, uuid="EMU-a"),
+                    "peer": endpoint_dict(2, "cpu"), "transport": "ipc"})
+    r, _ = q.expect("CAPS_REPLY")
+    assert r["request_id"] == 5 and r["host_staged"] is True and r["valid_sync_modes"] == []
+    assert r["excluded"]["SYNC_EVENT"] == "consumer has no GPU"
+
+
+def test_message_vectors_parse():
+    from pathlib import Path
+
+    from hurray_ipc.transport.protocol import decode
+
+    vec = json.loads((Path(__file__).parent / "vectors" / "ipc_messages.json").read_text())
+    for m in vec["messages"]:
+        msg = decode([bytes.fromhex(f) for f in m["frames"]])
+        assert msg.verb == m["verb"]
+        assert [len(f) for f in msg.frames.values()] == m["payload_sizes"]
+        if "handle" in msg.frames:
+            from hurray_ipc import BufferHandle
+
+            BufferHandle.decode(msg.frames["handle"])
