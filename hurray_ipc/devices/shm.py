@@ -12,7 +12,6 @@ unlinks segments that a process merely attached (CPython #82300).
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import itertools
 import mmap
@@ -32,18 +31,6 @@ PREFIX = "hurray"
 _NAME_RE = re.compile(rf"^{PREFIX}-(\d+)-(\d+)-([a-z])(\d+)-([0-9a-f]+)$")
 _counter = itertools.count(1)
 _counter_lock = threading.Lock()
-_owned: "weakref.WeakSet[Segment]" = weakref.WeakSet()
-
-
-@atexit.register
-def _unlink_owned_at_exit() -> None:
-    # A clean exit that forgot a close() must not leave names behind; crashes are what
-    # cleanup_stale() is for.
-    for seg in list(_owned):
-        if not seg.closed:
-            unlink(seg.name)
-
-
 # Headroom kept free in /dev/shm: running it to zero turns the next page fault into SIGBUS.
 SPACE_MARGIN = 16 << 20
 
@@ -110,7 +97,9 @@ class Segment:
         except (posix_ipc.Error, OSError) as e:
             raise DeviceError("shm_open", f"cannot create {name} ({size} bytes): {e}") from e
         seg = cls(name, size, mem, owner=True)
-        _owned.add(seg)
+        # An owner collected, or still alive at a clean exit, without close() must not leave its
+        # name behind; crashes are what cleanup_stale() is for.
+        seg._finalizer = weakref.finalize(seg, unlink, name)
         return seg
 
     @classmethod
@@ -152,7 +141,7 @@ class Segment:
         except (posix_ipc.Error, OSError):
             pass
         if self.owner:
-            unlink(self.name)
+            self._finalizer()  # unlinks, once
 
     def __enter__(self) -> "Segment":
         return self
