@@ -63,6 +63,7 @@ class Client:
     name: str
     last_seen: float
     credits: int = 0  # consumer: requests not yet granted; producer: READY not yet granted
+    epoch: int = 0  # the client's registration number, echoed in GRANT
 
 
 @dataclass
@@ -119,7 +120,8 @@ class Broker:
         self.deliveries: dict[str, Delivery] = {}
         self.released: "OrderedDict[str, bytes]" = OrderedDict()
         self.orphans: dict[tuple[bytes, int], float] = {}  # (producer, handoff) -> release deadline
-        self._gids = itertools.count(1)
+        # Random start: a grant id a client kept from a previous broker never names one of ours.
+        self._gids = itertools.count(secrets.randbits(40) << 8)
         self.stats = Stats()
         self.running = False
         self._last_sweep = 0.0
@@ -251,11 +253,12 @@ class Broker:
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError("bad_header", f"endpoint: {e!r}") from None
         if rid in self.clients:
-            self._drop(rid, "re-registered")  # a second HELLO starts from scratch
+            self._reregister(rid)
         credits = field_of(msg, "credits", int, optional=True) or 0
         if not 0 <= credits <= MAX_CREDITS:
             raise ProtocolError("bad_header", f"credits must be 0..{MAX_CREDITS}, got {credits}")
-        c = Client(rid, role, channel, endpoint, str(msg.header.get("name", ""))[:128], time.monotonic(), credits)
+        epoch = field_of(msg, "epoch", int, optional=True) or 0
+        c = Client(rid, role, channel, endpoint, str(msg.header.get("name", ""))[:128], time.monotonic(), credits, epoch)
         self.clients[rid] = c
         ch = self._channel(channel)
         if role == "producer":
@@ -334,7 +337,8 @@ class Broker:
             self.clients[producer].credits -= 1
             g = Grant(next(self._gids), producer, consumer_rid, name)
             self.grants[g.gid] = g
-            self._send(producer, Message("GRANT", {"grant_id": g.gid, "consumer_id": consumer_rid.decode(),
+            self._send(producer, Message("GRANT", {"grant_id": g.gid, "epoch": self.clients[producer].epoch,
+                                                   "consumer_id": consumer_rid.decode(),
                                                    "consumer": consumer.endpoint.to_dict()}))
 
     # --- handoffs --------------------------------------------------------------------------
@@ -496,6 +500,23 @@ class Broker:
             by_consumer.setdefault(d.consumer, []).append(d.token)
         for rid, tokens in by_consumer.items():
             self._send(rid, Message("PRODUCER_GONE", {"tokens": tokens}))
+
+    def _reregister(self, rid: bytes) -> None:
+        """A registered client said HELLO again (it thought us gone). Its queued credits and grants
+        are void, as its HELLO re-declares them; its deliveries stay bound: they are real."""
+        c = self.clients.pop(rid)
+        ch = self._channel(c.channel)
+        ch.requests = deque(r for r in ch.requests if r != rid)
+        ch.producers.pop(rid, None)
+        for g in [g for g in self.grants.values() if g.producer == rid]:
+            del self.grants[g.gid]
+            consumer = self.clients.get(g.consumer)
+            if consumer is not None:
+                ch.requests.appendleft(g.consumer)
+                consumer.credits += 1
+        for g in self.grants.values():
+            if g.consumer == rid:
+                g.consumer_gone = True  # its credit was re-declared; the handoff must go elsewhere
 
     def _drop(self, rid: bytes, why: str) -> None:
         c = self.clients.pop(rid, None)

@@ -64,13 +64,28 @@ class ConsumerReport:
     error: str | None = None
 
 
+# Indices into the shared counter arrays the stress runner passes (they survive a SIGKILL).
+P_SENT, P_RELEASED, P_CONSUMER_GONE, P_REJECTED, P_DOUBLE = range(5)
+C_RECEIVED, C_INTACT, C_CORRUPT, C_PRODUCER_GONE, C_RACES = range(5)
+
+
+def _bump(counters: Any, i: int, n: int = 1) -> None:
+    if counters is not None:
+        with counters.get_lock():
+            counters[i] += n
+
+
 def run_producer(endpoint: str, channel: str, device: str, count: int, size: int, *, mode: str | None = None,
                  tag: int | None = None, pool: int = 4, duration: float | None = None, timeout: float = 30.0,
-                 env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Send ``count`` checksummed buffers (or until ``duration``); wait for their releases."""
+                 env: dict[str, str] | None = None, counters: Any = None, broker_grace: float = 15.0) -> dict[str, Any]:
+    """Send ``count`` checksummed buffers (or until ``duration``); wait for their releases.
+
+    Survives a broker outage of up to ``broker_grace`` seconds: a send refused because the broker
+    went away moves on to the next buffer (the refused one comes back through its release).
+    """
     if env:
         os.environ.update(env)
-    from .client import Producer
+    from .client import BrokerUnavailable, Producer
 
     tag = os.getpid() if tag is None else tag
     rep = ProducerReport(tag)
@@ -78,34 +93,55 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
     try:
         with Producer(endpoint, channel, device) as p:
             free: list[Buffer] = [p.allocate(size) for _ in range(pool)]
-            host = [None] * pool
+            host: list[Any] = [None] * pool
             end = None if duration is None else time.monotonic() + duration
+            outage: float | None = None
 
             def back(t: Any, buf: Buffer) -> None:
+                free.append(buf)
+                if t.outcome == "rejected":  # never delivered (send raised): not a handoff
+                    _bump(counters, P_REJECTED)
+                    return
                 rep.released += 1
                 rep.consumer_gone += t.outcome == "consumer_gone"
-                free.append(buf)
+                _bump(counters, P_RELEASED)
+                _bump(counters, P_CONSUMER_GONE, t.outcome == "consumer_gone")
 
             seq = 0
             while seq < count and (end is None or time.monotonic() < end):
-                if not free:
-                    p.wait_released(timeout)
-                    continue
-                buf = free.pop()
-                data = pattern(tag, seq, size)
-                if isinstance(p.device, CudaDevice):
-                    p.stream.copy(buf, data)  # async: still in flight when the handle leaves
-                    keep = data
-                else:
-                    np.frombuffer(buf.host_view(), dtype=np.uint8)[:] = data
-                    keep = None
-                host[seq % pool] = keep  # an async copy's source must outlive it
-                t = p.send(buf, pref, timeout=timeout, on_release=lambda t, b=buf: back(t, b))
-                rep.sent += 1
-                rep.modes[t.mode.wire_name] = rep.modes.get(t.mode.wire_name, 0) + 1
-                rep.staged += t.staged
-                seq += 1
-            p.flush(timeout)
+                buf = None
+                try:
+                    if not free:
+                        p.wait_released(timeout)
+                        continue
+                    buf = free.pop()
+                    data = pattern(tag, seq, size)
+                    if isinstance(p.device, CudaDevice):
+                        p.stream.copy(buf, data)  # async: still in flight when the handle leaves
+                        host[seq % pool] = data  # an async copy's source must outlive it
+                    else:
+                        np.frombuffer(buf.host_view(), dtype=np.uint8)[:] = data
+                    seq += 1
+                    t = p.send(buf, pref, timeout=timeout, on_release=lambda t, b=buf: back(t, b))
+                    outage = None
+                    rep.sent += 1
+                    _bump(counters, P_SENT)
+                    rep.modes[t.mode.wire_name] = rep.modes.get(t.mode.wire_name, 0) + 1
+                    rep.staged += t.staged
+                except BrokerUnavailable:
+                    if buf is not None and not p.holds(buf):
+                        free.append(buf)  # it never left: no release will bring it back
+                    outage = outage or time.monotonic()
+                    if time.monotonic() - outage > broker_grace:
+                        raise
+                    time.sleep(0.1)
+            deadline = time.monotonic() + broker_grace + timeout
+            while p.outstanding and time.monotonic() < deadline:
+                try:
+                    p.flush(timeout)
+                except BrokerUnavailable:
+                    time.sleep(0.1)
+            _bump(counters, P_DOUBLE, p.unknown_releases)
             for buf in free:
                 buf.close()
     except Exception:
@@ -115,7 +151,8 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
 
 def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *, timeout: float = 30.0,
                  idle_stop: float | None = None, hold: float = 0.0, env: dict[str, str] | None = None,
-                 keep_seen: bool = True, skip_wait: bool = False) -> dict[str, Any]:
+                 keep_seen: bool = True, skip_wait: bool = False, counters: Any = None,
+                 broker_grace: float = 15.0) -> dict[str, Any]:
     """Receive up to ``count`` buffers (or until ``idle_stop`` s pass with none), checking each.
 
     ``skip_wait`` is fault injection: the consumer breaks the contract by not waiting, which the
@@ -123,20 +160,29 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
     """
     if env:
         os.environ.update(env)
-    from .client import Consumer, ProducerGone
+    from .client import BrokerUnavailable, Consumer, ProducerGone
     from .devices.errors import RaceError
 
     rep = ConsumerReport()
     try:
         with Consumer(endpoint, channel, device) as c:
+            outage: float | None = None
             while count is None or rep.received < count:
                 try:
                     h = c.receive(timeout=idle_stop if idle_stop is not None else timeout)
+                    outage = None
                 except TimeoutError:
                     if idle_stop is not None:
                         break
                     raise
+                except BrokerUnavailable:
+                    outage = outage or time.monotonic()
+                    if time.monotonic() - outage > broker_grace:
+                        raise
+                    time.sleep(0.1)
+                    continue
                 rep.received += 1
+                _bump(counters, C_RECEIVED)
                 rep.modes[h.sync_mode.wire_name] = rep.modes.get(h.sync_mode.wire_name, 0) + 1
                 rep.staged += h.staged
                 try:
@@ -155,14 +201,19 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
                     tag, seq, ok = verify(out)
                     rep.intact += ok
                     rep.corrupt += not ok
+                    _bump(counters, C_INTACT if ok else C_CORRUPT)
                     if keep_seen:
                         rep.seen.append((tag, seq))
                     h.release()
                 except ProducerGone:
                     rep.producer_gone += 1
+                    _bump(counters, C_PRODUCER_GONE)
+                    h.release()
                 except RaceError:
                     rep.races += 1
                     rep.corrupt += 1
+                    _bump(counters, C_RACES)
+                    _bump(counters, C_CORRUPT)
                     h.release()
     except Exception:
         rep.error = traceback.format_exc()

@@ -127,6 +127,7 @@ class Producer:
         self._out: dict[int, _Outgoing] = {}
         self._tickets: dict[int, Ticket] = {}
         self.name = name or f"producer-{os.getpid()}"
+        self.unknown_releases = 0  # RELEASED for a handoff already finished: a double release
         self.session = Session(endpoint, "producer", channel, self._hello, self._dispatch,
                                heartbeat_s=heartbeat_s, timeout_s=timeout_s)
 
@@ -135,12 +136,19 @@ class Producer:
         # Grants of a previous broker are void; ask the new one for as many again.
         self._ready += len(self._grants)
         self._grants.clear()
+        # A handoff the old broker never accepted is void too (the new one refuses it unregistered).
+        for hid in [h for h, o in self._out.items() if not o.ticket.accepted]:
+            o = self._out[hid]
+            o.ticket.error = RemoteError("broker_restarted", "the broker went away before accepting this handoff")
+            self.session.deferred.extend(self._finish(hid, "rejected", free_source=not o.resend))
         return {"name": self.name, "endpoint": self.endpoint_info.to_dict(), "credits": self._ready,
                 "outstanding": [h for h, o in self._out.items() if o.ticket.accepted]}
 
     def _dispatch(self, msg: Message) -> list[Callable[[], None]]:
         h = msg.header
         if msg.verb == "GRANT":
+            if h.get("epoch") != self.session.epoch:
+                return []  # issued to an earlier registration, which both sides voided
             self._ready = max(0, self._ready - 1)
             self._grants.append(h)
         elif msg.verb == "ACCEPTED":
@@ -159,7 +167,7 @@ class Producer:
             if hid is not None and int(hid) in self._out:
                 o = self._out[int(hid)]
                 o.ticket.error = RemoteError(str(h.get("code")), str(h.get("message")), h)
-                keep = o.resend and o.ticket.error.code == "consumer_gone"
+                keep = o.resend and o.ticket.error.code in ("consumer_gone", "unknown_grant")  # send() may re-send
                 return self._finish(int(hid), "rejected", free_source=not keep)
             log.warning("broker error: %s: %s", h.get("code"), h.get("message"))
         return []
@@ -167,6 +175,8 @@ class Producer:
     def _finish(self, handoff_id: int, outcome: str, free_source: bool = True) -> list[Callable[[], None]]:
         o = self._out.pop(handoff_id, None)
         if o is None:
+            self.unknown_releases += 1
+            log.warning("release of handoff %s that is not outstanding", handoff_id)
             return []
         self._tickets.pop(handoff_id, None)
         if o.event is not None:
@@ -190,6 +200,10 @@ class Producer:
         """Handoffs sent and not yet released."""
         return len(self._out)
 
+    def holds(self, obj: Any) -> bool:
+        """True while ``obj`` is part of a handoff not yet released (it will come back through on_release)."""
+        return any(o.source.keep is obj for o in self._out.values())
+
     def allocate(self, size: int) -> Buffer:
         """A buffer on the producer's device that hands off without a copy."""
         return self.device.allocate(size)
@@ -207,7 +221,7 @@ class Producer:
 
     def send(self, obj: Any, mode: SyncMode | None = None, *, stream: CudaStream | None = None,
              timeout: float | None = None, block: bool = True,
-             on_release: Callable[[Ticket], None] | None = None) -> Ticket:
+             on_release: Callable[[Ticket], None] | None = None, meta: dict[str, Any] | None = None) -> Ticket:
         """Hand ``obj`` to the next consumer that asks.
 
         ``mode``: preferred sync mode; the cheapest valid one is used where it is not valid for
@@ -215,9 +229,11 @@ class Producer:
         ``stream``: where ``obj``'s writes were enqueued (default: :attr:`stream`).
         ``block``: wait until the broker accepted the handoff (errors raise here); with
         ``block=False`` they land on the returned ticket. ``on_release(ticket)`` runs once.
+        ``meta``: small JSON-able user metadata, delivered as ``handoff.meta["user"]``.
         A handoff whose consumer died before it arrived is re-sent to the next consumer.
         """
         src = resolve(obj, self.cpu, self.gpu, stream or self.stream)
+        src.user = meta
         try:
             while True:
                 grant = self._take_grant(timeout)
@@ -226,13 +242,18 @@ class Producer:
                 if not block:
                     return ticket
                 self.session.pump(lambda: ticket.accepted or ticket.released, timeout, "waiting for the broker to accept")
-                if ticket.error is not None and ticket.error.code == "consumer_gone":
-                    continue  # that consumer died before delivery: the next one gets it
+                if ticket.error is not None and (
+                        ticket.error.code in ("consumer_gone", "broker_restarted")
+                        or (ticket.error.code == "unknown_grant" and grant.get("epoch") != self.session.epoch)):
+                    continue  # never delivered (its consumer died, or its grant died with a registration)
                 if ticket.error is not None:
                     raise ticket.error
                 return ticket
         except BaseException:
-            if src.cleanup is not None and not any(o.source is src for o in self._out.values()):
+            pending = [o for o in self._out.values() if o.source is src]
+            for o in pending:
+                o.resend = False  # nobody will re-send it now: its release must free and report
+            if src.cleanup is not None and not pending:
                 src.cleanup()
             raise
 

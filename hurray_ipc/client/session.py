@@ -76,6 +76,7 @@ class Session:
         self.last_tx = 0.0
         self._hello_sent = 0.0
         self.closed = False
+        self.deferred: list[Callback] = []  # callbacks the owner queued outside a dispatch
         self._register()
         self._bg = threading.Thread(target=self._background, name=f"hurray-{role}-pump", daemon=True)
         self._bg.start()
@@ -87,8 +88,10 @@ class Session:
             self.last_tx = time.monotonic()
 
     def _register(self) -> None:
+        # The epoch tells this registration's GRANTs from those of an earlier one still in flight.
+        self.epoch = getattr(self, "epoch", 0) + 1
         header = {"protocol": PROTOCOL_VERSION, "role": self.role, "channel": self.channel,
-                  "client_id": self.client_id, "pid": os.getpid(), **self._hello()}
+                  "client_id": self.client_id, "pid": os.getpid(), "epoch": self.epoch, **self._hello()}
         self.send(Message("HELLO", header))
         self._hello_sent = time.monotonic()
 
@@ -143,6 +146,9 @@ class Session:
                 raise TimeoutError(f"timed out after {timeout} s while {what}")
 
     def _pump_once(self, until: Callable[[], bool], deadline: float | None, out: list[Callback]) -> bool:
+        if self.deferred:
+            out.extend(self.deferred)
+            self.deferred.clear()
         if until():
             return True
         now = time.monotonic()

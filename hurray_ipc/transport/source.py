@@ -29,9 +29,13 @@ class Source:
     copied: bool = False  # host bytes were copied into shared memory to be shareable
     keep: Any = None  # the user's object, alive until the handoff is released
     cleanup: Callable[[], None] | None = None
+    user: dict[str, Any] | None = None  # the sender's own metadata
 
     def meta(self) -> dict[str, Any]:
-        return {"typestr": self.typestr, "shape": list(self.shape or (self.buffer.size,))}
+        m: dict[str, Any] = {"typestr": self.typestr, "shape": list(self.shape or (self.buffer.size,))}
+        if self.user:
+            m["user"] = self.user
+        return m
 
 
 def _contiguous_nbytes(shape: tuple[int, ...], typestr: str, strides: Any) -> int:

@@ -1,0 +1,323 @@
+"""hurray-stress: N producers x M consumers over one broker, with SIGKILLs and broker restarts.
+
+    hurray-stress --producers 2 --consumers 2 --count 400 --size 64K --device emulated \\
+                  --kill-consumers 0.5 --kill-producers 0.2 --broker-restarts 1
+
+Every buffer carries a checksum written on the producer's stream and checked on the consumer's
+(after the sync rule), so a synchronisation bug shows as corruption. Killed workers are replaced.
+At the end: handoffs, checksums verified, corrupt, lost, released twice, shared-memory segments
+and events left behind, broker RSS at start and end (table, or --json). Exit 1 if anything is
+corrupt, lost, released twice or leaked. Defaults are CI-sized; raise --count/--duration for soak runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import workload
+from ..devices import shm
+
+SPAWN = mp.get_context("spawn")
+
+
+def parse_size(text: str) -> int:
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if t[-1:] in "KMG" else t) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"size {text!r}: expected bytes like 4096, 64K, 1M") from None
+
+
+@dataclass
+class StressConfig:
+    producers: int = 2
+    consumers: int = 2
+    count: int = 200  # handoffs in total (split over producers)
+    duration: float | None = None  # or: run this long
+    size: int = 64 << 10
+    mode: str | None = None
+    device: str = "emulated"  # cpu | emulated | cuda
+    kill_consumers: float = 0.0  # SIGKILLs per second
+    kill_producers: float = 0.0
+    broker_restarts: int = 0
+    seed: int = 1
+    emu_delay_ms: float = 1.0
+    timeout: float = 2.0  # broker's client timeout
+    progress: bool = True
+    skip_wait: bool = False  # fault injection: consumers break the contract (must show as corrupt)
+
+
+@dataclass
+class Worker:
+    role: str
+    proc: Any
+    counters: Any
+    share: int = 0
+    killed: bool = False
+    result: Any = None
+    queue: Any = None
+
+
+@dataclass
+class StressSummary:
+    config: dict[str, Any]
+    seconds: float = 0.0
+    handoffs: int = 0
+    verified: int = 0
+    corrupt: int = 0
+    races: int = 0
+    lost: int = 0
+    released_twice: int = 0
+    consumer_gone_releases: int = 0
+    producer_gone: int = 0
+    consumers_killed: int = 0
+    producers_killed: int = 0
+    broker_restarts: int = 0
+    segments_left: int = 0
+    events_left: int = 0
+    broker_rss_kib_start: int = 0
+    broker_rss_kib_end: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.corrupt or self.lost or self.released_twice or self.segments_left or self.events_left
+                    or self.errors) and self.verified > 0
+
+
+def _call(fn: Any, kwargs: dict[str, Any], q: Any) -> None:
+    q.put(fn(**kwargs))
+
+
+def _rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class Runner:
+    def __init__(self, cfg: StressConfig):
+        self.cfg = cfg
+        self.tmp = Path(tempfile.mkdtemp(prefix="hurray-stress-"))
+        self.endpoint = f"ipc://{self.tmp}/broker.sock"
+        self.rng = random.Random(cfg.seed)
+        if cfg.device == "cpu":
+            self.spec, self.env = "cpu", {}
+        elif cfg.device == "emulated":
+            from ..devices.backend.emulated import EmulationConfig
+
+            self.spec = "cuda:0"
+            self.env = EmulationConfig(devices=1, op_delay_s=cfg.emu_delay_ms / 1000).to_env()
+        elif cfg.device == "cuda":
+            self.spec, self.env = "cuda:0", {"HURRAY_CUDA": "real"}
+        else:
+            raise ValueError(f"device {cfg.device!r}: expected cpu, emulated or cuda")
+        self.workers: list[Worker] = []
+        self.broker: subprocess.Popen | None = None
+        self.summary = StressSummary(asdict(cfg))
+
+    # --- processes -------------------------------------------------------------------------
+    def start_broker(self) -> None:
+        self.broker = subprocess.Popen([sys.executable, "-m", "broker", "--endpoint", self.endpoint, "--timeout",
+                                        str(self.cfg.timeout), "--heartbeat", "0.2", "--log-level", "error"])
+        sock = self.tmp / "broker.sock"
+        deadline = time.monotonic() + 20
+        while not sock.exists():
+            if self.broker.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("broker did not start")
+            time.sleep(0.02)
+
+    def _spawn(self, role: str, share: int = 0) -> Worker:
+        counters = SPAWN.Array("q", 5)
+        q = SPAWN.Queue()
+        common = dict(endpoint=self.endpoint, channel="stress", device=self.spec, env=self.env, counters=counters,
+                      broker_grace=4 * self.cfg.timeout + 10)
+        if role == "producer":
+            kw = dict(common, count=share, size=self.cfg.size, mode=self.cfg.mode, duration=self.cfg.duration,
+                      timeout=30.0)
+            fn = workload.run_producer
+        else:
+            kw = dict(common, count=None, idle_stop=max(3.0, 2 * self.cfg.timeout), keep_seen=False, timeout=30.0,
+                      skip_wait=self.cfg.skip_wait)
+            fn = workload.run_consumer
+        p = SPAWN.Process(target=_call, args=(fn, kw, q), daemon=True)
+        p.start()
+        w = Worker(role, p, counters, share, queue=q)
+        self.workers.append(w)
+        return w
+
+    def _kill(self, role: str) -> None:
+        alive = [w for w in self.workers if w.role == role and not w.killed and w.proc.is_alive()]
+        if not alive:
+            return
+        w = self.rng.choice(alive)
+        os.kill(w.proc.pid, signal.SIGKILL)
+        w.proc.join(5)
+        w.killed = True
+        if role == "consumer":
+            self.summary.consumers_killed += 1
+            self._spawn("consumer")
+        else:
+            self.summary.producers_killed += 1
+            left = w.share - w.counters[workload.P_SENT]
+            if left > 0 or self.cfg.duration:
+                self._spawn("producer", max(left, 0) if not self.cfg.duration else 1 << 40)
+
+    def _restart_broker(self) -> None:
+        assert self.broker is not None
+        os.kill(self.broker.pid, signal.SIGKILL)
+        self.broker.wait(10)
+        time.sleep(0.5)
+        self.start_broker()
+        self.summary.broker_restarts += 1
+
+    def _sum(self, role: str, i: int) -> int:
+        return sum(w.counters[i] for w in self.workers if w.role == role)
+
+    # --- the run ---------------------------------------------------------------------------
+    def run(self) -> StressSummary:
+        cfg = self.cfg
+        before = set(shm.list_segments())
+        t0 = time.monotonic()
+        self.start_broker()
+        time.sleep(0.3)
+        self.summary.broker_rss_kib_start = _rss(self.broker.pid)  # type: ignore[union-attr]
+        for _ in range(cfg.consumers):
+            self._spawn("consumer")
+        per = [cfg.count // cfg.producers + (i < cfg.count % cfg.producers) for i in range(cfg.producers)]
+        for n in per:
+            self._spawn("producer", n if not cfg.duration else 1 << 40)
+        bar = None
+        if cfg.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=None if cfg.duration else cfg.count, unit="handoff", file=sys.stderr, leave=False)
+        restarts_at = [t0 + (i + 1) * self._expected_seconds() / (cfg.broker_restarts + 1)
+                       for i in range(cfg.broker_restarts)]
+        tick, done_shown = 0.1, 0
+        while any(w.role == "producer" and not w.killed and w.proc.is_alive() for w in self.workers):
+            time.sleep(tick)
+            now = time.monotonic()
+            if self.rng.random() < cfg.kill_consumers * tick:
+                self._kill("consumer")
+            if self.rng.random() < cfg.kill_producers * tick:
+                self._kill("producer")
+            if restarts_at and now >= restarts_at[0]:
+                restarts_at.pop(0)
+                self._restart_broker()
+            if bar is not None:
+                done = self._sum("consumer", workload.C_INTACT) + self._sum("consumer", workload.C_CORRUPT)
+                bar.update(done - done_shown)
+                done_shown = done
+            if now - t0 > 600 + (cfg.duration or 0):
+                self.summary.errors.append("stress run exceeded its time bound; stopping")
+                break
+        if bar is not None:
+            bar.close()
+        self._collect()
+        self.summary.broker_rss_kib_end = _rss(self.broker.pid)  # type: ignore[union-attr]
+        self.broker.terminate()  # type: ignore[union-attr]
+        self.broker.wait(10)  # type: ignore[union-attr]
+        time.sleep(0.2)
+        left = sorted(set(shm.list_segments()) - before)
+        self.summary.events_left = sum(1 for n in left if shm.parse_name(n)[2] == "v")
+        self.summary.segments_left = len(left) - self.summary.events_left
+        shm.cleanup_stale()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.summary.seconds = round(time.monotonic() - t0, 2)
+        return self.summary
+
+    def _expected_seconds(self) -> float:
+        return self.cfg.duration or max(2.0, self.cfg.count / 150)
+
+    def _collect(self) -> None:
+        s = self.summary
+        for w in self.workers:
+            if w.killed:
+                continue
+            try:
+                w.result = w.queue.get(timeout=120)
+            except Exception:  # noqa: BLE001
+                s.errors.append(f"{w.role} pid {w.proc.pid} gave no result")
+                w.proc.kill()
+                continue
+            w.proc.join(10)
+            if w.result.get("error"):
+                s.errors.append(f"{w.role} pid {w.proc.pid}: {w.result['error'].strip().splitlines()[-1]}")
+        s.handoffs = self._sum("producer", workload.P_SENT)
+        s.verified = self._sum("consumer", workload.C_INTACT)
+        s.corrupt = self._sum("consumer", workload.C_CORRUPT)
+        s.races = self._sum("consumer", workload.C_RACES)
+        s.producer_gone = self._sum("consumer", workload.C_PRODUCER_GONE)
+        s.released_twice = self._sum("producer", workload.P_DOUBLE)
+        s.consumer_gone_releases = self._sum("producer", workload.P_CONSUMER_GONE)
+        # Lost: handed off by a producer that lived to the end, and never released back to it.
+        s.lost = sum(w.counters[workload.P_SENT] - w.counters[workload.P_RELEASED]
+                     for w in self.workers if w.role == "producer" and not w.killed)
+
+
+def render(s: StressSummary) -> str:
+    rows = [("handoffs", s.handoffs), ("checksums verified", s.verified), ("corrupt", s.corrupt),
+            ("  of which unordered reads (race check)", s.races), ("lost", s.lost),
+            ("released twice", s.released_twice), ("released back for dead consumers", s.consumer_gone_releases),
+            ("held when their producer died", s.producer_gone), ("consumers killed", s.consumers_killed),
+            ("producers killed", s.producers_killed), ("broker restarts", s.broker_restarts),
+            ("shm segments left behind", s.segments_left), ("events left behind", s.events_left),
+            ("broker RSS start / end (KiB)", f"{s.broker_rss_kib_start} / {s.broker_rss_kib_end}"),
+            ("seconds", s.seconds)]
+    out = [f"{k:<42} {v}" for k, v in rows]
+    out += [f"error: {e}" for e in s.errors]
+    out.append("PASS" if s.ok else "FAIL")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hurray-stress", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = StressConfig()
+    p.add_argument("--producers", type=int, default=d.producers)
+    p.add_argument("--consumers", type=int, default=d.consumers)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--count", type=int, default=d.count, help="handoffs in total")
+    g.add_argument("--duration", type=float, help="seconds to run instead of a count")
+    p.add_argument("--size", type=parse_size, default=d.size, help="bytes per buffer (64K, 1M ...)")
+    p.add_argument("--mode", help="preferred sync mode (default: cheapest valid)")
+    p.add_argument("--device", choices=["cpu", "emulated", "cuda"], default=d.device)
+    p.add_argument("--kill-consumers", type=float, default=0.0, help="SIGKILLs of consumers per second")
+    p.add_argument("--kill-producers", type=float, default=0.0, help="SIGKILLs of producers per second")
+    p.add_argument("--broker-restarts", type=int, default=0, help="SIGKILL and restart the broker this often")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--emu-delay-ms", type=float, default=d.emu_delay_ms, help="emulated op duration")
+    p.add_argument("--inject-skip-wait", action="store_true",
+                   help="consumers skip the sync rule: proves the checksums catch it (the run must FAIL)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    cfg = StressConfig(a.producers, a.consumers, a.count, a.duration, a.size, a.mode, a.device, a.kill_consumers,
+                       a.kill_producers, a.broker_restarts, a.seed, a.emu_delay_ms,
+                       progress=not a.no_progress and not a.json, skip_wait=a.inject_skip_wait)
+    s = Runner(cfg).run()
+    print(json.dumps({**asdict(s), "ok": s.ok}) if a.json else render(s))
+    return 0 if s.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
