@@ -64,6 +64,7 @@ class Client:
     last_seen: float
     credits: int = 0  # consumer: requests not yet granted; producer: READY not yet granted
     epoch: int = 0  # the client's registration number, echoed in GRANT
+    pairs: dict = field(default_factory=dict)  # producer side: (consumer Client id, cpu?) -> PairModes
 
 
 @dataclass
@@ -310,7 +311,9 @@ class Broker:
     def on_request(self, c: Client, msg: Message) -> None:
         if c.role != "consumer":
             raise ProtocolError("wrong_role", "REQUEST is a consumer's message")
-        n = self._credits(msg)
+        self._add_requests(c, self._credits(msg))
+
+    def _add_requests(self, c: Client, n: int) -> None:
         n = min(n, MAX_CREDITS - c.credits)
         c.credits += n
         self._channel(c.channel).requests.extend([c.rid] * n)
@@ -319,8 +322,20 @@ class Broker:
     def on_ready(self, c: Client, msg: Message) -> None:
         if c.role != "producer":
             raise ProtocolError("wrong_role", "READY is a producer's message")
-        c.credits = min(MAX_CREDITS, c.credits + self._credits(msg))
+        self._add_ready(c, self._credits(msg))
+
+    def _add_ready(self, c: Client, n: int) -> None:
+        c.credits = min(MAX_CREDITS, c.credits + n)
         self._match(c.channel)
+
+    def _piggyback(self, msg: Message, name: str) -> int:
+        """Credits carried on a HANDOFF (``ready``) or RELEASE (``credits``): one message fewer."""
+        n = field_of(msg, name, int, optional=True)
+        if n is None:
+            return 0
+        if not 1 <= n <= MAX_CREDITS:
+            raise ProtocolError("bad_header", f"{name} must be 1..{MAX_CREDITS}, got {n}")
+        return n
 
     def _match(self, name: str) -> None:
         ch = self._channel(name)
@@ -343,17 +358,27 @@ class Broker:
 
     # --- handoffs --------------------------------------------------------------------------
     def expected_modes(self, producer: Client, consumer: Client, handle: BufferHandle) -> PairModes:
-        ep = producer.endpoint
-        if handle.device_tag is DeviceTag.CPU and ep.identity.kind != "cpu":
-            ep = Endpoint(DeviceIdentity("cpu", 0, "CPU-" + ep.identity.host, host=ep.identity.host),
-                          DeviceCapabilities(True, False), ep.pid)
-        return pair_modes(ep, consumer.endpoint)
+        cpu = handle.device_tag is DeviceTag.CPU
+        key = (id(consumer), cpu)  # a re-registered consumer is a new Client object: a new key
+        pm = producer.pairs.get(key)
+        if pm is None:
+            ep = producer.endpoint
+            if cpu and ep.identity.kind != "cpu":
+                ep = Endpoint(DeviceIdentity("cpu", 0, "CPU-" + ep.identity.host, host=ep.identity.host),
+                              DeviceCapabilities(True, False), ep.pid)
+            if len(producer.pairs) > 1024:
+                producer.pairs.clear()
+            pm = producer.pairs[key] = pair_modes(ep, consumer.endpoint)
+        return pm
 
     def on_handoff(self, c: Client, msg: Message) -> None:
         if c.role != "producer":
             raise ProtocolError("wrong_role", "HANDOFF is a producer's message")
         gid = field_of(msg, "grant_id", int)
         hid = field_of(msg, "handoff_id", int)
+        ready = self._piggyback(msg, "ready")
+        if ready:
+            self._add_ready(c, ready)  # before validation: a refused handoff still asked for more
         g = self.grants.get(gid)
         if g is None or g.producer != c.rid:
             raise ProtocolError("unknown_grant", f"grant {gid} is not one this producer holds")
@@ -430,8 +455,11 @@ class Broker:
             self._send(d.producer, Message("EVENT_RELEASED", {"handoff_id": d.handoff_id}))
 
     def on_release(self, c: Client, msg: Message) -> None:
+        credits = self._piggyback(msg, "credits")
         d = self._delivery_of(c, msg)
         self._release(d, str(msg.header.get("reason", "released"))[:200])
+        if credits:
+            self._add_requests(c, credits)
 
     def _release(self, d: Delivery, reason: str) -> None:
         self.deliveries.pop(d.token, None)

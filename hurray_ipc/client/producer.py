@@ -10,6 +10,7 @@ exactly once. Events come from a pool and are re-recorded after their release.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import threading
@@ -24,7 +25,7 @@ from ..devices.cpu import CpuDevice
 from ..devices.cuda import CudaDevice, CudaEvent, CudaStream
 from ..format.handle import BufferHandle, DeviceTag, SyncMode
 from ..transport import inproc
-from ..transport.pairing import Endpoint, pair_modes
+from ..transport.pairing import Endpoint, PairModes, pair_modes
 from ..transport.protocol import Message
 from ..transport.source import Source, resolve
 from ..transport.staging import StagingExhausted, StagingPool
@@ -126,6 +127,7 @@ class Producer:
         self._ids = itertools.count(1)
         self._out: dict[int, _Outgoing] = {}
         self._tickets: dict[int, Ticket] = {}
+        self._pairs: dict[tuple[str, str, bool], tuple[Endpoint, PairModes]] = {}
         self.name = name or f"producer-{os.getpid()}"
         self.unknown_releases = 0  # RELEASED for a handoff already finished: a double release
         self.session = Session(endpoint, "producer", channel, self._hello, self._dispatch,
@@ -237,8 +239,7 @@ class Producer:
         try:
             while True:
                 grant = self._take_grant(timeout)
-                consumer = Endpoint.from_dict(grant["consumer"])
-                ticket = self._handoff(src, grant, consumer, mode, on_release, resend=block)
+                ticket = self._handoff(src, grant, mode, on_release, resend=block)
                 if not block:
                     return ticket
                 self.session.pump(lambda: ticket.accepted or ticket.released, timeout, "waiting for the broker to accept")
@@ -257,11 +258,22 @@ class Producer:
                 src.cleanup()
             raise
 
-    def _handoff(self, src: Source, grant: dict[str, Any], consumer: Endpoint, preferred: SyncMode | None,
+    def _pairing(self, grant: dict[str, Any], on_gpu: bool) -> tuple[Endpoint, PairModes]:
+        """The consumer's endpoint and the pair's valid modes, computed once per consumer."""
+        key = (grant["consumer_id"], json.dumps(grant["consumer"], sort_keys=True), on_gpu)
+        hit = self._pairs.get(key)
+        if hit is None:
+            if len(self._pairs) > 1024:
+                self._pairs.clear()
+            consumer = Endpoint.from_dict(grant["consumer"])
+            hit = self._pairs[key] = (consumer, pair_modes(self.endpoint_info if on_gpu else self._cpu_info, consumer))
+        return hit
+
+    def _handoff(self, src: Source, grant: dict[str, Any], preferred: SyncMode | None,
                  on_release: Callable[[Ticket], None] | None, resend: bool) -> Ticket:
         buf = src.buffer
         on_gpu = isinstance(buf.device, CudaDevice)
-        pm = pair_modes(self.endpoint_info if on_gpu else self._cpu_info, consumer)
+        consumer, pm = self._pairing(grant, on_gpu)
         hid = next(self._ids)
         out = _Outgoing(Ticket(hid, SyncMode.PRODUCER_SYNCED, False, pm.transport, grant["consumer_id"]), src,
                         on_release=on_release, resend=resend)
@@ -290,6 +302,10 @@ class Producer:
             exp = share.device.export_memory(share)
             frames["memory"] = exp.blob
             header["offset"] = exp.offset
+        want = self.prefetch - len(self._grants) - self._ready
+        if want > 0:  # ask for the next grants on this message instead of a READY of their own
+            header["ready"] = want
+            self._ready += want
         frames = {"handle": handle.encode(), **frames}
         self._out[hid] = out
         self._tickets[hid] = out.ticket

@@ -202,4 +202,5 @@ class Session:
                 pass
             self.closed = True
             self.sock.close(linger=100)
-        self._bg.join(timeout=2)
+        if self._bg.is_alive():
+            self._bg.join(timeout=2)

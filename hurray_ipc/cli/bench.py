@@ -1,0 +1,49 @@
+"""hurray-bench: Hurray handoffs side by side with raw pyzmq, multiprocessing.Queue, hand-made
+shared_memory, torch.multiprocessing (when installed) and memcpy, in one run.
+
+    hurray-bench                      # CI-sized: 4 KiB, 1 MiB, 64 MiB
+    hurray-bench --full               # more iterations (minutes)
+    hurray-bench --sizes 4K,1M --out results/mine
+
+Writes results.json, results.md and plot.png (with the bench extra) into the results folder and
+prints the markdown table. Targets are reported, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from ..bench.suite import markdown, plot, run_suite
+from .stress import parse_size
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hurray-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="4K,1M,64M", help="comma-separated buffer sizes")
+    p.add_argument("--iterations", type=int, default=None, help="round trips per row for sizes <= 1 MiB")
+    p.add_argument("--full", action="store_true", help="2000 / 200 iterations instead of 300 / 40")
+    p.add_argument("--out", default=None, help="results folder (default results/bench-<time>)")
+    p.add_argument("--quiet", action="store_true")
+    a = p.parse_args(argv)
+    sizes = [parse_size(s) for s in a.sizes.split(",") if s]
+    n_small = a.iterations or (2000 if a.full else 300)
+    n_large = max(5, n_small // 10) if a.iterations else (200 if a.full else 40)
+    out = Path(a.out or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    say = (lambda s: None) if a.quiet else (lambda s: print(f"  running {s} ...", file=sys.stderr, flush=True))
+    res = run_suite(sizes, n_small, n_large, say)
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    md = markdown(res)
+    (out / "results.md").write_text(md)
+    why = plot(res, out / "plot.png")
+    print(md)
+    print(f"results in {out}/" + (f" (no plot: {why})" if why else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
