@@ -469,8 +469,9 @@ def markdown(res: dict[str, Any]) -> str:
                 notes += "; " + ", ".join(r["modes"])
             lines.append(f"| {r['name']} | {human(r.get('size'))} | {r['latency']['p50_us']} | {r['latency']['p99_us']} | "
                          f"{r['per_s']} | {notes} |")
-    lines += ["", "| target | measured | met |", "|---|---:|---|"]
-    lines += [f"| {t['target']} | {t['value']} | {'yes' if t['met'] else 'no'} |" for t in res["targets"]]
+    if res.get("targets"):
+        lines += ["", "| target | measured | met |", "|---|---:|---|"]
+        lines += [f"| {t['target']} | {t['value']} | {'yes' if t['met'] else 'no'} |" for t in res["targets"]]
     return "\n".join(lines) + "\n"
 
 
