@@ -529,47 +529,40 @@ class Broker:
         for rid, tokens in by_consumer.items():
             self._send(rid, Message("PRODUCER_GONE", {"tokens": tokens}))
 
-    def _reregister(self, rid: bytes) -> None:
-        """A registered client said HELLO again (it thought us gone). Its queued credits and grants
-        are void, as its HELLO re-declares them; its deliveries stay bound: they are real."""
-        c = self.clients.pop(rid)
+    def _void_credits(self, c: Client) -> None:
+        """Forget a client's queued credits and grants: a producer's grants give their consumers'
+        credits back (front of the queue); grants *for* a consumer must go to another consumer."""
         ch = self._channel(c.channel)
-        ch.requests = deque(r for r in ch.requests if r != rid)
-        ch.producers.pop(rid, None)
-        for g in [g for g in self.grants.values() if g.producer == rid]:
-            del self.grants[g.gid]
-            consumer = self.clients.get(g.consumer)
-            if consumer is not None:
-                ch.requests.appendleft(g.consumer)
-                consumer.credits += 1
-        for g in self.grants.values():
-            if g.consumer == rid:
-                g.consumer_gone = True  # its credit was re-declared; the handoff must go elsewhere
-
-    def _drop(self, rid: bytes, why: str) -> None:
-        c = self.clients.pop(rid, None)
-        if c is None:
-            return
-        ch = self._channel(c.channel)
-        log.info(json.dumps({"event": "client_gone", "client": rid.decode(errors="replace"), "role": c.role,
-                             "why": why, "pid": c.endpoint.pid}))
-        if c.role == "consumer":
-            self.stats.consumers_lost += why != "bye"
-            ch.requests = deque(r for r in ch.requests if r != rid)
-            for g in self.grants.values():
-                if g.consumer == rid:
-                    g.consumer_gone = True
-            for d in [d for d in self.deliveries.values() if d.consumer == rid]:
-                self._release(d, "consumer_gone")
-        else:
-            self.stats.producers_lost += why != "bye"
-            ch.producers.pop(rid, None)
-            for g in [g for g in self.grants.values() if g.producer == rid]:
+        ch.requests = deque(r for r in ch.requests if r != c.rid)
+        ch.producers.pop(c.rid, None)
+        for g in list(self.grants.values()):
+            if g.producer == c.rid:
                 del self.grants[g.gid]
                 consumer = self.clients.get(g.consumer)
                 if consumer is not None:
                     ch.requests.appendleft(g.consumer)
                     consumer.credits += 1
+            elif g.consumer == c.rid:
+                g.consumer_gone = True
+
+    def _reregister(self, rid: bytes) -> None:
+        """A registered client said HELLO again (it thought us gone). Its credits and grants are
+        void, as its HELLO re-declares them; its deliveries stay bound: they are real."""
+        self._void_credits(self.clients.pop(rid))
+
+    def _drop(self, rid: bytes, why: str) -> None:
+        c = self.clients.pop(rid, None)
+        if c is None:
+            return
+        log.info(json.dumps({"event": "client_gone", "client": rid.decode(errors="replace"), "role": c.role,
+                             "why": why, "pid": c.endpoint.pid}))
+        self._void_credits(c)
+        if c.role == "consumer":
+            self.stats.consumers_lost += why != "bye"
+            for d in [d for d in self.deliveries.values() if d.consumer == rid]:
+                self._release(d, "consumer_gone")
+        else:
+            self.stats.producers_lost += why != "bye"
             self._producer_gone([d for d in self.deliveries.values() if d.producer == rid])
             self.orphans = {k: v for k, v in self.orphans.items() if k[0] != rid}
             self._match(c.channel)

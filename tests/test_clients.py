@@ -266,3 +266,24 @@ def test_no_segments_left_behind(broker):
     time.sleep(0.2)
     left = set(shm.list_segments()) - before
     assert not left, left
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["EVENT", "PRODUCER_SYNCED"])
+def test_real_cuda_ipc_handoff(broker, mode):
+    """The same multi-process run on a real GPU (cudaIpc*), unchanged; skipped without one."""
+    from conftest import REAL_SKIP
+
+    if REAL_SKIP:
+        pytest.skip(f"real CUDA not available here: {REAL_SKIP}")
+    pr, cr = run_pair(broker, "cuda:0", "cuda:0", {"HURRAY_CUDA": "real"}, mode=mode, size=1 << 20)
+    assert cr["modes"] == {f"SYNC_{mode}": 12}
+
+
+def test_real_cuda_to_cpu_consumer_is_staged(broker):
+    from conftest import REAL_SKIP
+
+    if REAL_SKIP:
+        pytest.skip(f"real CUDA not available here: {REAL_SKIP}")
+    pr, cr = run_pair(broker, "cuda:0", "cpu", {"HURRAY_CUDA": "real"}, n=8)
+    assert cr["staged"] == 8

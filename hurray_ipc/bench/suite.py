@@ -179,14 +179,11 @@ def bench_hurray(endpoint: str, label: str, pdev: str, cdev: str, size: int, n: 
 
 # --- multiprocessing.Queue with numpy arrays -------------------------------------------------
 
-def _mpq_producer(q: Any, ack: Any, size: int, n: int) -> dict[str, Any]:
-    a = np.ones(size, np.uint8)
-    for _ in range(5):
-        q.put((None, a))
-        ack.get()
-    for _ in range(n):
+def _queue_producer(q: Any, ack: Any, item: Any, n: int) -> dict[str, Any]:
+    """Ping-pong ``n`` (paced) for the consumer's latency, then ``n`` with a window for the rate."""
+    for i in range(5 + n):
         time.sleep(PACE)
-        q.put((time.monotonic(), a))
+        q.put((time.monotonic() if i >= 5 else None, item))
         ack.get()
     t0 = time.perf_counter()
     inflight = 0
@@ -194,26 +191,32 @@ def _mpq_producer(q: Any, ack: Any, size: int, n: int) -> dict[str, Any]:
         if inflight >= WINDOW:
             ack.get()
             inflight -= 1
-        q.put((None, a))
+        q.put((None, item))
         inflight += 1
     for _ in range(inflight):
         ack.get()
     return {"per_s": round(n / (time.perf_counter() - t0))}
 
 
-def _mpq_consumer(q: Any, ack: Any, n: int) -> dict[str, Any]:
+def _queue_consumer(q: Any, ack: Any, n: int) -> dict[str, Any]:
     lat = []
     for _ in range(5 + 2 * n):
-        t, a = q.get()
+        t, x = q.get()
+        _ = x[0]  # touch the data
         if t is not None:
             lat.append(time.monotonic() - t)
-        ack.put(int(a[0]))
+        del x  # a shared tensor's producer-side reference may go
+        ack.put(1)
     return {"latency": _lat(lat)}
+
+
+def _mpq_producer(q: Any, ack: Any, size: int, n: int) -> dict[str, Any]:
+    return _queue_producer(q, ack, np.ones(size, np.uint8), n)
 
 
 def bench_mp_queue(size: int, n: int) -> dict[str, Any]:
     q, ack = SPAWN.Queue(), SPAWN.Queue()
-    pr, cr = _pair((_mpq_producer, {"q": q, "ack": ack, "size": size, "n": n}), (_mpq_consumer, {"q": q, "ack": ack, "n": n}))
+    pr, cr = _pair((_mpq_producer, {"q": q, "ack": ack, "size": size, "n": n}), (_queue_consumer, {"q": q, "ack": ack, "n": n}))
     return {"name": "multiprocessing.Queue + numpy", "what": "one-way (pickled copy)", "size": size,
             "latency": cr["latency"], "per_s": pr["per_s"]}
 
@@ -282,33 +285,7 @@ def _torch_producer(q: Any, ack: Any, size: int, n: int, device: str) -> dict[st
     t = torch.ones(size, dtype=torch.uint8, device=device)
     if device != "cpu":
         torch.cuda.synchronize()
-    for i in range(5 + n):
-        time.sleep(PACE)
-        q.put((time.monotonic() if i >= 5 else None, t))
-        ack.get()
-    t0 = time.perf_counter()
-    inflight = 0
-    for _ in range(n):
-        if inflight >= WINDOW:
-            ack.get()
-            inflight -= 1
-        q.put((None, t))
-        inflight += 1
-    for _ in range(inflight):
-        ack.get()
-    return {"per_s": round(n / (time.perf_counter() - t0))}
-
-
-def _torch_consumer(q: Any, ack: Any, n: int) -> dict[str, Any]:
-    lat = []
-    for _ in range(5 + 2 * n):
-        t, x = q.get()
-        _ = x[0]
-        if t is not None:
-            lat.append(time.monotonic() - t)
-        del x
-        ack.put(1)
-    return {"latency": _lat(lat)}
+    return _queue_producer(q, ack, t, n)
 
 
 def bench_torch(size: int, n: int, device: str = "cpu") -> dict[str, Any]:
@@ -320,7 +297,7 @@ def bench_torch(size: int, n: int, device: str = "cpu") -> dict[str, Any]:
     ctx = tmp.get_context("spawn")
     q, ack = ctx.Queue(), ctx.Queue()
     pp = ctx.Process(target=_call, args=(_torch_producer, {"q": q, "ack": ack, "size": size, "n": n, "device": device}, rq := ctx.Queue()))
-    pc = ctx.Process(target=_call, args=(_torch_consumer, {"q": q, "ack": ack, "n": n}, rc := ctx.Queue()))
+    pc = ctx.Process(target=_call, args=(_queue_consumer, {"q": q, "ack": ack, "n": n}, rc := ctx.Queue()))
     pp.start(), pc.start()
     pr, cr = rq.get(timeout=300), rc.get(timeout=300)
     pp.join(10), pc.join(10)

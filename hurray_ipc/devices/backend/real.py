@@ -140,12 +140,15 @@ class RealRuntime(Runtime):
     def stream_synchronize(self, stream: Any) -> None:
         _check("cudaStreamSynchronize", self.rt.cudaStreamSynchronize(stream))
 
-    def stream_query(self, stream: Any) -> bool:
-        (err,) = self.rt.cudaStreamQuery(stream)
-        if err == self.rt.cudaError_t.cudaErrorNotReady:
+    def _done(self, call: str, result: Any) -> bool:
+        """A query's answer: cudaErrorNotReady means 'not yet', any other error raises."""
+        if result[0] == self.rt.cudaError_t.cudaErrorNotReady:
             return False
-        _check("cudaStreamQuery", (err,))
+        _check(call, result)
         return True
+
+    def stream_query(self, stream: Any) -> bool:
+        return self._done("cudaStreamQuery", self.rt.cudaStreamQuery(stream))
 
     def stream_wait_event(self, stream: Any, event: Any) -> None:
         _check("cudaStreamWaitEvent", self.rt.cudaStreamWaitEvent(stream, event, 0))
@@ -177,11 +180,7 @@ class RealRuntime(Runtime):
         _check("cudaEventSynchronize", self.rt.cudaEventSynchronize(event))
 
     def event_query(self, event: Any) -> bool:
-        (err,) = self.rt.cudaEventQuery(event)
-        if err == self.rt.cudaError_t.cudaErrorNotReady:
-            return False
-        _check("cudaEventQuery", (err,))
-        return True
+        return self._done("cudaEventQuery", self.rt.cudaEventQuery(event))
 
     def ipc_get_event_handle(self, event: Any) -> bytes:
         return _handle_bytes(_check("cudaIpcGetEventHandle", self.rt.cudaIpcGetEventHandle(event)))
