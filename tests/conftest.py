@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 
 import pytest
 
-from hurray_ipc.devices import CpuDevice, CudaDevice, DeviceError
+from hurray_ipc.devices import CpuDevice, CudaDevice
 from hurray_ipc.devices.backend.emulated import EmulationConfig, EmulatedRuntime
 from hurray_ipc.devices.backend.real import RealRuntime
 

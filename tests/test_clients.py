@@ -120,7 +120,7 @@ def test_negative_control_consumer_skipping_wait_sees_corruption(broker):
     p = Proc(workload.run_producer, endpoint=broker.endpoint, channel="neg", device="cuda:0", count=3, size=4096,
              env=env)
     pr, cr = p.result(), c.result()
-    assert cr["error"] is None, cr["error"]
+    assert cr["error"] is None and pr["error"] is None, (cr["error"], pr["error"])
     assert cr["corrupt"] == 3 and cr["races"] == 3
 
 

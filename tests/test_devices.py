@@ -10,7 +10,7 @@ import pytest
 
 import workers
 from conftest import REAL_SKIP, emu_config, run_child
-from hurray_ipc.devices import CpuDevice, CudaDevice, DeviceError, RaceError, probe_cuda, shm
+from hurray_ipc.devices import CpuDevice, CudaDevice, DeviceError, probe_cuda, shm
 from hurray_ipc.devices.backend.emulated import EmulatedRuntime
 from hurray_ipc.devices.backend.real import RealRuntime
 from hurray_ipc.format import DeviceTag

@@ -129,7 +129,7 @@ def _hurray_producer(endpoint: str, channel: str, device: str, size: int, n: int
             p.send(bufs[i % WINDOW], pref)
             p.flush(30)
         stall = []
-        for i in range(n):
+        for _ in range(n):
             t = time.monotonic()
             p.send(bufs[0], pref, meta={"t": t})
             stall.append(time.monotonic() - t)
@@ -137,7 +137,7 @@ def _hurray_producer(endpoint: str, channel: str, device: str, size: int, n: int
             time.sleep(PACE)  # idle between round trips, as in every latency row
         t0 = time.perf_counter()
         free = list(bufs)
-        for i in range(n):
+        for _ in range(n):
             while not free:
                 p.wait_released(30)
             b = free.pop()
@@ -156,7 +156,7 @@ def _hurray_consumer(endpoint: str, channel: str, device: str, n: int, env: dict
     lat = []
     modes = set()
     with Consumer(endpoint, channel, device, prefetch=WINDOW) as c:
-        for i in range(10 + 2 * n):
+        for _ in range(10 + 2 * n):
             h = c.receive(timeout=60)
             h.wait()
             t = (h.meta.get("user") or {}).get("t")

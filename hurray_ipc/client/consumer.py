@@ -21,7 +21,7 @@ import numpy as np
 from ..contract.handoff import Handoff
 from ..devices import Device, open_device
 from ..devices.base import Buffer, MemoryExport
-from ..devices.cuda import CudaDevice, CudaEvent, CudaStream
+from ..devices.cuda import CudaDevice, CudaStream
 from ..format.handle import BufferHandle, DeviceTag, HandleError, SyncMode
 from ..transport import dlpack, inproc
 from ..transport.pairing import Endpoint

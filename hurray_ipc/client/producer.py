@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from ..contract.sync import Transport, choose_sync_mode
 from ..devices import Device, open_device
-from ..devices.base import Buffer, DeviceIdentity
+from ..devices.base import Buffer
 from ..devices.cpu import CpuDevice
 from ..devices.cuda import CudaDevice, CudaEvent, CudaStream
 from ..format.handle import BufferHandle, DeviceTag, SyncMode

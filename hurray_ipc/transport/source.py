@@ -9,7 +9,7 @@ into a shared-memory buffer, since another process can only map shared memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
