@@ -223,7 +223,8 @@ class Consumer:
 
     ``device``: where you will use the buffers ('cpu' or 'cuda:N'); ``stream``: a CUDA stream you
     declare for SYNC_CONSUMER_STREAM (producers in this process then make it wait for you) and the
-    default stream of :meth:`ReceivedHandoff.wait`; ``prefetch``: requests kept outstanding.
+    default stream of :meth:`ReceivedHandoff.wait`; ``prefetch``: requests kept outstanding
+    (0: ask for one buffer per ``receive`` call only, never ahead).
     """
 
     def __init__(self, endpoint: str | None = None, channel: str = "default", device: "str | Device" = "cpu", *,
@@ -236,7 +237,7 @@ class Consumer:
         self.stream: CudaStream | None = stream or (self.gpu.create_stream() if self.gpu else None)
         if stream is not None:
             inproc.register_stream(stream)
-        self.prefetch = max(1, prefetch)
+        self.prefetch = max(0, prefetch)
         self.endpoint_info = Endpoint(self.device.identity, self.device.capabilities(), os.getpid(),
                                       None if stream is None else stream.handle)
         self._inbox: deque[ReceivedHandoff] = deque()
@@ -328,7 +329,7 @@ class Consumer:
         """The next handoff (raises TimeoutError, or BrokerUnavailable if the broker is gone)."""
         s = self.session
         with s.lock:
-            want = self.prefetch - len(self._inbox) - self._requested
+            want = max(self.prefetch, 1) - len(self._inbox) - self._requested
             if not self._inbox and want > 0:
                 s.send(Message("REQUEST", {"credits": want}))
                 self._requested += want

@@ -45,9 +45,23 @@ PAYLOAD: dict[str, tuple[str, ...]] = {
     "PRODUCER_GONE": (),
     "ERROR": (),
     "SHUTDOWN": (),
+    # the cross-machine link between two bridges (docs/spec/interchange.md)
+    "LINK_HELLO": (),
+    "LINK_WELCOME": (),
+    "LINK_PING": (),
+    "LINK_PONG": (),
+    "CREDIT": (),
+    "TENSOR_DESCRIPTOR": ("handle",),
+    "TENSOR_DATA": ("data",),
+    "TENSOR_DATA_END": (),
+    "REJECT": (),
 }
 CLIENT_VERBS = frozenset(["HELLO", "PING", "CAPS", "REQUEST", "READY", "HANDOFF", "RELEASE", "EVENT_RELEASE", "BYE"])
-BROKER_VERBS = frozenset(PAYLOAD) - CLIENT_VERBS
+BROKER_VERBS = frozenset(["WELCOME", "PONG", "CAPS_REPLY", "GRANT", "DELIVER", "ACCEPTED", "RELEASED",
+                          "EVENT_RELEASED", "PRODUCER_GONE", "ERROR", "SHUTDOWN"])
+LINK_RECEIVER_VERBS = frozenset(["LINK_HELLO", "CREDIT", "LINK_PING", "REJECT"])  # what a sending bridge accepts
+LINK_SENDER_VERBS = frozenset(["LINK_WELCOME", "LINK_PONG", "TENSOR_DESCRIPTOR", "TENSOR_DATA", "TENSOR_DATA_END",
+                               "REJECT"])  # what a receiving bridge accepts
 
 # Error codes a broker sends in ERROR.code.
 ERROR_CODES = frozenset({

@@ -1,0 +1,414 @@
+"""Cross-machine bridge between two brokers (docs/spec/interchange.md, ADR-018 §6).
+
+    # host A: take handoffs of channel "frames" from the local broker, serve them over TCP
+    python -m broker.bridge out --channel frames --listen tcp://*:5555 --server-key keys/server.key_secret \\
+        --clients keys/clients
+    # host B: receive them and hand them to local consumers of "frames"
+    python -m broker.bridge in --channel frames --connect tcp://hostA:5555 --client-key keys/client.key_secret \\
+        --server-public keys/server.key [--device cuda:0]
+    python -m broker.bridge keygen keys          # server and client certificates (CurveZMQ)
+
+The sending side is a *CPU consumer* of its local broker, so every GPU buffer reaches it host-staged
+(the producer host-waited the copy): device writes are visible to host reads before the first
+TENSOR_DATA frame, and every handle it sends is SYNC_PRODUCER_SYNCED. The receiving side is a
+producer on its local broker: it reassembles TENSOR_DATA frames straight into one shared-memory
+buffer (a buffer never has to fit in memory twice), never hands it on before TENSOR_DATA_END, and
+hands it on as SYNC_PRODUCER_SYNCED (copied to its GPU first with ``--device cuda:N``).
+
+Flow control is by credit: the receiver grants one transfer at a time per CREDIT, and sends the
+next CREDIT once the previous buffer was handed to a local consumer. Within a transfer, TCP
+backpressure and a bounded send queue (HWM) bound memory. Traffic is CurveZMQ-authenticated and
+encrypted; plaintext needs ``--insecure``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from hurray_ipc.client import BrokerUnavailable, Consumer, Producer
+from hurray_ipc.client.endpoint import default_endpoint
+from hurray_ipc.contract.sync import check_network_handle
+from hurray_ipc.devices import CudaDevice, open_device
+from hurray_ipc.format.handle import BufferHandle, HandleError, SyncMode
+from hurray_ipc.transport.protocol import LINK_RECEIVER_VERBS, LINK_SENDER_VERBS, Message, ProtocolError, decode
+
+log = logging.getLogger("hurray.bridge")
+
+INTERCHANGE_VERSION = 1
+CHUNK = 1 << 20
+SEND_HWM = 16  # chunks queued per peer: with CHUNK, at most 16 MiB in flight per transfer
+MAX_TENSOR = 1 << 40
+
+
+
+@dataclass
+class Curve:
+    """CurveZMQ key material read from files (zmq.auth certificate format)."""
+
+    public: bytes
+    secret: bytes
+    server_public: bytes | None = None  # client side
+    clients_dir: str | None = None  # server side: authorised client public keys
+
+    @classmethod
+    def server(cls, secret_file: str, clients_dir: str) -> "Curve":
+        pub, sec = zmq.auth.load_certificate(secret_file)
+        if sec is None:
+            raise ValueError(f"{secret_file} holds no secret key")
+        if not Path(clients_dir).is_dir():
+            raise ValueError(f"{clients_dir} is not a directory of authorised client keys")
+        return cls(pub, sec, clients_dir=clients_dir)
+
+    @classmethod
+    def client(cls, secret_file: str, server_public_file: str) -> "Curve":
+        pub, sec = zmq.auth.load_certificate(secret_file)
+        spub, _ = zmq.auth.load_certificate(server_public_file)
+        if sec is None:
+            raise ValueError(f"{secret_file} holds no secret key")
+        return cls(pub, sec, server_public=spub)
+
+
+def keygen(directory: str) -> None:
+    d = Path(directory)
+    (d / "clients").mkdir(parents=True, exist_ok=True)
+    zmq.auth.create_certificates(str(d), "server")
+    zmq.auth.create_certificates(str(d), "client")
+    (d / "clients" / "client.key").write_bytes((d / "client.key").read_bytes())
+    for f in d.glob("*.key_secret"):
+        os.chmod(f, 0o600)
+
+
+class BridgeOut:
+    """Host A: a CPU consumer of ``channel`` on the local broker, streaming each buffer to peers."""
+
+    def __init__(self, channel: str, listen: str, *, endpoint: str | None = None, curve: Curve | None = None,
+                 timeout_s: float = 3.0, chunk: int = CHUNK):
+        self.channel, self.chunk, self.timeout_s = channel, chunk, timeout_s
+        self.ctx = zmq.Context()
+        self.auth = None
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        if curve is not None:
+            self.auth = ThreadAuthenticator(self.ctx)
+            self.auth.start()
+            self.auth.configure_curve(domain="*", location=curve.clients_dir)
+            self.sock.curve_server = True
+            self.sock.curve_publickey, self.sock.curve_secretkey = curve.public, curve.secret
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unreachable peer is an error, not a drop
+        self.sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        self.sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(listen)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.local = endpoint
+        # A local consumer exists only while a remote peer is linked: with no peer, the bridge
+        # must not hold handoffs that nobody can receive (its BYE gives them back to the broker).
+        self.consumer: Consumer | None = None
+        self.peers: dict[bytes, dict[str, Any]] = {}
+        self.ids = itertools.count(1)
+        self.stats = {"sent": 0, "rejected": 0, "aborted": 0}
+        self.running = False
+
+    def _reply(self, rid: bytes, msg: Message) -> None:
+        try:
+            self.sock.send_multipart([rid, *msg.encode()])
+        except zmq.ZMQError as e:
+            log.warning(json.dumps({"event": "peer_unreachable", "error": str(e)}))
+            self.peers.pop(rid, None)
+
+    def _handle(self, parts: list[bytes]) -> None:
+        rid = parts[0]
+        try:
+            msg = decode(parts[1:], allowed=LINK_RECEIVER_VERBS)
+        except ProtocolError as e:
+            log.warning(json.dumps({"event": "bad_message", "error": str(e)}))
+            return
+        now = time.monotonic()
+        peer = self.peers.get(rid)
+        if msg.verb == "LINK_HELLO":
+            if msg.header.get("protocol") != INTERCHANGE_VERSION or msg.header.get("channel") != self.channel:
+                self._reply(rid, Message("REJECT", {"reason": "link_hello", "message":
+                                                    f"this bridge serves channel {self.channel!r}, interchange v1"}))
+                return
+            self.peers[rid] = {"credits": 0, "seen": now}
+            self._reply(rid, Message("LINK_WELCOME", {"protocol": INTERCHANGE_VERSION}))
+        elif peer is None:
+            self._reply(rid, Message("REJECT", {"reason": "not_linked", "message": "send LINK_HELLO first"}))
+        elif msg.verb == "CREDIT":
+            peer["seen"] = now
+            n = msg.header.get("n")
+            peer["credits"] += n if isinstance(n, int) and 0 < n <= 64 else 0
+        elif msg.verb == "LINK_PING":
+            peer["seen"] = now
+            self._reply(rid, Message("LINK_PONG", {}))
+        elif msg.verb == "REJECT":
+            self.stats["rejected"] += 1
+            log.warning(json.dumps({"event": "peer_rejected", **{k: msg.header.get(k) for k in ("transfer_id", "reason", "message")}}))
+
+    def _transfer(self, rid: bytes, h: Any) -> None:
+        """Stream one handoff; release it exactly once, whatever happens to the link."""
+        tid = next(self.ids)
+        try:
+            handle = check_network_handle(h.handle)  # a CPU consumer only ever gets 0x00; check anyway
+            view = h.buffer.host_view()
+            self.sock.send_multipart([rid, *Message("TENSOR_DESCRIPTOR", {"transfer_id": tid, "meta": h.meta,
+                                                                          "total_bytes": handle.size},
+                                                    {"handle": handle.encode()}).encode()])
+            trackers = []
+            for off in range(0, handle.size, self.chunk):
+                head = [b"TENSOR_DATA", json.dumps({"transfer_id": tid, "byte_offset_in_buffer": off}).encode()]
+                # copy=False: the chunk goes from the mapped buffer to the socket without a copy;
+                # its tracker says when ZeroMQ is done with it, so the release can follow safely.
+                # Every chunk is tracked: pyzmq copies small frames anyway and reports them done at
+                # once, so the last chunk's tracker says nothing about the earlier ones.
+                trackers.append(self.sock.send_multipart([rid, *head, view[off:off + self.chunk]], copy=False, track=True))
+            self.sock.send_multipart([rid, *Message("TENSOR_DATA_END", {"transfer_id": tid, "total_bytes": handle.size}).encode()])
+            deadline = time.monotonic() + self.timeout_s * 4
+            for t in trackers:
+                t.wait(max(0.0, deadline - time.monotonic()))
+            self.stats["sent"] += 1
+        except (zmq.ZMQError, zmq.NotDone, HandleError) as e:
+            self.stats["aborted"] += 1
+            self.peers.pop(rid, None)
+            log.warning(json.dumps({"event": "transfer_aborted", "transfer_id": tid, "error": str(e)}))
+        finally:
+            h.release()
+
+    def serve(self, stop: threading.Event | None = None) -> None:
+        stop = stop or threading.Event()
+        self.running = True
+        try:
+            while not stop.is_set():
+                if self.sock.poll(20):
+                    while True:
+                        try:
+                            self._handle(self.sock.recv_multipart(zmq.NOBLOCK))
+                        except zmq.Again:
+                            break
+                now = time.monotonic()
+                for rid in [r for r, p in self.peers.items() if now - p["seen"] > self.timeout_s]:
+                    del self.peers[rid]
+                if self.peers and self.consumer is None:
+                    self.consumer = Consumer(self.local, self.channel, "cpu", prefetch=0, name=f"bridge-out:{self.channel}")
+                elif not self.peers and self.consumer is not None:
+                    self.consumer.close()
+                    self.consumer = None
+                ready = [r for r, p in self.peers.items() if p["credits"] > 0]
+                if not ready or self.consumer is None:
+                    continue
+                try:
+                    h = self.consumer.receive(timeout=0.05)
+                except (TimeoutError, BrokerUnavailable):
+                    continue
+                rid = min(ready, key=lambda r: self.peers[r].get("last", 0))
+                self.peers[rid]["credits"] -= 1
+                self.peers[rid]["last"] = now
+                self._transfer(rid, h)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.running:
+            self.running = False
+            if self.consumer is not None:
+                self.consumer.close()
+            self.sock.close(linger=0)
+            if self.auth is not None:
+                self.auth.stop()
+            self.ctx.term()
+
+
+class BridgeIn:
+    """Host B: receives transfers and hands each, once complete, to local consumers of ``channel``."""
+
+    def __init__(self, channel: str, connect: str, *, endpoint: str | None = None, curve: Curve | None = None,
+                 device: str = "cpu", timeout_s: float = 3.0, max_bytes: int = MAX_TENSOR):
+        self.channel, self.timeout_s, self.max_bytes = channel, timeout_s, max_bytes
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        if curve is not None:
+            self.sock.curve_serverkey = curve.server_public
+            self.sock.curve_publickey, self.sock.curve_secretkey = curve.public, curve.secret
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(connect)
+        self.cpu = open_device("cpu")
+        self.producer = Producer(endpoint, channel, device, name=f"bridge-in:{channel}")
+        self.gpu = self.producer.gpu
+        self.partial: dict[str, Any] | None = None
+        self.linked = False
+        self.last_rx = 0.0
+        self.last_hello = 0.0
+        self.stats = {"delivered": 0, "rejected": 0, "discarded": 0}
+        self.running = False
+
+    def _send(self, verb: str, header: dict[str, Any]) -> None:
+        self.sock.send_multipart(Message(verb, header).encode())
+
+    def _reject(self, tid: Any, reason: str, message: str) -> None:
+        self.stats["rejected"] += 1
+        log.warning(json.dumps({"event": "reject", "transfer_id": tid, "reason": reason, "message": message}))
+        self._send("REJECT", {"transfer_id": tid, "reason": reason, "message": message})
+        self._send("CREDIT", {"n": 1})  # the refused transfer used up its credit
+
+    def _discard(self, why: str) -> None:
+        if self.partial is not None:
+            self.partial["buf"].close()
+            self.stats["discarded"] += 1
+            log.warning(json.dumps({"event": "partial_discarded", "transfer_id": self.partial["tid"], "why": why}))
+            self.partial = None
+
+    def _handle(self, parts: list[bytes]) -> None:
+        try:
+            msg = decode(parts, allowed=LINK_SENDER_VERBS)
+        except ProtocolError as e:
+            log.warning(json.dumps({"event": "bad_message", "error": str(e)}))
+            return
+        self.last_rx = time.monotonic()
+        h = msg.header
+        if msg.verb == "LINK_WELCOME":
+            self.linked = True
+            self._send("CREDIT", {"n": 1})
+        elif msg.verb == "REJECT":
+            self.linked = False  # the sender does not know us (restarted): say hello again
+            self.last_hello = 0.0
+        elif msg.verb == "TENSOR_DESCRIPTOR":
+            self._discard("a new descriptor arrived before TENSOR_DATA_END")
+            tid = h.get("transfer_id")
+            try:
+                handle = check_network_handle(BufferHandle.decode(msg.frames["handle"]))
+            except HandleError as e:
+                return self._reject(tid, e.reason, str(e))
+            if handle.size > self.max_bytes:
+                return self._reject(tid, "too_large", f"{handle.size} bytes exceed this receiver's {self.max_bytes}")
+            self.partial = {"tid": tid, "handle": handle, "meta": h.get("meta") or {}, "got": 0,
+                            "buf": self.cpu.allocate(handle.size)}
+        elif msg.verb == "TENSOR_DATA":
+            p = self.partial
+            if p is None or h.get("transfer_id") != p["tid"]:
+                return  # data of a transfer we discarded or refused
+            off, data = h.get("byte_offset_in_buffer"), msg.frames["data"]
+            if not isinstance(off, int) or off < 0 or off + len(data) > p["handle"].size:
+                self._discard(f"TENSOR_DATA at {off!r}+{len(data)} outside the buffer")
+                return self._reject(p and h.get("transfer_id"), "bad_offset", "data frame outside the buffer")
+            p["buf"].host_view()[off:off + len(data)] = data
+            p["got"] += len(data)
+        elif msg.verb == "TENSOR_DATA_END":
+            p = self.partial
+            if p is None or h.get("transfer_id") != p["tid"]:
+                return
+            self.partial = None
+            if p["got"] != p["handle"].size:
+                p["buf"].close()
+                self.stats["discarded"] += 1
+                return self._reject(p["tid"], "incomplete", f"got {p['got']} of {p['handle'].size} bytes")
+            self._deliver(p)
+
+    def _deliver(self, p: dict[str, Any]) -> None:
+        """Only now, after TENSOR_DATA_END, may anyone read the buffer: hand it on, PRODUCER_SYNCED."""
+        buf = p["buf"]
+        if isinstance(self.producer.device, CudaDevice):
+            dev = self.producer.device.allocate(buf.size)
+            self.producer.stream.copy(dev, buf.host_view())
+            self.producer.stream.synchronize()  # visible before the handle leaves: PRODUCER_SYNCED
+            buf.close()
+            buf = dev
+        meta = p["meta"].get("user")
+        self.producer.send(buf, SyncMode.PRODUCER_SYNCED, on_release=lambda t, b=buf: b.close(), meta=meta)
+        self.stats["delivered"] += 1
+        self._send("CREDIT", {"n": 1})
+
+    def serve(self, stop: threading.Event | None = None) -> None:
+        stop = stop or threading.Event()
+        self.running = True
+        try:
+            while not stop.is_set():
+                now = time.monotonic()
+                if not self.linked and now - self.last_hello > 0.5:
+                    self._send("LINK_HELLO", {"protocol": INTERCHANGE_VERSION, "channel": self.channel})
+                    self.last_hello = now
+                elif self.linked and now - self.last_rx > self.timeout_s / 3:
+                    self._send("LINK_PING", {})
+                if self.linked and now - self.last_rx > self.timeout_s:
+                    self.linked = False
+                    self._discard(f"no word from the sender for {self.timeout_s} s (link cut or sender gone)")
+                if self.sock.poll(50):
+                    while True:
+                        try:
+                            self._handle(self.sock.recv_multipart(zmq.NOBLOCK))
+                        except zmq.Again:
+                            break
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.running:
+            self.running = False
+            self._discard("closing")
+            self.producer.close()
+            self.sock.close(linger=0)
+            self.ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m broker.bridge", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    k = sub.add_parser("keygen", help="write server and client CurveZMQ certificates into DIR")
+    k.add_argument("dir")
+    for name in ("out", "in"):
+        s = sub.add_parser(name)
+        s.add_argument("--channel", required=True)
+        s.add_argument("--endpoint", default=None, help=f"the local broker (default {default_endpoint()})")
+        s.add_argument("--insecure", action="store_true", help="plaintext TCP (no CurveZMQ)")
+        s.add_argument("--timeout", type=float, default=3.0)
+        s.add_argument("--duration", type=float, default=None)
+    o, i = sub.choices["out"], sub.choices["in"]
+    o.add_argument("--listen", required=True)
+    o.add_argument("--server-key", help="server secret certificate (keygen: server.key_secret)")
+    o.add_argument("--clients", help="directory of authorised client public certificates")
+    i.add_argument("--connect", required=True)
+    i.add_argument("--client-key", help="client secret certificate (keygen: client.key_secret)")
+    i.add_argument("--server-public", help="the server's public certificate (keygen: server.key)")
+    i.add_argument("--device", default="cpu", help="hand buffers on as cpu or cuda:N")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level="INFO", format="%(message)s")
+    if a.cmd == "keygen":
+        keygen(a.dir)
+        print(f"certificates written to {a.dir}")
+        return 0
+    try:
+        if a.cmd == "out":
+            curve = None if a.insecure else Curve.server(a.server_key or "", a.clients or "")
+            bridge: Any = BridgeOut(a.channel, a.listen, endpoint=a.endpoint, curve=curve, timeout_s=a.timeout)
+        else:
+            curve = None if a.insecure else Curve.client(a.client_key or "", a.server_public or "")
+            bridge = BridgeIn(a.channel, a.connect, endpoint=a.endpoint, curve=curve, device=a.device, timeout_s=a.timeout)
+    except (OSError, ValueError) as e:
+        print(f"bridge: {e} (CurveZMQ keys are required unless --insecure)", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if a.duration:
+        threading.Timer(a.duration, stop.set).start()
+    bridge.serve(stop)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Cross-machine transport: two brokers bridged over TCP on loopback (and, where the machine allows
+it, across two network namespaces joined by veth)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+
+from brokerproc import BrokerProcess
+from conftest import emu_config
+from hurray_ipc import workload
+from test_clients import Proc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bridge(*args, env=None):
+    return subprocess.Popen([sys.executable, "-m", "broker.bridge", *args], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+@pytest.fixture
+def two_brokers(tmp_path):
+    a = BrokerProcess(f"ipc://{tmp_path}/a.sock").start()
+    b = BrokerProcess(f"ipc://{tmp_path}/b.sock").start()
+    yield a, b
+    a.stop(), b.stop()
+
+
+@pytest.fixture
+def keys(tmp_path):
+    d = tmp_path / "keys"
+    assert subprocess.run([sys.executable, "-m", "broker.bridge", "keygen", str(d)], capture_output=True).returncode == 0
+    return d
+
+
+def stop(p):
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+    try:
+        return p.communicate(timeout=10)[1]
+    except subprocess.TimeoutExpired:
+        p.kill()
+        return p.communicate()[1]
+
+
+def test_bridged_handoffs_curve(two_brokers, keys):
+    a, b = two_brokers
+    url = f"tcp://127.0.0.1:{free_port()}"
+    out = bridge("out", "--channel", "x", "--endpoint", a.endpoint, "--listen", url,
+                 "--server-key", str(keys / "server.key_secret"), "--clients", str(keys / "clients"))
+    inn = bridge("in", "--channel", "x", "--endpoint", b.endpoint, "--connect", url,
+                 "--client-key", str(keys / "client.key_secret"), "--server-public", str(keys / "server.key"))
+    try:
+        env = emu_config().to_env()
+        n, size = 6, (3 << 20) + 12345  # several chunks, not a multiple of the chunk size
+        c = Proc(workload.run_consumer, endpoint=b.endpoint, channel="x", device="cpu", count=n, env=env)
+        p = Proc(workload.run_producer, endpoint=a.endpoint, channel="x", device="cuda:0", count=n, size=size, env=env)
+        pr, cr = p.result(), c.result()
+        assert pr["error"] is None and cr["error"] is None, (pr["error"], cr["error"])
+        assert cr["received"] == cr["intact"] == n and cr["corrupt"] == 0
+        assert cr["modes"] == {"SYNC_PRODUCER_SYNCED": n}
+        assert pr["staged"] == n, "the sending bridge is a CPU consumer: GPU buffers reach it host-staged"
+        assert pr["released"] == n
+    finally:
+        stop(out), stop(inn)
+
+
+def test_keys_required_unless_insecure(two_brokers):
+    a, _ = two_brokers
+    p = bridge("out", "--channel", "x", "--endpoint", a.endpoint, "--listen", f"tcp://127.0.0.1:{free_port()}")
+    assert p.wait(30) == 2 and "--insecure" in p.stderr.read()
+
+
+def raw_sender(url):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.ROUTER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.bind(url)
+    return s
+
+
+def recv(s, verb, timeout=10000):
+    deadline = time.monotonic() + timeout / 1000
+    while time.monotonic() < deadline:
+        if s.poll(100):
+            parts = s.recv_multipart()
+            if parts[1].decode() == verb:
+                return parts[0], json.loads(parts[2])
+    raise AssertionError(f"no {verb}")
+
+
+def send(s, rid, verb, header, *frames):
+    s.send_multipart([rid, verb.encode(), json.dumps(header).encode(), *frames])
+
+
+def test_receiver_rejects_non_synced_and_discards_partial(two_brokers):
+    _, b = two_brokers
+    url = f"tcp://127.0.0.1:{free_port()}"
+    s = raw_sender(url)
+    inn = bridge("in", "--channel", "x", "--endpoint", b.endpoint, "--connect", url, "--insecure", "--timeout", "1.5")
+    c = Proc(workload.run_consumer, endpoint=b.endpoint, channel="x", device="cpu", count=1, env={}, timeout=30)
+    try:
+        rid, hello = recv(s, "LINK_HELLO")
+        assert hello == {"protocol": 1, "channel": "x"}
+        send(s, rid, "LINK_WELCOME", {"protocol": 1})
+        recv(s, "CREDIT")
+        # 1. a descriptor declaring SYNC_EVENT is refused, with the reason
+        send(s, rid, "TENSOR_DESCRIPTOR", {"transfer_id": 1, "total_bytes": 64},
+             struct.pack("<QIBB2s", 64, 64, 1, 1, b"\0\0"))
+        _, rej = recv(s, "REJECT")
+        assert rej["transfer_id"] == 1 and rej["reason"] == "network_sync_mode"
+        # 2. a sender that dies mid-transfer: the partial buffer is discarded, never handed on
+        data = workload.pattern(9, 0, 8192).tobytes()
+        send(s, rid, "TENSOR_DESCRIPTOR", {"transfer_id": 2, "total_bytes": 8192}, struct.pack("<QIBB2s", 8192, 64, 0, 0, b"\0\0"))
+        send(s, rid, "TENSOR_DATA", {"transfer_id": 2, "byte_offset_in_buffer": 0}, data[:4096])
+        rid, _ = recv(s, "LINK_HELLO", timeout=15000)  # silence > timeout: link considered cut
+        # 3. the link comes back: a complete transfer is delivered intact
+        send(s, rid, "LINK_WELCOME", {"protocol": 1})
+        recv(s, "CREDIT")
+        send(s, rid, "TENSOR_DESCRIPTOR", {"transfer_id": 3, "total_bytes": 8192}, struct.pack("<QIBB2s", 8192, 64, 0, 0, b"\0\0"))
+        send(s, rid, "TENSOR_DATA", {"transfer_id": 3, "byte_offset_in_buffer": 4096}, data[4096:])
+        send(s, rid, "TENSOR_DATA", {"transfer_id": 3, "byte_offset_in_buffer": 0}, data[:4096])
+        send(s, rid, "TENSOR_DATA_END", {"transfer_id": 3, "total_bytes": 8192})
+        cr = c.result()
+        assert cr["error"] is None, cr["error"]
+        assert cr["received"] == cr["intact"] == 1 and cr["seen"] == [[9, 0]] or cr["seen"] == [(9, 0)]
+    finally:
+        err = stop(inn)
+        s.close()
+    assert "partial_discarded" in err and "network_sync_mode" in err
+
+
+def test_link_cut_mid_transfer_releases_once(two_brokers):
+    a, b = two_brokers
+    url = f"tcp://127.0.0.1:{free_port()}"
+    out = bridge("out", "--channel", "y", "--endpoint", a.endpoint, "--listen", url, "--insecure")
+    inn = bridge("in", "--channel", "y", "--endpoint", b.endpoint, "--connect", url, "--insecure")
+    try:
+        p = Proc(workload.run_producer, endpoint=a.endpoint, channel="y", device="cpu", count=1, size=256 << 20,
+                 env={}, pool=1)
+        time.sleep(1.5)
+        inn.kill()  # cut the link, mid-transfer or just after: either way one release, in bounded time
+        pr = p.result(timeout=120)
+        assert pr["error"] is None, pr["error"]
+        assert pr["sent"] == pr["released"] == 1, "released back to the producer exactly once"
+    finally:
+        stop(out), stop(inn)
+
+
+def _netns(*cmd):
+    return subprocess.run(["ip", *cmd], capture_output=True, text=True)
+
+
+@pytest.fixture
+def netns_pair():
+    """Two network namespaces joined by a veth pair: two test hosts, 10.77.0.1 and 10.77.0.2."""
+    tag = f"h{os.getpid() % 100000}"
+    a, b = f"hurray-{tag}-a", f"hurray-{tag}-b"
+    if _netns("netns", "add", a).returncode != 0:
+        pytest.skip("cannot create network namespaces here (needs root and iproute2)")
+    try:
+        steps = [("netns", "add", b), ("link", "add", f"{tag}a", "type", "veth", "peer", "name", f"{tag}b"),
+                 ("link", "set", f"{tag}a", "netns", a), ("link", "set", f"{tag}b", "netns", b),
+                 ("-n", a, "addr", "add", "10.77.0.1/30", "dev", f"{tag}a"),
+                 ("-n", b, "addr", "add", "10.77.0.2/30", "dev", f"{tag}b"),
+                 ("-n", a, "link", "set", f"{tag}a", "up"), ("-n", b, "link", "set", f"{tag}b", "up"),
+                 ("-n", a, "link", "set", "lo", "up"), ("-n", b, "link", "set", "lo", "up")]
+        for st in steps:
+            r = _netns(*st)
+            if r.returncode != 0:
+                pytest.skip(f"cannot set up veth between namespaces: ip {' '.join(st)}: {r.stderr.strip()}")
+        yield a, b
+    finally:
+        _netns("netns", "del", a), _netns("netns", "del", b)
+
+
+def test_bridge_across_network_namespaces(two_brokers, keys, netns_pair):
+    a, b = two_brokers
+    ns_a, ns_b = netns_pair
+    url = "tcp://10.77.0.1:5599"
+    out = subprocess.Popen(["ip", "netns", "exec", ns_a, sys.executable, "-m", "broker.bridge", "out", "--channel", "z",
+                            "--endpoint", a.endpoint, "--listen", url, "--server-key", str(keys / "server.key_secret"),
+                            "--clients", str(keys / "clients")], stderr=subprocess.PIPE, text=True)
+    inn = subprocess.Popen(["ip", "netns", "exec", ns_b, sys.executable, "-m", "broker.bridge", "in", "--channel", "z",
+                            "--endpoint", b.endpoint, "--connect", url, "--client-key", str(keys / "client.key_secret"),
+                            "--server-public", str(keys / "server.key")], stderr=subprocess.PIPE, text=True)
+    try:
+        c = Proc(workload.run_consumer, endpoint=b.endpoint, channel="z", device="cpu", count=4, env={})
+        p = Proc(workload.run_producer, endpoint=a.endpoint, channel="z", device="cpu", count=4, size=2 << 20, env={})
+        pr, cr = p.result(), c.result()
+        assert pr["error"] is None and cr["error"] is None, (pr["error"], cr["error"])
+        assert cr["intact"] == 4 and pr["released"] == 4
+    finally:
+        stop(out), stop(inn)
