@@ -52,6 +52,7 @@ INTERCHANGE_VERSION = 1
 CHUNK = 1 << 20
 SEND_HWM = 16  # chunks queued per peer: with CHUNK, at most 16 MiB in flight per transfer
 MAX_TENSOR = 1 << 40
+WINDOW = 2  # transfers a receiver grants ahead
 
 
 
@@ -272,7 +273,7 @@ class BridgeIn:
 
     def _handle(self, parts: list[bytes]) -> None:
         try:
-            msg = decode(parts, allowed=LINK_SENDER_VERBS)
+            msg = decode(parts, allowed=LINK_SENDER_VERBS, views=True)
         except ProtocolError as e:
             log.warning(json.dumps({"event": "bad_message", "error": str(e)}))
             return
@@ -280,7 +281,8 @@ class BridgeIn:
         h = msg.header
         if msg.verb == "LINK_WELCOME":
             self.linked = True
-            self._send("CREDIT", {"n": 1})
+            # Two in flight: the next transfer streams while this one is handed on locally.
+            self._send("CREDIT", {"n": WINDOW})
         elif msg.verb == "REJECT":
             self.linked = False  # the sender does not know us (restarted): say hello again
             self.last_hello = 0.0
@@ -347,7 +349,8 @@ class BridgeIn:
                 if self.sock.poll(50):
                     while True:
                         try:
-                            self._handle(self.sock.recv_multipart(zmq.NOBLOCK))
+                            # copy=False: each data chunk is copied once, socket to shared memory
+                            self._handle(self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
                         except zmq.Again:
                             break
         finally:

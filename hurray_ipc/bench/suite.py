@@ -390,6 +390,15 @@ def run_suite(sizes: list[int], n_small: int, n_large: int, progress: Callable[[
                     rows.append(fn())
                 except Exception as e:  # noqa: BLE001
                     rows.append({"name": label, "size": size, "skipped": f"failed: {e}"})
+            if size >= 64 << 20:  # the cross-machine rows: bandwidth, for big buffers only
+                for label, fn in [("tcp", lambda: bench_tcp(size, n // 4 or 2)),
+                                  ("bridge", lambda: bench_bridge(tmp, size, n // 4 or 2, curve=False)),
+                                  ("bridge curve", lambda: bench_bridge(tmp, size, n // 4 or 2, curve=True))]:
+                    progress(f"{label} {size}")
+                    try:
+                        rows.append(fn())
+                    except Exception as e:  # noqa: BLE001
+                        rows.append({"name": label, "size": size, "skipped": f"failed: {e}"})
     finally:
         broker.terminate()
         broker.wait(10)
@@ -437,6 +446,8 @@ def markdown(res: dict[str, Any]) -> str:
     for r in res["rows"]:
         if "skipped" in r:
             lines.append(f"| {r['name']} | {human(r.get('size'))} | | | | skipped: {r['skipped']} |")
+        elif "MBps" in r:
+            lines.append(f"| {r['name']} | {human(r['size'])} | | | | {r['MBps']} MB/s |")
         elif "ratio" in r:
             lines.append(f"| {r['name']} | {human(r['size'])} | | | | staged {r['staged_GBps']} GB/s vs memcpy "
                          f"{r['memcpy_GBps']} GB/s = {r['ratio']}x ({r['backend']}) |")
@@ -475,3 +486,111 @@ def plot(res: dict[str, Any], path: Path) -> str | None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return None
+
+
+# --- cross-machine bridge vs raw pyzmq TCP (loopback) --------------------------------------------
+
+def _tcp_sink(url: str, n: int) -> dict[str, Any]:
+    import zmq
+
+    s = zmq.Context.instance().socket(zmq.PULL)
+    s.bind(url)
+    s.recv(copy=False)  # warm-up
+    t0 = time.perf_counter()
+    total = 0
+    for _ in range(n):
+        total += len(s.recv(copy=False).buffer)
+    dt = time.perf_counter() - t0
+    s.close(linger=0)
+    return {"MBps": round(total / dt / 1e6)}
+
+
+def _tcp_source(url: str, n: int, size: int) -> dict[str, Any]:
+    import zmq
+
+    s = zmq.Context.instance().socket(zmq.PUSH)
+    s.setsockopt(zmq.SNDHWM, 4)
+    s.connect(url)
+    buf = np.ones(size, np.uint8)
+    trackers = [s.send(buf, copy=False, track=True) for _ in range(n + 1)]
+    for t in trackers:  # ZeroMQ must be done with the buffer before this process may exit
+        t.wait(120)
+    s.close(linger=-1)
+    zmq.Context.instance().term()
+    return {}
+
+
+def _bridge_sink(endpoint: str, channel: str, n: int) -> dict[str, Any]:
+    from ..client import Consumer
+
+    with Consumer(endpoint, channel, "cpu") as c:
+        c.receive(timeout=120).release()  # warm-up
+        t0 = time.perf_counter()
+        total = 0
+        for _ in range(n):
+            h = c.receive(timeout=120)
+            total += h.handle.size
+            h.release()
+        dt = time.perf_counter() - t0
+    return {"MBps": round(total / dt / 1e6)}
+
+
+def _bridge_source(endpoint: str, channel: str, n: int, size: int) -> dict[str, Any]:
+    from ..client import Producer
+
+    with Producer(endpoint, channel, "cpu") as p:
+        bufs = [p.allocate(size) for _ in range(2)]
+        free = list(bufs)
+        for _ in range(n + 1):
+            while not free:
+                p.wait_released(120)
+            b = free.pop()
+            p.send(b, timeout=120, on_release=lambda t, b=b: free.append(b))
+        p.flush(120)
+        for b in bufs:
+            b.close()
+    return {}
+
+
+def bench_bridge(tmp: Path, size: int, n: int, curve: bool) -> dict[str, Any]:
+    """Bridged throughput between two brokers on loopback TCP (one link, one transfer in flight)."""
+    import socket
+
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        port = so.getsockname()[1]
+    url = f"tcp://127.0.0.1:{port}"
+    tag = "curve" if curve else "plain"
+    a, b = f"ipc://{tmp}/a-{tag}.sock", f"ipc://{tmp}/b-{tag}.sock"
+    procs = [subprocess.Popen([sys.executable, "-m", "broker", "--endpoint", ep, "--log-level", "error"]) for ep in (a, b)]
+    if curve:
+        subprocess.run([sys.executable, "-m", "broker.bridge", "keygen", str(tmp / "keys")], check=True, capture_output=True)
+        out_sec = ["--server-key", str(tmp / "keys/server.key_secret"), "--clients", str(tmp / "keys/clients")]
+        in_sec = ["--client-key", str(tmp / "keys/client.key_secret"), "--server-public", str(tmp / "keys/server.key")]
+    else:
+        out_sec = in_sec = ["--insecure"]
+    try:
+        while not all(Path(ep[6:]).exists() for ep in (a, b)):
+            time.sleep(0.02)
+        procs.append(subprocess.Popen([sys.executable, "-m", "broker.bridge", "out", "--channel", "bb", "--endpoint", a,
+                                       "--listen", url, *out_sec], stderr=subprocess.DEVNULL))
+        procs.append(subprocess.Popen([sys.executable, "-m", "broker.bridge", "in", "--channel", "bb", "--endpoint", b,
+                                       "--connect", url, *in_sec], stderr=subprocess.DEVNULL))
+        src, sink = _pair((_bridge_source, {"endpoint": a, "channel": "bb", "n": n, "size": size}),
+                          (_bridge_sink, {"endpoint": b, "channel": "bb", "n": n}))
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            p.wait(10)
+    return {"name": f"bridge over TCP ({'CurveZMQ' if curve else 'plaintext'})", "size": size, "MBps": sink["MBps"]}
+
+
+def bench_tcp(size: int, n: int) -> dict[str, Any]:
+    import socket
+
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        port = so.getsockname()[1]
+    url = f"tcp://127.0.0.1:{port}"
+    sink, _ = _pair((_tcp_sink, {"url": url, "n": n}), (_tcp_source, {"url": url, "n": n, "size": size}))
+    return {"name": "raw pyzmq PUSH/PULL over TCP (plaintext)", "size": size, "MBps": sink["MBps"]}

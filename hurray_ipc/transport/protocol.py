@@ -118,8 +118,12 @@ class Message:
         return out
 
 
-def decode(parts: Sequence[bytes], *, allowed: frozenset[str] | None = None) -> Message:
-    """Parse and validate the shape of a message (not its meaning)."""
+def decode(parts: Sequence[Any], *, allowed: frozenset[str] | None = None, views: bool = False) -> Message:
+    """Parse and validate the shape of a message (not its meaning).
+
+    ``views=True`` keeps payload frames as memoryviews of the received frames (zmq.Frame from
+    ``recv_multipart(copy=False)``) instead of copying them into bytes: for bulk data.
+    """
     if len(parts) < 2:
         raise ProtocolError("bad_frames", f"a message has at least 2 frames (verb, header), got {len(parts)}")
     try:
@@ -145,7 +149,7 @@ def decode(parts: Sequence[bytes], *, allowed: frozenset[str] | None = None) -> 
     frames = {}
     for name, data in zip(names, payload):
         key = name.rstrip("?")
-        data = bytes(data)
+        data = memoryview(data) if views else bytes(data)
         if key in ("memory", "event") and len(data) != BLOB_SIZE:
             raise ProtocolError("bad_frames", f"{verb} '{key}' frame must be {BLOB_SIZE} bytes, got {len(data)}")
         frames[key] = data
