@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from brokerproc import BrokerProcess
-from conftest import emu_config
+from conftest import SPAWN, emu_config
 from hurray_ipc import workload
 from test_clients import Proc
 
@@ -150,10 +150,14 @@ def test_link_cut_mid_transfer_releases_once(two_brokers):
     out = bridge("out", "--channel", "y", "--endpoint", a.endpoint, "--listen", url, "--insecure")
     inn = bridge("in", "--channel", "y", "--endpoint", b.endpoint, "--connect", url, "--insecure")
     try:
+        counters = SPAWN.Array("q", 5)
         p = Proc(workload.run_producer, endpoint=a.endpoint, channel="y", device="cpu", count=1, size=256 << 20,
-                 env={}, pool=1)
-        time.sleep(1.5)
-        inn.kill()  # cut the link, mid-transfer or just after: either way one release, in bounded time
+                 env={}, pool=1, counters=counters)
+        deadline = time.monotonic() + 60
+        while counters[workload.P_SENT] < 1:  # the bridge has the handoff: the transfer is under way
+            assert time.monotonic() < deadline, "the handoff never reached the bridge"
+            time.sleep(0.01)
+        inn.kill()  # cut the link mid-transfer (or just after): either way one release, in bounded time
         pr = p.result(timeout=120)
         assert pr["error"] is None, pr["error"]
         assert pr["sent"] == pr["released"] == 1, "released back to the producer exactly once"
