@@ -249,3 +249,21 @@ def _collect(endpoint, n):
             out.append(bytes(h.buffer.host_view()).hex())
             h.release()
     return out
+
+
+def test_bridge_copies_to_receiver_gpu(two_brokers):
+    """--device cuda:0 on the receiving side: buffers reach B's consumers in GPU memory, synced."""
+    a, b = two_brokers
+    url = f"tcp://127.0.0.1:{free_port()}"
+    env = emu_config().to_env()
+    out = bridge("out", "--channel", "g", "--endpoint", a.endpoint, "--listen", url, "--insecure")
+    inn = bridge("in", "--channel", "g", "--endpoint", b.endpoint, "--connect", url, "--insecure", "--device", "cuda:0",
+                 env=env)
+    try:
+        c = Proc(workload.run_consumer, endpoint=b.endpoint, channel="g", device="cuda:0", count=3, env=env)
+        p = Proc(workload.run_producer, endpoint=a.endpoint, channel="g", device="cpu", count=3, size=1 << 20, env={})
+        pr, cr = p.result(), c.result()
+        assert pr["error"] is None and cr["error"] is None, (pr["error"], cr["error"])
+        assert cr["intact"] == 3 and cr["modes"] == {"SYNC_PRODUCER_SYNCED": 3} and cr["staged"] == 0
+    finally:
+        stop(out), stop(inn)
