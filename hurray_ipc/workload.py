@@ -161,7 +161,7 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
     if env:
         os.environ.update(env)
     from .client import BrokerUnavailable, Consumer, ProducerGone
-    from .devices.errors import RaceError
+    from .devices.errors import DeviceError, RaceError
 
     rep = ConsumerReport()
     try:
@@ -214,6 +214,14 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
                     rep.corrupt += 1
                     _bump(counters, C_RACES)
                     _bump(counters, C_CORRUPT)
+                    h.release()
+                except DeviceError as e:
+                    if e.code != "cudaErrorLaunchFailure":
+                        raise
+                    # The producer died before its event was reached (its PRODUCER_GONE may still
+                    # be on the way): the buffer is as lost as with ProducerGone.
+                    rep.producer_gone += 1
+                    _bump(counters, C_PRODUCER_GONE)
                     h.release()
     except Exception:
         rep.error = traceback.format_exc()

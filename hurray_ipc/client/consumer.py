@@ -304,21 +304,21 @@ class Consumer:
         return ho
 
     def _send_release(self, verb: str, ho: ReceivedHandoff) -> None:
-        if verb == "RELEASE":
-            self._held.pop(ho.token, None)
-        if ho.producer_gone:
-            return  # nobody to give it back to
-        header: dict[str, Any] = {"token": ho.token}
-        if verb == "RELEASE":
-            with self.session.lock:
+        with self.session.lock:  # the background pump reads these too
+            if verb == "RELEASE":
+                self._held.pop(ho.token, None)
+            if ho.producer_gone:
+                return  # nobody to give it back to
+            header: dict[str, Any] = {"token": ho.token}
+            if verb == "RELEASE":
                 want = self.prefetch - len(self._inbox) - self._requested
                 if want > 0:  # ask for the next buffers on this message instead of a REQUEST
                     header["credits"] = want
                     self._requested += want
-        try:
-            self.session.send(Message(verb, header))
-        except Exception as e:  # noqa: BLE001
-            log.warning("%s of %s not sent: %s", verb, ho.token[:8], e)
+            try:
+                self.session.send(Message(verb, header))
+            except Exception as e:  # noqa: BLE001
+                log.warning("%s of %s not sent: %s", verb, ho.token[:8], e)
 
     @property
     def held(self) -> int:

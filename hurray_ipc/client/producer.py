@@ -204,7 +204,8 @@ class Producer:
 
     def holds(self, obj: Any) -> bool:
         """True while ``obj`` is part of a handoff not yet released (it will come back through on_release)."""
-        return any(o.source.keep is obj for o in self._out.values())
+        with self.session.lock:
+            return any(o.source.keep is obj for o in self._out.values())
 
     def allocate(self, size: int) -> Buffer:
         """A buffer on the producer's device that hands off without a copy."""
@@ -251,7 +252,8 @@ class Producer:
                     raise ticket.error
                 return ticket
         except BaseException:
-            pending = [o for o in self._out.values() if o.source is src]
+            with self.session.lock:
+                pending = [o for o in self._out.values() if o.source is src]
             for o in pending:
                 o.resend = False  # nobody will re-send it now: its release must free and report
             if src.cleanup is not None and not pending:
@@ -302,14 +304,15 @@ class Producer:
             exp = share.device.export_memory(share)
             frames["memory"] = exp.blob
             header["offset"] = exp.offset
-        want = self.prefetch - len(self._grants) - self._ready
-        if want > 0:  # ask for the next grants on this message instead of a READY of their own
-            header["ready"] = want
-            self._ready += want
         frames = {"handle": handle.encode(), **frames}
-        self._out[hid] = out
-        self._tickets[hid] = out.ticket
-        self.session.send(Message("HANDOFF", header, frames))
+        with self.session.lock:  # the background pump reads these too
+            want = self.prefetch - len(self._grants) - self._ready
+            if want > 0:  # ask for the next grants on this message instead of a READY of their own
+                header["ready"] = want
+                self._ready += want
+            self._out[hid] = out
+            self._tickets[hid] = out.ticket
+            self.session.send(Message("HANDOFF", header, frames))
         return out.ticket
 
     def _order(self, mode: SyncMode, stream: CudaStream | None, out: _Outgoing, consumer: Endpoint,
