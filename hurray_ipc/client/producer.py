@@ -10,7 +10,6 @@ exactly once. Events come from a pool and are re-recorded after their release.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import threading
@@ -127,7 +126,7 @@ class Producer:
         self._ids = itertools.count(1)
         self._out: dict[int, _Outgoing] = {}
         self._tickets: dict[int, Ticket] = {}
-        self._pairs: dict[tuple[str, str, bool], tuple[Endpoint, PairModes]] = {}
+        self._pairs: dict[tuple[str, bool], tuple[dict[str, Any], Endpoint, PairModes]] = {}
         self.name = name or f"producer-{os.getpid()}"
         self.unknown_releases = 0  # RELEASED for a handoff already finished: a double release
         self.session = Session(endpoint, "producer", channel, self._hello, self._dispatch,
@@ -261,15 +260,17 @@ class Producer:
             raise
 
     def _pairing(self, grant: dict[str, Any], on_gpu: bool) -> tuple[Endpoint, PairModes]:
-        """The consumer's endpoint and the pair's valid modes, computed once per consumer."""
-        key = (grant["consumer_id"], json.dumps(grant["consumer"], sort_keys=True), on_gpu)
+        """The consumer's endpoint and the pair's valid modes, computed once per consumer (again
+        only if that consumer re-registered with another endpoint)."""
+        key = (grant["consumer_id"], on_gpu)
         hit = self._pairs.get(key)
-        if hit is None:
+        if hit is None or hit[0] != grant["consumer"]:
             if len(self._pairs) > 1024:
                 self._pairs.clear()
             consumer = Endpoint.from_dict(grant["consumer"])
-            hit = self._pairs[key] = (consumer, pair_modes(self.endpoint_info if on_gpu else self._cpu_info, consumer))
-        return hit
+            pm = pair_modes(self.endpoint_info if on_gpu else self._cpu_info, consumer)
+            hit = self._pairs[key] = (grant["consumer"], consumer, pm)
+        return hit[1], hit[2]
 
     def _handoff(self, src: Source, grant: dict[str, Any], preferred: SyncMode | None,
                  on_release: Callable[[Ticket], None] | None, resend: bool) -> Ticket:
