@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+import threading
 import time
 
 from hurray_ipc.client.endpoint import default_endpoint
@@ -33,14 +34,62 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group", action="store_true", help="socket 0660 and directory 0750 (default owner-only)")
     p.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--export", action="append", default=[], metavar="CHANNEL=tcp://ADDR:PORT",
+                   help="bridge: serve this channel's handoffs to remote brokers (repeatable)")
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="CHANNEL=tcp://HOST:PORT",
+                   help="bridge: receive this channel from a remote broker's --export (repeatable)")
+    p.add_argument("--import-device", default="cpu", help="hand imported buffers on as cpu or cuda:N")
+    p.add_argument("--bridge-keys", metavar="DIR", help="CurveZMQ keys as written by 'python -m broker.bridge keygen'")
+    p.add_argument("--bridge-insecure", action="store_true", help="bridge over plaintext TCP")
     a = p.parse_args(argv)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_JsonFormatter())
     logging.basicConfig(level=a.log_level.upper(), handlers=[handler])
     b = Broker(a.endpoint or default_endpoint(), timeout_s=a.timeout, heartbeat_s=a.heartbeat, group=a.group)
     b.install_signal_handlers()
-    b.serve(stop_after=a.duration)
+    try:
+        bridges = _bridges(a, b.endpoint)
+    except ValueError as e:
+        print(f"hurray-broker: {e}", file=sys.stderr)
+        b.shutdown("bad bridge options")
+        return 2
+    stop = threading.Event()
+    threads = [threading.Thread(target=br.serve, args=(stop,), name=f"bridge-{i}", daemon=True)
+               for i, br in enumerate(bridges)]
+    for t in threads:
+        t.start()
+    try:
+        b.serve(stop_after=a.duration)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
     return 0
+
+
+def _bridges(a: argparse.Namespace, endpoint: str) -> list:
+    """The bridge threads asked for, each a client of this broker (see broker/bridge.py)."""
+    if not (a.export or a.imports):
+        return []
+    from pathlib import Path
+
+    from .bridge import BridgeIn, BridgeOut, Curve
+
+    if not a.bridge_keys and not a.bridge_insecure:
+        raise ValueError("--export/--import need --bridge-keys DIR (CurveZMQ) or --bridge-insecure")
+    keys = Path(a.bridge_keys) if a.bridge_keys else None
+    out = []
+    for spec, make in [(s, "out") for s in a.export] + [(s, "in") for s in a.imports]:
+        channel, sep, url = spec.partition("=")
+        if not sep or not channel or not url.startswith("tcp://"):
+            raise ValueError(f"bridge {spec!r}: expected CHANNEL=tcp://ADDRESS:PORT")
+        if make == "out":
+            curve = Curve.server(str(keys / "server.key_secret"), str(keys / "clients")) if keys else None
+            out.append(BridgeOut(channel, url, endpoint=endpoint, curve=curve, timeout_s=a.timeout))
+        else:
+            curve = Curve.client(str(keys / "client.key_secret"), str(keys / "server.key")) if keys else None
+            out.append(BridgeIn(channel, url, endpoint=endpoint, curve=curve, device=a.import_device, timeout_s=a.timeout))
+    return out
 
 
 if __name__ == "__main__":

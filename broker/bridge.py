@@ -328,8 +328,16 @@ class BridgeIn:
             buf.close()
             buf = dev
         meta = p["meta"].get("user")
-        self.producer.send(buf, SyncMode.PRODUCER_SYNCED, on_release=lambda t, b=buf: b.close(), meta=meta)
-        self.stats["delivered"] += 1
+        try:
+            self.producer.send(buf, SyncMode.PRODUCER_SYNCED, on_release=lambda t, b=buf: b.close(), meta=meta)
+            self.stats["delivered"] += 1
+        except (BrokerUnavailable, TimeoutError) as e:
+            # The local broker is gone: this buffer cannot be handed on. Drop it (loudly) and keep
+            # the link; the session re-registers when the broker is back.
+            if not self.producer.holds(buf):
+                buf.close()
+            self.stats["discarded"] += 1
+            log.warning(json.dumps({"event": "local_broker_unavailable", "transfer_id": p["tid"], "error": str(e)}))
         self._send("CREDIT", {"n": 1})
 
     def serve(self, stop: threading.Event | None = None) -> None:

@@ -267,3 +267,28 @@ def test_bridge_copies_to_receiver_gpu(two_brokers):
         assert cr["intact"] == 3 and cr["modes"] == {"SYNC_PRODUCER_SYNCED": 3} and cr["staged"] == 0
     finally:
         stop(out), stop(inn)
+
+
+def test_brokers_bridge_channels_themselves(tmp_path, keys):
+    """hurray-broker --export / --import: the brokers run the bridge, no separate process."""
+    url = f"tcp://127.0.0.1:{free_port()}"
+    a_ep, b_ep = f"ipc://{tmp_path}/ea.sock", f"ipc://{tmp_path}/eb.sock"
+    procs = [subprocess.Popen([sys.executable, "-m", "broker", "--endpoint", a_ep, "--log-level", "warning",
+                               "--export", f"e={url}", "--bridge-keys", str(keys)], stderr=subprocess.PIPE, text=True),
+             subprocess.Popen([sys.executable, "-m", "broker", "--endpoint", b_ep, "--log-level", "warning",
+                               "--import", f"e={url}", "--bridge-keys", str(keys)], stderr=subprocess.PIPE, text=True)]
+    try:
+        c = Proc(workload.run_consumer, endpoint=b_ep, channel="e", device="cpu", count=3, env={})
+        p = Proc(workload.run_producer, endpoint=a_ep, channel="e", device="cpu", count=3, size=1 << 20, env={})
+        pr, cr = p.result(), c.result()
+        assert pr["error"] is None and cr["error"] is None, (pr["error"], cr["error"])
+        assert cr["intact"] == 3 and pr["released"] == 3
+    finally:
+        errs = [stop(x) for x in procs]
+    assert all(x.returncode == 0 for x in procs), errs
+
+
+def test_broker_bridge_needs_keys_or_insecure(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "broker", "--endpoint", f"ipc://{tmp_path}/x.sock",
+                        "--export", "e=tcp://127.0.0.1:1"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--bridge-insecure" in r.stderr
