@@ -287,3 +287,51 @@ def test_real_cuda_to_cpu_consumer_is_staged(broker):
         pytest.skip(f"real CUDA not available here: {REAL_SKIP}")
     pr, cr = run_pair(broker, "cuda:0", "cpu", {"HURRAY_CUDA": "real"}, n=8)
     assert cr["staged"] == 8
+
+
+def test_received_host_buffer_is_zero_copy_for_numpy(broker):
+    """numpy takes a received host buffer through DLPack and the array interface without a copy."""
+    with Producer(broker.endpoint, "np", "cpu") as p, Consumer(broker.endpoint, "np", "cpu") as c:
+        arr = np.arange(12, dtype=np.float32).reshape(3, 4)
+        th = threading.Thread(target=lambda: p.send(arr))
+        th.start()
+        h = c.receive(timeout=10)
+        h.wait()
+        via_dlpack = np.from_dlpack(h.buffer)
+        via_interface = np.asarray(h.buffer)
+        assert via_dlpack.shape == (3, 4) and via_dlpack.dtype == np.float32
+        assert np.array_equal(via_dlpack, arr) and np.array_equal(via_interface, arr)
+        assert via_dlpack.ctypes.data == h.buffer.ptr == via_interface.ctypes.data, "no copy on the consumer side"
+        assert h.buffer.__dlpack_device__() == (1, 0)
+        del via_dlpack, via_interface
+        h.release()
+        th.join(10)
+        p.flush(5)
+
+
+def test_received_cuda_buffer_interfaces(broker):
+    """An emulated-CUDA handoff exposes __cuda_array_interface__ v3 ordered on the waited stream."""
+    from hurray_ipc.devices import CudaDevice, set_runtime
+    from hurray_ipc.devices.backend.emulated import EmulatedRuntime
+
+    rt = EmulatedRuntime(emu_config())
+    set_runtime(rt)
+    try:
+        dev = CudaDevice(0, runtime=rt)
+        with Producer(broker.endpoint, "cai", dev) as p, Consumer(broker.endpoint, "cai", dev) as c:
+            buf = p.allocate(64)
+            p.stream.memset(buf, 1)
+            th = threading.Thread(target=lambda: p.send(buf, workload.SyncMode.EVENT))
+            th.start()
+            h = c.receive(timeout=10)
+            cai = h.buffer.__cuda_array_interface__  # waits on the consumer's stream first
+            assert cai["version"] == 3 and cai["shape"] == (64,) and cai["typestr"] == "|u1"
+            assert cai["data"] == (h.buffer.ptr, False) and cai["stream"] == c.stream.handle
+            assert h.event_released and h.buffer.__dlpack_device__() == (2, 0)
+            with pytest.raises(AttributeError):
+                h.buffer.__array_interface__
+            h.release()
+            th.join(10)
+            p.flush(5)
+    finally:
+        set_runtime(None)
