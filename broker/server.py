@@ -36,9 +36,9 @@ import zmq
 
 from hurray_ipc.contract.sync import EndpointCapabilities, Transport, explain_sync_modes
 from hurray_ipc.devices import shm
-from hurray_ipc.devices.base import DeviceCapabilities, DeviceIdentity, host_id
+from hurray_ipc.devices.base import host_id
 from hurray_ipc.format.handle import BufferHandle, DeviceTag, HandleError, SyncMode
-from hurray_ipc.transport.pairing import Endpoint, PairModes, device_tag_of, pair_modes
+from hurray_ipc.transport.pairing import Endpoint, PairModes, device_tag_of, host_side, pair_modes
 from hurray_ipc.transport.protocol import (
     CLIENT_VERBS,
     PROTOCOL_VERSION,
@@ -362,10 +362,7 @@ class Broker:
         key = (id(consumer), cpu)  # a re-registered consumer is a new Client object: a new key
         pm = producer.pairs.get(key)
         if pm is None:
-            ep = producer.endpoint
-            if cpu and ep.identity.kind != "cpu":
-                ep = Endpoint(DeviceIdentity("cpu", 0, "CPU-" + ep.identity.host, host=ep.identity.host),
-                              DeviceCapabilities(True, False), ep.pid)
+            ep = host_side(producer.endpoint) if cpu else producer.endpoint
             if len(producer.pairs) > 1024:
                 producer.pairs.clear()
             pm = producer.pairs[key] = pair_modes(ep, consumer.endpoint)

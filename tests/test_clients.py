@@ -329,7 +329,7 @@ def test_received_cuda_buffer_interfaces(broker):
             assert cai["data"] == (h.buffer.ptr, False) and cai["stream"] == c.stream.handle
             assert h.event_released and h.buffer.__dlpack_device__() == (2, 0)
             with pytest.raises(AttributeError):
-                h.buffer.__array_interface__
+                _ = h.buffer.__array_interface__
             h.release()
             th.join(10)
             p.flush(5)

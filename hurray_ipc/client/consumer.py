@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections import deque
 from typing import Any
 
@@ -243,7 +242,6 @@ class Consumer:
         self._inbox: deque[ReceivedHandoff] = deque()
         self._requested = 0
         self._held: dict[str, ReceivedHandoff] = {}
-        self._lock = threading.Lock()
         self.name = name or f"consumer-{os.getpid()}"
         self.errors: list[RemoteError] = []
         self.session = Session(endpoint, "consumer", channel, self._hello, self._dispatch,
@@ -273,7 +271,8 @@ class Consumer:
                 ho = self._held.pop(token, None)
                 if ho is not None:
                     ho.producer_gone = True
-            self._inbox = deque(x for x in self._inbox if not x.producer_gone)
+            for ho in [x for x in self._inbox if x.producer_gone]:
+                self._inbox.remove(ho)  # in place: a waiting receive() watches this deque
         elif msg.verb == "ERROR":
             err = RemoteError(str(h.get("code")), str(h.get("message")), h)
             if err.code not in ("unknown_token",):
@@ -327,15 +326,11 @@ class Consumer:
 
     def receive(self, timeout: float | None = None) -> ReceivedHandoff:
         """The next handoff (raises TimeoutError, or BrokerUnavailable if the broker is gone)."""
-        s = self.session
-        with s.lock:
-            want = max(self.prefetch, 1) - len(self._inbox) - self._requested
-            if not self._inbox and want > 0:
-                s.send(Message("REQUEST", {"credits": want}))
-                self._requested += want
-        s.pump(lambda: bool(self._inbox), timeout, "waiting for a handoff")
-        with s.lock:
-            return self._inbox.popleft()
+        def asked(n: int) -> None:
+            self._requested += n
+
+        return self.session.pull(self._inbox, "REQUEST", lambda: max(self.prefetch, 1) - len(self._inbox) - self._requested,
+                                 asked, timeout, "waiting for a handoff")
 
     def close(self) -> None:
         """Disconnect. Handoffs still held are released (the broker releases them to producers)."""

@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..contract.sync import Transport, choose_sync_mode
@@ -24,7 +24,7 @@ from ..devices.cpu import CpuDevice
 from ..devices.cuda import CudaDevice, CudaEvent, CudaStream
 from ..format.handle import BufferHandle, DeviceTag, SyncMode
 from ..transport import inproc
-from ..transport.pairing import Endpoint, PairModes, pair_modes
+from ..transport.pairing import Endpoint, PairModes, host_side, pair_modes
 from ..transport.protocol import Message
 from ..transport.source import Source, resolve
 from ..transport.staging import StagingExhausted, StagingPool
@@ -84,7 +84,6 @@ class Ticket:
     accepted: bool = False
     outcome: str | None = None
     error: RemoteError | None = None
-    done: threading.Event = field(default_factory=threading.Event)
 
     @property
     def released(self) -> bool:
@@ -120,12 +119,10 @@ class Producer:
         self.staging = StagingPool(self.cpu, pin_with=self.gpu)
         self.prefetch = max(1, prefetch)
         self.endpoint_info = Endpoint(self.device.identity, self.device.capabilities(), os.getpid())
-        self._cpu_info = Endpoint(self.cpu.identity, self.cpu.capabilities(), os.getpid())
         self._grants: deque[dict[str, Any]] = deque()
         self._ready = 0  # READY credits sent and not yet granted
         self._ids = itertools.count(1)
         self._out: dict[int, _Outgoing] = {}
-        self._tickets: dict[int, Ticket] = {}
         self._pairs: dict[tuple[str, bool], tuple[dict[str, Any], Endpoint, PairModes]] = {}
         self.name = name or f"producer-{os.getpid()}"
         self.unknown_releases = 0  # RELEASED for a handoff already finished: a double release
@@ -153,9 +150,9 @@ class Producer:
             self._ready = max(0, self._ready - 1)
             self._grants.append(h)
         elif msg.verb == "ACCEPTED":
-            t = self._tickets.get(int(h.get("handoff_id", -1)))
-            if t is not None:
-                t.accepted = True
+            o = self._out.get(int(h.get("handoff_id", -1)))
+            if o is not None:
+                o.ticket.accepted = True
         elif msg.verb == "EVENT_RELEASED":
             o = self._out.get(int(h.get("handoff_id", -1)))
             if o is not None and o.event is not None:
@@ -179,7 +176,6 @@ class Producer:
             self.unknown_releases += 1
             log.warning("release of handoff %s that is not outstanding", handoff_id)
             return []
-        self._tickets.pop(handoff_id, None)
         if o.event is not None:
             self.events.release(o.event)  # type: ignore[union-attr]
         if o.slot is not None:
@@ -189,7 +185,6 @@ class Producer:
         if free_source and o.source.cleanup is not None:
             o.source.cleanup()
         o.ticket.outcome = outcome
-        o.ticket.done.set()
         if not free_source:
             return []  # re-sent: on_release belongs to the handoff that is delivered
         cb = o.on_release
@@ -211,15 +206,11 @@ class Producer:
         return self.device.allocate(size)
 
     def _take_grant(self, timeout: float | None) -> dict[str, Any]:
-        s = self.session
-        with s.lock:
-            want = self.prefetch - len(self._grants) - self._ready
-            if not self._grants and want > 0:
-                s.send(Message("READY", {"credits": want}))
-                self._ready += want
-        s.pump(lambda: bool(self._grants), timeout, "waiting for a consumer request")
-        with s.lock:
-            return self._grants.popleft()
+        def asked(n: int) -> None:
+            self._ready += n
+
+        return self.session.pull(self._grants, "READY", lambda: self.prefetch - len(self._grants) - self._ready,
+                                 asked, timeout, "waiting for a consumer request")
 
     def send(self, obj: Any, mode: SyncMode | None = None, *, stream: CudaStream | None = None,
              timeout: float | None = None, block: bool = True,
@@ -268,7 +259,7 @@ class Producer:
             if len(self._pairs) > 1024:
                 self._pairs.clear()
             consumer = Endpoint.from_dict(grant["consumer"])
-            pm = pair_modes(self.endpoint_info if on_gpu else self._cpu_info, consumer)
+            pm = pair_modes(self.endpoint_info if on_gpu else host_side(self.endpoint_info), consumer)
             hit = self._pairs[key] = (grant["consumer"], consumer, pm)
         return hit[1], hit[2]
 
@@ -312,7 +303,6 @@ class Producer:
                 header["ready"] = want
                 self._ready += want
             self._out[hid] = out
-            self._tickets[hid] = out.ticket
             self.session.send(Message("HANDOFF", header, frames))
         return out.ticket
 

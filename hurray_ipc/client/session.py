@@ -18,6 +18,7 @@ import os
 import secrets
 import threading
 import time
+from collections import deque
 from typing import Any, Callable
 
 import zmq
@@ -121,6 +122,19 @@ class Session:
                 self._register()
             return
         out.extend(self._dispatch(msg))
+
+    def pull(self, queue: "deque[Any]", verb: str, want: Callable[[], int], asked: Callable[[int], None],
+             timeout: float | None, what: str) -> Any:
+        """Take the next item of ``queue`` (filled by dispatch), first asking the broker for
+        ``want()`` more with ``verb{credits}`` when the queue is empty (REQUEST / READY)."""
+        with self.lock:
+            n = want()
+            if not queue and n > 0:
+                self.send(Message(verb, {"credits": n}))
+                asked(n)
+        self.pump(lambda: bool(queue), timeout, what)
+        with self.lock:
+            return queue.popleft()
 
     def pump(self, until: Callable[[], bool], timeout: float | None, what: str) -> None:
         """Send heartbeats and dispatch messages until ``until()`` is true.

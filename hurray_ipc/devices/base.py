@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -93,10 +94,6 @@ class Buffer:
     @property
     def tag(self) -> DeviceTag:
         return self.device.tag
-
-    @property
-    def closed(self) -> bool:
-        return self._closer is None and self.ptr == 0
 
     def host_view(self) -> memoryview:
         """The bytes, for host memory only (device memory needs a copy on a stream)."""
@@ -275,8 +272,6 @@ class ImportCache:
         self.limit = limit if limit is not None else int(os.environ.get("HURRAY_IMPORT_CACHE", "64"))
         self._entries: dict[bytes, list[Any]] = {}  # blob -> [opened, closer, refs]
         self.opens = 0  # how many times an allocation was actually opened (tests read it)
-        import threading
-
         self._lock = threading.Lock()
 
     def acquire(self, blob: bytes, opener: Callable[[], tuple[Any, Callable[[], None]]]) -> Any:

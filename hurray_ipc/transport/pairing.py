@@ -33,6 +33,14 @@ class Endpoint:
                    None if stream is None else int(stream))
 
 
+def host_side(ep: Endpoint) -> Endpoint:
+    """The endpoint as seen for a host-memory buffer it sends (a staged copy or a CPU object)."""
+    if ep.identity.kind == "cpu":
+        return ep
+    ident = DeviceIdentity("cpu", 0, f"CPU-{ep.identity.host}", host=ep.identity.host)
+    return Endpoint(ident, DeviceCapabilities(ipc_memory=True, ipc_events=False), ep.pid)
+
+
 def transport_between(a: Endpoint, b: Endpoint) -> Transport:
     if a.identity.host != b.identity.host:
         return Transport.NETWORK

@@ -212,7 +212,7 @@ class _Stream:
                 self.pending -= 1
                 self.cv.notify_all()
 
-    def synchronize(self, call: str) -> None:
+    def synchronize(self) -> None:
         with self.cv:
             while self.pending:
                 self.cv.wait()
@@ -401,7 +401,7 @@ class EmulatedRuntime(Runtime):
         self._stream(stream).close()
 
     def stream_synchronize(self, stream: Any) -> None:
-        self._stream(stream).synchronize("cudaStreamSynchronize")
+        self._stream(stream).synchronize()
 
     def stream_query(self, stream: Any) -> bool:
         return self._stream(stream).idle()
