@@ -34,11 +34,11 @@ from typing import Any
 
 import zmq
 
-from hurray_ipc.contract.sync import EndpointCapabilities, Transport, explain_sync_modes
+from hurray_ipc.contract.sync import Transport
 from hurray_ipc.devices import shm
 from hurray_ipc.devices.base import host_id
 from hurray_ipc.format.handle import BufferHandle, DeviceTag, HandleError, SyncMode
-from hurray_ipc.transport.pairing import Endpoint, PairModes, device_tag_of, host_side, pair_modes
+from hurray_ipc.transport.pairing import Endpoint, PairModes, host_side, pair_modes
 from hurray_ipc.transport.protocol import (
     CLIENT_VERBS,
     PROTOCOL_VERSION,
@@ -493,11 +493,8 @@ class Broker:
             if per:
                 reply.update({k: per[0][k] for k in ("transport", "device_tag", "valid_sync_modes", "excluded", "host_staged")})
         if "valid_sync_modes" not in reply:
-            tt = t or Transport.IPC
-            caps = EndpointCapabilities(me.caps.ipc_memory, me.caps.ipc_events, me.caps.ipc_streams,
-                                        "" if me.caps.ipc_memory else "device has no IPC memory support")
-            reasons = explain_sync_modes(device_tag_of(me.identity), tt, caps, consumer_stream=me.stream is not None)
-            reply.update(PairModes(tt, device_tag_of(me.identity), reasons).to_dict())
+            # No consumer named: answer for a consumer on the same device, as hurray-caps does.
+            reply.update(pair_modes(me, me, t or Transport.IPC).to_dict())
         self._send(rid, Message("CAPS_REPLY", reply))
 
     # --- liveness --------------------------------------------------------------------------

@@ -9,7 +9,6 @@ runtime otherwise. Exits non-zero if any buffer arrived corrupt or any release w
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import shutil
 import subprocess
@@ -26,20 +25,6 @@ from . import workload
 from .cli import caps as caps_cli
 from .cli import inspect as inspect_cli
 from .format.handle import BufferHandle, DeviceTag, SyncMode
-
-SPAWN = mp.get_context("spawn")
-
-
-def _call(fn: Any, kwargs: dict[str, Any], q: Any) -> None:
-    q.put(fn(**kwargs))
-
-
-def _spawn(fn: Any, **kwargs: Any) -> tuple[Any, Any]:
-    q = SPAWN.Queue()
-    p = SPAWN.Process(target=_call, args=(fn, kwargs, q), daemon=True)
-    p.start()
-    return p, q
-
 
 def choose_cuda() -> tuple[dict[str, str], str]:
     """The environment for the GPU scenarios: real CUDA if it works here, else the emulation."""
@@ -96,9 +81,9 @@ def in_process(endpoint: str, env: dict[str, str], count: int, size: int) -> dic
 def scenario(endpoint: str, name: str, pdev: str, cdev: str, env: dict[str, str], count: int, size: int,
              mode: str | None = None) -> dict[str, Any]:
     ch = name.replace(" ", "-")
-    pc, qc = _spawn(workload.run_consumer, endpoint=endpoint, channel=ch, device=cdev, count=count, env=env,
+    pc, qc = workload.spawn(workload.run_consumer, endpoint=endpoint, channel=ch, device=cdev, count=count, env=env,
                     keep_seen=False)
-    pp, qp = _spawn(workload.run_producer, endpoint=endpoint, channel=ch, device=pdev, count=count, size=size,
+    pp, qp = workload.spawn(workload.run_producer, endpoint=endpoint, channel=ch, device=pdev, count=count, size=size,
                     mode=mode, env=env)
     t0 = time.perf_counter()
     pr, cr = qp.get(timeout=120), qc.get(timeout=120)
@@ -148,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             scenario(endpoint, "gpu to gpu synced", "cuda:0", "cuda:0", env, a.count, a.size, "PRODUCER_SYNCED"),
             scenario(endpoint, "gpu to cpu consumer", "cuda:0", "cpu", env, a.count, a.size),
         ]
-        p, q = _spawn(in_process, endpoint=endpoint, env=env, count=a.count, size=a.size)
+        p, q = workload.spawn(in_process, endpoint=endpoint, env=env, count=a.count, size=a.size)
         t0 = time.perf_counter()
         r = q.get(timeout=120)
         p.join(10)

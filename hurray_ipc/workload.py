@@ -8,11 +8,12 @@ shows up as a corrupt buffer, not as luck.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -21,6 +22,23 @@ from .devices.cuda import CudaDevice
 from .format.handle import SyncMode
 
 _MUL = np.uint64(0x9E3779B97F4A7C15)
+SPAWN = mp.get_context("spawn")  # CUDA and ZeroMQ contexts do not survive fork
+
+
+def run_into_queue(fn: Callable[..., Any], kwargs: dict[str, Any], q: Any) -> None:
+    """Put ``fn(**kwargs)`` (or {"error", "trace"}) on ``q``: the target of a spawned process."""
+    try:
+        q.put(fn(**kwargs))
+    except Exception as e:  # noqa: BLE001 - the parent reports it; it must not wait forever
+        q.put({"error": f"{e!r}", "trace": traceback.format_exc()})
+
+
+def spawn(fn: Callable[..., Any], **kwargs: Any) -> tuple[Any, Any]:
+    """Run ``fn(**kwargs)`` in a spawned process; its result (or {"error": ...}) arrives on the queue."""
+    q = SPAWN.Queue()
+    p = SPAWN.Process(target=run_into_queue, args=(fn, kwargs, q), daemon=True)
+    p.start()
+    return p, q
 
 
 def pattern(tag: int, seq: int, nbytes: int) -> np.ndarray:

@@ -12,21 +12,15 @@ import numpy as np
 import pytest
 
 from brokerproc import BrokerProcess
-from conftest import SPAWN, emu_config
+from conftest import emu_config
 from hurray_ipc import workload
 from hurray_ipc.client import BrokerUnavailable, Consumer, Producer, ProducerGone
 from hurray_ipc.devices import shm
 
 
-def _call(fn, kwargs, q):
-    q.put(fn(**kwargs))
-
-
 class Proc:
     def __init__(self, fn, **kwargs):
-        self.q = SPAWN.Queue()
-        self.p = SPAWN.Process(target=_call, args=(fn, kwargs, self.q), daemon=True)
-        self.p.start()
+        self.p, self.q = workload.spawn(fn, **kwargs)
 
     def result(self, timeout=90):
         r = self.q.get(timeout=timeout)

@@ -8,7 +8,6 @@ Throughput rows keep a window of 8 in flight. Every number is a median (p50) or 
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import platform
 import statistics
@@ -21,7 +20,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-SPAWN = mp.get_context("spawn")
+from ..workload import SPAWN, run_into_queue, spawn
+
 WINDOW = 8
 # Every latency row idles this long between round trips, so each measures a wake from idle (the
 # case a pipeline stage sees) rather than a hot loop; comparing a paced row with a hot one is unfair.
@@ -37,26 +37,10 @@ def _lat(xs: list[float]) -> dict[str, float]:
     return {"p50_us": round(pct(xs, 50) * 1e6, 1), "p99_us": round(pct(xs, 99) * 1e6, 1), "n": len(xs)}
 
 
-def _call(fn: Callable[..., Any], kwargs: dict[str, Any], q: Any) -> None:
-    try:
-        q.put(fn(**kwargs))
-    except Exception as e:  # noqa: BLE001 - a failed row is reported, the suite goes on
-        import traceback
-
-        q.put({"error": f"{e!r}", "trace": traceback.format_exc()})
-
-
-def _spawn(fn: Callable[..., Any], **kw: Any) -> tuple[Any, Any]:
-    q = SPAWN.Queue()
-    p = SPAWN.Process(target=_call, args=(fn, kw, q), daemon=True)
-    p.start()
-    return p, q
-
-
 def _pair(a: tuple[Callable[..., Any], dict[str, Any]], b: tuple[Callable[..., Any], dict[str, Any]],
           timeout: float = 300) -> tuple[Any, Any]:
-    pa, qa = _spawn(a[0], **a[1])
-    pb, qb = _spawn(b[0], **b[1])
+    pa, qa = spawn(a[0], **a[1])
+    pb, qb = spawn(b[0], **b[1])
     ra, rb = qa.get(timeout=timeout), qb.get(timeout=timeout)
     pa.join(10), pb.join(10)
     for r in (ra, rb):
@@ -296,8 +280,8 @@ def bench_torch(size: int, n: int, device: str = "cpu") -> dict[str, Any]:
         return {**row, "skipped": "torch is not installed"}
     ctx = tmp.get_context("spawn")
     q, ack = ctx.Queue(), ctx.Queue()
-    pp = ctx.Process(target=_call, args=(_torch_producer, {"q": q, "ack": ack, "size": size, "n": n, "device": device}, rq := ctx.Queue()))
-    pc = ctx.Process(target=_call, args=(_queue_consumer, {"q": q, "ack": ack, "n": n}, rc := ctx.Queue()))
+    pp = ctx.Process(target=run_into_queue, args=(_torch_producer, {"q": q, "ack": ack, "size": size, "n": n, "device": device}, rq := ctx.Queue()))
+    pc = ctx.Process(target=run_into_queue, args=(_queue_consumer, {"q": q, "ack": ack, "n": n}, rc := ctx.Queue()))
     pp.start(), pc.start()
     pr, cr = rq.get(timeout=300), rc.get(timeout=300)
     pp.join(10), pc.join(10)
@@ -339,7 +323,7 @@ def _staging(size: int, reps: int, env: dict[str, str]) -> dict[str, Any]:
 
 
 def bench_staging(size: int, reps: int, env: dict[str, str]) -> dict[str, Any]:
-    p, q = _spawn(_staging, size=size, reps=reps, env=env)
+    p, q = spawn(_staging, size=size, reps=reps, env=env)
     r = q.get(timeout=300)
     p.join(10)
     if "error" in r:

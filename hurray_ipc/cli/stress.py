@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import random
 import shutil
@@ -29,9 +28,6 @@ from typing import Any
 
 from .. import workload
 from ..devices import shm
-
-SPAWN = mp.get_context("spawn")
-
 
 def parse_size(text: str) -> int:
     t = text.strip().upper().removesuffix("B").removesuffix("I")
@@ -99,10 +95,6 @@ class StressSummary:
                     or self.errors) and self.verified > 0
 
 
-def _call(fn: Any, kwargs: dict[str, Any], q: Any) -> None:
-    q.put(fn(**kwargs))
-
-
 def _rss(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -147,8 +139,7 @@ class Runner:
             time.sleep(0.02)
 
     def _spawn(self, role: str, share: int = 0) -> Worker:
-        counters = SPAWN.Array("q", 5)
-        q = SPAWN.Queue()
+        counters = workload.SPAWN.Array("q", 5)
         common = dict(endpoint=self.endpoint, channel="stress", device=self.spec, env=self.env, counters=counters,
                       broker_grace=4 * self.cfg.timeout + 10)
         if role == "producer":
@@ -159,8 +150,7 @@ class Runner:
             kw = dict(common, count=None, idle_stop=max(3.0, 2 * self.cfg.timeout), keep_seen=False, timeout=30.0,
                       skip_wait=self.cfg.skip_wait)
             fn = workload.run_consumer
-        p = SPAWN.Process(target=_call, args=(fn, kw, q), daemon=True)
-        p.start()
+        p, q = workload.spawn(fn, **kw)
         w = Worker(role, p, counters, share, queue=q)
         self.workers.append(w)
         return w

@@ -163,7 +163,8 @@ def field_of(msg: Message, name: str, kind: type | tuple[type, ...], *, optional
             return None
         raise ProtocolError("bad_header", f"{msg.verb} header lacks '{name}'")
     v = msg.header[name]
-    if isinstance(v, bool) and kind is not bool and (kind is int or (isinstance(kind, tuple) and bool not in kind)):
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(v, bool) and bool not in kinds:  # JSON true is no int here, though Python says so
         raise ProtocolError("bad_header", f"{msg.verb} '{name}' must be {kind}, got a boolean")
     if not isinstance(v, kind):
         raise ProtocolError("bad_header", f"{msg.verb} '{name}' must be {getattr(kind, '__name__', kind)}, got {type(v).__name__}")
