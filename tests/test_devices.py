@@ -113,7 +113,9 @@ def test_cross_process_memory_with_offsets_and_cache(impl):
     s.synchronize()
     whole = dev.export_memory(buf)
     parts = [(0, 4096), (4096, 1024), (len(PATTERN) - 100, 100)]
-    digests, opens = run_child(workers.import_and_read, spec, env, whole.blob, parts)
+    key = f"offsets-{os.getpid()}-{buf.ptr:x}"
+    dev.order_send(key)  # the host waited for the copy above; the child comes after
+    digests, opens = run_child(workers.import_and_read, spec, env, whole.blob, parts, key)
     assert digests == [hashlib.sha256(PATTERN[o:o + n]).hexdigest() for o, n in parts]
     assert opens == 1, "the allocation must be opened once per process and cached"
     buf.close()

@@ -17,12 +17,14 @@ def _device(spec: str, env: dict[str, str]):
     return open_device(spec)
 
 
-def import_and_read(spec, env, blob, parts, q):
-    """Import one allocation at several (offset, size) parts; report digests and open count."""
+def import_and_read(spec, env, blob, parts, key, q):
+    """Import one allocation at several (offset, size) parts; report digests and open count.
+    ``key``: the message (the parent's order_send) that orders this after the parent's writes."""
     try:
         from hurray_ipc.devices import MemoryExport
 
         dev = _device(spec, env)
+        dev.order_receive(key)
         stream = dev.create_stream()
         digests = []
         for off, size in parts:

@@ -24,7 +24,7 @@ from ..devices.cuda import CudaDevice, CudaStream
 from ..format.handle import BufferHandle, DeviceTag, HandleError, SyncMode
 from ..transport import dlpack, inproc
 from ..transport.pairing import Endpoint
-from ..transport.protocol import Message
+from ..transport.protocol import Message, order_key
 from .session import RemoteError, Session
 
 log = logging.getLogger("hurray.consumer")
@@ -284,6 +284,7 @@ class Consumer:
         h = msg.header
         handle = BufferHandle.decode(msg.frames["handle"])  # the consumer checks too: never trust the wire
         token = str(h["token"])
+        self.device.order_receive(order_key(str(h.get("producer_id", "")), int(h.get("handoff_id", 0)), "handoff"))
         event = None
         if h.get("inproc"):
             objs = inproc.take(str(h["inproc_ref"]))
@@ -315,6 +316,8 @@ class Consumer:
                     header["credits"] = want
                     self._requested += want
             try:
+                if verb == "RELEASE":
+                    self.device.order_send(order_key(ho.producer_id, ho.handoff_id, "release"))
                 self.session.send(Message(verb, header))
             except Exception as e:  # noqa: BLE001
                 log.warning("%s of %s not sent: %s", verb, ho.token[:8], e)

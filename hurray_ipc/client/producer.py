@@ -25,7 +25,7 @@ from ..devices.cuda import CudaDevice, CudaEvent, CudaStream
 from ..format.handle import BufferHandle, DeviceTag, SyncMode
 from ..transport import inproc
 from ..transport.pairing import Endpoint, PairModes, host_side, pair_modes
-from ..transport.protocol import Message
+from ..transport.protocol import Message, order_key
 from ..transport.source import Source, resolve
 from ..transport.staging import StagingExhausted, StagingPool
 from .session import BrokerUnavailable, RemoteError, Session
@@ -159,7 +159,10 @@ class Producer:
                 self.events.release(o.event)  # type: ignore[union-attr]
                 o.event = None
         elif msg.verb == "RELEASED":
-            return self._finish(int(h.get("handoff_id", -1)), str(h.get("reason", "released")))
+            hid = int(h.get("handoff_id", -1))
+            if hid in self._out:
+                self.device.order_receive(order_key(self.session.client_id, hid, "release"))
+            return self._finish(hid, str(h.get("reason", "released")))
         elif msg.verb == "ERROR":
             hid = h.get("handoff_id")
             if hid is not None and int(hid) in self._out:
@@ -176,6 +179,7 @@ class Producer:
             self.unknown_releases += 1
             log.warning("release of handoff %s that is not outstanding", handoff_id)
             return []
+        self.device.order_forget(order_key(self.session.client_id, handoff_id, "handoff"))
         if o.event is not None:
             self.events.release(o.event)  # type: ignore[union-attr]
         if o.slot is not None:
@@ -303,6 +307,7 @@ class Producer:
                 header["ready"] = want
                 self._ready += want
             self._out[hid] = out
+            self.device.order_send(order_key(self.session.client_id, hid, "handoff"))
             self.session.send(Message("HANDOFF", header, frames))
         return out.ticket
 

@@ -250,6 +250,21 @@ class Device(ABC):
         """A non-owning Buffer for memory someone else allocated (a CuPy/PyTorch array)."""
         return Buffer(self, ptr, size)
 
+    # Happens-before annotations for the emulated runtime's race checker: a process about to send
+    # a message that orders another process's device work (a handoff, a release) calls
+    # order_send(key); the receiver calls order_receive(key) before touching the buffer. The key
+    # names the message on both sides (e.g. "<producer id>:<handoff id>:handoff"). On CPU devices
+    # and real CUDA they do nothing: the message itself is the ordering.
+    def order_send(self, key: str) -> None:
+        """This host is about to send the message ``key``; what it has waited for so far is
+        ordered before whatever the receiver does after :meth:`order_receive`."""
+
+    def order_receive(self, key: str) -> None:
+        """The message ``key`` arrived: order this host's later work after its sender's."""
+
+    def order_forget(self, key: str) -> None:
+        """The message ``key`` was sent but will never be received."""
+
     def close(self) -> None:
         pass
 

@@ -188,6 +188,15 @@ class CudaDevice(Device):
         self.activate()
         return CudaEvent(self, self.rt.ipc_open_event_handle(blob), interprocess=True, imported=True)
 
+    def order_send(self, key: str) -> None:
+        self.rt.hb_send(key)
+
+    def order_receive(self, key: str) -> None:
+        self.rt.hb_receive(key)
+
+    def order_forget(self, key: str) -> None:
+        self.rt.hb_forget(key)
+
     def host_register(self, buf: Buffer) -> None:
         self.rt.host_register(buf.ptr, max(buf.size, 1))
 

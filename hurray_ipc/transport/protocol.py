@@ -173,3 +173,9 @@ def field_of(msg: Message, name: str, kind: type | tuple[type, ...], *, optional
 
 def error(code: str, message: str, **extra: Any) -> Message:
     return Message("ERROR", {"code": code, "message": message, **extra})
+
+
+def order_key(producer_id: str, handoff_id: int, message: str) -> str:
+    """The name both ends give a handoff's HANDOFF/DELIVER ("handoff") or RELEASE/RELEASED
+    ("release") message in happens-before annotations (:meth:`Device.order_send`)."""
+    return f"{producer_id}:{handoff_id}:{message}"

@@ -134,6 +134,20 @@ class Runtime(ABC):
     @abstractmethod
     def ipc_open_event_handle(self, blob: bytes) -> Any: ...
 
+    # --- happens-before annotations ---------------------------------------------------------------
+    # A message between two processes orders the receiver's later host program after the
+    # sender's host program before the send. CUDA needs no help with that; the emulation's race
+    # checker does, since it cannot see sockets. Real CUDA: nothing to do.
+    def hb_send(self, key: str) -> None:
+        """The host is about to send the message named ``key`` to another process."""
+
+    def hb_receive(self, key: str) -> bool:
+        """The message named ``key`` arrived (True when the checker knew of it)."""
+        return False
+
+    def hb_forget(self, key: str) -> None:
+        """The message named ``key`` will never be received (its handoff ended another way)."""
+
 
 def check_blob(blob: bytes, what: str, *, emulated: bool) -> bytes:
     """Refuse a blob of the wrong length or from the other backend."""

@@ -2,7 +2,7 @@
 
 What is emulated, and how (see ../DESIGN.md for why):
 
-* **Device memory** is POSIX shared memory: one segment per allocation, a 4 KiB header (race
+* **Device memory** is POSIX shared memory: one segment per allocation, a 64 KiB header (race-check
   table) followed by the data. A device pointer is the data's real address in this process, so
   copies are ``memmove``; an IPC mem handle names the segment, and opening it maps the segment at
   another address, as CUDA IPC does.
@@ -14,10 +14,14 @@ What is emulated, and how (see ../DESIGN.md for why):
   ``stream_wait_event`` captures ``recorded`` at call time and blocks the stream until
   ``completed`` reaches it: CUDA's rule that a wait orders after the latest record at the time of
   the wait, so a released event may be re-recorded.
-* **Race check**: each allocation's header lists writes that were enqueued but have not finished.
-  A read (a copy *from* device memory) that executes while an overlapping write enqueued *before
-  the read was enqueued* is still pending was not ordered after that write: it is reported as a
-  :class:`RaceError` (raised at the next synchronize) and counted in :attr:`races`.
+* **Race check**: a happens-before analysis (:mod:`.hb`): every stream and each runtime's host
+  is an agent with a vector clock; stream order, event record/wait, synchronize, successful
+  queries and the handoff messages (:meth:`EmulatedRuntime.hb_send` / :meth:`~EmulatedRuntime.hb_receive`)
+  are its edges. Each allocation's header holds its shadow memory (the last write and the reads
+  since, per byte range), shared by every process that maps it. An access that conflicts with an
+  earlier one it is not ordered after is a race, reported as a :class:`RaceError` at this
+  process's next synchronize and counted in :attr:`EmulatedRuntime.races`. Verdicts are computed
+  when operations are *enqueued*, from the program's synchronisation alone: no timing involved.
 
 Configuration comes from :class:`EmulationConfig` (``HURRAY_EMU_*`` variables for spawned
 processes). Emulated UUIDs start with ``EMU-`` and every blob with :data:`EMULATED_MAGIC`, so a
@@ -29,7 +33,9 @@ from __future__ import annotations
 import bisect
 import ctypes
 import fcntl
+import hashlib
 import itertools
+import marshal
 import os
 import queue
 import struct
@@ -42,11 +48,14 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import DeviceError, RaceError
-from ..shm import Segment, pid_alive
+from ..shm import SHM_DIR, Segment, pid_alive
+from . import hb
 from .base import EMULATED_MAGIC, IPC_HANDLE_SIZE, Runtime, check_blob
 
-HEADER = 4096
-_SLOTS = 120  # pending-write slots per allocation: (start, end, enqueue_ns, token) u64 each
+HEADER = 64 << 10  # per allocation: magic, size, device, then the shadow memory of the race check
+EVENT_SEGMENT = 16 << 10  # per event: the counters, then the clock of its latest record
+# Both keep their race-check state marshalled at _STATE, its length a u32 at _STATE_LEN.
+_STATE_LEN, _STATE = 32, 64
 _MEM_MAGIC = EMULATED_MAGIC + b"M1"
 _EVT_MAGIC = EMULATED_MAGIC + b"E1"
 _BLOB = struct.Struct("<8sIIQ40s")  # magic, device ordinal, pid of exporter, size, segment name
@@ -126,6 +135,53 @@ class _Locked:
         self.local.release()
 
 
+_AGENT_SEQ = itertools.count(1)  # process-wide: two runtimes in one process get distinct agents
+_starts: dict[int, int | None] = {}
+
+
+def proc_start(pid: int) -> int | None:
+    """The start time of live process ``pid`` (clock ticks since boot), or None if it has exited.
+
+    (pid, start time) names a process exactly even when the kernel reuses the pid; a zombie has
+    exited (its threads, and so its emulated streams, are gone).
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in (b"Z", b"X") else int(fields[19])
+
+
+def _self_start() -> int:
+    pid = os.getpid()
+    if pid not in _starts:
+        _starts[pid] = proc_start(pid) or 0
+    return _starts[pid] or 0
+
+
+def new_agent() -> int:
+    """A vector-clock agent id unique across processes: (pid, start time, sequence number)."""
+    return (os.getpid() << 44) | ((_self_start() & 0xFFFFFF) << 20) | (next(_AGENT_SEQ) & 0xFFFFF)
+
+
+def _gone(rec: hb.Record) -> bool:
+    return rec[2] != os.getpid() and proc_start(rec[2]) != rec[3]
+
+
+def _load(seg: Segment, limit: int) -> Any:
+    n = struct.unpack_from("<I", seg.map, _STATE_LEN)[0]
+    return marshal.loads(seg.map[_STATE:_STATE + n]) if 0 < n <= limit - _STATE else None
+
+
+def _store(seg: Segment, limit: int, value: Any, what: str) -> None:
+    raw = marshal.dumps(value)
+    if _STATE + len(raw) > limit:
+        raise DeviceError("emulated race check", f"{what} outgrew its {limit - _STATE} bytes of shared state")
+    seg.map[_STATE:_STATE + len(raw)] = raw
+    struct.pack_into("<I", seg.map, _STATE_LEN, len(raw))
+
+
 @dataclass
 class _Alloc:
     seg: Segment
@@ -134,32 +190,17 @@ class _Alloc:
     device: int
     imported: bool
     lock: _Locked
-    table: np.ndarray  # (_SLOTS, 4) uint64 view of the header's pending-write table
 
-    def note_write(self, start: int, end: int, token: int) -> int:
+    def access(self, lo: int, hi: int, is_write: bool, rec: hb.Record, clock: hb.Clock) -> list[str]:
+        """Check and record one access to bytes [lo, hi) in the shared shadow; the races found."""
         with self.lock:
-            free = np.flatnonzero(self.table[:, 3] == 0)
-            if free.size == 0:
-                raise DeviceError("emulated write", f"more than {_SLOTS} writes in flight on one allocation")
-            i = int(free[0])
-            self.table[i, 0], self.table[i, 1], self.table[i, 2] = start, end, time.monotonic_ns()
-            self.table[i, 3] = token
-            return i
-
-    def retire_write(self, slot: int, token: int) -> None:
-        with self.lock:
-            if int(self.table[slot, 3]) == token:
-                self.table[slot, 3] = 0
-
-    def unordered_writes(self, start: int, end: int, read_enqueued_ns: int) -> list[tuple[int, int]]:
-        with self.lock:
-            t = self.table
-            hit = (t[:, 3] != 0) & (t[:, 0] < end) & (t[:, 1] > start) & (t[:, 2] < read_enqueued_ns)
-            return [(int(a), int(b)) for a, b in t[hit, :2]]
+            shadow, races = hb.access(_load(self.seg, HEADER) or [], lo, hi, is_write, rec, clock, _gone)
+            _store(self.seg, HEADER, shadow, f"the shadow memory of {self.seg.name}")
+        return [hb.describe(kind, self.seg.name, rec, other, a, b) for kind, other, a, b in races]
 
 
 class _Event:
-    """Shared counters: [magic, recorded, completed, owner_pid]."""
+    """Shared state: [magic, recorded, completed, owner_pid] counters, then the latest record's clock."""
 
     def __init__(self, seg: Segment, owner: bool, interprocess: bool, device: int):
         self.seg = seg
@@ -173,16 +214,37 @@ class _Event:
     def owner_pid(self) -> int:
         return int(self.words[3])
 
+    def record(self, clock: hb.Clock | None) -> int:
+        """Note a record (at call time) whose operation runs with ``clock``; its sequence number."""
+        with self.lock:
+            seq = int(self.words[1]) + 1
+            self.words[1] = seq
+            if clock is not None:
+                _store(self.seg, EVENT_SEGMENT, clock, "an event's clock")
+            return seq
+
+    def latest(self) -> tuple[int, hb.Clock]:
+        """(sequence number, clock) of the latest record: what a wait issued now orders after."""
+        with self.lock:
+            return int(self.words[1]), _load(self.seg, EVENT_SEGMENT) or {}
+
+    def done(self, seq: int) -> bool:
+        return int(self.words[2]) >= seq
+
 
 class _Stream:
     """One worker thread running this stream's operations in order."""
 
     _ids = itertools.count(1)
 
-    def __init__(self, runtime: "EmulatedRuntime", device: int):
+    def __init__(self, runtime: "EmulatedRuntime", device: int, label: str = ""):
         self.id = 0x5EA0_0000 + next(self._ids)
         self.device = device
         self.rt = runtime
+        self.label = label or f"stream {self.id:#x}"
+        self.agent = new_agent()  # happens-before state, guarded by the runtime's _hb lock
+        self.clock: hb.Clock = {}
+        self.count = 0
         self.q: "queue.Queue[Callable[[], None] | None]" = queue.Queue()
         self.pending = 0
         self.cv = threading.Condition()
@@ -238,17 +300,117 @@ class EmulatedRuntime(Runtime):
         self._bases: list[int] = []  # sorted, for mem_range
         self._allocs: dict[int, _Alloc] = {}
         self._tls = threading.local()
-        self._tokens = itertools.count(1)
         self._default: dict[int, _Stream] = {}
-        self.races: list[str] = []  # every race reported in this process
+        self.races: list[str] = []  # every race this runtime found (its race counter is len(races))
+        self._unraised: list[str] = []  # found, not yet raised at a synchronize
         self._streams: "weakref.WeakSet[_Stream]" = weakref.WeakSet()
+        # Happens-before state: this runtime's host agent and clock. One lock orders every clock
+        # update of this runtime with the enqueue it belongs to.
+        self._hb = threading.RLock()
+        self._host = new_agent()
+        self._host_clock: hb.Clock = {}
+        self._host_count = 0
+        self._mailbox = os.path.join(SHM_DIR, f"hurray-{os.getuid()}-hb")
 
     def _drain(self) -> None:
         """cudaFree and cudaIpcCloseMemHandle synchronize the device first; so do we."""
-        for st in list(self._streams):
+        streams = list(self._streams)
+        with self._hb:
+            clocks = [dict(st.clock) for st in streams]
+        for st in streams:
             with st.cv:
                 while st.pending:
                     st.cv.wait()
+        self._learn(*clocks)
+
+    # --- happens-before bookkeeping (see hb.py) --------------------------------------------------
+    @property
+    def checking(self) -> bool:
+        return self.config.race_check
+
+    def _learn(self, *clocks: hb.Clock) -> None:
+        """The host now knows that the operations these clocks cover have completed."""
+        if self.checking:
+            with self._hb:
+                for c in clocks:
+                    hb.join(self._host_clock, c)
+
+    def _tick(self, st: _Stream) -> hb.Clock:
+        """The clock of the next operation on ``st`` (caller holds _hb): after the stream's
+        previous operations and after everything the host knew when it enqueued this one."""
+        hb.join(st.clock, self._host_clock)
+        st.count += 1
+        st.clock[st.agent] = st.count
+        return dict(st.clock)
+
+    def _record(self, agent: int, count: int, what: str) -> hb.Record:
+        return (agent, count, os.getpid(), _self_start(), f"pid {os.getpid()} {what}")
+
+    def _check(self, a: _Alloc, ptr: int, nbytes: int, is_write: bool, agent: int, clock: hb.Clock,
+               where: str, call: str) -> None:
+        lo = ptr - a.base
+        rec = self._record(agent, clock[agent], f"{where} {call} {'write' if is_write else 'read'} [{lo}, {lo + nbytes})")
+        found = a.access(lo, lo + nbytes, is_write, rec, clock)
+        if found:
+            self.races.extend(found)
+            self._unraised.extend(found)
+
+    def _raise_races(self, call: str) -> None:
+        """Raise the first race found since the last synchronize (all stay counted in races)."""
+        with self._hb:
+            found, self._unraised = self._unraised, []
+        if found:
+            more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+            raise RaceError(call, found[0] + more, code="emulated race")
+
+    def _host_access(self, a: _Alloc, call: str) -> None:
+        """A host operation on a whole allocation (cudaFree): checked like a write."""
+        with self._hb:
+            self._host_count += 1
+            self._host_clock[self._host] = self._host_count
+            self._check(a, a.base, max(a.size, 1), True, self._host, dict(self._host_clock), "host", call)
+
+    # --- happens-before edges carried by messages between processes ----------------------------
+    def _mail(self, key: str) -> str:
+        return os.path.join(self._mailbox, hashlib.sha1(key.encode()).hexdigest())
+
+    def hb_send(self, key: str) -> None:
+        """This process is about to send the message ``key``: what its host knows now (which
+        streams it synchronized, which events it saw complete) is what the receiver learns."""
+        if not self.checking:
+            return
+        with self._hb:
+            self._host_count += 1
+            self._host_clock[self._host] = self._host_count
+            raw = marshal.dumps(self._host_clock)
+        os.makedirs(self._mailbox, mode=0o700, exist_ok=True)
+        path = self._mail(key)
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}"
+        with open(tmp, "wb") as f:
+            f.write(raw)
+        os.replace(tmp, path)
+
+    def hb_receive(self, key: str) -> bool:
+        """The message ``key`` arrived: this host is now ordered after its sender's host at send
+        time. False when no such message was noted (its sender does not run the checker)."""
+        if not self.checking:
+            return False
+        path = self._mail(key)
+        try:
+            with open(path, "rb") as f:
+                clock = marshal.loads(f.read())
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        self._learn(clock)
+        return True
+
+    def hb_forget(self, key: str) -> None:
+        """The message ``key`` will not be received (its handoff ended another way)."""
+        try:
+            os.unlink(self._mail(key))
+        except FileNotFoundError:
+            pass
 
     # --- devices -------------------------------------------------------------------------------
     def probe(self) -> str | None:
@@ -293,8 +455,7 @@ class EmulatedRuntime(Runtime):
     # --- memory --------------------------------------------------------------------------------
     def _register(self, seg: Segment, device: int, imported: bool) -> _Alloc:
         base = seg.address() + HEADER
-        table = np.frombuffer(seg.map, dtype=np.uint64, count=_SLOTS * 4, offset=64).reshape(_SLOTS, 4)
-        a = _Alloc(seg, base, seg.size - HEADER, device, imported, _Locked(seg), table)
+        a = _Alloc(seg, base, seg.size - HEADER, device, imported, _Locked(seg))
         with self._lock:
             bisect.insort(self._bases, base)
             self._allocs[base] = a
@@ -329,11 +490,12 @@ class EmulatedRuntime(Runtime):
         if a.imported:
             raise DeviceError("cudaFree", "pointer came from cudaIpcOpenMemHandle; close it instead",
                               code="cudaErrorInvalidValue")
+        if self.checking:
+            self._host_access(a, "cudaFree")  # must be ordered after every other process's use
         self._drop(a)
 
     @staticmethod
     def _drop(a: _Alloc) -> None:
-        a.table = None  # type: ignore[assignment]
         a.seg.close()
 
     def mem_range(self, ptr: int) -> tuple[int, int]:
@@ -385,7 +547,7 @@ class EmulatedRuntime(Runtime):
             with self._lock:
                 st = self._default.get(dev)
                 if st is None:
-                    st = self._default[dev] = _Stream(self, dev)
+                    st = self._default[dev] = _Stream(self, dev, "default stream")
                     self._streams.add(st)
             return st
         if not isinstance(s, _Stream):
@@ -401,10 +563,22 @@ class EmulatedRuntime(Runtime):
         self._stream(stream).close()
 
     def stream_synchronize(self, stream: Any) -> None:
-        self._stream(stream).synchronize()
+        st = self._stream(stream)
+        with self._hb:
+            clock = dict(st.clock)  # everything enqueued on it so far
+        try:
+            st.synchronize()
+        finally:
+            self._learn(clock)
+        self._raise_races("cudaStreamSynchronize")
 
     def stream_query(self, stream: Any) -> bool:
-        return self._stream(stream).idle()
+        st = self._stream(stream)
+        with self._hb:  # enqueues take this lock too: idle and clock describe the same moment
+            done, clock = st.idle(), dict(st.clock)
+        if done:
+            self._learn(clock)
+        return done
 
     def stream_id(self, stream: Any) -> int:
         return self._stream(stream).id
@@ -419,19 +593,23 @@ class EmulatedRuntime(Runtime):
 
     def stream_wait_event(self, stream: Any, event: Any) -> None:
         ev = self._event(event, "cudaStreamWaitEvent")
-        target = int(ev.words[1])  # the latest record at the time of this call
+        st = self._stream(stream)
         owner = ev.owner_pid()
+        with self._hb:
+            target, clock = ev.latest()  # the latest record at the time of this call
+            hb.join(st.clock, clock)
+            self._tick(st)
 
-        def wait() -> None:
-            spin = 0
-            while int(ev.words[2]) < target:
-                spin += 1
-                time.sleep(0.00005 if spin < 100 else 0.001)
-                if spin % 500 == 0 and owner and not pid_alive(owner):
-                    raise DeviceError("cudaStreamWaitEvent", f"the process {owner} that records this event died",
-                                      code="cudaErrorLaunchFailure")
+            def wait() -> None:
+                spin = 0
+                while not ev.done(target):
+                    spin += 1
+                    time.sleep(0.00005 if spin < 100 else 0.001)
+                    if spin % 500 == 0 and owner and not pid_alive(owner):
+                        raise DeviceError("cudaStreamWaitEvent", f"the process {owner} that records this event died",
+                                          code="cudaErrorLaunchFailure")
 
-        self._stream(stream).enqueue(wait)
+            st.enqueue(wait)
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
         if nbytes <= 0:
@@ -441,63 +619,46 @@ class EmulatedRuntime(Runtime):
         for a, p, what in ((d, dst, "destination"), (s, src, "source")):
             if a is not None and p + nbytes > a.base + a.size:
                 raise DeviceError("cudaMemcpyAsync", f"{what} range exceeds its allocation", code="cudaErrorInvalidValue")
-        enq = time.monotonic_ns()
-        slot = token = None
-        if d is not None and self.config.race_check:
-            token = next(self._tokens) | (os.getpid() << 32)
-            slot = d.note_write(dst - d.base, dst - d.base + nbytes, token)
-
         delay = self.config.op_delay_s
 
         def copy() -> None:
             # Reads happen when the op starts, writes land when it ends: the widest window in
             # which an unordered reader sees stale bytes, as a slow kernel would make it.
-            try:
-                race = None
-                if s is not None and self.config.race_check:
-                    bad = s.unordered_writes(src - s.base, src - s.base + nbytes, enq)
-                    if bad:
-                        race = (f"read of device bytes [{src - s.base}, {src - s.base + nbytes}) of {s.seg.name} "
-                                f"is not ordered after pending write(s) {bad}: a missing stream-wait or sync")
-                        self.races.append(race)
-                if delay:
-                    snapshot = ctypes.string_at(src, nbytes)
-                    time.sleep(delay)
-                    ctypes.memmove(dst, snapshot, nbytes)
-                else:
-                    ctypes.memmove(dst, src, nbytes)
-                if race is not None:
-                    raise RaceError("cudaMemcpyAsync", race, code="emulated race")
-            finally:
-                if slot is not None:
-                    d.retire_write(slot, token)
+            if delay:
+                snapshot = ctypes.string_at(src, nbytes)
+                time.sleep(delay)
+                ctypes.memmove(dst, snapshot, nbytes)
+            else:
+                ctypes.memmove(dst, src, nbytes)
 
-        st.enqueue(copy)
+        with self._hb:
+            if self.checking and (d is not None or s is not None):
+                clock = self._tick(st)
+                if s is not None:
+                    self._check(s, src, nbytes, False, st.agent, clock, st.label, "cudaMemcpyAsync")
+                if d is not None:
+                    self._check(d, dst, nbytes, True, st.agent, clock, st.label, "cudaMemcpyAsync")
+            st.enqueue(copy)
 
     def memset_async(self, ptr: int, value: int, nbytes: int, stream: Any) -> None:
         if nbytes <= 0:
             return
         a = self._find(ptr)
-        if a is None or ptr + nbytes > a.base + a.size:
+        if a is None or ptr < a.base or ptr + nbytes > a.base + a.size:
             raise DeviceError("cudaMemsetAsync", f"0x{ptr:x}+{nbytes} is not inside emulated device memory",
                               code="cudaErrorInvalidValue")
-        slot = token = None
-        if self.config.race_check:
-            token = next(self._tokens) | (os.getpid() << 32)
-            slot = a.note_write(ptr - a.base, ptr - a.base + nbytes, token)
-
+        st = self._stream(stream)
         delay = self.config.op_delay_s
 
         def fill() -> None:
-            try:
-                if delay:
-                    time.sleep(delay)
-                ctypes.memset(ptr, value & 0xFF, nbytes)
-            finally:
-                if slot is not None:
-                    a.retire_write(slot, token)
+            if delay:
+                time.sleep(delay)
+            ctypes.memset(ptr, value & 0xFF, nbytes)
 
-        self._stream(stream).enqueue(fill)
+        with self._hb:
+            if self.checking:
+                self._check(a, ptr, nbytes, True, st.agent, self._tick(st), st.label, "cudaMemsetAsync")
+            st.enqueue(fill)
 
     # --- events --------------------------------------------------------------------------------
     def _event(self, e: Any, call: str) -> _Event:
@@ -506,7 +667,7 @@ class EmulatedRuntime(Runtime):
         return e
 
     def event_create(self, interprocess: bool) -> Any:
-        seg = Segment.create(64, "v")
+        seg = Segment.create(EVENT_SEGMENT, "v")
         ev = _Event(seg, owner=True, interprocess=interprocess, device=self._device())
         seg.map[:8] = _EVT_MAGIC
         ev.words[3] = os.getpid()
@@ -521,26 +682,37 @@ class EmulatedRuntime(Runtime):
 
     def event_record(self, event: Any, stream: Any) -> None:
         ev = self._event(event, "cudaEventRecord")
-        with ev.lock:
-            seq = int(ev.words[1]) + 1
-            ev.words[1] = seq
+        st = self._stream(stream)
+        with self._hb:
+            seq = ev.record(self._tick(st) if self.checking else None)
 
-        def complete() -> None:
-            with ev.lock:
-                if int(ev.words[2]) < seq:
-                    ev.words[2] = seq
+            def complete() -> None:
+                with ev.lock:
+                    if int(ev.words[2]) < seq:
+                        ev.words[2] = seq
 
-        self._stream(stream).enqueue(complete)
+            st.enqueue(complete)
 
     def event_synchronize(self, event: Any) -> None:
         ev = self._event(event, "cudaEventSynchronize")
-        target = int(ev.words[1])
-        while int(ev.words[2]) < target:
+        target, clock = ev.latest()
+        owner, spin = ev.owner_pid(), 0
+        while not ev.done(target):
+            spin += 1
             time.sleep(0.0001)
+            if spin % 500 == 0 and owner and not pid_alive(owner):
+                raise DeviceError("cudaEventSynchronize", f"the process {owner} that records this event died",
+                                  code="cudaErrorLaunchFailure")
+        self._learn(clock)
+        self._raise_races("cudaEventSynchronize")
 
     def event_query(self, event: Any) -> bool:
         ev = self._event(event, "cudaEventQuery")
-        return int(ev.words[2]) >= int(ev.words[1])
+        target, clock = ev.latest()
+        done = ev.done(target)
+        if done:
+            self._learn(clock)
+        return done
 
     def ipc_get_event_handle(self, event: Any) -> bytes:
         ev = self._event(event, "cudaIpcGetEventHandle")
