@@ -58,6 +58,31 @@ def verify(data: np.ndarray) -> tuple[int, int, bool]:
     return tag, seq, bool(np.array_equal(data, pattern(tag, seq, data.nbytes)))
 
 
+# Fault injection: each breaks one rule of the sync contract (ADR-018 §1, §2, §5). A run with any of
+# them must fail, every time and at any emulated op delay, through the emulation's race checker.
+INJECTIONS = {
+    "skip-wait": "consumer: no stream-wait on the producer's event (reads right away)",
+    "wrong-stream": "consumer: waits on its stream, reads on another one",
+    "early-release": "consumer: releases while its read is still pending on its stream",
+    "no-host-wait": "producer: declares PRODUCER_SYNCED without host-waiting its writing stream",
+    "record-wrong-stream": "producer: writes on one stream, records the event on another (idle) one",
+}
+CONSUMER_INJECTIONS = ("skip-wait", "wrong-stream", "early-release")
+PRODUCER_INJECTIONS = ("no-host-wait", "record-wrong-stream")
+
+
+def check_injection(inject: str | None, role: str) -> None:
+    if inject is not None and inject not in INJECTIONS:
+        raise ValueError(f"inject={inject!r}: expected one of {', '.join(INJECTIONS)}")
+    if inject is not None and inject not in (CONSUMER_INJECTIONS if role == "consumer" else PRODUCER_INJECTIONS):
+        raise ValueError(f"inject={inject!r} is not a {role} fault")
+
+
+def emulated_races(device: Any) -> int:
+    """Races the emulated runtime behind ``device`` found in this process (0 elsewhere)."""
+    return len(getattr(getattr(device, "rt", None), "races", ()))
+
+
 @dataclass
 class ProducerReport:
     tag: int
@@ -66,6 +91,7 @@ class ProducerReport:
     consumer_gone: int = 0
     modes: dict[str, int] = field(default_factory=dict)
     staged: int = 0
+    races: int = 0  # writes or frees the emulation saw unordered after a consumer's read
     error: str | None = None
 
 
@@ -83,8 +109,15 @@ class ConsumerReport:
 
 
 # Indices into the shared counter arrays the stress runner passes (they survive a SIGKILL).
-P_SENT, P_RELEASED, P_CONSUMER_GONE, P_REJECTED, P_DOUBLE = range(5)
+P_SENT, P_RELEASED, P_CONSUMER_GONE, P_REJECTED, P_DOUBLE, P_RACES = range(6)
 C_RECEIVED, C_INTACT, C_CORRUPT, C_PRODUCER_GONE, C_RACES = range(5)
+COUNTERS = 6
+
+
+def release(h: Any) -> None:
+    """Give a received buffer back unless an injected early release already did."""
+    if not h.released:
+        h.release()
 
 
 def _bump(counters: Any, i: int, n: int = 1) -> None:
@@ -95,12 +128,15 @@ def _bump(counters: Any, i: int, n: int = 1) -> None:
 
 def run_producer(endpoint: str, channel: str, device: str, count: int, size: int, *, mode: str | None = None,
                  tag: int | None = None, pool: int = 4, duration: float | None = None, timeout: float = 30.0,
-                 env: dict[str, str] | None = None, counters: Any = None, broker_grace: float = 15.0) -> dict[str, Any]:
+                 env: dict[str, str] | None = None, counters: Any = None, broker_grace: float = 15.0,
+                 inject: str | None = None) -> dict[str, Any]:
     """Send ``count`` checksummed buffers (or until ``duration``); wait for their releases.
 
     Survives a broker outage of up to ``broker_grace`` seconds: a send refused because the broker
     went away moves on to the next buffer (the refused one comes back through its release).
+    ``inject``: one of :data:`PRODUCER_INJECTIONS` (fault injection; the run must fail).
     """
+    check_injection(inject, "producer")
     if env:
         os.environ.update(env)
     from .client import BrokerUnavailable, Producer
@@ -110,6 +146,12 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
     pref = SyncMode.from_name(mode) if mode else None
     try:
         with Producer(endpoint, channel, device) as p:
+            writer = p.stream  # the stream the buffers' writes go to
+            if inject == "no-host-wait" and p.stream is not None:
+                pref = SyncMode.PRODUCER_SYNCED
+                p.stream.synchronize = lambda: None  # type: ignore[method-assign]  # the skipped host wait
+            elif inject == "record-wrong-stream" and p.gpu is not None:
+                writer = p.gpu.create_stream()  # writes go here; send() is told the idle p.stream
             free: list[Buffer] = [p.allocate(size) for _ in range(pool)]
             host: list[Any] = [None] * pool
             end = None if duration is None else time.monotonic() + duration
@@ -135,7 +177,7 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
                     buf = free.pop()
                     data = pattern(tag, seq, size)
                     if isinstance(p.device, CudaDevice):
-                        p.stream.copy(buf, data)  # async: still in flight when the handle leaves
+                        writer.copy(buf, data)  # async: still in flight when the handle leaves
                         host[seq % pool] = data  # an async copy's source must outlive it
                     else:
                         np.frombuffer(buf.host_view(), dtype=np.uint8)[:] = data
@@ -162,6 +204,8 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
             _bump(counters, P_DOUBLE, p.unknown_releases)
             for buf in free:
                 buf.close()
+            rep.races = emulated_races(p.device)
+            _bump(counters, P_RACES, rep.races)
     except Exception:
         rep.error = traceback.format_exc()
     return asdict(rep)
@@ -169,13 +213,14 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
 
 def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *, timeout: float = 30.0,
                  idle_stop: float | None = None, hold: float = 0.0, env: dict[str, str] | None = None,
-                 keep_seen: bool = True, skip_wait: bool = False, counters: Any = None,
+                 keep_seen: bool = True, inject: str | None = None, counters: Any = None,
                  broker_grace: float = 15.0) -> dict[str, Any]:
     """Receive up to ``count`` buffers (or until ``idle_stop`` s pass with none), checking each.
 
-    ``skip_wait`` is fault injection: the consumer breaks the contract by not waiting, which the
-    checksums (and the emulation's race check) must catch.
+    ``inject``: one of :data:`CONSUMER_INJECTIONS`: the consumer breaks the contract, which the
+    emulation's race checker (and, when the timing exposes it, the checksums) must catch.
     """
+    check_injection(inject, "consumer")
     if env:
         os.environ.update(env)
     from .client import BrokerUnavailable, Consumer, ProducerGone
@@ -184,6 +229,7 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
     rep = ConsumerReport()
     try:
         with Consumer(endpoint, channel, device) as c:
+            reader = c.gpu.create_stream() if inject == "wrong-stream" and c.gpu is not None else c.stream
             outage: float | None = None
             while count is None or rep.received < count:
                 try:
@@ -204,7 +250,7 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
                 rep.modes[h.sync_mode.wire_name] = rep.modes.get(h.sync_mode.wire_name, 0) + 1
                 rep.staged += h.staged
                 try:
-                    if not skip_wait:
+                    if inject != "skip-wait":
                         h.wait()
                     elif h.sync_mode is SyncMode.EVENT:
                         h.release_event()  # give the event back without having waited on it
@@ -212,8 +258,10 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
                     if h.buffer.on_host:
                         out[:] = h.buffer.numpy().reshape(-1).view(np.uint8)
                     else:
-                        c.stream.copy(out, h.buffer.device_buffer)  # our own read, on our stream
-                        c.stream.synchronize()  # our device work is complete: now we may release
+                        reader.copy(out, h.buffer.device_buffer)  # our own read, on our stream
+                        if inject == "early-release":
+                            h.release()  # before the read completed: the producer may overwrite it
+                        reader.synchronize()  # our device work is complete: now we may release
                     if hold:
                         time.sleep(hold)
                     tag, seq, ok = verify(out)
@@ -222,17 +270,17 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
                     _bump(counters, C_INTACT if ok else C_CORRUPT)
                     if keep_seen:
                         rep.seen.append((tag, seq))
-                    h.release()
+                    release(h)
                 except ProducerGone:
                     rep.producer_gone += 1
                     _bump(counters, C_PRODUCER_GONE)
-                    h.release()
+                    release(h)
                 except RaceError:
                     rep.races += 1
                     rep.corrupt += 1
                     _bump(counters, C_RACES)
                     _bump(counters, C_CORRUPT)
-                    h.release()
+                    release(h)
                 except DeviceError as e:
                     if e.code != "cudaErrorLaunchFailure":
                         raise
@@ -240,7 +288,7 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
                     # be on the way): the buffer is as lost as with ProducerGone.
                     rep.producer_gone += 1
                     _bump(counters, C_PRODUCER_GONE)
-                    h.release()
+                    release(h)
     except Exception:
         rep.error = traceback.format_exc()
     return asdict(rep)

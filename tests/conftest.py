@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
 
 import pytest
+
+from brokerproc import BrokerProcess
+from hurray_ipc import workload
 
 from hurray_ipc.devices import CpuDevice, CudaDevice
 from hurray_ipc.devices.backend.emulated import EmulationConfig, EmulatedRuntime
@@ -69,3 +74,31 @@ def run_child(target, *args, timeout=60):
     if res[0] == "error":
         raise AssertionError("child failed:\n" + res[1])
     return res[1:]
+
+
+class Proc:
+    """``fn(**kwargs)`` in a spawned process (workload.spawn); ``result()`` waits for its return."""
+
+    def __init__(self, fn, **kwargs):
+        self.p, self.q = workload.spawn(fn, **kwargs)
+
+    def result(self, timeout=90):
+        r = self.q.get(timeout=timeout)
+        self.p.join(10)
+        return r
+
+    def kill(self):
+        os.kill(self.p.pid, signal.SIGKILL)
+        self.p.join(10)
+
+
+@pytest.fixture
+def broker(tmp_path):
+    """A real broker process on a fresh ipc:// endpoint."""
+    b = BrokerProcess(f"ipc://{tmp_path}/broker.sock", timeout=2.0).start()
+    yield b
+    b.stop()
+
+
+def emu_env(**kw):
+    return emu_config(**kw).to_env()

@@ -32,8 +32,9 @@ def test_stress_cpu_with_consumer_kills():
     assert s.consumers_killed > 0
 
 
-def test_stress_skip_wait_is_detected():
-    """The stress checks can fail: a run whose consumers skip the wait must report corruption."""
-    s = Runner(StressConfig(producers=1, consumers=1, count=10, size=4096, device="emulated", emu_delay_ms=100,
-                            progress=False, skip_wait=True)).run()
-    assert s.corrupt > 0 and not s.ok
+@pytest.mark.parametrize("delay_ms", [0.0, 100.0])
+def test_stress_skip_wait_fails_at_any_delay(delay_ms):
+    """The stress checks can fail: a run whose consumers skip the wait fails on every handoff."""
+    s = Runner(StressConfig(producers=1, consumers=1, count=10, size=4096, device="emulated", emu_delay_ms=delay_ms,
+                            progress=False, inject="skip-wait")).run()
+    assert s.races == s.handoffs == 10 and not s.ok, render(s)

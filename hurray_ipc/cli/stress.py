@@ -54,7 +54,7 @@ class StressConfig:
     emu_delay_ms: float = 1.0
     timeout: float = 2.0  # broker's client timeout
     progress: bool = True
-    skip_wait: bool = False  # fault injection: consumers break the contract (must show as corrupt)
+    inject: str | None = None  # fault injection (workload.INJECTIONS): the run must FAIL
 
 
 @dataclass
@@ -91,8 +91,8 @@ class StressSummary:
 
     @property
     def ok(self) -> bool:
-        return not (self.corrupt or self.lost or self.released_twice or self.segments_left or self.events_left
-                    or self.errors) and self.verified > 0
+        return not (self.corrupt or self.races or self.lost or self.released_twice or self.segments_left
+                    or self.events_left or self.errors) and self.verified > 0
 
 
 def _rss(pid: int) -> int:
@@ -139,16 +139,16 @@ class Runner:
             time.sleep(0.02)
 
     def _spawn(self, role: str, share: int = 0) -> Worker:
-        counters = workload.SPAWN.Array("q", 5)
+        counters = workload.SPAWN.Array("q", workload.COUNTERS)
         common = dict(endpoint=self.endpoint, channel="stress", device=self.spec, env=self.env, counters=counters,
                       broker_grace=4 * self.cfg.timeout + 10)
         if role == "producer":
             kw = dict(common, count=share, size=self.cfg.size, mode=self.cfg.mode, duration=self.cfg.duration,
-                      timeout=30.0)
+                      timeout=30.0, inject=self.cfg.inject if self.cfg.inject in workload.PRODUCER_INJECTIONS else None)
             fn = workload.run_producer
         else:
             kw = dict(common, count=None, idle_stop=max(3.0, 2 * self.cfg.timeout), keep_seen=False, timeout=30.0,
-                      skip_wait=self.cfg.skip_wait)
+                      inject=self.cfg.inject if self.cfg.inject in workload.CONSUMER_INJECTIONS else None)
             fn = workload.run_consumer
         p, q = workload.spawn(fn, **kw)
         w = Worker(role, p, counters, share, queue=q)
@@ -256,7 +256,7 @@ class Runner:
         s.handoffs = self._sum("producer", workload.P_SENT)
         s.verified = self._sum("consumer", workload.C_INTACT)
         s.corrupt = self._sum("consumer", workload.C_CORRUPT)
-        s.races = self._sum("consumer", workload.C_RACES)
+        s.races = self._sum("consumer", workload.C_RACES) + self._sum("producer", workload.P_RACES)
         s.producer_gone = self._sum("consumer", workload.C_PRODUCER_GONE)
         s.released_twice = self._sum("producer", workload.P_DOUBLE)
         s.consumer_gone_releases = self._sum("producer", workload.P_CONSUMER_GONE)
@@ -267,7 +267,7 @@ class Runner:
 
 def render(s: StressSummary) -> str:
     rows = [("handoffs", s.handoffs), ("checksums verified", s.verified), ("corrupt", s.corrupt),
-            ("  of which unordered reads (race check)", s.races), ("lost", s.lost),
+            ("races (happens-before check)", s.races), ("lost", s.lost),
             ("released twice", s.released_twice), ("released back for dead consumers", s.consumer_gone_releases),
             ("held when their producer died", s.producer_gone), ("consumers killed", s.consumers_killed),
             ("producers killed", s.producers_killed), ("broker restarts", s.broker_restarts),
@@ -296,14 +296,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--broker-restarts", type=int, default=0, help="SIGKILL and restart the broker this often")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--emu-delay-ms", type=float, default=d.emu_delay_ms, help="emulated op duration")
-    p.add_argument("--inject-skip-wait", action="store_true",
-                   help="consumers skip the sync rule: proves the checksums catch it (the run must FAIL)")
+    p.add_argument("--inject", choices=sorted(workload.INJECTIONS), metavar="FAULT",
+                   help="break one sync rule, to prove the checks catch it (the run must FAIL): "
+                        + "; ".join(f"{k}: {v}" for k, v in workload.INJECTIONS.items()))
+    p.add_argument("--inject-skip-wait", action="store_const", dest="inject", const="skip-wait",
+                   help="the same as --inject skip-wait")
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
     cfg = StressConfig(a.producers, a.consumers, a.count, a.duration, a.size, a.mode, a.device, a.kill_consumers,
                        a.kill_producers, a.broker_restarts, a.seed, a.emu_delay_ms,
-                       progress=not a.no_progress and not a.json, skip_wait=a.inject_skip_wait)
+                       progress=not a.no_progress and not a.json, inject=a.inject)
     s = Runner(cfg).run()
     print(json.dumps({**asdict(s), "ok": s.ok}) if a.json else render(s))
     return 0 if s.ok else 1
