@@ -165,28 +165,27 @@ def undeclared_consumer_stream(w: World, broken: bool):
     return race, np.array_equal(out, data)
 
 
-def release_before_work_then_rewrite(w: World, broken: bool):
+def _release_before_work(w: World, broken: bool, *, then: str):
+    """The consumer reads (after the EVENT wait), releases, and the producer then ``rewrite``s or
+    ``free``s the buffer: broken, the release comes before the read completed."""
     buf, data, ev = produce(w, mode="event")
-    exp = w.P.export_memory(buf)
-    cbuf = w.C.import_memory(exp)
+    cbuf = w.C.import_memory(w.P.export_memory(buf))
     cev = w.C.import_event(ev.export())
     w.cs.wait(cev)
     cev.close()
     out = np.empty(N, dtype=np.uint8)
     w.cs.copy(out, cbuf)
-    race = give_back(w, buf, ev, after_work=not broken, rewrite=True)
+    race = give_back(w, buf, ev, after_work=not broken, rewrite=then == "rewrite", free=then == "free")
     cbuf.close()
     return race, np.array_equal(out, data)
+
+
+def release_before_work_then_rewrite(w: World, broken: bool):
+    return _release_before_work(w, broken, then="rewrite")
 
 
 def release_before_work_then_free(w: World, broken: bool):
-    buf, data, ev = produce(w, mode="producer_synced")
-    cbuf = w.C.import_memory(w.P.export_memory(buf))
-    out = np.empty(N, dtype=np.uint8)
-    w.cs.copy(out, cbuf)
-    race = give_back(w, buf, ev, after_work=not broken, free=True)
-    cbuf.close()
-    return race, np.array_equal(out, data)
+    return _release_before_work(w, broken, then="free")
 
 
 def two_streams_write_same_bytes(w: World, broken: bool):
