@@ -18,6 +18,25 @@ from hurray_ipc.devices.backend.real import RealRuntime
 SPAWN = mp.get_context("spawn")
 
 
+@pytest.fixture(autouse=True)
+def no_unexpected_races(request, monkeypatch):
+    """A correct program never gets a race report: every emulated runtime a test makes in this
+    process must end with none, unless the test is marked ``races_expected`` (it breaks a rule on
+    purpose). Worker processes report theirs in their results, which the tests assert on."""
+    made: list[EmulatedRuntime] = []
+    init = EmulatedRuntime.__init__
+
+    def tracking_init(self, *a, **kw):
+        init(self, *a, **kw)
+        made.append(self)
+
+    monkeypatch.setattr(EmulatedRuntime, "__init__", tracking_init)
+    yield
+    if request.node.get_closest_marker("races_expected") is None:
+        found = [r for rt in made for r in rt.races]
+        assert not found, f"unexpected race report(s) in a correct program: {found}"
+
+
 def real_cuda_reason() -> str | None:
     try:
         return RealRuntime().probe()

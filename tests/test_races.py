@@ -24,6 +24,8 @@ from hurray_ipc.devices import CudaDevice, RaceError
 from hurray_ipc.devices.backend import hb
 from hurray_ipc.devices.backend.emulated import EmulatedRuntime
 
+pytestmark = pytest.mark.races_expected
+
 N = 4096
 LARGE_DELAY = 0.25
 RUNS_AT_ZERO = 100
