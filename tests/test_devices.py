@@ -10,7 +10,7 @@ import pytest
 
 import workers
 from conftest import REAL_SKIP, emu_config, run_child
-from hurray_ipc.devices import CpuDevice, CudaDevice, DeviceError, probe_cuda, shm
+from hurray_ipc.devices import CpuDevice, CudaDevice, DeviceError, MemoryExport, probe_cuda, shm
 from hurray_ipc.devices.backend.emulated import EmulatedRuntime
 from hurray_ipc.devices.backend.real import RealRuntime
 from hurray_ipc.format import DeviceTag
@@ -113,10 +113,78 @@ def test_cross_process_memory_with_offsets_and_cache(impl):
     s.synchronize()
     whole = dev.export_memory(buf)
     parts = [(0, 4096), (4096, 1024), (len(PATTERN) - 100, 100)]
-    digests, opens = run_child(workers.import_and_read, spec, env, whole.blob, parts)
+    digests, opens, cached, closes = run_child(workers.import_and_read, spec, env, whole.blob, parts)
     assert digests == [hashlib.sha256(PATTERN[o:o + n]).hexdigest() for o, n in parts]
-    assert opens == 1, "the allocation must be opened once per process and cached"
+    assert opens == 1, "parts of one allocation held at the same time share one mapping"
+    if spec != "cpu":  # CUDA: closed when the last buffer goes, before the exporter may free
+        assert (cached, closes) == (0, 1)
     buf.close()
+
+
+def _two_emulated_processes(**cfg):
+    """An exporting and an importing CudaDevice on separate emulated runtimes (their own
+    allocation tables, as two processes have), in this process."""
+    exp = CudaDevice(0, runtime=EmulatedRuntime(emu_config(**cfg)))
+    imp = CudaDevice(0, runtime=EmulatedRuntime(emu_config(**cfg)))
+    return exp, imp
+
+
+def test_cuda_import_closes_mapping_when_last_reference_goes():
+    exporter, importer = _two_emulated_processes()
+    closed = []
+    close = importer.rt.ipc_close_mem_handle
+    importer.rt.ipc_close_mem_handle = lambda base: (closed.append(base), close(base))[1]
+    buf = exporter.allocate(8192)
+    exp = exporter.export_memory(buf)
+    a = importer.import_memory(exp)
+    b = importer.import_memory(MemoryExport(exp.blob, 4096, 100))  # same allocation, held together
+    assert importer.import_cache.opens == 1 and len(importer.import_cache) == 1
+    base = a.ptr
+    a.close()
+    assert closed == [] and len(importer.import_cache) == 1, "b still references the mapping"
+    b.close()
+    assert closed == [base] and len(importer.import_cache) == 0, "the last release closes the mapping"
+    c = importer.import_memory(exp)  # a later handoff of the same allocation opens it again
+    assert importer.import_cache.opens == 2
+    c.close()
+    assert len(closed) == 2 and not importer.rt._allocs, "no mapping left open in the importer"
+    buf.close(), exporter.close(), importer.close()
+
+
+def test_cpu_import_keeps_idle_mappings_up_to_the_limit():
+    """Shared memory stays valid after its owner unlinks it, so idle CPU mappings may stay cached."""
+    owner, importer = CpuDevice(), CpuDevice()
+    buf = owner.allocate(4096)
+    exp = owner.export_memory(buf)
+    importer.import_memory(exp).close()
+    importer.import_memory(exp).close()
+    assert importer._cache.opens == 1 and len(importer._cache) == 1
+    importer.close(), buf.close(), owner.close()
+
+
+def test_foreign_memory_handle_is_fetched_at_every_export():
+    """Memory we did not allocate (a framework's) may be freed and reallocated at the same base
+    between two exports: the second export must name the new allocation, not a cached old one."""
+    rt = EmulatedRuntime(emu_config())
+    dev = CudaDevice(0, runtime=rt)
+    size = 1 << 16
+    old = rt.malloc(size)  # allocated by "PyTorch", not through dev.allocate
+    first = dev.export_memory(dev.buffer_at(old, size))
+    rt.free(old)
+    spare, new = [], rt.malloc(size)
+    while new != old and len(spare) < 8:  # the OS normally hands the same range back at once
+        spare.append(new)
+        new = rt.malloc(size)
+    if new != old:
+        pytest.skip("the emulation never reallocated at the freed address")
+    second = dev.export_memory(dev.buffer_at(new, size))
+    assert second.blob != first.blob
+    assert second.blob == rt.ipc_get_mem_handle(new), "the blob must name the allocation that lives there now"
+    for p in spare + [new]:
+        rt.free(p)
+    owned = dev.allocate(size)  # our own allocations keep their handle until freed
+    assert dev.export_memory(owned).blob is dev.export_memory(owned).blob
+    owned.close(), dev.close()
 
 
 def test_cross_process_event_wait(cuda_impl):

@@ -121,8 +121,13 @@ class CudaDevice(Device):
         self.activate()
         self.identity = DeviceIdentity("cuda", ordinal, self.rt.device_uuid(ordinal), self.rt.pci_bus_id(ordinal),
                                        emulated=self.rt.emulated)
-        self._cache = ImportCache()
-        self._export_blobs: dict[int, bytes] = {}
+        # A cudaIpcCloseMemHandle must precede the exporter's cudaFree, so a mapping is closed as
+        # soon as no buffer references it (see "Mapping lifetime" in docs/spec/sync-contract.md).
+        self._cache = ImportCache(limit=0)
+        # cudaIpcMemHandle per allocation base, for allocations this device made only: we see
+        # their cudaFree, so an entry never outlives its allocation. Foreign memory (buffer_at on
+        # PyTorch/CuPy arrays) may be freed and reallocated at the same base behind our back.
+        self._owned: dict[int, bytes | None] = {}
         self._caps: DeviceCapabilities | None = None
 
     def activate(self) -> None:
@@ -138,21 +143,31 @@ class CudaDevice(Device):
     def allocate(self, size: int) -> Buffer:
         self.activate()
         ptr = self.rt.malloc(size)
+        self._owned[ptr] = None
 
         def free() -> None:
-            self._export_blobs.pop(ptr, None)
+            self._owned.pop(ptr, None)
             self.activate()
             self.rt.free(ptr)
 
         return Buffer(self, ptr, size, closer=free)
 
     def export_memory(self, buf: Buffer) -> MemoryExport:
-        """The base allocation's handle plus the buffer's offset from it (handles name allocations)."""
+        """The base allocation's handle plus the buffer's offset from it (handles name allocations).
+
+        The handle of an allocation from :meth:`allocate` is fetched once and kept until its free;
+        for memory someone else allocated it is fetched at every export, since its owner may have
+        freed and reallocated it at the same address since the last one.
+        """
         self.activate()
         base, _size = self.rt.mem_range(buf.ptr)
-        blob = self._export_blobs.get(base)
+        if base not in self._owned:
+            return MemoryExport(self.rt.ipc_get_mem_handle(base), buf.ptr - base, buf.size)
+        blob = self._owned.get(base)
         if blob is None:
-            blob = self._export_blobs[base] = self.rt.ipc_get_mem_handle(base)
+            blob = self.rt.ipc_get_mem_handle(base)
+            if base in self._owned:  # not freed by another thread meanwhile
+                self._owned[base] = blob
         return MemoryExport(blob, buf.ptr - base, buf.size)
 
     def import_memory(self, exp: MemoryExport) -> Buffer:
