@@ -329,3 +329,37 @@ def test_received_cuda_buffer_interfaces(broker):
             p.flush(5)
     finally:
         set_runtime(None)
+
+
+def test_delivery_that_cannot_be_mapped_is_rejected_naming_the_cuda_call(broker):
+    """An importer whose cudaIpcOpenMemHandle fails rejects the delivery, and the reason names the
+    call and the CUDA error."""
+    from hurray_ipc.devices import CudaDevice, set_runtime
+    from hurray_ipc.devices.backend.emulated import EmulatedRuntime
+    from hurray_ipc.format.handle import BufferHandle, DeviceTag, SyncMode
+    from hurray_ipc.transport.protocol import Message
+
+    rt = EmulatedRuntime(emu_config())
+    set_runtime(rt)
+    try:
+        exporter = CudaDevice(0, runtime=EmulatedRuntime(emu_config()))  # another "process"
+        gone = exporter.allocate(64)
+        blob = exporter.export_memory(gone).blob
+        gone.close()  # freed: its handle no longer opens
+        with Consumer(broker.endpoint, "unmappable", CudaDevice(0, runtime=rt)) as c:
+            sent = []
+            send, c.session.send = c.session.send, sent.append
+            try:
+                handle = BufferHandle(64, 256, DeviceTag.CUDA, SyncMode.PRODUCER_SYNCED).encode()
+                c._dispatch(Message("DELIVER", {"token": "t-unmappable", "handoff_id": 1, "offset": 0},
+                                    {"handle": handle, "memory": blob}))
+            finally:
+                c.session.send = send
+            assert not c._inbox and c.held == 0
+            (rel,) = [m for m in sent if m.verb == "RELEASE"]
+            assert rel.header["token"] == "t-unmappable"
+            assert rel.header["reason"].startswith("rejected: cudaIpcOpenMemHandle: ")
+            assert "cudaErrorInvalidValue" in rel.header["reason"]
+        exporter.close()
+    finally:
+        set_runtime(None)

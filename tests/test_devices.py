@@ -322,3 +322,151 @@ def test_group_mode_option(monkeypatch):
     monkeypatch.setenv("HURRAY_SHM_MODE", "0666")
     with pytest.raises(DeviceError, match="every user"):
         shm.Segment.create(10, "c")
+
+
+def test_calls_run_on_the_owning_device_after_a_foreign_set_device():
+    """Another library (PyTorch) may call cudaSetDevice between our calls: every stream, event and
+    host-register call must still run with the owning device current."""
+    rt = EmulatedRuntime(emu_config())
+    seen = []
+    for name in ("memset_async", "event_record", "stream_wait_event", "ipc_get_event_handle", "event_synchronize",
+                 "event_query", "stream_synchronize", "stream_query", "host_register", "host_unregister",
+                 "event_destroy", "stream_destroy"):
+        def spy(*a, _n=name, _f=getattr(rt, name), **k):
+            seen.append((_n, rt._device()))
+            return _f(*a, **k)
+        setattr(rt, name, spy)
+    dev = CudaDevice(1, runtime=rt)
+    s, ev, buf = dev.create_stream(), dev.create_event(), dev.allocate(64)
+    host = CpuDevice().allocate(4096)
+    steps = [lambda: s.memset(buf, 1), lambda: ev.record(s), lambda: s.wait(ev), ev.export, ev.synchronize,
+             ev.query, s.synchronize, s.query, lambda: dev.host_register(host), lambda: dev.host_unregister(host),
+             ev.close, s.close]
+    for step in steps:
+        rt.set_device(0)  # the foreign cudaSetDevice
+        step()
+    assert len(seen) == len(steps)
+    assert [n for n, d in seen if d != 1] == [], "calls that ran on another device than the owner's"
+    buf.close(), host.close(), dev.close()
+
+
+def test_emulated_capabilities_say_why_not():
+    caps = CudaDevice(0, runtime=EmulatedRuntime(emu_config(ipc_events=False))).capabilities()
+    assert not caps.ipc_events and "ipc_events" in dict(caps.why_not)
+    assert type(caps).from_dict(caps.to_dict()) == caps
+
+
+def test_import_of_a_freed_allocation_names_the_cuda_call():
+    exporter, importer = _two_emulated_processes()
+    buf = exporter.allocate(64)
+    exp = exporter.export_memory(buf)
+    buf.close()
+    with pytest.raises(DeviceError, match=r"cudaIpcOpenMemHandle: .*\(cudaErrorInvalidValue\)"):
+        importer.import_memory(exp)
+    assert len(importer.import_cache) == 0
+    exporter.close(), importer.close()
+
+
+class _FakeCudart:
+    """cuda.bindings.runtime with some functions replaced (enums and constants stay the real ones),
+    so the real backend's logic runs without a GPU."""
+
+    def __init__(self, real, **funcs):
+        self._real = real
+        self.__dict__.update(funcs)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def _real_with(**funcs) -> RealRuntime:
+    rt = RealRuntime()
+    rt.rt = _FakeCudart(rt.rt, **funcs)
+    return rt
+
+
+def test_real_set_device_rechecks_the_current_device():
+    from cuda.bindings import runtime as cudart
+
+    ok = cudart.cudaError_t.cudaSuccess
+    cur, sets = [0], []
+
+    def set_device(o):
+        sets.append(o)
+        cur[0] = o
+        return (ok,)
+
+    rt = _real_with(cudaGetDevice=lambda: (ok, cur[0]), cudaSetDevice=set_device)
+    rt.set_device(1)
+    cur[0] = 0  # PyTorch: torch.cuda.set_device(0), behind our back
+    rt.set_device(1)
+    assert cur[0] == 1 and sets == [1, 1]
+    rt.set_device(1)
+    assert sets == [1, 1], "no cudaSetDevice when the device already is current"
+
+
+def _probe_fakes(attrs, mem_err=None, evt_err=None, log=None):
+    from cuda.bindings import runtime as cudart
+
+    ok = cudart.cudaError_t.cudaSuccess
+    log = [] if log is None else log
+    names = {v: k for k, v in cudart.cudaDeviceAttr.__members__.items()}
+    return dict(
+        cudaGetDevice=lambda: (ok, 0), cudaSetDevice=lambda o: (ok,),
+        cudaDeviceGetAttribute=lambda a, o: (ok, attrs.get(names[a], 1)),
+        cudaMalloc=lambda n: (log.append("malloc"), (ok, 0x1000))[1],
+        cudaFree=lambda p: (log.append("free"), (ok,))[1],
+        cudaIpcGetMemHandle=lambda p: (mem_err or ok, None),
+        cudaEventCreateWithFlags=lambda f: (log.append(("event", f)), (ok, "ev"))[1],
+        cudaIpcGetEventHandle=lambda e: (evt_err or ok, None),
+        cudaEventDestroy=lambda e: (log.append("destroy"), (ok,))[1],
+    )
+
+
+def test_real_ipc_probe_exports_once_and_reports_why_not():
+    """WSL2: unified addressing reported, IPC refused. The probe must export a handle to know."""
+    import sys
+
+    from cuda.bindings import runtime as cudart
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("CUDA IPC is Linux-only")
+    log = []
+    nosup = cudart.cudaError_t.cudaErrorNotSupported
+    rt = _real_with(**_probe_fakes({"cudaDevAttrIpcEventSupport": 0}, mem_err=nosup, log=log))
+    assert not rt.ipc_memory_support(0) and not rt.ipc_event_support(0)
+    assert rt.unsupported_reason(0, "ipc_memory") == "cudaIpcGetMemHandle: CUDA call failed (cudaErrorNotSupported)"
+    assert rt.unsupported_reason(0, "ipc_events") == "cudaDevAttrIpcEventSupport is 0"
+    assert log == ["malloc", "free"], "the probe allocation is freed; no event probed when the attribute says no"
+    rt.ipc_memory_support(0)
+    assert log == ["malloc", "free"], "probed once per device"
+
+    log.clear()
+    rt = _real_with(**_probe_fakes({}, evt_err=nosup, log=log))
+    assert rt.ipc_memory_support(0) and not rt.ipc_event_support(0)
+    assert "cudaIpcGetEventHandle" in rt.unsupported_reason(0, "ipc_events")
+    flags = cudart.cudaEventDisableTiming | cudart.cudaEventInterprocess
+    assert log == ["malloc", "free", ("event", flags), "destroy"]
+
+
+def test_real_host_register_support_is_the_device_attribute():
+    rt = _real_with(**_probe_fakes({"cudaDevAttrHostRegisterSupported": 0}))
+    assert rt.host_register_support(0) is False
+    rt = _real_with(**_probe_fakes({}))
+    assert rt.host_register_support(0) is True
+
+
+def test_real_cuda_capabilities_match_a_real_export():
+    """On a GPU: capabilities say no only with a reason, and yes only if exporting works."""
+    if REAL_SKIP:
+        pytest.skip(f"real CUDA not available here: {REAL_SKIP}")
+    dev = CudaDevice(0, runtime=RealRuntime())
+    caps = dev.capabilities()
+    why = dict(caps.why_not)
+    assert caps.ipc_memory or why.get("ipc_memory")
+    assert caps.ipc_events or why.get("ipc_events")
+    if caps.ipc_memory:
+        buf = dev.allocate(4096)
+        assert len(dev.export_memory(buf).blob) == 64
+        buf.close()
+    dev.close()

@@ -59,15 +59,22 @@ class DeviceCapabilities:
     ipc_events: bool
     ipc_streams: bool = False  # no CUDA device exports streams
     peers: tuple[str, ...] = ()  # uuids this device can access as a peer
+    # (capability, why not) for each unsupported one whose probe said why, e.g.
+    # ("ipc_memory", "cudaIpcGetMemHandle: CUDA call failed (cudaErrorNotSupported)")
+    why_not: tuple[tuple[str, str], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ipc_memory": self.ipc_memory, "ipc_events": self.ipc_events,
-                "ipc_streams": self.ipc_streams, "peers": list(self.peers)}
+        d: dict[str, Any] = {"ipc_memory": self.ipc_memory, "ipc_events": self.ipc_events,
+                             "ipc_streams": self.ipc_streams, "peers": list(self.peers)}
+        if self.why_not:
+            d["why_not"] = dict(self.why_not)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DeviceCapabilities":
         return cls(bool(d["ipc_memory"]), bool(d["ipc_events"]), bool(d.get("ipc_streams", False)),
-                   tuple(str(p) for p in d.get("peers", ())))
+                   tuple(str(p) for p in d.get("peers", ())),
+                   tuple((str(k), str(v)) for k, v in dict(d.get("why_not") or {}).items()))
 
 
 @dataclass(frozen=True)
