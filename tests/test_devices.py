@@ -456,6 +456,7 @@ def test_real_host_register_support_is_the_device_attribute():
     assert rt.host_register_support(0) is True
 
 
+@pytest.mark.gpu
 def test_real_cuda_capabilities_match_a_real_export():
     """On a GPU: capabilities say no only with a reason, and yes only if exporting works."""
     if REAL_SKIP:
