@@ -294,3 +294,85 @@ def test_received_cuda_buffer_interfaces(broker):
             p.flush(5)
     finally:
         set_runtime(None)
+
+
+def test_delivery_that_cannot_be_mapped_is_rejected_naming_the_cuda_call(broker):
+    """An importer whose cudaIpcOpenMemHandle fails rejects the delivery, and the reason names the
+    call and the CUDA error."""
+    from hurray_ipc.devices import CudaDevice, set_runtime
+    from hurray_ipc.devices.backend.emulated import EmulatedRuntime
+    from hurray_ipc.format.handle import BufferHandle, DeviceTag, SyncMode
+    from hurray_ipc.transport.protocol import Message
+
+    rt = EmulatedRuntime(emu_config())
+    set_runtime(rt)
+    try:
+        exporter = CudaDevice(0, runtime=EmulatedRuntime(emu_config()))  # another "process"
+        gone = exporter.allocate(64)
+        blob = exporter.export_memory(gone).blob
+        gone.close()  # freed: its handle no longer opens
+        with Consumer(broker.endpoint, "unmappable", CudaDevice(0, runtime=rt)) as c:
+            sent = []
+            send, c.session.send = c.session.send, sent.append
+            try:
+                handle = BufferHandle(64, 256, DeviceTag.CUDA, SyncMode.PRODUCER_SYNCED).encode()
+                c._dispatch(Message("DELIVER", {"token": "t-unmappable", "handoff_id": 1, "offset": 0},
+                                    {"handle": handle, "memory": blob}))
+            finally:
+                c.session.send = send
+            assert not c._inbox and c.held == 0
+            (rel,) = [m for m in sent if m.verb == "RELEASE"]
+            assert rel.header["token"] == "t-unmappable"
+            assert rel.header["reason"].startswith("rejected: cudaIpcOpenMemHandle: ")
+            assert "cudaErrorInvalidValue" in rel.header["reason"]
+        exporter.close()
+    finally:
+        set_runtime(None)
+
+
+@pytest.mark.parametrize("pooled", [True, False], ids=["event-pool", "event-per-handoff"])
+def test_event_pool_and_event_per_handoff(broker, pooled):
+    """Pooled: one event serves sequential handoffs (re-recorded after its release). Unpooled: one
+    event per handoff, destroyed when it is released; no event is left alive either way."""
+    from hurray_ipc.devices import CudaDevice, set_runtime
+    from hurray_ipc.devices.backend.emulated import EmulatedRuntime
+
+    def live_events():  # an emulated event is one "v" segment of its creating process
+        return {n for n in shm.list_segments(pid=os.getpid()) if shm.parse_name(n)[2] == "v"}
+
+    rt = EmulatedRuntime(emu_config())
+    set_runtime(rt)
+    try:
+        c = Proc(workload.run_consumer, endpoint=broker.endpoint, channel="evp", device="cuda:0", count=4,
+                 env=emu_env())
+        before = live_events()
+        keep = []
+        with Producer(broker.endpoint, "evp", CudaDevice(0, runtime=rt), event_pool=pooled) as p:
+            for i in range(4):
+                buf = p.allocate(4096)
+                keep.append(workload.pattern(5, i, 4096))
+                p.stream.copy(buf, keep[-1])
+                t = p.send(buf, workload.SyncMode.EVENT, on_release=lambda t, b=buf: b.close())
+                assert t.mode is workload.SyncMode.EVENT and t.transport.value == "ipc"
+                p.flush(10)
+                assert len(live_events() - before) == (1 if pooled else 0)
+            assert p.events.created == (1 if pooled else 4)
+            assert p.events.size == (1 if pooled else 0)
+        assert not live_events() - before, "every event destroyed"
+        cr = c.result()
+        assert cr["error"] is None, cr["error"]
+        assert cr["intact"] == 4 and cr["races"] == 0 and cr["modes"] == {"SYNC_EVENT": 4}
+    finally:
+        set_runtime(None)
+
+
+def test_event_pool_setting_from_env(monkeypatch):
+    from hurray_ipc.client.producer import event_pool_setting
+
+    monkeypatch.delenv("HURRAY_EVENT_POOL", raising=False)
+    assert event_pool_setting(None) is True
+    monkeypatch.setenv("HURRAY_EVENT_POOL", "0")
+    assert event_pool_setting(None) is False and event_pool_setting(True) is True
+    monkeypatch.setenv("HURRAY_EVENT_POOL", "maybe")
+    with pytest.raises(ValueError, match="HURRAY_EVENT_POOL='maybe'"):
+        event_pool_setting(None)

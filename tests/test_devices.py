@@ -10,7 +10,7 @@ import pytest
 
 import workers
 from conftest import REAL_SKIP, emu_config, run_child
-from hurray_ipc.devices import CpuDevice, CudaDevice, DeviceError, probe_cuda, shm
+from hurray_ipc.devices import CpuDevice, CudaDevice, DeviceError, MemoryExport, probe_cuda, shm
 from hurray_ipc.devices.backend.emulated import EmulatedRuntime
 from hurray_ipc.devices.backend.real import RealRuntime
 from hurray_ipc.format import DeviceTag
@@ -115,10 +115,78 @@ def test_cross_process_memory_with_offsets_and_cache(impl):
     parts = [(0, 4096), (4096, 1024), (len(PATTERN) - 100, 100)]
     key = f"offsets-{os.getpid()}-{buf.ptr:x}"
     dev.order_send(key)  # the host waited for the copy above; the child comes after
-    digests, opens = run_child(workers.import_and_read, spec, env, whole.blob, parts, key)
+    digests, opens, cached, closes = run_child(workers.import_and_read, spec, env, whole.blob, parts, key)
     assert digests == [hashlib.sha256(PATTERN[o:o + n]).hexdigest() for o, n in parts]
-    assert opens == 1, "the allocation must be opened once per process and cached"
+    assert opens == 1, "parts of one allocation held at the same time share one mapping"
+    if spec != "cpu":  # CUDA: closed when the last buffer goes, before the exporter may free
+        assert (cached, closes) == (0, 1)
     buf.close()
+
+
+def _two_emulated_processes(**cfg):
+    """An exporting and an importing CudaDevice on separate emulated runtimes (their own
+    allocation tables, as two processes have), in this process."""
+    exp = CudaDevice(0, runtime=EmulatedRuntime(emu_config(**cfg)))
+    imp = CudaDevice(0, runtime=EmulatedRuntime(emu_config(**cfg)))
+    return exp, imp
+
+
+def test_cuda_import_closes_mapping_when_last_reference_goes():
+    exporter, importer = _two_emulated_processes()
+    closed = []
+    close = importer.rt.ipc_close_mem_handle
+    importer.rt.ipc_close_mem_handle = lambda base: (closed.append(base), close(base))[1]
+    buf = exporter.allocate(8192)
+    exp = exporter.export_memory(buf)
+    a = importer.import_memory(exp)
+    b = importer.import_memory(MemoryExport(exp.blob, 4096, 100))  # same allocation, held together
+    assert importer.import_cache.opens == 1 and len(importer.import_cache) == 1
+    base = a.ptr
+    a.close()
+    assert closed == [] and len(importer.import_cache) == 1, "b still references the mapping"
+    b.close()
+    assert closed == [base] and len(importer.import_cache) == 0, "the last release closes the mapping"
+    c = importer.import_memory(exp)  # a later handoff of the same allocation opens it again
+    assert importer.import_cache.opens == 2
+    c.close()
+    assert len(closed) == 2 and not importer.rt._allocs, "no mapping left open in the importer"
+    buf.close(), exporter.close(), importer.close()
+
+
+def test_cpu_import_keeps_idle_mappings_up_to_the_limit():
+    """Shared memory stays valid after its owner unlinks it, so idle CPU mappings may stay cached."""
+    owner, importer = CpuDevice(), CpuDevice()
+    buf = owner.allocate(4096)
+    exp = owner.export_memory(buf)
+    importer.import_memory(exp).close()
+    importer.import_memory(exp).close()
+    assert importer._cache.opens == 1 and len(importer._cache) == 1
+    importer.close(), buf.close(), owner.close()
+
+
+def test_foreign_memory_handle_is_fetched_at_every_export():
+    """Memory we did not allocate (a framework's) may be freed and reallocated at the same base
+    between two exports: the second export must name the new allocation, not a cached old one."""
+    rt = EmulatedRuntime(emu_config())
+    dev = CudaDevice(0, runtime=rt)
+    size = 1 << 16
+    old = rt.malloc(size)  # allocated by "PyTorch", not through dev.allocate
+    first = dev.export_memory(dev.buffer_at(old, size))
+    rt.free(old)
+    spare, new = [], rt.malloc(size)
+    while new != old and len(spare) < 8:  # the OS normally hands the same range back at once
+        spare.append(new)
+        new = rt.malloc(size)
+    if new != old:
+        pytest.skip("the emulation never reallocated at the freed address")
+    second = dev.export_memory(dev.buffer_at(new, size))
+    assert second.blob != first.blob
+    assert second.blob == rt.ipc_get_mem_handle(new), "the blob must name the allocation that lives there now"
+    for p in spare + [new]:
+        rt.free(p)
+    owned = dev.allocate(size)  # our own allocations keep their handle until freed
+    assert dev.export_memory(owned).blob is dev.export_memory(owned).blob
+    owned.close(), dev.close()
 
 
 def test_cross_process_event_wait(cuda_impl):
@@ -262,3 +330,152 @@ def test_group_mode_option(monkeypatch):
     monkeypatch.setenv("HURRAY_SHM_MODE", "0666")
     with pytest.raises(DeviceError, match="every user"):
         shm.Segment.create(10, "c")
+
+
+def test_calls_run_on_the_owning_device_after_a_foreign_set_device():
+    """Another library (PyTorch) may call cudaSetDevice between our calls: every stream, event and
+    host-register call must still run with the owning device current."""
+    rt = EmulatedRuntime(emu_config())
+    seen = []
+    for name in ("memset_async", "event_record", "stream_wait_event", "ipc_get_event_handle", "event_synchronize",
+                 "event_query", "stream_synchronize", "stream_query", "host_register", "host_unregister",
+                 "event_destroy", "stream_destroy"):
+        def spy(*a, _n=name, _f=getattr(rt, name), **k):
+            seen.append((_n, rt._device()))
+            return _f(*a, **k)
+        setattr(rt, name, spy)
+    dev = CudaDevice(1, runtime=rt)
+    s, ev, buf = dev.create_stream(), dev.create_event(), dev.allocate(64)
+    host = CpuDevice().allocate(4096)
+    steps = [lambda: s.memset(buf, 1), lambda: ev.record(s), lambda: s.wait(ev), ev.export, ev.synchronize,
+             ev.query, s.synchronize, s.query, lambda: dev.host_register(host), lambda: dev.host_unregister(host),
+             ev.close, s.close]
+    for step in steps:
+        rt.set_device(0)  # the foreign cudaSetDevice
+        step()
+    assert len(seen) == len(steps)
+    assert [n for n, d in seen if d != 1] == [], "calls that ran on another device than the owner's"
+    buf.close(), host.close(), dev.close()
+
+
+def test_emulated_capabilities_say_why_not():
+    caps = CudaDevice(0, runtime=EmulatedRuntime(emu_config(ipc_events=False))).capabilities()
+    assert not caps.ipc_events and "ipc_events" in dict(caps.why_not)
+    assert type(caps).from_dict(caps.to_dict()) == caps
+
+
+def test_import_of_a_freed_allocation_names_the_cuda_call():
+    exporter, importer = _two_emulated_processes()
+    buf = exporter.allocate(64)
+    exp = exporter.export_memory(buf)
+    buf.close()
+    with pytest.raises(DeviceError, match=r"cudaIpcOpenMemHandle: .*\(cudaErrorInvalidValue\)"):
+        importer.import_memory(exp)
+    assert len(importer.import_cache) == 0
+    exporter.close(), importer.close()
+
+
+class _FakeCudart:
+    """cuda.bindings.runtime with some functions replaced (enums and constants stay the real ones),
+    so the real backend's logic runs without a GPU."""
+
+    def __init__(self, real, **funcs):
+        self._real = real
+        self.__dict__.update(funcs)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def _real_with(**funcs) -> RealRuntime:
+    rt = RealRuntime()
+    rt.rt = _FakeCudart(rt.rt, **funcs)
+    return rt
+
+
+def test_real_set_device_rechecks_the_current_device():
+    from cuda.bindings import runtime as cudart
+
+    ok = cudart.cudaError_t.cudaSuccess
+    cur, sets = [0], []
+
+    def set_device(o):
+        sets.append(o)
+        cur[0] = o
+        return (ok,)
+
+    rt = _real_with(cudaGetDevice=lambda: (ok, cur[0]), cudaSetDevice=set_device)
+    rt.set_device(1)
+    cur[0] = 0  # PyTorch: torch.cuda.set_device(0), behind our back
+    rt.set_device(1)
+    assert cur[0] == 1 and sets == [1, 1]
+    rt.set_device(1)
+    assert sets == [1, 1], "no cudaSetDevice when the device already is current"
+
+
+def _probe_fakes(attrs, mem_err=None, evt_err=None, log=None):
+    from cuda.bindings import runtime as cudart
+
+    ok = cudart.cudaError_t.cudaSuccess
+    log = [] if log is None else log
+    names = {v: k for k, v in cudart.cudaDeviceAttr.__members__.items()}
+    return dict(
+        cudaGetDevice=lambda: (ok, 0), cudaSetDevice=lambda o: (ok,),
+        cudaDeviceGetAttribute=lambda a, o: (ok, attrs.get(names[a], 1)),
+        cudaMalloc=lambda n: (log.append("malloc"), (ok, 0x1000))[1],
+        cudaFree=lambda p: (log.append("free"), (ok,))[1],
+        cudaIpcGetMemHandle=lambda p: (mem_err or ok, None),
+        cudaEventCreateWithFlags=lambda f: (log.append(("event", f)), (ok, "ev"))[1],
+        cudaIpcGetEventHandle=lambda e: (evt_err or ok, None),
+        cudaEventDestroy=lambda e: (log.append("destroy"), (ok,))[1],
+    )
+
+
+def test_real_ipc_probe_exports_once_and_reports_why_not():
+    """WSL2: unified addressing reported, IPC refused. The probe must export a handle to know."""
+    import sys
+
+    from cuda.bindings import runtime as cudart
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("CUDA IPC is Linux-only")
+    log = []
+    nosup = cudart.cudaError_t.cudaErrorNotSupported
+    rt = _real_with(**_probe_fakes({"cudaDevAttrIpcEventSupport": 0}, mem_err=nosup, log=log))
+    assert not rt.ipc_memory_support(0) and not rt.ipc_event_support(0)
+    assert rt.unsupported_reason(0, "ipc_memory") == "cudaIpcGetMemHandle: CUDA call failed (cudaErrorNotSupported)"
+    assert rt.unsupported_reason(0, "ipc_events") == "cudaDevAttrIpcEventSupport is 0"
+    assert log == ["malloc", "free"], "the probe allocation is freed; no event probed when the attribute says no"
+    rt.ipc_memory_support(0)
+    assert log == ["malloc", "free"], "probed once per device"
+
+    log.clear()
+    rt = _real_with(**_probe_fakes({}, evt_err=nosup, log=log))
+    assert rt.ipc_memory_support(0) and not rt.ipc_event_support(0)
+    assert "cudaIpcGetEventHandle" in rt.unsupported_reason(0, "ipc_events")
+    flags = cudart.cudaEventDisableTiming | cudart.cudaEventInterprocess
+    assert log == ["malloc", "free", ("event", flags), "destroy"]
+
+
+def test_real_host_register_support_is_the_device_attribute():
+    rt = _real_with(**_probe_fakes({"cudaDevAttrHostRegisterSupported": 0}))
+    assert rt.host_register_support(0) is False
+    rt = _real_with(**_probe_fakes({}))
+    assert rt.host_register_support(0) is True
+
+
+@pytest.mark.gpu
+def test_real_cuda_capabilities_match_a_real_export():
+    """On a GPU: capabilities say no only with a reason, and yes only if exporting works."""
+    if REAL_SKIP:
+        pytest.skip(f"real CUDA not available here: {REAL_SKIP}")
+    dev = CudaDevice(0, runtime=RealRuntime())
+    caps = dev.capabilities()
+    why = dict(caps.why_not)
+    assert caps.ipc_memory or why.get("ipc_memory")
+    assert caps.ipc_events or why.get("ipc_events")
+    if caps.ipc_memory:
+        buf = dev.allocate(4096)
+        assert len(dev.export_memory(buf).blob) == 64
+        buf.close()
+    dev.close()

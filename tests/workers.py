@@ -27,15 +27,19 @@ def import_and_read(spec, env, blob, parts, key, q):
         dev.order_receive(key)
         stream = dev.create_stream()
         digests = []
-        for off, size in parts:
+        held = []
+        for off, size in parts:  # all parts held at once: they share one mapping
             buf = dev.import_memory(MemoryExport(blob, off, size))
+            held.append(buf)
             out = bytearray(size)
             stream.copy(out, buf)
             stream.synchronize()
             digests.append(hashlib.sha256(out).hexdigest())
+        cache = getattr(dev, "import_cache", None) or dev._cache
+        opens = cache.opens
+        for buf in held:
             buf.close()
-        opens = getattr(dev, "import_cache", None) or dev._cache
-        q.put(("ok", digests, opens.opens))
+        q.put(("ok", digests, opens, len(cache), cache.closes))
     except Exception:
         q.put(("error", traceback.format_exc()))
 

@@ -4,7 +4,9 @@ Contract (ADR-018 §1, docs/spec/sync-contract.md): before a handle leaves ``sen
 has either host-waited the writing stream (PRODUCER_SYNCED), recorded an event on it (EVENT), or
 made the consumer's declared stream wait on it (CONSUMER_STREAM, in-process). The producer keeps
 the buffer (and an EVENT's event) alive until the consumer releases it; then ``on_release`` fires
-exactly once. Events come from a pool and are re-recorded after their release.
+exactly once. Events come from a pool and are re-recorded after their release, or, with
+``Producer(event_pool=False)`` / ``HURRAY_EVENT_POOL=0``, are created per handoff and destroyed at
+their release (see :class:`EventPool`).
 """
 
 from __future__ import annotations
@@ -35,15 +37,38 @@ log = logging.getLogger("hurray.producer")
 DEFAULT_ALIGNMENT = 256
 
 
-class EventPool:
-    """Interprocess events of one device, re-recorded once their consumer released them.
+def event_pool_setting(event_pool: bool | None) -> bool:
+    """``event_pool`` if given, else ``HURRAY_EVENT_POOL`` (1, the default: pool; 0: one per handoff)."""
+    if event_pool is not None:
+        return bool(event_pool)
+    raw = os.environ.get("HURRAY_EVENT_POOL", "1").strip().lower()
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"HURRAY_EVENT_POOL={raw!r}: expected 1 (reuse released events) or 0 (one event per handoff)")
 
-    Re-recording is safe: a consumer's stream-wait orders after the record that was latest when
-    the wait was *issued*, and the release comes after that issue.
+
+class EventPool:
+    """The interprocess events of one device for SYNC_EVENT handoffs. The producer acquires one per
+    handoff and records it; it releases it when the consumer's EVENT_RELEASED (or the handoff's
+    RELEASED) arrives.
+
+    ``pooled=True``: a released event is re-recorded for a later handoff. The CUDA Runtime API
+    allows this: cudaEventRecord may be called on an event again and overwrites its captured
+    state, and cudaStreamWaitEvent waits for the state captured by the most recent
+    cudaEventRecord *at the time of the wait call*, unaffected by later records. The consumer
+    releases the event only after issuing its stream-waits (sync-contract §3), so a re-record
+    after the release cannot change what those waits order after.
+    ``pooled=False``: one event per handoff, destroyed at its release. cuda.core refuses to
+    re-record IPC events ("IPC-enabled events should not be re-recorded"); this mode follows that
+    stricter reading, at the cost of a cudaEventCreate + cudaIpcGetEventHandle per handoff.
     """
 
-    def __init__(self, device: CudaDevice):
+    def __init__(self, device: CudaDevice, pooled: bool = True):
         self.device = device
+        self.pooled = pooled
+        self.created = 0  # events created so far
         self._idle: list[CudaEvent] = []
         self._all: list[CudaEvent] = []
         self._lock = threading.Lock()
@@ -54,14 +79,21 @@ class EventPool:
                 return self._idle.pop()
             ev = self.device.create_event(interprocess=True)
             self._all.append(ev)
+            self.created += 1
             return ev
 
     def release(self, ev: CudaEvent) -> None:
+        """Back to the pool, or (unpooled) destroyed; the consumer's waits were already issued."""
         with self._lock:
-            self._idle.append(ev)
+            if self.pooled:
+                self._idle.append(ev)
+                return
+            self._all.remove(ev)
+        ev.close()
 
     @property
     def size(self) -> int:
+        """Events alive (idle in the pool or out with a handoff)."""
         return len(self._all)
 
     def close(self) -> None:
@@ -105,17 +137,19 @@ class Producer:
     """Hand buffers to the consumers of ``channel``.
 
     ``device``: 'cpu', 'cuda:N' or a Device; ``stream``: the CUDA stream your writes go to (one is
-    created if omitted; see :attr:`stream`); ``prefetch``: how many consumer requests to hold ahead.
+    created if omitted; see :attr:`stream`); ``prefetch``: how many consumer requests to hold ahead;
+    ``event_pool``: reuse released SYNC_EVENT events (True) or create and destroy one per handoff
+    (False); default from ``HURRAY_EVENT_POOL`` (1). See :class:`EventPool`.
     """
 
     def __init__(self, endpoint: str | None = None, channel: str = "default", device: "str | Device" = "cpu", *,
                  stream: CudaStream | None = None, prefetch: int = 1, heartbeat_s: float = 0.5,
-                 timeout_s: float = 3.0, name: str | None = None):
+                 timeout_s: float = 3.0, name: str | None = None, event_pool: bool | None = None):
         self.device = open_device(device)
         self.cpu: CpuDevice = open_device("cpu")  # type: ignore[assignment]
         self.gpu: CudaDevice | None = self.device if isinstance(self.device, CudaDevice) else None
         self.stream: CudaStream | None = stream or (self.gpu.create_stream() if self.gpu else None)
-        self.events = EventPool(self.gpu) if self.gpu else None
+        self.events = EventPool(self.gpu, event_pool_setting(event_pool)) if self.gpu else None
         self.staging = StagingPool(self.cpu, pin_with=self.gpu)
         self.prefetch = max(1, prefetch)
         self.endpoint_info = Endpoint(self.device.identity, self.device.capabilities(), os.getpid())

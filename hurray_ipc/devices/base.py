@@ -59,15 +59,22 @@ class DeviceCapabilities:
     ipc_events: bool
     ipc_streams: bool = False  # no CUDA device exports streams
     peers: tuple[str, ...] = ()  # uuids this device can access as a peer
+    # (capability, why not) for each unsupported one whose probe said why, e.g.
+    # ("ipc_memory", "cudaIpcGetMemHandle: CUDA call failed (cudaErrorNotSupported)")
+    why_not: tuple[tuple[str, str], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ipc_memory": self.ipc_memory, "ipc_events": self.ipc_events,
-                "ipc_streams": self.ipc_streams, "peers": list(self.peers)}
+        d: dict[str, Any] = {"ipc_memory": self.ipc_memory, "ipc_events": self.ipc_events,
+                             "ipc_streams": self.ipc_streams, "peers": list(self.peers)}
+        if self.why_not:
+            d["why_not"] = dict(self.why_not)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DeviceCapabilities":
         return cls(bool(d["ipc_memory"]), bool(d["ipc_events"]), bool(d.get("ipc_streams", False)),
-                   tuple(str(p) for p in d.get("peers", ())))
+                   tuple(str(p) for p in d.get("peers", ())),
+                   tuple((str(k), str(v)) for k, v in dict(d.get("why_not") or {}).items()))
 
 
 @dataclass(frozen=True)
@@ -276,17 +283,30 @@ class Device(ABC):
 
 
 class ImportCache:
-    """Opened allocations, keyed by their blob: each is opened once per process.
+    """Opened allocations, keyed by their blob: buffers carved from one allocation and held at the
+    same time share one mapping (opening costs about a millisecond on CUDA, far more in some
+    frameworks).
 
-    Opening costs about a millisecond on CUDA (far more in some frameworks), so buffers carved
-    from one allocation share one mapping. Entries no Buffer references are closed once more than
-    ``limit`` are cached (``HURRAY_IMPORT_CACHE``, default 64), oldest first, and all on ``clear``.
+    ``limit`` is how many mappings no Buffer references may stay open: beyond it the oldest idle
+    ones are closed; all are closed on ``clear``. ``limit=0`` closes a mapping when its reference
+    count reaches zero — what CUDA needs, because the exporter's cudaFree must not run before
+    our cudaIpcCloseMemHandle. The default (``HURRAY_IMPORT_CACHE``, 64) suits shared-memory
+    mappings, which stay valid after their owner unlinks them.
     """
 
     def __init__(self, limit: int | None = None):
-        self.limit = limit if limit is not None else int(os.environ.get("HURRAY_IMPORT_CACHE", "64"))
+        if limit is None:
+            raw = os.environ.get("HURRAY_IMPORT_CACHE", "64")
+            try:
+                limit = int(raw)
+            except ValueError:
+                raise DeviceError("ImportCache", f"HURRAY_IMPORT_CACHE={raw!r} is not an integer") from None
+        if limit < 0:
+            raise DeviceError("ImportCache", f"the idle-mapping limit must be >= 0, got {limit}")
+        self.limit = limit
         self._entries: dict[bytes, list[Any]] = {}  # blob -> [opened, closer, refs]
         self.opens = 0  # how many times an allocation was actually opened (tests read it)
+        self.closes = 0  # how many mappings were closed (tests read it)
         self._lock = threading.Lock()
 
     def acquire(self, blob: bytes, opener: Callable[[], tuple[Any, Callable[[], None]]]) -> Any:
@@ -311,9 +331,11 @@ class ImportCache:
                 self._evict()
 
     def _evict(self) -> None:
+        # Closers run under the lock: a mapping is closed before the same blob can be reopened.
         idle = [k for k, e in self._entries.items() if e[2] <= 0]
         while len(self._entries) > self.limit and idle:
             self._entries.pop(idle.pop(0))[1]()
+            self.closes += 1
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -323,3 +345,4 @@ class ImportCache:
             entries, self._entries = self._entries, {}
         for _base, closer, _refs in entries.values():
             closer()
+            self.closes += 1

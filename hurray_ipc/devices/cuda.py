@@ -38,22 +38,27 @@ class CudaEvent(Event):
     def record(self, stream: "Stream") -> None:
         if not isinstance(stream, CudaStream):
             raise DeviceError("cudaEventRecord", f"{stream!r} is not a CUDA stream")
+        self.device.activate()
         self.device.rt.event_record(self._live(), stream.raw)
 
     def synchronize(self) -> None:
+        self.device.activate()
         self.device.rt.event_synchronize(self._live())
 
     def query(self) -> bool:
+        self.device.activate()
         return self.device.rt.event_query(self._live())
 
     def export(self) -> bytes:
         if self._blob is None:  # the handle of an event never changes; fetch it once
+            self.device.activate()
             self._blob = self.device.rt.ipc_get_event_handle(self._live())
         return self._blob
 
     def close(self) -> None:
         raw, self.raw = self.raw, None
         if raw is not None:
+            self.device.activate()
             self.device.rt.event_destroy(raw)
 
 
@@ -84,15 +89,18 @@ class CudaStream(Stream):
     def wait(self, event: Event) -> None:
         if not isinstance(event, CudaEvent):
             raise DeviceError("cudaStreamWaitEvent", f"{event!r} is not a CUDA event")
+        self.device.activate()
         self.device.rt.stream_wait_event(self.raw, event._live())
 
     def synchronize(self) -> None:
         try:
+            self.device.activate()
             self.device.rt.stream_synchronize(self.raw)
         finally:
             self._keep.clear()
 
     def query(self) -> bool:
+        self.device.activate()
         done = self.device.rt.stream_query(self.raw)
         if done:
             self._keep.clear()
@@ -101,6 +109,7 @@ class CudaStream(Stream):
     def close(self) -> None:
         raw, self.raw = self.raw, None
         if raw is not None and self.owned:
+            self.device.activate()
             self.device.rt.stream_destroy(raw)
 
 
@@ -121,38 +130,61 @@ class CudaDevice(Device):
         self.activate()
         self.identity = DeviceIdentity("cuda", ordinal, self.rt.device_uuid(ordinal), self.rt.pci_bus_id(ordinal),
                                        emulated=self.rt.emulated)
-        self._cache = ImportCache()
-        self._export_blobs: dict[int, bytes] = {}
+        # A cudaIpcCloseMemHandle must precede the exporter's cudaFree, so a mapping is closed as
+        # soon as no buffer references it (see "Mapping lifetime" in docs/spec/sync-contract.md).
+        self._cache = ImportCache(limit=0)
+        # cudaIpcMemHandle per allocation base, for allocations this device made only: we see
+        # their cudaFree, so an entry never outlives its allocation. Foreign memory (buffer_at on
+        # PyTorch/CuPy arrays) may be freed and reallocated at the same base behind our back.
+        self._owned: dict[int, bytes | None] = {}
         self._caps: DeviceCapabilities | None = None
 
     def activate(self) -> None:
+        """Make this device current on the calling thread before a runtime call that acts on it.
+
+        Checked every time, never cached: other code on the thread (PyTorch, CuPy) may have called
+        cudaSetDevice since. The device stays current afterwards, as with cudaSetDevice.
+        """
         self.rt.set_device(self.ordinal)
 
     def capabilities(self) -> DeviceCapabilities:
         if self._caps is None:
             rt, o = self.rt, self.ordinal
             peers = tuple(rt.device_uuid(p) for p in range(rt.device_count()) if p != o and rt.can_access_peer(o, p))
-            self._caps = DeviceCapabilities(rt.ipc_memory_support(o), rt.ipc_event_support(o), False, peers)
+            mem, ev = rt.ipc_memory_support(o), rt.ipc_event_support(o)
+            why = tuple((what, rt.unsupported_reason(o, what) or "not supported by the device")
+                        for what, ok in (("ipc_memory", mem), ("ipc_events", ev)) if not ok)
+            self._caps = DeviceCapabilities(mem, ev, False, peers, why)
         return self._caps
 
     def allocate(self, size: int) -> Buffer:
         self.activate()
         ptr = self.rt.malloc(size)
+        self._owned[ptr] = None
 
         def free() -> None:
-            self._export_blobs.pop(ptr, None)
+            self._owned.pop(ptr, None)
             self.activate()
             self.rt.free(ptr)
 
         return Buffer(self, ptr, size, closer=free)
 
     def export_memory(self, buf: Buffer) -> MemoryExport:
-        """The base allocation's handle plus the buffer's offset from it (handles name allocations)."""
+        """The base allocation's handle plus the buffer's offset from it (handles name allocations).
+
+        The handle of an allocation from :meth:`allocate` is fetched once and kept until its free;
+        for memory someone else allocated it is fetched at every export, since its owner may have
+        freed and reallocated it at the same address since the last one.
+        """
         self.activate()
         base, _size = self.rt.mem_range(buf.ptr)
-        blob = self._export_blobs.get(base)
+        if base not in self._owned:
+            return MemoryExport(self.rt.ipc_get_mem_handle(base), buf.ptr - base, buf.size)
+        blob = self._owned.get(base)
         if blob is None:
-            blob = self._export_blobs[base] = self.rt.ipc_get_mem_handle(base)
+            blob = self.rt.ipc_get_mem_handle(base)
+            if base in self._owned:  # not freed by another thread meanwhile
+                self._owned[base] = blob
         return MemoryExport(blob, buf.ptr - base, buf.size)
 
     def import_memory(self, exp: MemoryExport) -> Buffer:
@@ -197,10 +229,16 @@ class CudaDevice(Device):
     def order_forget(self, key: str) -> None:
         self.rt.hb_forget(key)
 
+    def host_register_supported(self) -> bool:
+        """cudaDevAttrHostRegisterSupported: whether :meth:`host_register` can page-lock here."""
+        return self.rt.host_register_support(self.ordinal)
+
     def host_register(self, buf: Buffer) -> None:
+        self.activate()
         self.rt.host_register(buf.ptr, max(buf.size, 1))
 
     def host_unregister(self, buf: Buffer) -> None:
+        self.activate()
         self.rt.host_unregister(buf.ptr)
 
     def close(self) -> None:

@@ -2,12 +2,15 @@
 
 When no sync mode is valid for a GPU buffer, the producer copies it into a slot, host-waits the
 copy, and hands the slot off as a CPU buffer (SYNC_PRODUCER_SYNCED). Slots come in power-of-two
-size classes (at least 64 KiB), are page-locked with CUDA when a real CUDA device is given (so the
-copy runs at DMA speed), and go back to their class when the consumer releases them.
+size classes (at least 64 KiB), are page-locked with CUDA when the given device supports it
+(cudaDevAttrHostRegisterSupported; the emulation does not), so the copy runs at DMA speed, and go
+back to their class when the consumer releases them. Pinning is an optimisation only: if
+cudaHostRegister fails, the pool logs it once and goes on with unpinned slots.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
@@ -15,6 +18,8 @@ from ..devices.base import Buffer
 from ..devices.cpu import CpuDevice
 from ..devices.cuda import CudaDevice
 from ..devices.errors import DeviceError
+
+log = logging.getLogger("hurray.staging")
 
 MIN_SLOT = 64 << 10
 
@@ -28,9 +33,24 @@ def size_class(nbytes: int) -> int:
 
 
 class StagingPool:
+    """Host slots for staged handoffs. The producer acquires a slot, copies into it, hands it off,
+    and releases it when the consumer released the handoff; ``close`` frees (and unpins) them all.
+
+    ``pin_with``: the CUDA device the slots are copied from; slots are page-locked for it when it
+    supports cudaHostRegister (:attr:`pin_with` is None when they are not pinned).
+    """
+
     def __init__(self, cpu: CpuDevice, pin_with: CudaDevice | None = None, max_bytes: int | None = None):
         self.cpu = cpu
-        self.pin_with = pin_with if pin_with is not None and not pin_with.identity.emulated else None
+        self.pin_with: CudaDevice | None = None
+        if pin_with is not None:
+            try:
+                if pin_with.host_register_supported():
+                    self.pin_with = pin_with
+            except DeviceError as e:
+                log.warning("staging slots stay unpinned: %s", e)
+        self._unpin_with = self.pin_with  # stays set when pinning is given up: earlier slots are pinned
+        self._pinned: set[int] = set()  # id() of the slots cudaHostRegister accepted
         self.max_bytes = max_bytes if max_bytes is not None else int(os.environ.get("HURRAY_STAGING_BYTES", str(1 << 30)))
         self._free: dict[int, list[Buffer]] = {}
         self._busy: set[int] = set()
@@ -49,12 +69,23 @@ class StagingPool:
                 if self.total + cls > self.max_bytes:
                     raise StagingExhausted("staging", f"pool at its limit ({self.total} of {self.max_bytes} bytes in slots)")
                 slot = self.cpu.allocate(cls)
-                if self.pin_with is not None:
-                    self.pin_with.host_register(slot)
+                self._pin(slot)
                 self.total += cls
                 self._all.append(slot)
             self._busy.add(id(slot))
             return slot
+
+    def _pin(self, slot: Buffer) -> None:
+        if self.pin_with is None:
+            return
+        try:
+            self.pin_with.host_register(slot)
+        except DeviceError as e:
+            # Likely to fail again (memlock limit, WSL): stop trying, say so once.
+            log.warning("staging: %s; going on with unpinned slots (slower copies)", e)
+            self.pin_with = None
+            return
+        self._pinned.add(id(slot))
 
     def release(self, slot: Buffer) -> None:
         with self._lock:
@@ -70,11 +101,11 @@ class StagingPool:
     def close(self) -> None:
         with self._lock:
             for slot in self._all:
-                if self.pin_with is not None:
+                if id(slot) in self._pinned and self._unpin_with is not None:
                     try:
-                        self.pin_with.host_unregister(slot)
-                    except DeviceError:
-                        pass
+                        self._unpin_with.host_unregister(slot)
+                    except DeviceError as e:
+                        log.warning("staging: %s", e)
                 slot.close()
-            self._all.clear(), self._free.clear(), self._busy.clear()
+            self._all.clear(), self._free.clear(), self._busy.clear(), self._pinned.clear()
             self.total = 0

@@ -41,11 +41,20 @@ class Runtime(ABC):
     def pci_bus_id(self, ordinal: int) -> str: ...
 
     @abstractmethod
-    def ipc_memory_support(self, ordinal: int) -> bool: ...
+    def ipc_memory_support(self, ordinal: int) -> bool:
+        """Whether cudaIpcGetMemHandle / cudaIpcOpenMemHandle work for this device."""
 
     @abstractmethod
     def ipc_event_support(self, ordinal: int) -> bool:
-        """cudaDevAttrIpcEventSupport."""
+        """Whether interprocess events work (cudaDevAttrIpcEventSupport, and an exportable event)."""
+
+    def unsupported_reason(self, ordinal: int, capability: str) -> str | None:
+        """Why ``capability`` ('ipc_memory', 'ipc_events') is unsupported, if a probe said why."""
+        return None
+
+    def host_register_support(self, ordinal: int) -> bool:
+        """cudaDevAttrHostRegisterSupported: whether cudaHostRegister can page-lock memory."""
+        return False
 
     @abstractmethod
     def can_access_peer(self, ordinal: int, peer: int) -> bool: ...

@@ -447,6 +447,10 @@ class EmulatedRuntime(Runtime):
         self._check_ordinal("cudaDeviceGetAttribute", ordinal)
         return self.config.ipc_events
 
+    def unsupported_reason(self, ordinal: int, capability: str) -> str | None:
+        off = {"ipc_memory": not self.config.ipc_memory, "ipc_events": not self.config.ipc_events}
+        return f"{capability} disabled in this emulation (HURRAY_EMU_*)" if off.get(capability) else None
+
     def can_access_peer(self, ordinal: int, peer: int) -> bool:
         self._check_ordinal("cudaDeviceCanAccessPeer", ordinal)
         self._check_ordinal("cudaDeviceCanAccessPeer", peer)
@@ -523,7 +527,10 @@ class EmulatedRuntime(Runtime):
             raise DeviceError("cudaIpcOpenMemHandle",
                               f"memory on device {device} is not peer-accessible from device {self._device()}",
                               code="cudaErrorPeerAccessUnsupported")
-        seg = Segment.attach(name.rstrip(b"\0").decode())
+        try:
+            seg = Segment.attach(name.rstrip(b"\0").decode())
+        except DeviceError as e:  # CUDA reports a freed allocation's handle as an invalid value
+            raise DeviceError("cudaIpcOpenMemHandle", str(e), code="cudaErrorInvalidValue") from e
         return self._register(seg, device, imported=True).base
 
     def ipc_close_mem_handle(self, base: int) -> None:

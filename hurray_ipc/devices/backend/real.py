@@ -2,17 +2,23 @@
 
 Every cuda.bindings call returns ``(err, value...)``; :func:`_check` turns a non-success ``err``
 into a :class:`DeviceError` that names the call and the CUDA error. Nothing here caches device
-state beyond what the driver itself keeps.
+state beyond what the driver itself keeps (the current device is asked of the runtime every time:
+other libraries in the process call cudaSetDevice too), except the IPC probe results, which are
+properties of the device.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
+import sys
 import threading
 from typing import Any
 
 from ..errors import DeviceError
 from .base import IPC_HANDLE_SIZE, Runtime, check_blob
+
+log = logging.getLogger("hurray.cuda")
 
 
 def _import_bindings():
@@ -58,7 +64,8 @@ class RealRuntime(Runtime):
 
     def __init__(self) -> None:
         self.rt, self.drv = _import_bindings()
-        self._tls = threading.local()
+        self._lock = threading.Lock()
+        self._ipc: dict[int, dict[str, str | None]] = {}  # ordinal -> capability -> why not (None: works)
 
     def probe(self) -> str | None:
         try:
@@ -71,9 +78,9 @@ class RealRuntime(Runtime):
         return int(_check("cudaGetDeviceCount", self.rt.cudaGetDeviceCount()))
 
     def set_device(self, ordinal: int) -> None:
-        if getattr(self._tls, "device", None) != ordinal:
+        # No per-thread cache: PyTorch/CuPy may have changed the current device since our last call.
+        if int(_check("cudaGetDevice", self.rt.cudaGetDevice())) != ordinal:
             _check("cudaSetDevice", self.rt.cudaSetDevice(ordinal))
-            self._tls.device = ordinal
 
     def device_uuid(self, ordinal: int) -> str:
         props = _check("cudaGetDeviceProperties", self.rt.cudaGetDeviceProperties(ordinal))
@@ -90,13 +97,75 @@ class RealRuntime(Runtime):
                           self.rt.cudaDeviceGetAttribute(getattr(self.rt.cudaDeviceAttr, attr), ordinal)))
 
     def ipc_memory_support(self, ordinal: int) -> bool:
-        # cudaIpcGetMemHandle works on Linux for devices with unified addressing.
-        import sys
-
-        return sys.platform.startswith("linux") and self._attr("cudaDevAttrUnifiedAddressing", ordinal) == 1
+        return self._ipc_probe(ordinal)["ipc_memory"] is None
 
     def ipc_event_support(self, ordinal: int) -> bool:
-        return self._attr("cudaDevAttrIpcEventSupport", ordinal) == 1
+        return self._ipc_probe(ordinal)["ipc_events"] is None
+
+    def unsupported_reason(self, ordinal: int, capability: str) -> str | None:
+        return self._ipc_probe(ordinal).get(capability)
+
+    def host_register_support(self, ordinal: int) -> bool:
+        return self._attr("cudaDevAttrHostRegisterSupported", ordinal) == 1
+
+    def _ipc_probe(self, ordinal: int) -> dict[str, str | None]:
+        """Why IPC memory / IPC events do not work on ``ordinal`` (None: they do), probed once.
+
+        Attributes alone are not enough (WSL2 reports unified addressing but has no CUDA IPC), so
+        each probe also does the real thing once: export a small allocation's cudaIpcMemHandle, and
+        create an interprocess event and get its cudaIpcEventHandle. Leaves ``ordinal`` current.
+        """
+        with self._lock:
+            hit = self._ipc.get(ordinal)
+        if hit is not None:
+            return hit
+        why: dict[str, str | None] = {"ipc_memory": None, "ipc_events": None}
+        if not sys.platform.startswith("linux"):
+            why = dict.fromkeys(why, f"CUDA IPC is Linux-only (this is {sys.platform})")
+        else:
+            try:
+                self.set_device(ordinal)
+                if self._attr("cudaDevAttrUnifiedAddressing", ordinal) != 1:
+                    why["ipc_memory"] = "cudaDevAttrUnifiedAddressing is 0"
+                else:
+                    why["ipc_memory"] = self._try_export_memory()
+            except DeviceError as e:
+                why["ipc_memory"] = str(e)
+            try:
+                self.set_device(ordinal)
+                if self._attr("cudaDevAttrIpcEventSupport", ordinal) != 1:
+                    why["ipc_events"] = "cudaDevAttrIpcEventSupport is 0"
+                else:
+                    why["ipc_events"] = self._try_export_event()
+            except DeviceError as e:
+                why["ipc_events"] = str(e)
+        for what, reason in why.items():
+            if reason is not None:
+                log.warning("cuda:%d: %s unsupported: %s", ordinal, what, reason)
+        with self._lock:
+            self._ipc[ordinal] = why
+        return why
+
+    def _try_export_memory(self) -> str | None:
+        ptr = int(_check("cudaMalloc", self.rt.cudaMalloc(256)))
+        try:
+            _check("cudaIpcGetMemHandle", self.rt.cudaIpcGetMemHandle(ptr))
+        except DeviceError as e:
+            return str(e)
+        finally:
+            _check("cudaFree", self.rt.cudaFree(ptr))
+        return None
+
+    def _try_export_event(self) -> str | None:
+        flags = self.rt.cudaEventDisableTiming | self.rt.cudaEventInterprocess
+        ev = _check("cudaEventCreateWithFlags", self.rt.cudaEventCreateWithFlags(flags))
+        try:
+            _check("cudaIpcGetEventHandle", self.rt.cudaIpcGetEventHandle(ev))
+        except DeviceError as e:
+            return str(e)
+        finally:
+            _check("cudaEventDestroy", self.rt.cudaEventDestroy(ev))
+        return None
 
     def can_access_peer(self, ordinal: int, peer: int) -> bool:
         if ordinal == peer:
