@@ -134,7 +134,8 @@ class ReceivedHandoff(Handoff):
         self.producer_gone = False
         self._event = event  # in-process: the producer's CudaEvent
         self._event_blob = event_blob
-        self._waited: list[CudaStream] = []
+        self._waited: list[CudaStream] = []  # streams ordered after the producer, in order of ordering
+        self._release_streams: list[CudaStream] | None = None  # release(stream=s): [s]; release(): None
         self._raw = buf
         mode = handle.sync_mode
         super().__init__(
@@ -253,8 +254,8 @@ class ReceivedHandoff(Handoff):
         super().release()
 
     def _fence_streams(self) -> list[CudaStream]:
-        if getattr(self, "_release_streams", None) is not None:
-            return self._release_streams  # type: ignore[return-value]
+        if self._release_streams is not None:
+            return self._release_streams
         if self.handle.device_tag is not DeviceTag.CUDA:
             return []
         found: list[CudaStream] = []
