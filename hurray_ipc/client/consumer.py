@@ -3,9 +3,10 @@
 Contract (ADR-018 §2, §5): after ``receive``, call ``handoff.wait(stream, ...)`` before enqueuing
 work on the buffer — it stream-waits on the producer's event (EVENT) and then releases the event,
 or orders another stream after the declared one (CONSUMER_STREAM); PRODUCER_SYNCED needs nothing.
-Call ``handoff.release()`` only after your device work on the buffer has *completed*: host-wait
-your stream (``stream.synchronize()``), or record your own event and wait on it, or release from a
-completion callback on your stream. A released buffer must not be touched again.
+``handoff.release()`` gives the buffer back only after your device work on it has *completed*
+(ADR-018 §5) without blocking you: it records an event on each stream the handoff was ordered on
+(``release(stream=s)``: on ``s`` only) and the client's pump sends RELEASE once they completed.
+A released buffer must not be touched again.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from ..contract.handoff import Handoff
+from ..contract.handoff import AlreadyReleasedError, Handoff
+from ..devices.cuda import CudaEvent
 from ..devices import Device, open_device
 from ..devices.base import Buffer, MemoryExport
 from ..devices.cuda import CudaDevice, CudaStream
@@ -90,6 +92,9 @@ class ReceivedBuffer:
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
+        """CUDA Array Interface v3: ``stream`` is a stream already ordered after the producer
+        (the waited one; for an EVENT handoff not yet waited, the consumer's stream is made to
+        wait here, device-side); ``None`` when the producer synced. Reading it sends nothing."""
         if self.device_tag is not DeviceTag.CUDA:
             raise AttributeError("__cuda_array_interface__ is only offered for CUDA buffers")
         self._check()
@@ -102,11 +107,15 @@ class ReceivedBuffer:
             return (dlpack.KDL_CUDA, self._buf.device.identity.ordinal)
         return (dlpack.KDL_CPU, 0)
 
-    def __dlpack__(self, stream: int | None = None, **_kw: Any) -> Any:
-        """A DLPack capsule. For CUDA, ``stream`` (the consumer's stream) is ordered first."""
+    def __dlpack__(self, stream: Any = None, **_kw: Any) -> Any:
+        """A DLPack capsule. For CUDA, ``stream`` (where the caller will use it) is made to wait
+        for the handoff first, device-side: ``None`` means the legacy default stream (array API),
+        ``-1`` no ordering; 1, 2, other ints, CudaStreams and ``__cuda_stream__`` objects as in
+        :meth:`CudaDevice.as_stream`. Sends no message; :meth:`ReceivedHandoff.release` then
+        waits for work on that stream too."""
         self._check()
-        if self.device_tag is DeviceTag.CUDA and stream is not None and stream != -1:
-            self._handoff.order_onto(stream)
+        if self.device_tag is DeviceTag.CUDA and not (isinstance(stream, int) and stream == -1):
+            self._handoff.order_onto(1 if stream is None else stream)
         dev_type, dev_id = self.__dlpack_device__()
         return dlpack.make_capsule(self._buf.ptr, self.shape, self.typestr, dev_type, dev_id, self)
 
@@ -125,7 +134,8 @@ class ReceivedHandoff(Handoff):
         self.producer_gone = False
         self._event = event  # in-process: the producer's CudaEvent
         self._event_blob = event_blob
-        self._waited: list[CudaStream] = []
+        self._waited: list[CudaStream] = []  # streams ordered after the producer, in order of ordering
+        self._release_streams: list[CudaStream] | None = None  # release(stream=s): [s]; release(): None
         self._raw = buf
         mode = handle.sync_mode
         super().__init__(
@@ -145,74 +155,128 @@ class ReceivedHandoff(Handoff):
         if self.released:
             raise RuntimeError("the buffer of this handoff was released; it must not be accessed")
 
-    def wait(self, *streams: CudaStream) -> None:
+    def wait(self, *streams: Any) -> None:
         """Order ``streams`` (default: the consumer's stream) after the producer's writes.
 
-        EVENT: stream-wait on the event on every given stream, then release the event (once; call
-        wait with all the streams that will touch the buffer). CONSUMER_STREAM: streams other than
-        the declared one wait on it. PRODUCER_SYNCED: nothing to do.
+        Streams may be CudaStreams, ``__cuda_stream__`` objects or cudaStream_t ints. EVENT:
+        stream-wait on the event on every given stream, then release the event (once; later calls
+        order new streams after one already waited). CONSUMER_STREAM: streams other than the
+        declared one wait on it. PRODUCER_SYNCED: nothing to do. Every stream given here is one
+        that :meth:`release` without ``stream=`` waits for.
         """
         self._check_usable()
-        targets = list(streams) or ([self._consumer.stream] if self._consumer.stream is not None else [])
+        targets = [self._consumer.as_stream(s) for s in streams] or (
+            [self._consumer.stream] if self._consumer.stream is not None else [])
+        if self.handle.sync_mode is SyncMode.EVENT and not self.event_released and not targets:
+            raise ValueError("an EVENT handoff needs a stream to wait on (Consumer(stream=...) or wait(stream))")
+        self._order_on(targets)
+        if self.handle.sync_mode is SyncMode.EVENT and not self.event_released:
+            self.release_event()
+
+    def _order_on(self, targets: list[CudaStream]) -> None:
+        """Device-side only (no message): make each stream wait for the producer's writes."""
         mode = self.handle.sync_mode
-        if mode is SyncMode.EVENT:
-            if self.event_released:
-                for s in targets:
-                    self._after_waited(s)
-                return
-            if not targets:
-                raise ValueError("an EVENT handoff needs a stream to wait on (Consumer(stream=...) or wait(stream))")
+        if mode is SyncMode.PRODUCER_SYNCED:
+            for s in targets:
+                self._note(s)
+            return
+        fresh = [s for s in targets if s not in self._waited and s is not self.consumer_stream]
+        if mode is SyncMode.EVENT and not self.event_released and fresh:
             ev = self._event if self._event is not None else self._consumer.gpu.import_event(self._event_blob)
             try:
-                for s in targets:
+                for s in fresh:
                     s.wait(ev)
                     self._waited.append(s)
             finally:
                 if self._event is None:
                     ev.close()  # the importer destroys its own copy once its waits are issued
-            self.release_event()
-        elif mode is SyncMode.CONSUMER_STREAM:
-            for s in targets:
-                if s is not self.consumer_stream:
-                    self._after_waited(s, self.consumer_stream)
-
-    def _after_waited(self, stream: CudaStream, base: CudaStream | None = None) -> None:
-        """Make ``stream`` wait on a stream that already is ordered after the producer."""
-        base = base or (self._waited[0] if self._waited else None)
-        if base is None or stream is base or stream in self._waited:
             return
-        ev = self._consumer.gpu.create_event(interprocess=False)
+        base = self.consumer_stream if mode is SyncMode.CONSUMER_STREAM else (self._waited[0] if self._waited else None)
+        for s in fresh:
+            self._after(s, base)
+
+    def _note(self, stream: CudaStream) -> None:
+        if stream not in self._waited:
+            self._waited.append(stream)
+
+    def _after(self, stream: CudaStream, base: CudaStream | None) -> None:
+        """Make ``stream`` wait on ``base``, a stream already ordered after the producer."""
+        if base is None:
+            raise RuntimeError("no stream of this handoff is ordered after the producer yet")
+        ev = self._consumer.gpu.create_event(interprocess=False)  # type: ignore[union-attr]
         ev.record(base)
         stream.wait(ev)
         ev.close()
         self._waited.append(stream)
 
     def ordered_stream(self) -> CudaStream | None:
-        """A stream on which the buffer is safe to use (None: any, the producer synced)."""
-        if self.handle.sync_mode is SyncMode.EVENT:
+        """A stream on which the buffer is safe to use (None: any, the producer synced).
+
+        Device-side only: an EVENT handoff not yet waited is stream-waited on the consumer's
+        stream here, and its event is released later, with the buffer (no message now).
+        """
+        mode = self.handle.sync_mode
+        if mode is SyncMode.EVENT:
             if not self._waited:
-                self.wait()
+                if self._consumer.stream is None:
+                    raise ValueError("an EVENT handoff needs a stream to wait on (Consumer(stream=...))")
+                self._order_on([self._consumer.stream])
             return self._waited[0]
-        if self.handle.sync_mode is SyncMode.CONSUMER_STREAM:
+        if mode is SyncMode.CONSUMER_STREAM:
             return self.consumer_stream
         return None
 
-    def order_onto(self, stream_id: int) -> None:
-        gpu = self._consumer.gpu
-        s = gpu.wrap_stream(gpu.rt.stream_from_id(stream_id))
-        known = [w for w in self._waited + ([self.consumer_stream] if self.consumer_stream else []) if w.handle == stream_id]
-        if known:
-            return
-        if self.handle.sync_mode is SyncMode.EVENT and not self.event_released:
-            self.wait(s)
-        elif self.handle.sync_mode is not SyncMode.PRODUCER_SYNCED:
-            self._after_waited(s, self.ordered_stream())
+    def order_onto(self, stream: Any) -> CudaStream:
+        """Make ``stream`` wait for the handoff, device-side only (``__dlpack__(stream=)``)."""
+        s = self._consumer.as_stream(stream)
+        if self.handle.sync_mode is SyncMode.EVENT and self.event_released and not self._waited:
+            raise RuntimeError("the event was released before any stream waited on it")
+        self._order_on([s])
+        return s
 
     # --- releases -------------------------------------------------------------------------
+    def release(self, stream: Any = None) -> None:
+        """Give the buffer back once your device work on it has completed, without blocking.
+
+        ``release(stream=s)``: records an event on ``s`` now; RELEASE goes to the producer once
+        that event completed (the client's pump polls it). Use it when all your work on the
+        buffer is on ``s``. ``release()``: the same, for every stream this handoff was ordered on
+        — each stream given to :meth:`wait`, each stream ordered through ``__dlpack__(stream=)``
+        or ``__cuda_array_interface__``, the declared consumer stream — and the consumer's own
+        :attr:`Consumer.stream`; work you enqueued elsewhere must be fenced by you (pass that
+        stream, or host-wait it first). Host buffers are released at once. An EVENT not yet
+        released is released first (its stream-waits are already issued). Exactly once: a second
+        call raises AlreadyReleasedError. ``with handoff:`` calls ``release()`` on exit.
+        """
+        if self.released:
+            raise AlreadyReleasedError("the buffer of this handoff was already released")
+        self._release_streams = None if stream is None else [self._consumer.as_stream(stream)]
+        super().release()
+
+    def _fence_streams(self) -> list[CudaStream]:
+        if self._release_streams is not None:
+            return self._release_streams
+        if self.handle.device_tag is not DeviceTag.CUDA:
+            return []
+        found: list[CudaStream] = []
+        for s in self._waited + [self.consumer_stream, self._consumer.stream]:
+            if s is not None and s.raw is not None and s not in found:
+                found.append(s)
+        return found
+
     def _release_event(self) -> None:
         self._consumer._send_release("EVENT_RELEASE", self)
 
     def _release_buffer(self) -> None:
+        fences = []
+        for s in self._fence_streams():
+            ev = self._consumer.gpu.create_event(interprocess=False)  # type: ignore[union-attr]
+            ev.record(s)
+            fences.append(ev)
+        self._consumer._release_after(self, fences)
+
+    def _give_back(self) -> None:
+        """The consumer's device work on the buffer completed: unmap it and send RELEASE."""
         self._raw.close()
         self._consumer._send_release("RELEASE", self)
 
@@ -220,18 +284,21 @@ class ReceivedHandoff(Handoff):
 class Consumer:
     """Receive buffers from the producers of ``channel``.
 
-    ``device``: where you will use the buffers ('cpu' or 'cuda:N'); ``stream``: a CUDA stream you
-    declare for SYNC_CONSUMER_STREAM (producers in this process then make it wait for you) and the
-    default stream of :meth:`ReceivedHandoff.wait`; ``prefetch``: requests kept outstanding
+    ``device``: where you will use the buffers ('cpu' or 'cuda:N'); ``stream``: a CUDA stream
+    (CudaStream, ``__cuda_stream__`` object or cudaStream_t int) you declare for
+    SYNC_CONSUMER_STREAM (producers in this process then make it wait for you), the default
+    stream of :meth:`ReceivedHandoff.wait` and one that :meth:`ReceivedHandoff.release` waits for; ``prefetch``: requests kept outstanding
     (0: ask for one buffer per ``receive`` call only, never ahead).
     """
 
     def __init__(self, endpoint: str | None = None, channel: str = "default", device: "str | Device" = "cpu", *,
-                 stream: CudaStream | None = None, prefetch: int = 1, heartbeat_s: float = 0.5,
+                 stream: Any = None, prefetch: int = 1, heartbeat_s: float = 0.5,
                  timeout_s: float = 3.0, name: str | None = None):
         self.device = open_device(device)
         self.cpu = open_device("cpu")
         self.gpu: CudaDevice | None = self.device if isinstance(self.device, CudaDevice) else None
+        if stream is not None:
+            stream = self.as_stream(stream)
         self.declared_stream = stream
         self.stream: CudaStream | None = stream or (self.gpu.create_stream() if self.gpu else None)
         if stream is not None:
@@ -244,8 +311,45 @@ class Consumer:
         self._held: dict[str, ReceivedHandoff] = {}
         self.name = name or f"consumer-{os.getpid()}"
         self.errors: list[RemoteError] = []
+        self._releasing: list[tuple[ReceivedHandoff, list[CudaEvent]]] = []  # RELEASE owed once these complete
         self.session = Session(endpoint, "consumer", channel, self._hello, self._dispatch,
-                               heartbeat_s=heartbeat_s, timeout_s=timeout_s)
+                               heartbeat_s=heartbeat_s, timeout_s=timeout_s, poll=self._poll_releases)
+
+    def as_stream(self, stream: Any) -> CudaStream:
+        """``stream`` (CudaStream, ``__cuda_stream__`` object or cudaStream_t int) on our GPU."""
+        if self.gpu is None:
+            raise ValueError(f"stream {stream!r} given to a consumer on {self.device.identity}, which has no streams")
+        return self.gpu.as_stream(stream)
+
+    # --- deferred releases ------------------------------------------------------------------
+    def _release_after(self, ho: ReceivedHandoff, fences: list[CudaEvent]) -> None:
+        """Send ``ho``'s RELEASE once every fence event completed (at once when there are none)."""
+        with self.session.lock:
+            self._releasing.append((ho, fences))
+            self._poll_releases()
+
+    def _poll_releases(self) -> bool:
+        """Called by the session's pump (under its lock): give back every handoff whose fences
+        all completed (a successful event query is where the host learns the work finished).
+        True while some release is still owed."""
+        for entry in list(self._releasing):
+            ho, fences = entry
+            if all(ev.query() for ev in fences):
+                self._releasing.remove(entry)
+                for ev in fences:
+                    ev.close()
+                ho._give_back()
+        return bool(self._releasing)
+
+    @property
+    def releasing(self) -> int:
+        """Handoffs released by the application whose RELEASE waits for their device work."""
+        return len(self._releasing)
+
+    def flush_releases(self, timeout: float | None = None) -> None:
+        """Wait until every deferred release was sent."""
+        self.session.pump(lambda: not self._poll_releases(), timeout,
+                          f"waiting for the device work of {len(self._releasing)} release(s)")
 
     def _hello(self) -> dict[str, Any]:
         held = [{"token": t, "producer_id": h.producer_id, "handoff_id": h.handoff_id,
@@ -340,6 +444,11 @@ class Consumer:
         for ho in list(self._inbox):
             if not ho.released:
                 ho.release()
+        if self._releasing and self.session.alive:
+            try:
+                self.flush_releases(self.session.timeout_s)
+            except (TimeoutError, ConnectionError):
+                log.warning("closing with %d release(s) still waiting for device work", len(self._releasing))
         self.session.close()
         if self.declared_stream is not None:
             inproc.unregister_stream(self.declared_stream)

@@ -136,10 +136,12 @@ class _Outgoing:
 class Producer:
     """Hand buffers to the consumers of ``channel``.
 
-    ``device``: 'cpu', 'cuda:N' or a Device; ``stream``: the CUDA stream your writes go to (one is
-    created if omitted; see :attr:`stream`); ``prefetch``: how many consumer requests to hold ahead;
-    ``event_pool``: reuse released SYNC_EVENT events (True) or create and destroy one per handoff
-    (False); default from ``HURRAY_EVENT_POOL`` (1). See :class:`EventPool`.
+    ``device``: 'cpu', 'cuda:N' or a Device; ``stream``: the CUDA stream your writes to device-layer
+    buffers go to (a CudaStream, a ``__cuda_stream__`` object or a cudaStream_t int; a new
+    non-blocking stream is created if omitted; see :attr:`stream` and :meth:`send`);
+    ``prefetch``: how many consumer requests to hold ahead; ``event_pool``: reuse released
+    SYNC_EVENT events (True) or create and destroy one per handoff (False); default from
+    ``HURRAY_EVENT_POOL`` (1). See :class:`EventPool`.
     """
 
     def __init__(self, endpoint: str | None = None, channel: str = "default", device: "str | Device" = "cpu", *,
@@ -148,7 +150,12 @@ class Producer:
         self.device = open_device(device)
         self.cpu: CpuDevice = open_device("cpu")  # type: ignore[assignment]
         self.gpu: CudaDevice | None = self.device if isinstance(self.device, CudaDevice) else None
-        self.stream: CudaStream | None = stream or (self.gpu.create_stream() if self.gpu else None)
+        if stream is not None and self.gpu is None:
+            raise ValueError(f"stream={stream!r} was given to a producer on {self.device.identity}, which has no streams")
+        #: Where the producer orders device-layer Buffers it sends without ``stream=`` (enqueue your
+        #: writes to ``allocate()``d buffers here), and what it passes to a CUDA DLPack exporter.
+        self.stream: CudaStream | None = (self.gpu.as_stream(stream) if stream is not None
+                                          else self.gpu.create_stream() if self.gpu else None)
         self.events = EventPool(self.gpu, event_pool_setting(event_pool)) if self.gpu else None
         self.staging = StagingPool(self.cpu, pin_with=self.gpu)
         self.prefetch = max(1, prefetch)
@@ -250,20 +257,29 @@ class Producer:
         return self.session.pull(self._grants, "READY", lambda: self.prefetch - len(self._grants) - self._ready,
                                  asked, timeout, "waiting for a consumer request")
 
-    def send(self, obj: Any, mode: SyncMode | None = None, *, stream: CudaStream | None = None,
+    def send(self, obj: Any, mode: SyncMode | None = None, *, stream: Any = None,
              timeout: float | None = None, block: bool = True,
              on_release: Callable[[Ticket], None] | None = None, meta: dict[str, Any] | None = None) -> Ticket:
         """Hand ``obj`` to the next consumer that asks.
 
         ``mode``: preferred sync mode; the cheapest valid one is used where it is not valid for
         the consumer (EVENT, then CONSUMER_STREAM, then PRODUCER_SYNCED, then a host-staged copy).
-        ``stream``: where ``obj``'s writes were enqueued (default: :attr:`stream`).
+        ``stream``: where ``obj``'s writes were enqueued (a CudaStream, a ``__cuda_stream__``
+        object or a cudaStream_t int). The producer orders the handoff after it: it host-waits it
+        (PRODUCER_SYNCED, staged copies) or records the handoff's event on it (EVENT, CONSUMER_STREAM).
+        Without ``stream=`` the stream comes from ``obj``: a ``__cuda_array_interface__`` (v3)
+        object's ``stream`` entry (absent: the legacy default stream; ``None``: the exporter says
+        no ordering is needed, and :attr:`stream` is used); a CUDA DLPack-only object is asked
+        ``obj.__dlpack__(stream=self.stream)``, so the exporter makes :attr:`stream` wait for its
+        writes (its capsule is kept until the release); a device-layer Buffer was written on
+        :attr:`stream`. Host objects need no stream.
         ``block``: wait until the broker accepted the handoff (errors raise here); with
         ``block=False`` they land on the returned ticket. ``on_release(ticket)`` runs once.
         ``meta``: small JSON-able user metadata, delivered as ``handoff.meta["user"]``.
         A handoff whose consumer died before it arrived is re-sent to the next consumer.
         """
-        src = resolve(obj, self.cpu, self.gpu, stream or self.stream)
+        explicit = self._explicit_stream(stream)
+        src = resolve(obj, self.cpu, self.gpu, explicit, self.stream)
         src.user = meta
         try:
             while True:
@@ -287,6 +303,14 @@ class Producer:
             if src.cleanup is not None and not pending:
                 src.cleanup()
             raise
+
+    def _explicit_stream(self, stream: Any) -> CudaStream | None:
+        """``send(stream=)`` as a CudaStream of our device (None: not given)."""
+        if stream is None:
+            return None
+        if self.gpu is None:
+            raise ValueError(f"send(stream={stream!r}) on a producer without a CUDA device")
+        return self.gpu.as_stream(stream)
 
     def _pairing(self, grant: dict[str, Any], on_gpu: bool) -> tuple[Endpoint, PairModes]:
         """The consumer's endpoint and the pair's valid modes, computed once per consumer (again

@@ -29,6 +29,7 @@ from .endpoint import default_endpoint
 log = logging.getLogger("hurray.client")
 
 Callback = Callable[[], None]
+POLL_BUSY_S = 0.002  # how long one pump round blocks on the socket while the owner's poll has work pending
 
 
 class BrokerUnavailable(ConnectionError):
@@ -55,6 +56,7 @@ class Session:
         *,
         heartbeat_s: float = 0.5,
         timeout_s: float = 3.0,
+        poll: Callable[[], bool] | None = None,
     ):
         self.endpoint = endpoint or default_endpoint()
         self.role = role
@@ -78,6 +80,9 @@ class Session:
         self._hello_sent = 0.0
         self.closed = False
         self.deferred: list[Callback] = []  # callbacks the owner queued outside a dispatch
+        # The owner's own work to check on every pump round (e.g. deferred releases); it returns
+        # True while work is pending, and the pump then polls the socket briefly to come back soon.
+        self._poll = poll
         self._register()
         self._bg = threading.Thread(target=self._background, name=f"hurray-{role}-pump", daemon=True)
         self._bg.start()
@@ -163,6 +168,7 @@ class Session:
         if self.deferred:
             out.extend(self.deferred)
             self.deferred.clear()
+        busy = self._poll() if self._poll is not None else False
         if until():
             return True
         now = time.monotonic()
@@ -172,6 +178,8 @@ class Session:
             else:
                 self.send(Message("PING", {}))
         wait = self.heartbeat_s if deadline is None else max(0.0, min(self.heartbeat_s, deadline - now))
+        if busy:
+            wait = min(wait, POLL_BUSY_S)
         if self.sock.poll(int(wait * 1000) if wait > 0 else 0, zmq.POLLIN):
             while True:
                 try:

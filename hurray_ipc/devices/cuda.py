@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from ..format.handle import DeviceTag
@@ -138,6 +139,8 @@ class CudaDevice(Device):
         # PyTorch/CuPy arrays) may be freed and reallocated at the same base behind our back.
         self._owned: dict[int, bytes | None] = {}
         self._caps: DeviceCapabilities | None = None
+        # handle -> the one CudaStream object standing for it, so coerced streams compare by identity
+        self._by_handle: "weakref.WeakValueDictionary[int, CudaStream]" = weakref.WeakValueDictionary()
 
     def activate(self) -> None:
         """Make this device current on the calling thread before a runtime call that acts on it.
@@ -206,11 +209,61 @@ class CudaDevice(Device):
 
     def create_stream(self) -> CudaStream:
         self.activate()
-        return CudaStream(self, self.rt.stream_create())
+        s = CudaStream(self, self.rt.stream_create())
+        self._by_handle[s.handle] = s
+        return s
 
     def wrap_stream(self, raw: Any) -> CudaStream:
         """A non-owning CudaStream for a stream someone else created (never destroyed by us)."""
         return CudaStream(self, raw, owned=False)
+
+    def as_stream(self, obj: Any) -> CudaStream:
+        """The :class:`CudaStream` of this device that ``obj`` names; the one place streams are coerced.
+
+        Accepted: a :class:`CudaStream` of this device; any object with the ``__cuda_stream__``
+        protocol (cuda.core, recent CuPy/PyTorch: ``(0, cudaStream_t address)``); a raw
+        ``cudaStream_t`` int: 0 or 1 the legacy default stream, 2 the per-thread default stream,
+        anything else a stream handle. The same handle always gives the same object, so streams
+        compare by identity. Raises TypeError/ValueError naming the offending value otherwise.
+        """
+        if isinstance(obj, CudaStream):
+            if obj.device is not self and obj.device.rt is not self.rt:
+                raise ValueError(f"stream {obj!r} belongs to another CUDA runtime, not to cuda:{self.ordinal}")
+            if obj.raw is None:
+                raise ValueError(f"stream {obj!r} was closed")
+            return obj
+        if hasattr(obj, "__cuda_stream__"):
+            got = obj.__cuda_stream__()
+            if (not isinstance(got, tuple) or len(got) != 2 or not all(isinstance(x, int) for x in got)):
+                raise TypeError(f"{type(obj).__name__}.__cuda_stream__() returned {got!r}; "
+                                "the protocol wants a (version, cudaStream_t address) tuple of ints")
+            if got[0] != 0:
+                raise ValueError(f"{type(obj).__name__}.__cuda_stream__() speaks protocol version {got[0]}; "
+                                 "only version 0 is understood")
+            return self._stream_of_handle(got[1], f"{type(obj).__name__}.__cuda_stream__()")
+        if isinstance(obj, int) and not isinstance(obj, bool):
+            return self._stream_of_handle(obj, "stream")
+        raise TypeError(f"not a CUDA stream: {obj!r} ({type(obj).__name__}); pass a CudaStream, an object with "
+                        "__cuda_stream__ (cuda.core, CuPy, PyTorch) or a cudaStream_t int (1: legacy default, "
+                        "2: per-thread default)")
+
+    def _stream_of_handle(self, handle: int, what: str) -> CudaStream:
+        if handle < 0:
+            raise ValueError(f"{what} gave cudaStream_t {handle}; stream handles are >= 0")
+        known = self._by_handle.get(handle)
+        if known is not None and known.raw is not None:
+            return known
+        self.activate()
+        s = self.wrap_stream(self.rt.stream_from_id(handle))
+        try:
+            key = s.handle  # 0, 1 and 2 name the same default stream: one object for all three
+        except Exception:  # noqa: BLE001 - a backend without ids for its defaults: key by what was given
+            key = handle
+        known = self._by_handle.get(key)
+        if known is not None and known.raw is not None:
+            s = known
+        self._by_handle[key] = self._by_handle[handle] = s
+        return s
 
     def create_event(self, interprocess: bool = True) -> CudaEvent:
         self.activate()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 KDL_CPU, KDL_CUDA, KDL_CUDA_HOST = 1, 2, 3
 _KIND_CODE = {"i": 0, "u": 1, "f": 2, "b": 6, "c": 5}  # DLDataTypeCode: Int, UInt, Float, Bool, Complex
@@ -95,3 +95,37 @@ def make_capsule(ptr: int, shape: tuple[int, ...], typestr: str, device_type: in
     with _live_lock:
         _live[ctypes.addressof(mt)] = (mt, shape_arr, owner)
     return _PyCapsule_New(ctypes.addressof(mt), _NAME, ctypes.cast(_capsule_destructor, ctypes.c_void_p))
+
+
+class CapsuleTensor(NamedTuple):
+    """What a ``dltensor`` capsule describes (the capsule itself stays unconsumed)."""
+
+    ptr: int  # data + byte_offset
+    shape: tuple[int, ...]
+    typestr: str
+    strides: tuple[int, ...] | None  # in bytes, as the CUDA Array Interface writes them
+    device_type: int
+    device_id: int
+
+
+_CODE_KIND = {v: k for k, v in _KIND_CODE.items()}
+
+
+def read_capsule(capsule: Any) -> CapsuleTensor:
+    """Read a legacy ``dltensor`` capsule without consuming it (its destructor still frees it).
+
+    Raises ValueError for anything else (a used or versioned capsule, a vector dtype).
+    """
+    if not _PyCapsule_IsValid(id(capsule), _NAME):
+        raise ValueError(f"{capsule!r} is not an unconsumed 'dltensor' DLPack capsule")
+    mt = DLManagedTensor.from_address(_PyCapsule_GetPointer(id(capsule), _NAME))
+    t = mt.dl_tensor
+    kind = _CODE_KIND.get(int(t.dtype.code))
+    if kind is None or t.dtype.lanes != 1 or t.dtype.bits % 8:
+        raise ValueError(f"DLPack dtype (code {t.dtype.code}, bits {t.dtype.bits}, lanes {t.dtype.lanes}) "
+                         "has no array-interface equivalent")
+    itemsize = t.dtype.bits // 8
+    shape = tuple(int(t.shape[i]) for i in range(t.ndim))
+    strides = None if not t.strides else tuple(int(t.strides[i]) * itemsize for i in range(t.ndim))
+    return CapsuleTensor(int(t.data or 0) + int(t.byte_offset), shape, f"<{kind}{itemsize}" if itemsize > 1 else
+                         f"|{kind}{itemsize}", strides, int(t.device.device_type), int(t.device.device_id))

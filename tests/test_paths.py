@@ -1,0 +1,407 @@
+"""Every path users take is ordered (issue 9 §2), on emulated CUDA, producer and consumer as threads
+of one process through a real broker: ``send`` of CUDA Array Interface v3 and DLPack-only objects
+whose writes are still in flight on their own stream, streams given as ``__cuda_stream__`` objects
+and raw cudaStream_t ints, release after device work (``release(stream=)``, ``release()``,
+``with h:``), and array interfaces without side effects.
+
+Each correct path has a broken twin that must report a race every run, at delay 0 and at a large
+delay. Only an exact happens-before checker makes that deterministic; see NEEDS_HB.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+from brokerproc import BrokerProcess
+from conftest import emu_config
+from hurray_ipc import workload
+from hurray_ipc.client import Consumer, Producer
+from hurray_ipc.devices import CudaDevice, DeviceError, RaceError, set_runtime
+from hurray_ipc.devices.backend.emulated import EmulatedRuntime
+from hurray_ipc.devices.base import Buffer
+from hurray_ipc.devices.cuda import CudaStream
+from hurray_ipc.format.handle import SyncMode
+from hurray_ipc.transport import dlpack
+
+SIZE = 4096
+DELAYS = [0.0, 0.2]  # HURRAY_EMU_DELAY_MS=0 and a large delay
+
+# The broken twins are caught every run only by the happens-before checker that lands on main
+# (issue 9 §1); the wall-clock check this branch still has misses them at delay 0 and cannot see a
+# write-after-read at all.
+NEEDS_HB = pytest.mark.xfail(strict=False, reason="needs the happens-before checker")
+
+
+@pytest.fixture
+def broker(tmp_path):
+    b = BrokerProcess(f"ipc://{tmp_path}/broker.sock", timeout=2.0).start()
+    yield b
+    b.stop()
+
+
+@contextmanager
+def emulated(delay: float) -> Iterator[tuple[EmulatedRuntime, CudaDevice]]:
+    rt = EmulatedRuntime(emu_config(op_delay_s=delay))
+    set_runtime(rt)
+    try:
+        yield rt, CudaDevice(0, runtime=rt)
+    finally:
+        set_runtime(None)
+
+
+class CudaStreamLike:
+    """A foreign stream object: only the ``__cuda_stream__`` protocol (cuda.core, CuPy, PyTorch)."""
+
+    def __init__(self, stream: CudaStream):
+        self._handle = stream.handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self._handle)
+
+
+class FakeCaiArray:
+    """A CuPy-like array: its bytes were written on its own stream, which CAI v3 exports."""
+
+    def __init__(self, dev: CudaDevice, seq: int, stream: CudaStream | None = None):
+        self.buf = dev.allocate(SIZE)
+        self.stream = stream or dev.create_stream()
+        self.stream.copy(self.buf, workload.pattern(7, seq, SIZE))  # still in flight at send
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"shape": (SIZE,), "typestr": "|u1", "data": (self.buf.ptr, False), "version": 3,
+                "strides": None, "stream": self.stream.handle}
+
+
+class FakeDlpackArray:
+    """A JAX-like CUDA array that only speaks DLPack; ``__dlpack__(stream=s)`` makes ``s`` wait
+    for its writes (array API convention) unless ``honest`` is False."""
+
+    def __init__(self, dev: CudaDevice, seq: int, honest: bool = True):
+        self.dev = dev
+        self.buf = dev.allocate(SIZE)
+        self.stream = dev.create_stream()
+        self.stream.copy(self.buf, workload.pattern(7, seq, SIZE))
+        self.honest = honest
+        self.asked: list[Any] = []
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (dlpack.KDL_CUDA, 0)
+
+    def __dlpack__(self, stream: Any = None, **_kw: Any) -> Any:
+        self.asked.append(stream)
+        if self.honest and stream != -1:
+            ev = self.dev.create_event(interprocess=False)
+            ev.record(self.stream)
+            self.dev.as_stream(1 if stream is None else stream).wait(ev)
+            ev.close()
+        return dlpack.make_capsule(self.buf.ptr, (SIZE,), "|u1", dlpack.KDL_CUDA, 0, self)
+
+
+def _drain(rt: EmulatedRuntime, *streams: CudaStream) -> list[RaceError]:
+    """Synchronize every stream; the race errors they raise (whichever op completed a race)."""
+    caught = []
+    for s in streams:
+        try:
+            s.synchronize()
+        except RaceError as e:
+            caught.append(e)
+    return caught
+
+
+def _send_in_thread(p: Producer, obj: Any, **kw: Any) -> threading.Thread:
+    th = threading.Thread(target=lambda: p.send(obj, SyncMode.EVENT, **kw), daemon=True)
+    th.start()
+    return th
+
+
+def _read(c: Consumer, h: Any, stream: CudaStream | None = None) -> np.ndarray:
+    """Enqueue a read of the handoff's bytes on ``stream`` (default: the consumer's stream)."""
+    out = np.empty(SIZE, np.uint8)
+    (stream or c.stream).copy(out, h.buffer.device_buffer)
+    return out
+
+
+# --- the one stream coercion ---------------------------------------------------------------------
+def test_as_stream_accepts_every_stream_users_hold():
+    with emulated(0.0) as (rt, dev):
+        s = dev.create_stream()
+        assert dev.as_stream(s) is s
+        assert dev.as_stream(s.handle) is s  # a raw cudaStream_t int
+        assert dev.as_stream(CudaStreamLike(s)) is s  # the __cuda_stream__ protocol
+        legacy = dev.as_stream(1)
+        assert dev.as_stream(0) is legacy and dev.as_stream(2) is legacy  # the emulation has one default
+        assert legacy.raw is rt._stream(0)
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    ("stream", TypeError, "not a CUDA stream: 'stream'"),
+    (True, TypeError, "not a CUDA stream: True"),
+    (1.0, TypeError, "not a CUDA stream: 1.0"),
+    (-1, ValueError, "cudaStream_t -1"),
+    (0x1234, DeviceError, "no emulated stream 0x1234"),
+])
+def test_as_stream_refuses_with_what_and_which_value(bad, error, words):
+    with emulated(0.0) as (_rt, dev):
+        with pytest.raises(error, match=words.replace("(", r"\(")):
+            dev.as_stream(bad)
+
+
+def test_as_stream_checks_the_protocol_answer():
+    class Wrong:
+        def __init__(self, answer):
+            self.answer = answer
+
+        def __cuda_stream__(self):
+            return self.answer
+
+    with emulated(0.0) as (_rt, dev):
+        with pytest.raises(TypeError, match=r"Wrong.__cuda_stream__\(\) returned 7"):
+            dev.as_stream(Wrong(7))
+        with pytest.raises(ValueError, match="protocol version 1"):
+            dev.as_stream(Wrong((1, dev.create_stream().handle)))
+
+
+# --- send orders after the stream that wrote obj ---------------------------------------------------
+@pytest.mark.parametrize("delay", DELAYS)
+def test_send_cai_object_orders_on_its_own_stream(broker, delay):
+    with emulated(delay) as (rt, dev):
+        with Producer(broker.endpoint, "cai", dev) as p, Consumer(broker.endpoint, "cai", dev) as c:
+            arr = FakeCaiArray(dev, 1)
+            th = _send_in_thread(p, arr)  # no stream=: CAI v3 names it
+            h = c.receive(timeout=10)
+            h.wait()
+            out = _read(c, h)
+            assert not _drain(rt, c.stream, arr.stream)
+            assert workload.verify(out) == (7, 1, True)
+            h.release()
+            th.join(10)
+            p.flush(5)
+        assert not rt.races
+
+
+@NEEDS_HB
+@pytest.mark.parametrize("delay", DELAYS)
+def test_broken_twin_send_cai_object_on_the_producers_idle_stream_races(broker, delay):
+    with emulated(delay) as (rt, dev):
+        with Producer(broker.endpoint, "cai-bad", dev) as p, Consumer(broker.endpoint, "cai-bad", dev) as c:
+            arr = FakeCaiArray(dev, 2)
+            th = _send_in_thread(p, arr, stream=p.stream)  # the old behaviour: order on our idle stream
+            h = c.receive(timeout=10)
+            h.wait()
+            _read(c, h)
+            caught = _drain(rt, c.stream, arr.stream)
+            h.release()
+            th.join(10)
+            p.flush(5)
+        assert caught and rt.races
+
+
+@pytest.mark.parametrize("delay", DELAYS)
+def test_send_cai_object_without_stream_key_orders_on_the_legacy_default_stream(broker, delay):
+    class V2Array(FakeCaiArray):
+        @property
+        def __cuda_array_interface__(self) -> dict[str, Any]:
+            d = dict(super().__cuda_array_interface__, version=2)
+            del d["stream"]
+            return d
+
+    with emulated(delay) as (rt, dev):
+        with Producer(broker.endpoint, "cai2", dev) as p, Consumer(broker.endpoint, "cai2", dev) as c:
+            arr = V2Array(dev, 3, stream=dev.as_stream(1))  # written on the legacy default stream
+            th = _send_in_thread(p, arr)
+            h = c.receive(timeout=10)
+            h.wait()
+            out = _read(c, h)
+            assert not _drain(rt, c.stream, arr.stream)
+            assert workload.verify(out) == (7, 3, True)
+            h.release()
+            th.join(10)
+            p.flush(5)
+        assert not rt.races
+
+
+def test_send_cai_object_with_stream_zero_is_refused(broker):
+    class Zero(FakeCaiArray):
+        @property
+        def __cuda_array_interface__(self) -> dict[str, Any]:
+            return dict(super().__cuda_array_interface__, stream=0)
+
+    with emulated(0.0) as (_rt, dev):
+        with Producer(broker.endpoint, "cai0", dev) as p:
+            with pytest.raises(DeviceError, match="stream 0, which CUDA Array Interface v3 forbids"):
+                p.send(Zero(dev, 4), timeout=1)
+
+
+@pytest.mark.parametrize("delay", DELAYS)
+def test_send_dlpack_only_cuda_object_asks_the_exporter_to_order_our_stream(broker, delay):
+    with emulated(delay) as (rt, dev):
+        released = threading.Event()
+        with Producer(broker.endpoint, "dl", dev) as p, Consumer(broker.endpoint, "dl", dev) as c:
+            arr = FakeDlpackArray(dev, 5)
+            th = threading.Thread(target=lambda: p.send(arr, SyncMode.EVENT, on_release=lambda t: released.set()))
+            th.start()
+            h = c.receive(timeout=10)
+            assert arr.asked == [p.stream.handle]  # __dlpack__(stream=<the producer's stream>)
+            assert p.holds(arr) and len(dlpack._live) >= 1  # the capsule lives until the release
+            h.wait()
+            out = _read(c, h)
+            assert not _drain(rt, c.stream, arr.stream)
+            assert workload.verify(out) == (7, 5, True)
+            h.release()
+            th.join(10)
+            p.flush(5)
+            assert released.is_set() and not p.holds(arr)
+        assert not rt.races
+
+
+@NEEDS_HB
+@pytest.mark.parametrize("delay", DELAYS)
+def test_broken_twin_dlpack_exporter_that_ignores_our_stream_races(broker, delay):
+    with emulated(delay) as (rt, dev):
+        with Producer(broker.endpoint, "dl-bad", dev) as p, Consumer(broker.endpoint, "dl-bad", dev) as c:
+            arr = FakeDlpackArray(dev, 6, honest=False)
+            th = _send_in_thread(p, arr)
+            h = c.receive(timeout=10)
+            h.wait()
+            _read(c, h)
+            caught = _drain(rt, c.stream, arr.stream)
+            h.release()
+            th.join(10)
+            p.flush(5)
+        assert caught and rt.races
+
+
+@pytest.mark.parametrize("delay", DELAYS)
+@pytest.mark.parametrize("form", ["cuda_stream_protocol", "raw_int"])
+def test_streams_as_protocol_objects_and_raw_ints_everywhere(broker, delay, form):
+    """Producer(stream=), send(stream=), Consumer(stream=), wait(stream), release(stream=)."""
+    def given(s: CudaStream) -> Any:
+        return CudaStreamLike(s) if form == "cuda_stream_protocol" else s.handle
+
+    with emulated(delay) as (rt, dev):
+        pstream, cstream, other = dev.create_stream(), dev.create_stream(), dev.create_stream()
+        with Producer(broker.endpoint, "st", dev, stream=given(pstream)) as p, \
+                Consumer(broker.endpoint, "st", dev, stream=given(cstream)) as c:
+            assert p.stream is pstream and c.stream is cstream and c.declared_stream is cstream
+            arr = FakeCaiArray(dev, 8)
+            th = _send_in_thread(p, Buffer(dev, arr.buf.ptr, SIZE), stream=given(arr.stream))
+            h = c.receive(timeout=10)
+            h.wait(given(other))
+            out = _read(c, h, other)
+            h.release(stream=given(other))
+            th.join(10)
+            p.flush(5)
+            assert not _drain(rt, other, arr.stream)
+            assert workload.verify(out) == (7, 8, True)
+            with pytest.raises(TypeError, match="not a CUDA stream: 'nope'"):
+                p.send(b"x", stream="nope")
+        assert not rt.races
+
+
+# --- release after device work ---------------------------------------------------------------------
+def _release_then_rewrite(broker, delay: float, channel: str, release) -> tuple[EmulatedRuntime, np.ndarray, list]:
+    """The consumer enqueues a read and releases per ``release(c, h)`` at once; the producer
+    rewrites the buffer as soon as the release arrives. Returns the runtime, the bytes read and
+    the race errors seen."""
+    with emulated(delay) as (rt, dev):
+        with Producer(broker.endpoint, channel, dev) as p, Consumer(broker.endpoint, channel, dev) as c:
+            buf = p.allocate(SIZE)
+            p.stream.copy(buf, workload.pattern(7, 9, SIZE))
+            th = _send_in_thread(p, buf)
+            h = c.receive(timeout=10)
+            h.wait()
+            out = _read(c, h)  # still pending when release() returns
+            release(c, h)
+            th.join(10)
+            p.flush(10)  # RELEASE arrived: the producer reuses the buffer
+            p.stream.memset(buf, 0)
+            caught = _drain(rt, p.stream, c.stream)
+            buf.close()
+        return rt, out, caught
+
+
+@pytest.mark.parametrize("delay", DELAYS)
+@pytest.mark.parametrize("how", ["release_stream", "release_stream_protocol", "release", "with"])
+def test_release_waits_for_pending_reads(broker, delay, how):
+    def release(c: Consumer, h: Any) -> None:
+        if how == "release_stream":
+            h.release(stream=c.stream)
+        elif how == "release_stream_protocol":
+            h.release(stream=CudaStreamLike(c.stream))
+        elif how == "release":
+            h.release()
+        else:
+            with h:
+                pass
+
+    rt, out, caught = _release_then_rewrite(broker, delay, f"rel-{how}", release)
+    assert not caught and not rt.races
+    assert workload.verify(out) == (7, 9, True)
+
+
+@NEEDS_HB
+@pytest.mark.parametrize("delay", DELAYS)
+def test_broken_twin_release_while_reads_pending_races_with_the_rewrite(broker, delay):
+    def release(c: Consumer, h: Any) -> None:
+        idle = c.gpu.create_stream()
+        h.release(stream=idle)  # fences a stream the read is not on: RELEASE goes at once
+
+    rt, _out, caught = _release_then_rewrite(broker, delay, "rel-bad", release)
+    assert caught and rt.races
+
+
+# --- array interfaces without side effects ---------------------------------------------------------
+@pytest.mark.parametrize("delay", DELAYS)
+def test_reading_cuda_array_interface_twice_sends_nothing(broker, delay):
+    with emulated(delay) as (rt, dev):
+        with Producer(broker.endpoint, "cai-rd", dev) as p, Consumer(broker.endpoint, "cai-rd", dev) as c:
+            arr = FakeCaiArray(dev, 10)
+            th = _send_in_thread(p, arr)
+            h = c.receive(timeout=10)
+            sent: list[str] = []
+            real_send = c.session.send
+            c.session.send = lambda m: (sent.append(m.verb) if m.verb != "PING" else None, real_send(m))[1]
+            assert hasattr(h.buffer, "__cuda_array_interface__")
+            first = h.buffer.__cuda_array_interface__
+            second = h.buffer.__cuda_array_interface__
+            assert first == second and first["stream"] == c.stream.handle
+            assert sent == [] and not h.event_released
+            out = _read(c, h, dev.as_stream(first["stream"]))  # ordered on the exported stream
+            h.release()
+            th.join(10)
+            p.flush(5)
+            assert sent == ["EVENT_RELEASE", "RELEASE"]
+            assert not _drain(rt, c.stream, arr.stream)
+            assert workload.verify(out) == (7, 10, True)
+        assert not rt.races
+
+
+@pytest.mark.parametrize("delay", DELAYS)
+@pytest.mark.parametrize("stream", [None, "consumer", -1])
+def test_dlpack_orders_the_callers_stream(broker, delay, stream):
+    """``__dlpack__(stream=None)`` orders the legacy default stream, ``stream=s`` orders ``s``,
+    ``-1`` nothing (then the caller's own wait does)."""
+    with emulated(delay) as (rt, dev):
+        with Producer(broker.endpoint, "dlr", dev) as p, Consumer(broker.endpoint, "dlr", dev) as c:
+            arr = FakeCaiArray(dev, 11)
+            th = _send_in_thread(p, arr)
+            h = c.receive(timeout=10)
+            target = {None: dev.as_stream(1), "consumer": c.stream, -1: c.stream}[stream]
+            if stream == -1:
+                h.wait()
+            capsule = h.buffer.__dlpack__(stream=target.handle if stream == "consumer" else stream)
+            assert dlpack.read_capsule(capsule).ptr == h.buffer.ptr
+            out = _read(c, h, target)
+            h.release()
+            th.join(10)
+            p.flush(5)
+            assert not _drain(rt, target, arr.stream)
+            assert workload.verify(out) == (7, 11, True)
+            del capsule
+        assert not rt.races
