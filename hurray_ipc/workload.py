@@ -63,11 +63,10 @@ def verify(data: np.ndarray) -> tuple[int, int, bool]:
 INJECTIONS = {
     "skip-wait": "consumer: no stream-wait on the producer's event (reads right away)",
     "wrong-stream": "consumer: waits on its stream, reads on another one",
-    "early-release": "consumer: releases while its read is still pending on its stream",
     "no-host-wait": "producer: declares PRODUCER_SYNCED without host-waiting its writing stream",
     "record-wrong-stream": "producer: writes on one stream, records the event on another (idle) one",
 }
-CONSUMER_INJECTIONS = ("skip-wait", "wrong-stream", "early-release")
+CONSUMER_INJECTIONS = ("skip-wait", "wrong-stream")
 PRODUCER_INJECTIONS = ("no-host-wait", "record-wrong-stream")
 
 
@@ -259,8 +258,6 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
                         out[:] = h.buffer.numpy().reshape(-1).view(np.uint8)
                     else:
                         reader.copy(out, h.buffer.device_buffer)  # our own read, on our stream
-                        if inject == "early-release":
-                            h.release()  # before the read completed: the producer may overwrite it
                         reader.synchronize()  # our device work is complete: now we may release
                     if hold:
                         time.sleep(hold)

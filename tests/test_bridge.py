@@ -150,7 +150,7 @@ def test_link_cut_mid_transfer_releases_once(two_brokers):
     out = bridge("out", "--channel", "y", "--endpoint", a.endpoint, "--listen", url, "--insecure")
     inn = bridge("in", "--channel", "y", "--endpoint", b.endpoint, "--connect", url, "--insecure")
     try:
-        counters = SPAWN.Array("q", 5)
+        counters = SPAWN.Array("q", workload.COUNTERS)
         p = Proc(workload.run_producer, endpoint=a.endpoint, channel="y", device="cpu", count=1, size=256 << 20,
                  env={}, pool=1, counters=counters)
         deadline = time.monotonic() + 60
