@@ -168,6 +168,19 @@ def test_as_stream_checks_the_protocol_answer():
 
 
 # --- send orders after the stream that wrote obj ---------------------------------------------------
+def _assert_send_races(rt, p, c, arr, **send_kw) -> None:
+    """Send ``arr`` from a thread, read it after the consumer's wait: the race must be reported."""
+    th = _send_in_thread(p, arr, **send_kw)
+    h = c.receive(timeout=10)
+    h.wait()
+    _read(c, h)
+    caught = _drain(rt, c.stream, arr.stream)
+    h.release()
+    th.join(10)
+    p.flush(5)
+    assert caught and rt.races
+
+
 @pytest.mark.parametrize("delay", DELAYS)
 def test_send_cai_object_orders_on_its_own_stream(broker, delay):
     with emulated(delay) as (rt, dev):
@@ -191,15 +204,7 @@ def test_broken_twin_send_cai_object_on_the_producers_idle_stream_races(broker, 
     with emulated(delay) as (rt, dev):
         with Producer(broker.endpoint, "cai-bad", dev) as p, Consumer(broker.endpoint, "cai-bad", dev) as c:
             arr = FakeCaiArray(dev, 2)
-            th = _send_in_thread(p, arr, stream=p.stream)  # the old behaviour: order on our idle stream
-            h = c.receive(timeout=10)
-            h.wait()
-            _read(c, h)
-            caught = _drain(rt, c.stream, arr.stream)
-            h.release()
-            th.join(10)
-            p.flush(5)
-        assert caught and rt.races
+            _assert_send_races(rt, p, c, arr, stream=p.stream)  # the old behaviour: order on our idle stream
 
 
 @pytest.mark.parametrize("delay", DELAYS)
@@ -266,15 +271,7 @@ def test_broken_twin_dlpack_exporter_that_ignores_our_stream_races(broker, delay
     with emulated(delay) as (rt, dev):
         with Producer(broker.endpoint, "dl-bad", dev) as p, Consumer(broker.endpoint, "dl-bad", dev) as c:
             arr = FakeDlpackArray(dev, 6, honest=False)
-            th = _send_in_thread(p, arr)
-            h = c.receive(timeout=10)
-            h.wait()
-            _read(c, h)
-            caught = _drain(rt, c.stream, arr.stream)
-            h.release()
-            th.join(10)
-            p.flush(5)
-        assert caught and rt.races
+            _assert_send_races(rt, p, c, arr)
 
 
 @pytest.mark.parametrize("delay", DELAYS)
