@@ -65,8 +65,10 @@ INJECTIONS = {
     "wrong-stream": "consumer: waits on its stream, reads on another one",
     "no-host-wait": "producer: declares PRODUCER_SYNCED without host-waiting its writing stream",
     "record-wrong-stream": "producer: writes on one stream, records the event on another (idle) one",
+    "early-release": "consumer: reads on its stream but releases fenced on another (idle) one, so RELEASE "
+                     "can reach the producer before the read finished (ADR-018 §5)",
 }
-CONSUMER_INJECTIONS = ("skip-wait", "wrong-stream")
+CONSUMER_INJECTIONS = ("skip-wait", "wrong-stream", "early-release")
 PRODUCER_INJECTIONS = ("no-host-wait", "record-wrong-stream")
 
 
@@ -143,8 +145,10 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
     tag = os.getpid() if tag is None else tag
     rep = ProducerReport(tag)
     pref = SyncMode.from_name(mode) if mode else None
+    dev: Any = None
     try:
         with Producer(endpoint, channel, device) as p:
+            dev = p.device
             writer = p.stream  # the stream the buffers' writes go to
             if inject == "no-host-wait" and p.stream is not None:
                 pref = SyncMode.PRODUCER_SYNCED
@@ -203,10 +207,11 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
             _bump(counters, P_DOUBLE, p.unknown_releases)
             for buf in free:
                 buf.close()
-            rep.races = emulated_races(p.device)
-            _bump(counters, P_RACES, rep.races)
     except Exception:
         rep.error = traceback.format_exc()
+    # Counted on every exit: a race the checker raised as RaceError is still a race found.
+    rep.races = emulated_races(dev)
+    _bump(counters, P_RACES, rep.races)
     return asdict(rep)
 
 
@@ -229,6 +234,8 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
     try:
         with Consumer(endpoint, channel, device) as c:
             reader = c.gpu.create_stream() if inject == "wrong-stream" and c.gpu is not None else c.stream
+            # early-release: the stream the release is (wrongly) fenced on; nothing runs on it.
+            fence = c.gpu.create_stream() if inject == "early-release" and c.gpu is not None else None
             outage: float | None = None
             while count is None or rep.received < count:
                 try:
@@ -258,6 +265,9 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
                         out[:] = h.buffer.numpy().reshape(-1).view(np.uint8)
                     else:
                         reader.copy(out, h.buffer.device_buffer)  # our own read, on our stream
+                        if fence is not None:
+                            h.release(stream=fence)  # the injected fault: fenced on the wrong stream
+                            c.flush_releases()  # RELEASE is out while the read may still run
                         reader.synchronize()  # our device work is complete: now we may release
                     if hold:
                         time.sleep(hold)

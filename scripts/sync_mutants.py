@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = ["tests/test_races.py", "tests/test_clients.py", "tests/test_devices.py", "tests/test_stress.py"]
+TESTS = ["tests/test_races.py", "tests/test_paths.py", "tests/test_clients.py", "tests/test_devices.py",
+         "tests/test_stress.py"]
 
 # name -> (file, the exact text of the step, what replaces it)
 MUTANTS: dict[str, tuple[str, str, str]] = {
@@ -31,10 +32,11 @@ MUTANTS: dict[str, tuple[str, str, str]] = {
     "producer-host-wait": ("hurray_ipc/client/producer.py",
                            "        if mode is SyncMode.PRODUCER_SYNCED:\n            stream.synchronize()\n",
                            "        if mode is SyncMode.PRODUCER_SYNCED:\n            pass  # MUTANT: no host wait\n"),
-    "release-after-work": ("hurray_ipc/workload.py",
-                           "                        reader.synchronize()  # our device work is complete: now we may release\n",
-                           "                        release(h)  # MUTANT: released before the work completed\n"
-                           "                        reader.synchronize()\n"),
+    # The library's release-after-work: ReceivedHandoff.release() fences the consumer's streams
+    # and sends RELEASE only once those fences completed. The mutant sends it at once.
+    "release-after-work": ("hurray_ipc/client/consumer.py",
+                           "        self._consumer._release_after(self, fences)\n",
+                           "        self._consumer._release_after(self, [])  # MUTANT: RELEASE before the work completed\n"),
 }
 
 

@@ -352,5 +352,8 @@ def test_injected_fault_fails_every_time_correct_run_passes(broker, inject, dela
     assert cr["received"] == n and pr["sent"] == pr["released"] == n
     if inject is None:
         assert cr["races"] == pr["races"] == 0 and cr["intact"] == n, (cr, pr)
+    elif inject == "early-release":
+        # Write-after-read: found by the producer, at each rewrite (pool=1: n-1) and at the free.
+        assert pr["races"] == n and cr["races"] == 0, (cr, pr)
     else:
         assert cr["races"] == n and cr["corrupt"] == n, cr

@@ -312,8 +312,11 @@ class EmulatedRuntime(Runtime):
         self._host_count = 0
         self._mailbox = os.path.join(SHM_DIR, f"hurray-{os.getuid()}-hb")
 
-    def _drain(self) -> None:
-        """cudaFree and cudaIpcCloseMemHandle synchronize the device first; so do we."""
+    def _drain(self, learn: bool = True) -> None:
+        """Wait for this process's pending device work. cudaFree synchronizes the device, so the
+        host learns that work completed (``learn``). cudaIpcCloseMemHandle is not documented to
+        synchronize: the emulation still drains (it must not unmap under a pending copy) but the
+        checker credits nothing, so a RELEASE sent after a close alone is not ordered after reads."""
         streams = list(self._streams)
         with self._hb:
             clocks = [dict(st.clock) for st in streams]
@@ -321,7 +324,8 @@ class EmulatedRuntime(Runtime):
             with st.cv:
                 while st.pending:
                     st.cv.wait()
-        self._learn(*clocks)
+        if learn:
+            self._learn(*clocks)
 
     # --- happens-before bookkeeping (see hb.py) --------------------------------------------------
     @property
@@ -534,7 +538,7 @@ class EmulatedRuntime(Runtime):
         return self._register(seg, device, imported=True).base
 
     def ipc_close_mem_handle(self, base: int) -> None:
-        self._drain()
+        self._drain(learn=False)
         a = self._unregister(base)
         if not a.imported:
             raise DeviceError("cudaIpcCloseMemHandle", "pointer was not opened from an IPC handle",
