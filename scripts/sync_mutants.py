@@ -67,9 +67,10 @@ def run_suite(tree: Path, tests: list[str]) -> tuple[int, int, str]:
     tail = lines[-1] if lines else proc.stderr[-500:]
     failed = sum(int(n) for n in re.findall(r"(\d+) (?:failed|error)", tail))
     passed = sum(int(n) for n in re.findall(r"(\d+) passed", tail))
-    which = [ln.split(" - ")[0].removeprefix("FAILED ").removeprefix("ERROR ") for ln in lines
-             if ln.startswith(("FAILED ", "ERROR "))]
-    return failed, passed, tail, which
+    # A test can both fail and error (in its race-check teardown): count each test once.
+    which = list(dict.fromkeys(ln.split(" - ")[0].removeprefix("FAILED ").removeprefix("ERROR ") for ln in lines
+                               if ln.startswith(("FAILED ", "ERROR "))))
+    return (len(which) if which else failed), passed, tail, which
 
 
 def main(argv: list[str] | None = None) -> int:
