@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import zmq
 
+from ..transport.liveness import process_lease
 from ..transport.protocol import BROKER_VERBS, PROTOCOL_VERSION, Message, ProtocolError, decode
 from .endpoint import default_endpoint
 
@@ -97,7 +98,8 @@ class Session:
         # The epoch tells this registration's GRANTs from those of an earlier one still in flight.
         self.epoch = getattr(self, "epoch", 0) + 1
         header = {"protocol": PROTOCOL_VERSION, "role": self.role, "channel": self.channel,
-                  "client_id": self.client_id, "pid": os.getpid(), "epoch": self.epoch, **self._hello()}
+                  "client_id": self.client_id, "pid": os.getpid(), "epoch": self.epoch,
+                  "lease": process_lease().name, **self._hello()}
         self.send(Message("HELLO", header))
         self._hello_sent = time.monotonic()
 

@@ -164,7 +164,14 @@ def parse_name(name: str) -> tuple[int, int, str] | None:
     return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
 
 
+PID_MAX = 1 << 22  # Linux's upper bound for pid_max (kernel/pid.c PID_MAX_LIMIT)
+
+
 def pid_alive(pid: int) -> bool:
+    """Is ``pid`` a live process in this PID namespace? False for anything that is not a pid
+    (0, negative, past PID_MAX_LIMIT, not an int): ``os.kill`` would signal a group or overflow."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid <= PID_MAX:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -189,14 +196,16 @@ def list_segments(uid: int | None = None, pid: int | None = None) -> list[str]:
     return sorted(out)
 
 
-def cleanup_stale(uid: int | None = None) -> list[str]:
+def cleanup_stale(uid: int | None = None, keep_pids: set[int] | frozenset[int] = frozenset()) -> list[str]:
     """Unlink segments whose creating process is gone. Returns the names removed.
 
+    ``keep_pids``: pids to treat as alive whatever our pid table says (live processes of other
+    PID namespaces, whose names carry their own namespace's pid; see transport/liveness.py).
     Safe while consumers still map them: unlinking removes the name, not a live mapping.
     """
     removed = []
     for name in list_segments(uid):
         parsed = parse_name(name)
-        if parsed and not pid_alive(parsed[1]) and unlink(name):
+        if parsed and parsed[1] not in keep_pids and not pid_alive(parsed[1]) and unlink(name):
             removed.append(name)
     return removed

@@ -1,0 +1,137 @@
+"""Liveness leases (transport/liveness.py) and the endpoint lock (broker/lock.py).
+
+Every verdict here follows a state the test established first (the child printed its lease, the
+child was reaped, the child is stopped): nothing depends on timing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from broker.lock import BrokerAlreadyRunning, acquire_endpoint
+from hurray_ipc.devices import shm
+from hurray_ipc.transport import liveness
+
+HOLDER = textwrap.dedent("""
+    import sys, os
+    from hurray_ipc.transport.liveness import Lease, pid_namespace
+    lease = Lease()
+    print(lease.name, pid_namespace(), os.getpid(), flush=True)
+    sys.stdin.read()  # hold until told (EOF) or killed
+    if sys.argv[-1] == "close":
+        lease.close()
+    else:
+        os._exit(0)  # die without closing (like a crash; SIGKILL cannot reach a namespace's init)
+""")
+
+
+def _holder(*prefix: str, close: bool = False) -> tuple[subprocess.Popen, str, int, int]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    p = subprocess.Popen([*prefix, sys.executable, "-c", HOLDER, "close" if close else "keep"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, env=env)
+    assert p.stdout is not None
+    name, ns, pid = p.stdout.readline().split()
+    return p, name, int(ns), int(pid)
+
+
+def test_lease_alive_while_held_and_gone_after_close():
+    lease = liveness.Lease()
+    assert liveness.probe(lease.name) is True
+    lease.close()
+    assert liveness.probe(lease.name) is None, "a closed lease's file is gone: nothing to probe"
+
+
+def test_killed_holder_is_dead_at_once_and_its_file_swept():
+    p, name, _, _ = _holder()
+    assert liveness.probe(name) is True
+    p.kill()
+    p.wait()  # reaped: the kernel has released its lock
+    assert liveness.probe(name) is False
+    assert not (liveness.LEASE_DIR / name).exists()
+
+
+def test_stopped_holder_is_alive():
+    """A process that cannot answer (SIGSTOP, a C call holding the GIL) is not dead."""
+    p, name, _, _ = _holder()
+    try:
+        os.kill(p.pid, signal.SIGSTOP)
+        assert liveness.probe(name) is True
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+        p.kill()
+        p.wait()
+
+
+def test_clean_exit_closes_the_lease():
+    p, name, _, _ = _holder(close=True)
+    p.communicate("")
+    assert liveness.probe(name) is None
+
+
+@pytest.mark.parametrize("name", ["", "x", "hurray-0-lease-1-2-zz", "../etc/passwd",
+                                  f"hurray-{os.getuid() + 1}-lease-1-2-{'a' * 16}",
+                                  f"hurray-{os.getuid()}-lease-1-2-{'b' * 16}", 12])
+def test_probe_of_a_non_lease_is_unknown(name):
+    assert liveness.probe(name) is None
+
+
+def test_probe_refuses_a_file_it_cannot_trust(tmp_path):
+    name = f"hurray-{os.getuid()}-lease-1-2-{'c' * 16}"
+    (tmp_path / name).mkdir()
+    assert liveness.probe(name, tmp_path) is None, "a directory is not a lease"
+
+
+def _unshare() -> list[str]:
+    cmd = ["unshare", "--user", "--pid", "--fork", "--map-root-user"]
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare(1) is not installed")
+    if subprocess.run([*cmd, "true"], capture_output=True).returncode != 0:
+        pytest.skip("this kernel does not let an unprivileged user create user+pid namespaces")
+    if os.getuid() != 0:
+        pytest.skip("inside --map-root-user the lease is named for uid 0; run as root to compare uids")
+    return cmd
+
+
+def test_holder_in_another_pid_namespace():
+    """Its pid means nothing here (it is 1 or 2 in its namespace); its lease still decides."""
+    p, name, ns, pid = _holder(*_unshare())
+    try:
+        assert ns != liveness.pid_namespace() and pid < 10
+        assert liveness.probe(name) is True
+        assert pid in liveness.live_foreign_pids()
+    finally:
+        p.communicate("")  # EOF: the holder exits abruptly; unshare returns once it is gone
+    assert liveness.probe(name) is False
+
+
+def test_stale_segment_sweep_keeps_live_foreign_namespace_segments_and_survives_huge_pids():
+    fake_foreign = f"/{shm.PREFIX}-{os.getuid()}-4000000-c1-aaaaaa"  # a pid no live process has here
+    huge = f"/{shm.PREFIX}-{os.getuid()}-2147483648-c1-bbbbbb"       # once killed the broker (OverflowError)
+    for n in (fake_foreign, huge):
+        shm.Segment.create(8, "c").close()  # the sweep's real segments: exercise the normal path too
+        with open(shm.SHM_DIR / n.lstrip("/"), "wb") as f:
+            f.write(b"\0" * 8)
+    removed = shm.cleanup_stale(keep_pids={4000000})
+    assert huge in removed and fake_foreign not in removed
+    assert shm.unlink(fake_foreign)
+
+
+@pytest.mark.parametrize("pid", [0, -1, 2**31, 2**63, True, "1"])
+def test_pid_alive_is_false_for_non_pids(pid):
+    assert shm.pid_alive(pid) is False
+
+
+def test_second_broker_lock_refused_and_released(tmp_path):
+    sock = tmp_path / "b.sock"
+    first = acquire_endpoint(sock)
+    with pytest.raises(BrokerAlreadyRunning, match="broker already running at ipc://"):
+        acquire_endpoint(sock)
+    first.release()
+    acquire_endpoint(sock).release()
