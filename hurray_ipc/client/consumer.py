@@ -26,7 +26,7 @@ from ..devices.cuda import CudaDevice, CudaStream
 from ..format.handle import BufferHandle, DeviceTag, HandleError, SyncMode
 from ..transport import dlpack, inproc
 from ..transport.pairing import Endpoint
-from ..transport.protocol import Message, order_key
+from ..transport.protocol import Message, ProtocolError, check_meta, order_key
 from .session import RemoteError, Session
 
 log = logging.getLogger("hurray.consumer")
@@ -369,7 +369,12 @@ class Consumer:
                 log.error("rejecting delivery %s: %s", h.get("token"), e)
                 token = h.get("token")
                 if isinstance(token, str):
-                    self.session.send(Message("RELEASE", {"token": token, "reason": f"rejected: {e}"}))
+                    rel: dict[str, Any] = {"token": token, "reason": f"rejected: {str(e)[:1000]}"}
+                    want = self.prefetch - len(self._inbox) - self._requested
+                    if want > 0:  # the refused delivery used a credit: ask again, or receive() starves
+                        rel["credits"] = want
+                        self._requested += want
+                    self.session.send(Message("RELEASE", rel))
         elif msg.verb == "PRODUCER_GONE":
             for token in h.get("tokens", []):
                 ho = self._held.pop(token, None)
@@ -388,6 +393,10 @@ class Consumer:
         h = msg.header
         handle = BufferHandle.decode(msg.frames["handle"])  # the consumer checks too: never trust the wire
         token = str(h["token"])
+        if h.get("size", handle.size) != handle.size:
+            raise ProtocolError("payload_mismatch", f"DELIVER size {h.get('size')} differs from the handle's "
+                                f"{handle.size}", field="size")
+        check_meta(h.get("meta"), handle.size)  # before any view is built from it
         self.device.order_receive(order_key(str(h.get("producer_id", "")), int(h.get("handoff_id", 0)), "handoff"))
         event = None
         if h.get("inproc"):

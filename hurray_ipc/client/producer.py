@@ -181,7 +181,9 @@ class Producer:
             o.ticket.error = RemoteError("broker_restarted", "the broker went away before accepting this handoff")
             self.session.deferred.extend(self._finish(hid, "rejected", free_source=not o.resend))
         return {"name": self.name, "endpoint": self.endpoint_info.to_dict(), "credits": self._ready,
-                "outstanding": [h for h, o in self._out.items() if o.ticket.accepted]}
+                # Which consumer holds each: the broker lets only that consumer claim it again.
+                "outstanding": [{"handoff_id": h, "consumer_id": o.ticket.consumer}
+                                for h, o in self._out.items() if o.ticket.accepted]}
 
     def _dispatch(self, msg: Message) -> list[Callable[[], None]]:
         h = msg.header

@@ -41,7 +41,10 @@ class HostStream(Stream):
         ctypes.memmove(d, s, n)
 
     def memset(self, dst: Buffer, value: int, nbytes: int | None = None) -> None:
-        ctypes.memset(dst.ptr, value & 0xFF, dst.size if nbytes is None else nbytes)
+        n = dst.size if nbytes is None else nbytes
+        if not 0 <= n <= dst.size:
+            raise DeviceError("memset", f"{n} bytes into a buffer of {dst.size}")
+        ctypes.memset(dst.ptr, value & 0xFF, n)
 
     def record(self, event: Event) -> None:
         raise DeviceError("record", "the CPU device has no events; CPU handoffs are SYNC_PRODUCER_SYNCED")
@@ -107,6 +110,10 @@ class CpuDevice(Device):
             return seg, seg.close
 
         seg = self._cache.acquire(blob, opener)
+        if exp.offset + exp.size > len(seg.map):  # the segment's real size: the blob's may lie
+            self._cache.release(blob)
+            raise DeviceError("import_memory", f"offset {exp.offset} + size {exp.size} exceeds the segment "
+                              f"({len(seg.map)} bytes)")
         # A slice of the mmap pins the mapping: a view a user keeps can never dangle.
         view = memoryview(seg.map)[exp.offset:exp.offset + exp.size]
         return Buffer(self, seg.address() + exp.offset, exp.size, closer=lambda: self._cache.release(blob),

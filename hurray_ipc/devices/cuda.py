@@ -81,8 +81,11 @@ class CudaStream(Stream):
         self.device.rt.memcpy_async(d, s, n, self.raw)
 
     def memset(self, dst: Buffer, value: int, nbytes: int | None = None) -> None:
+        n = dst.size if nbytes is None else nbytes
+        if not 0 <= n <= dst.size:
+            raise DeviceError("memset", f"{n} bytes into a buffer of {dst.size}")
         self.device.activate()
-        self.device.rt.memset_async(dst.ptr, value, dst.size if nbytes is None else nbytes, self.raw)
+        self.device.rt.memset_async(dst.ptr, value, n, self.raw)
 
     def record(self, event: Event) -> None:
         event.record(self)
@@ -196,11 +199,24 @@ class CudaDevice(Device):
             raise DeviceError("import_memory", f"negative offset {exp.offset} or size {exp.size}")
         self.activate()
 
-        def opener() -> tuple[int, Any]:
+        def opener() -> tuple[tuple[int, int], Any]:
             base = self.rt.ipc_open_mem_handle(blob)
-            return base, lambda: (self.activate(), self.rt.ipc_close_mem_handle(base))
 
-        base = self._cache.acquire(blob, opener)
+            def close() -> None:
+                self.activate()
+                self.rt.ipc_close_mem_handle(base)
+            try:
+                _, size = self.rt.mem_range(base)  # the real allocation's size, not what the sender says
+            except BaseException:
+                close()
+                raise
+            return (base, size), close
+
+        base, size = self._cache.acquire(blob, opener)
+        if exp.offset + exp.size > size:
+            self._cache.release(blob)
+            raise DeviceError("import_memory", f"offset {exp.offset} + size {exp.size} exceeds the allocation "
+                              f"({size} bytes)")
         return Buffer(self, base + exp.offset, exp.size, closer=lambda: self._cache.release(blob), imported=True)
 
     @property

@@ -6,6 +6,7 @@ call :func:`pair_modes`, so they can never disagree.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,10 +28,60 @@ class Endpoint:
         return {"device": self.identity.to_dict(), "caps": self.caps.to_dict(), "pid": self.pid, "stream": self.stream}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Endpoint":
-        stream = d.get("stream")
-        return cls(DeviceIdentity.from_dict(d["device"]), DeviceCapabilities.from_dict(d["caps"]), int(d["pid"]),
-                   None if stream is None else int(stream))
+    def from_dict(cls, d: Any) -> Endpoint:
+        """Parse the wire form strictly (docs/spec/ipc-protocol.md §3): ValueError naming the
+        field and its value for anything of the wrong type or out of range; nothing is coerced."""
+        obj = _obj(d, "endpoint")
+        dev = _obj(obj.get("device"), "endpoint.device")
+        caps = _obj(obj.get("caps"), "endpoint.caps")
+        kind = _get(dev, "endpoint.device.kind", str)
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"endpoint.device.kind must be 'cpu' or 'cuda', got {kind[:32]!r}")
+        uuid = _get(dev, "endpoint.device.uuid", (str, type(None)), "")
+        ident = DeviceIdentity(kind, _get(dev, "endpoint.device.ordinal", int, lo=0, hi=1023),
+                               uuid or "", _get(dev, "endpoint.device.pci_bus_id", str, ""),
+                               _get(dev, "endpoint.device.emulated", bool, False),
+                               _get(dev, "endpoint.device.host", str, ""))
+        peers = _get(caps, "endpoint.caps.peers", list, [])
+        if len(peers) > 64 or not all(isinstance(p, str) and len(p) <= _MAX_STR for p in peers):
+            raise ValueError("endpoint.caps.peers must be a list of at most 64 strings")
+        why_not = _get(caps, "endpoint.caps.why_not", (dict, type(None)), None) or {}
+        if len(why_not) > 16 or not all(isinstance(v, str) and len(v) <= 1024 for v in why_not.values()):
+            raise ValueError("endpoint.caps.why_not must map at most 16 capabilities to strings")
+        cap = DeviceCapabilities(_get(caps, "endpoint.caps.ipc_memory", bool), _get(caps, "endpoint.caps.ipc_events", bool),
+                                 _get(caps, "endpoint.caps.ipc_streams", bool, False), tuple(peers),
+                                 tuple((str(k), v) for k, v in why_not.items()))
+        return cls(ident, cap, _get(obj, "endpoint.pid", int, lo=1, hi=2**31 - 1),
+                   _get(obj, "endpoint.stream", (int, type(None)), None, lo=0, hi=2**64 - 1))
+
+
+_MAX_STR = 256
+_MISSING: Any = object()
+
+
+def _obj(d: Any, path: str) -> dict[str, Any]:
+    if not isinstance(d, dict):
+        raise ValueError(f"{path} must be an object, got {type(d).__name__}")
+    return d
+
+
+def _get(d: dict[str, Any], path: str, kinds: type | tuple[type, ...], default: Any = _MISSING, *,
+         lo: int | None = None, hi: int | None = None) -> Any:
+    """``d[name]`` (the last part of ``path``) of one of ``kinds``, strictly: JSON true is no int."""
+    name = path.rsplit(".", 1)[-1]
+    if name not in d:
+        if default is _MISSING:
+            raise ValueError(f"{path} is missing")
+        return default
+    v = d[name]
+    kinds_t = kinds if isinstance(kinds, tuple) else (kinds,)
+    if (isinstance(v, bool) and bool not in kinds_t) or not isinstance(v, kinds_t):
+        raise ValueError(f"{path} must be {' or '.join(k.__name__ for k in kinds_t)}, got {str(v)[:32]!r}")
+    if isinstance(v, str) and len(v) > _MAX_STR:
+        raise ValueError(f"{path} must be at most {_MAX_STR} characters, got {len(v)}")
+    if isinstance(v, int) and not isinstance(v, bool) and ((lo is not None and v < lo) or (hi is not None and v > hi)):
+        raise ValueError(f"{path} must be in {lo}..{hi}, got {v}")
+    return v
 
 
 def host_side(ep: Endpoint) -> Endpoint:
@@ -54,7 +105,8 @@ def device_tag_of(identity: DeviceIdentity) -> DeviceTag:
 def share_memory(producer: Endpoint, consumer: Endpoint, transport: Transport) -> EndpointCapabilities:
     """The capabilities of the pair for a buffer on the producer's device."""
     p, c = producer.identity, consumer.identity
-    if transport is Transport.NETWORK:
+    if transport is Transport.NETWORK or p.host != c.host:
+        # Whatever transport was asked about: memory, events and streams never cross hosts.
         return EndpointCapabilities(False, False, False, "producer and consumer are on different hosts")
     if p.kind == "cpu":
         return EndpointCapabilities(True, False, False)
@@ -112,3 +164,27 @@ def pair_modes(producer: Endpoint, consumer: Endpoint, transport: Transport | No
         return PairModes(t, tag, {m: caps.memory_reason for m in SyncMode})
     reasons = explain_sync_modes(tag, t, caps, consumer_stream=consumer.stream is not None)
     return PairModes(t, tag, reasons)
+
+
+class ModeCache:
+    """:func:`pair_modes` remembered per (producer endpoint, consumer endpoint), bounded (LRU).
+
+    Keyed by the endpoints' values, never by object identity: a client that re-registers with
+    another device gets a fresh answer, and two clients with equal endpoints share one. The
+    ``producer_id``/``consumer_id`` arguments are accepted for callers' readability only.
+    """
+
+    def __init__(self, size: int = 4096):
+        self.size = size
+        self._hits: OrderedDict[tuple[Endpoint, Endpoint], PairModes] = OrderedDict()
+
+    def get(self, producer_id: object, consumer_id: object, producer: Endpoint, consumer: Endpoint) -> PairModes:
+        key = (producer, consumer)
+        pm = self._hits.get(key)
+        if pm is None:
+            pm = self._hits[key] = pair_modes(producer, consumer)
+            if len(self._hits) > self.size:
+                self._hits.popitem(last=False)
+        else:
+            self._hits.move_to_end(key)
+        return pm

@@ -14,6 +14,7 @@ sender's routing id in front; nothing here deals with it.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -79,7 +80,10 @@ ERROR_CODES = frozenset({
     "foreign_token",     # a release of a token delivered to another consumer
     "already_released",
     "consumer_gone",     # the consumer of a grant died before the handoff arrived
+    "limit_exceeded",    # a per-client or broker-wide limit (clients, held deliveries): the message is refused
+    "internal",          # a broker bug cost this one message; the broker and every other client carry on
 })
+MAX_HEADER_DEPTH = 16  # JSON nesting of a header (objects and arrays); our deepest is 4
 
 
 class ProtocolError(ValueError):
@@ -135,6 +139,7 @@ def decode(parts: Sequence[Any], *, allowed: frozenset[str] | None = None, views
     raw = bytes(parts[1])
     if len(raw) > MAX_HEADER_BYTES:
         raise ProtocolError("bad_header", f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
+    check_depth(raw, f"{verb} header")
     try:
         header = json.loads(raw.decode("utf-8")) if raw else {}
     except (UnicodeDecodeError, ValueError) as e:
@@ -154,6 +159,60 @@ def decode(parts: Sequence[Any], *, allowed: frozenset[str] | None = None, views
             raise ProtocolError("bad_frames", f"{verb} '{key}' frame must be {BLOB_SIZE} bytes, got {len(data)}")
         frames[key] = data
     return Message(verb, header, frames)
+
+
+def check_depth(raw: bytes, what: str, limit: int = MAX_HEADER_DEPTH) -> None:
+    """Refuse JSON nested deeper than ``limit`` before parsing it (json.loads recurses: a
+    100,000-deep array raises RecursionError). Brackets inside strings are skipped."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return  # cannot be deeper: the common case costs two C-speed scans
+    depth, in_str, esc = 0, False, False
+    for ch in raw:
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == 0x5C:  # backslash
+                esc = True
+            elif ch == 0x22:  # quote
+                in_str = False
+        elif ch == 0x22:
+            in_str = True
+        elif ch in (0x5B, 0x7B):
+            depth += 1
+            if depth > limit:
+                raise ProtocolError("bad_header", f"{what} nests deeper than {limit} levels")
+        elif ch in (0x5D, 0x7D):
+            depth -= 1
+
+
+# typestr of a meta: byte order, kind, item size (NumPy array-interface form), e.g. "<f4", "|u1".
+_TYPESTR = re.compile(r"^[<>|=][biufcmMVSU]([1-9][0-9]{0,3})$")
+MAX_NDIM = 32
+
+
+def check_meta(meta: Any, size: int) -> None:
+    """Check a handoff's ``meta`` ({"shape": [...], "typestr": "<f4"}, or absent: raw bytes)
+    against the buffer's ``size``: prod(shape) * itemsize == size. The broker checks it on
+    HANDOFF and the consumer again before building a view (spec §4.5)."""
+    if meta is None:
+        return
+    if not isinstance(meta, dict):
+        raise ProtocolError("bad_header", f"meta must be an object, got {type(meta).__name__}", field="meta")
+    shape, typestr = meta.get("shape"), meta.get("typestr")
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(
+            isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**63 for n in shape):
+        raise ProtocolError("bad_header", f"meta.shape must be a list of at most {MAX_NDIM} non-negative integers, "
+                            f"got {str(shape)[:64]}", field="meta.shape")
+    m = _TYPESTR.match(typestr) if isinstance(typestr, str) else None
+    if m is None:
+        raise ProtocolError("bad_header", f"meta.typestr {str(typestr)[:32]!r} is not a typestr such as '<f4'",
+                            field="meta.typestr")
+    count = 1
+    for n in shape:
+        count *= n
+    if count * int(m.group(1)) != size:
+        raise ProtocolError("payload_mismatch", f"meta shape {shape} of {typestr} is {count * int(m.group(1))} bytes, "
+                            f"the buffer is {size}", field="meta", value=f"{shape} {typestr}")
 
 
 def field_of(msg: Message, name: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:

@@ -35,7 +35,10 @@ class Source:
     user: dict[str, Any] | None = None  # the sender's own metadata
 
     def meta(self) -> dict[str, Any]:
-        m: dict[str, Any] = {"typestr": self.typestr, "shape": list(self.shape or (self.buffer.size,))}
+        # () is a 0-d array's shape; only a source without any shape is "size items of typestr"
+        shape = self.shape if self.shape or self.buffer.size == int(self.typestr[2:]) else (
+            self.buffer.size // int(self.typestr[2:]),)
+        m: dict[str, Any] = {"typestr": self.typestr, "shape": list(shape)}
         if self.user:
             m["user"] = self.user
         return m

@@ -1,0 +1,755 @@
+"""The broker's state machine, without I/O (sans-I/O, as h11 and hyper-h2 are).
+
+:class:`BrokerCore` takes events — a client's frames (:meth:`BrokerCore.receive`), the passage of
+time (:meth:`BrokerCore.tick`), a send that could not be delivered (:meth:`BrokerCore.undeliverable`)
+— and returns what to do: messages to send (:class:`Send`) and effects (:class:`CleanSegments`).
+It never touches a socket, a clock, a pid or a file; the caller passes ``now`` and, for same-host
+clients, a liveness verdict. So every interleaving can be driven from a test, including by
+hypothesis' stateful testing (tests/test_broker_core.py), and ``broker/server.py`` is a thin loop.
+
+Invariants (:meth:`BrokerCore.check_invariants`, asserted after every step of the stateful test):
+
+1. Credits are conserved: a consumer's ``credits`` equals the number of its entries in its
+   channel's request queue; no count is negative or above MAX_CREDITS.
+2. Every delivery is owned by exactly one registered consumer (its token is in ``deliveries`` once,
+   bound to that consumer's routing id), and by at most ``MAX_HELD`` per consumer.
+3. Every handoff ends exactly once: a delivery leaves ``deliveries`` either by RELEASE (RELEASED to
+   its producer), by its consumer's death (RELEASED, reason consumer_gone) or by its producer's
+   death (PRODUCER_GONE to its consumer), and its token is never live and released at once.
+4. Tokens are never reused: each is ``<session>.<random>``, and a released token is remembered.
+5. A grant is used once; every grant names a registered producer.
+
+Identity: a client is its ZeroMQ routing id, which the server's socket does not let a second
+connection take over (no ROUTER_HANDOVER); a re-HELLO claims only what that routing id holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import secrets
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hurray_ipc.contract.sync import Transport
+from hurray_ipc.format.handle import BufferHandle, DeviceTag, HandleError, SyncMode
+from hurray_ipc.transport import liveness
+from hurray_ipc.transport.pairing import Endpoint, ModeCache, host_side, pair_modes
+from hurray_ipc.transport.protocol import (
+    CLIENT_VERBS,
+    PROTOCOL_VERSION,
+    Message,
+    ProtocolError,
+    check_meta,
+    decode,
+    error,
+    field_of,
+)
+
+log = logging.getLogger("hurray.broker")
+MAX_CREDITS = 4096
+MAX_HELD = 2 * MAX_CREDITS      # deliveries one consumer may hold at once
+MAX_CLIENTS = 16384             # registrations in all
+MAX_CLIENTS_PER_PROCESS = 256   # registrations of one process (by lease, else by host and pid)
+MAX_OUTSTANDING_CLAIMS = MAX_CREDITS  # handoffs a re-registering producer may list
+_RELEASED_MEMORY = 100_000  # released tokens remembered, to tell "already released" from "unknown"
+
+
+@dataclass
+class Client:
+    rid: bytes
+    role: str
+    channel: str
+    endpoint: Endpoint
+    name: str
+    last_seen: float
+    lease: str | None = None
+    credits: int = 0  # consumer: requests not yet granted; producer: READY not yet granted
+    epoch: int = 0  # the client's registration number, echoed in GRANT
+    label: str = ""  # what other clients see of it (CAPS, GRANT): never its routing id
+    unresponsive: bool = False  # heartbeat timed out but the process is alive: keeps what it holds
+    held: int = 0  # consumer: deliveries bound to it
+    # producer: handoffs it declared outstanding at its last HELLO -> the consumer label it named
+    confirmed: dict[int, str | None] = field(default_factory=dict)
+
+    @property
+    def process(self) -> str:
+        return self.lease or f"{self.endpoint.identity.host}/{self.endpoint.pid}"
+
+
+@dataclass
+class Grant:
+    gid: int
+    producer: bytes
+    consumer: bytes
+    channel: str
+    consumer_gone: bool = False
+
+
+@dataclass
+class Delivery:
+    token: str
+    producer: bytes
+    consumer: bytes
+    handoff_id: int
+    event_pending: bool
+    since: float
+    claimed: bool = False  # adopted from a consumer's re-HELLO: its producer has not confirmed it
+
+
+@dataclass
+class Channel:
+    requests: deque[bytes] = field(default_factory=deque)  # consumer rids, one entry per credit
+    producers: OrderedDict[bytes, None] = field(default_factory=OrderedDict)  # round-robin order
+    members: int = 0
+
+
+@dataclass
+class Stats:
+    handoffs: int = 0
+    releases: int = 0
+    rejected: int = 0
+    errors: int = 0
+    consumers_lost: int = 0
+    producers_lost: int = 0
+    unresponsive: int = 0      # clients now past the heartbeat timeout whose process lives
+    undeliverable: int = 0     # sends to a peer that had disconnected (EHOSTUNREACH)
+    dropped_full: int = 0      # sends refused because the peer's queue was full (EAGAIN)
+    limits_refused: int = 0
+
+
+@dataclass(frozen=True)
+class Send:
+    rid: bytes
+    msg: Message
+
+
+@dataclass(frozen=True)
+class CleanSegments:
+    """A same-host client died: sweep segments and leases of dead processes."""
+
+
+Out = Send | CleanSegments
+Alive = Callable[[Client], "bool | None"]  # True alive, False dead, None: cannot tell
+
+
+def _outstanding(raw: Any) -> dict[int, str | None]:
+    """A producer HELLO's ``outstanding``: handoff ids, or {handoff_id, consumer_id} objects."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, list) or len(raw) > MAX_OUTSTANDING_CLAIMS:
+        raise ProtocolError("bad_header", f"outstanding must be a list of at most {MAX_OUTSTANDING_CLAIMS} entries",
+                            field="outstanding")
+    out: dict[int, str | None] = {}
+    for item in raw:
+        hid, label = (item.get("handoff_id"), item.get("consumer_id")) if isinstance(item, dict) else (item, None)
+        if not isinstance(hid, int) or isinstance(hid, bool) or not 0 <= hid < 2**64 or not (
+                label is None or isinstance(label, str)):
+            raise ProtocolError("bad_header", f"outstanding entry {str(item)[:64]} is not a handoff id or "
+                                "{handoff_id, consumer_id}", field="outstanding")
+        out[hid] = label
+    return out
+
+
+class BrokerCore:
+    """Pairs consumer requests with producers, routes handoffs and releases. See the module doc."""
+
+    def __init__(self, *, host: str, timeout_s: float = 3.0, heartbeat_s: float = 0.5, session: str | None = None,
+                 token: Callable[[], str] | None = None):
+        self.host = host
+        self.timeout_s = timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.session = session or secrets.token_hex(8)
+        self._token = token or (lambda: secrets.token_urlsafe(24))
+        self.clients: dict[bytes, Client] = {}
+        self.channels: dict[str, Channel] = {}
+        self.grants: dict[int, Grant] = {}
+        self.deliveries: dict[str, Delivery] = {}
+        self.by_handoff: dict[tuple[bytes, int], str] = {}  # (producer, handoff) -> token
+        self.released: OrderedDict[str, bytes] = OrderedDict()
+        self.orphans: dict[tuple[bytes, int], float] = {}  # (producer, handoff) -> release deadline
+        # Orphans whose deadline passed (their producer got RELEASED): a late claim must not revive them.
+        self.expired: OrderedDict[tuple[bytes, int], None] = OrderedDict()
+        self.per_process: dict[str, int] = {}
+        # Random start: a grant id a client kept from a previous broker never names one of ours.
+        self._gids = itertools.count(secrets.randbits(40) << 8)
+        self.modes = ModeCache()
+        self.stats = Stats()
+        self.errors_by_code: dict[str, int] = {}
+        self._out: list[Out] = []
+
+    # --- outputs ---------------------------------------------------------------------------
+    def _send(self, rid: bytes, msg: Message) -> None:
+        self._out.append(Send(rid, msg))
+
+    def _take(self) -> list[Out]:
+        out, self._out = self._out, []
+        return out
+
+    def _error(self, rid: bytes, code: str, message: str, **extra: Any) -> None:
+        self.stats.errors += 1
+        self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1
+        log.warning(json.dumps({"event": "error", "client": rid.decode(errors="replace")[:32], "code": code,
+                                "message": message[:500], **{k: str(v)[:64] for k, v in extra.items()}}))
+        self._send(rid, error(code, message, **extra))
+
+    @staticmethod
+    def label_of(rid: bytes) -> str:
+        """The name other clients see for ``rid`` (CAPS, GRANT): stable across broker restarts,
+        so a producer can say which consumer holds a handoff; not usable as a routing id."""
+        return hashlib.sha256(b"hurray-consumer\0" + rid).hexdigest()[:16]
+
+    def _channel(self, name: str) -> Channel:
+        ch = self.channels.get(name)
+        if ch is None:
+            ch = self.channels[name] = Channel()
+        return ch
+
+    # --- events ----------------------------------------------------------------------------
+    def receive(self, rid: bytes, parts: list[bytes], now: float) -> list[Out]:
+        """One message from ``rid``. Nothing a client sends can raise out of here."""
+        msg: Message | None = None
+        try:
+            msg = decode(parts, allowed=CLIENT_VERBS)
+            self._dispatch(rid, msg, now)
+        except ProtocolError as e:
+            extra: dict[str, Any] = {}
+            if msg is not None:
+                extra = {k: msg.header[k] for k in ("handoff_id", "request_id", "token") if k in msg.header}
+            extra.update(e.extra)
+            ref = bytes(parts[0])[:32].decode(errors="replace") if parts else ""
+            self._error(rid, e.code, str(e), ref=ref, **extra)
+        except Exception as e:  # noqa: BLE001 - a bug must cost one message, never the broker
+            log.exception("internal error handling a message")
+            self._error(rid, "internal", f"internal error: {type(e).__name__}")
+        return self._take()
+
+    def _dispatch(self, rid: bytes, msg: Message, now: float) -> None:
+        client = self.clients.get(rid)
+        if client is not None:
+            client.last_seen = now
+            if client.unresponsive:
+                client.unresponsive = False
+                self.stats.unresponsive -= 1
+                log.info(json.dumps({"event": "client_responsive", "client": rid.decode(errors="replace")}))
+        if msg.verb == "HELLO":
+            self.on_hello(rid, msg, now)
+        elif msg.verb == "CAPS":
+            self.on_caps(rid, msg)
+        elif client is None:
+            if msg.verb == "BYE":
+                return  # nothing registered to end: silently done (spec §2)
+            raise ProtocolError("not_registered", f"{msg.verb} before HELLO (or the broker restarted): send HELLO")
+        elif msg.verb == "BYE":
+            self._drop(rid, "bye")
+        elif msg.verb == "PING":
+            self._send(rid, Message("PONG", {}))
+        elif msg.verb == "REQUEST":
+            self.on_request(client, msg)
+        elif msg.verb == "READY":
+            self.on_ready(client, msg)
+        elif msg.verb == "HANDOFF":
+            self.on_handoff(client, msg, now)
+        elif msg.verb == "RELEASE":
+            self.on_release(client, msg)
+        elif msg.verb == "EVENT_RELEASE":
+            self.on_event_release(client, msg)
+
+    def tick(self, now: float, alive: Alive) -> list[Out]:
+        """Time passed. ``alive(client)`` judges same-host clients by their process (a lease);
+        heartbeat silence alone drops only a client ``alive`` cannot judge (None)."""
+        for rid, c in list(self.clients.items()):
+            verdict = alive(c) if c.endpoint.identity.host == self.host else None
+            if verdict is False:
+                self._drop(rid, "process gone")
+            elif now - c.last_seen > self.timeout_s:
+                if verdict is True:
+                    if not c.unresponsive:
+                        c.unresponsive = True
+                        self.stats.unresponsive += 1
+                        log.warning(json.dumps({"event": "client_unresponsive", "client": rid.decode(errors="replace"),
+                                                "role": c.role, "held": c.held,
+                                                "silent_s": round(now - c.last_seen, 3)}))
+                else:
+                    self._drop(rid, "heartbeat timeout")
+        for key, deadline in list(self.orphans.items()):
+            if now >= deadline:
+                del self.orphans[key]
+                self.expired[key] = None
+                while len(self.expired) > _RELEASED_MEMORY:
+                    self.expired.popitem(last=False)
+                if key[0] in self.clients:
+                    self._send(key[0], Message("RELEASED", {"handoff_id": key[1], "reason": "consumer_gone"}))
+        # Deliveries a consumer re-registered whose producer never came back to this broker.
+        lost = [d for d in self.deliveries.values() if d.producer not in self.clients and now - d.since > self.timeout_s]
+        if lost:
+            self._producer_gone(lost)
+        return self._take()
+
+    def undeliverable(self, rid: bytes, msg: Message, why: str) -> list[Out]:
+        """The socket could not take ``msg`` for ``rid`` ('unreachable': the peer is disconnected;
+        'full': its queue is at the high-water mark). Counted and logged; the client's liveness
+        (not this) decides whether it is gone, and its re-HELLO resynchronises what it holds."""
+        if why == "unreachable":
+            self.stats.undeliverable += 1
+        else:
+            self.stats.dropped_full += 1
+        log.warning(json.dumps({"event": "send_failed", "why": why, "client": rid.decode(errors="replace")[:32],
+                                "verb": msg.verb}))
+        return self._take()
+
+    def client_gone(self, rid: bytes, why: str) -> list[Out]:
+        self._drop(rid, why)
+        return self._take()
+
+    def shutdown(self, reason: str) -> list[Out]:
+        for rid in list(self.clients):
+            self._send(rid, Message("SHUTDOWN", {"reason": reason}))
+        return self._take()
+
+    # --- registration ----------------------------------------------------------------------
+    def on_hello(self, rid: bytes, msg: Message, now: float) -> None:
+        version = field_of(msg, "protocol", int)
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError("protocol_version", f"this broker speaks protocol {PROTOCOL_VERSION}, not {version}")
+        role = field_of(msg, "role", str)
+        if role not in ("producer", "consumer"):
+            raise ProtocolError("bad_header", f"role must be 'producer' or 'consumer', not {role!r}", field="role")
+        channel = field_of(msg, "channel", str)
+        if not channel or len(channel) > 256:
+            raise ProtocolError("bad_header", "channel must be a non-empty string of at most 256 characters",
+                                field="channel")
+        try:
+            endpoint = Endpoint.from_dict(field_of(msg, "endpoint", dict))
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            raise ProtocolError("bad_header", f"endpoint: {e!r}", field="endpoint") from None
+        credits = field_of(msg, "credits", int, optional=True) or 0
+        if not 0 <= credits <= MAX_CREDITS:
+            raise ProtocolError("bad_header", f"credits must be 0..{MAX_CREDITS}, got {credits}", field="credits")
+        epoch = field_of(msg, "epoch", int, optional=True) or 0
+        lease = field_of(msg, "lease", str, optional=True)
+        if lease is not None and liveness.parse(lease) is None:
+            raise ProtocolError("bad_header", f"lease {lease[:80]!r} is not a lease name", field="lease")
+        old = self.clients.get(rid)
+        c = Client(rid, role, channel, endpoint, str(msg.header.get("name", ""))[:128], now, lease, credits, epoch,
+                   label=self.label_of(rid))
+        if old is None:
+            if len(self.clients) >= MAX_CLIENTS:
+                self._limit(f"this broker serves at most {MAX_CLIENTS} clients")
+            if self.per_process.get(c.process, 0) >= MAX_CLIENTS_PER_PROCESS:
+                self._limit(f"one process may register at most {MAX_CLIENTS_PER_PROCESS} clients")
+        elif old.role != role:
+            raise ProtocolError("wrong_role", f"this client registered as a {old.role}; it cannot become a {role}")
+        if old is not None:
+            self._reregister(rid)
+            c.held = old.held
+        self.clients[rid] = c
+        self.per_process[c.process] = self.per_process.get(c.process, 0) + 1
+        ch = self._channel(channel)
+        ch.members += 1
+        if role == "producer":
+            ch.producers[rid] = None
+            self._restore_outstanding(c, _outstanding(msg.header.get("outstanding")), now)
+        else:
+            held = msg.header.get("held") or []
+            if not isinstance(held, list):
+                raise ProtocolError("bad_header", "held must be a list", field="held")
+            self._restore_held(c, held, now)
+            credits = min(credits, MAX_HELD - c.held)
+            c.credits = credits
+            ch.requests.extend([rid] * credits)
+        self._send(rid, Message("WELCOME", {"protocol": PROTOCOL_VERSION, "session": self.session,
+                                            "heartbeat_ms": int(self.heartbeat_s * 1000),
+                                            "timeout_ms": int(self.timeout_s * 1000)}))
+        log.info(json.dumps({"event": "hello", "client": rid.decode(errors="replace"), "role": role,
+                             "channel": channel, "device": endpoint.identity.spec, "pid": endpoint.pid}))
+        self._match(channel)
+
+    def _limit(self, what: str) -> None:
+        self.stats.limits_refused += 1
+        raise ProtocolError("limit_exceeded", what)
+
+    def _restore_held(self, c: Client, held: list[Any], now: float) -> None:
+        """A consumer re-registering (after a broker restart, or because it thought us gone) lists
+        what it holds. It keeps what this broker bound to it. A token of an earlier broker is
+        adopted only if no one holds that (producer, handoff) here, its producer did not already
+        get it back, and — once the producer said HELLO — the producer lists it as outstanding
+        with this consumer. A claim that fails only because the buffer went back to its producer
+        is answered PRODUCER_GONE (reason ``reclaimed``): stop using it. Anything else is ignored:
+        a re-HELLO cannot claim another consumer's delivery (which would let it release it)."""
+        prefix = self.session + "."
+        for item in held[:MAX_HELD]:
+            if c.held >= MAX_HELD:
+                break
+            if not isinstance(item, dict) or not isinstance(item.get("token"), str):
+                continue
+            token = item["token"]
+            if token in self.deliveries or token.startswith(prefix) or len(token) > 128:
+                continue  # ours: still bound to whoever it was delivered to (the same client, unchanged)
+            prod, hid = item.get("producer_id"), item.get("handoff_id")
+            if not isinstance(prod, str) or not isinstance(hid, int) or isinstance(hid, bool) or not 0 <= hid < 2**64:
+                continue
+            key = (prod.encode(), hid)
+            if key in self.by_handoff:
+                continue  # someone holds that handoff here: not yours to claim
+            producer = self.clients.get(key[0])
+            if producer is not None and producer.role == "producer":
+                named = producer.confirmed.get(hid, "")
+                if named == "" or (named is not None and named != c.label):
+                    if named == "":
+                        self._send(c.rid, Message("PRODUCER_GONE", {"tokens": [token], "reason": "reclaimed"}))
+                    continue  # its producer does not count it outstanding (with you)
+            if key in self.expired:
+                self._send(c.rid, Message("PRODUCER_GONE", {"tokens": [token], "reason": "reclaimed"}))
+                continue  # its producer already got it back
+            self._bind(Delivery(token, key[0], c.rid, hid, bool(item.get("event_pending")), now,
+                                claimed=producer is None))
+            self.orphans.pop(key, None)
+
+    def _restore_outstanding(self, c: Client, outstanding: dict[int, str | None], now: float) -> None:
+        """A producer re-registering lists its outstanding handoffs and who holds each. Claims
+        consumers made before it came back are checked against that list (a claim it does not
+        confirm is voided: PRODUCER_GONE ``reclaimed``); handoffs no consumer claims within the
+        timeout come back to it (RELEASED, consumer_gone)."""
+        c.confirmed = outstanding
+        for d in [d for d in self.deliveries.values() if d.producer == c.rid and d.claimed]:
+            named = outstanding.get(d.handoff_id, "")
+            if named == "" or (named is not None and named != self.label_of(d.consumer)):
+                self._unbind(d)
+                self._send(d.consumer, Message("PRODUCER_GONE", {"tokens": [d.token], "reason": "reclaimed"}))
+            else:
+                d.claimed = False
+        deadline = now + self.timeout_s
+        for hid in outstanding:
+            if (c.rid, hid) not in self.by_handoff:
+                self.orphans[(c.rid, hid)] = deadline
+
+    def _bind(self, d: Delivery) -> None:
+        self.deliveries[d.token] = d
+        self.by_handoff[(d.producer, d.handoff_id)] = d.token
+        consumer = self.clients.get(d.consumer)
+        if consumer is not None:
+            consumer.held += 1
+
+    def _unbind(self, d: Delivery) -> None:
+        self.deliveries.pop(d.token, None)
+        if self.by_handoff.get((d.producer, d.handoff_id)) == d.token:
+            del self.by_handoff[(d.producer, d.handoff_id)]
+        consumer = self.clients.get(d.consumer)
+        if consumer is not None:
+            consumer.held -= 1
+
+    # --- flow control ----------------------------------------------------------------------
+    def _credits(self, msg: Message, name: str = "credits", optional: bool = False) -> int:
+        n = field_of(msg, name, int, optional=optional)
+        if n is None:
+            return 0
+        if not 1 <= n <= MAX_CREDITS:
+            raise ProtocolError("bad_header", f"{name} must be 1..{MAX_CREDITS}, got {n}", field=name)
+        return int(n)
+
+    def on_request(self, c: Client, msg: Message) -> None:
+        if c.role != "consumer":
+            raise ProtocolError("wrong_role", "REQUEST is a consumer's message")
+        self._add_requests(c, self._credits(msg))
+
+    def _add_requests(self, c: Client, n: int) -> None:
+        n = min(n, MAX_CREDITS - c.credits)
+        if c.held + c.credits + n > MAX_HELD:
+            self._limit(f"a consumer may hold at most {MAX_HELD} deliveries (it holds {c.held} and asked for "
+                        f"{c.credits} more): release some first")
+        c.credits += n
+        self._channel(c.channel).requests.extend([c.rid] * n)
+        self._match(c.channel)
+
+    def on_ready(self, c: Client, msg: Message) -> None:
+        if c.role != "producer":
+            raise ProtocolError("wrong_role", "READY is a producer's message")
+        self._add_ready(c, self._credits(msg))
+
+    def _add_ready(self, c: Client, n: int) -> None:
+        c.credits = min(MAX_CREDITS, c.credits + n)
+        self._match(c.channel)
+
+    def _match(self, name: str) -> None:
+        ch = self.channels.get(name)
+        if ch is None:
+            return
+        while ch.requests:
+            producer = next((p for p in ch.producers if self.clients[p].credits > 0), None)
+            if producer is None:
+                return
+            ch.producers.move_to_end(producer)  # round robin
+            consumer_rid = ch.requests.popleft()
+            consumer = self.clients[consumer_rid]
+            consumer.credits -= 1
+            self.clients[producer].credits -= 1
+            g = Grant(next(self._gids), producer, consumer_rid, name)
+            self.grants[g.gid] = g
+            self._send(producer, Message("GRANT", {"grant_id": g.gid, "epoch": self.clients[producer].epoch,
+                                                   "consumer_id": consumer.label,
+                                                   "consumer": consumer.endpoint.to_dict()}))
+
+    # --- handoffs --------------------------------------------------------------------------
+    def on_handoff(self, c: Client, msg: Message, now: float) -> None:
+        if c.role != "producer":
+            raise ProtocolError("wrong_role", "HANDOFF is a producer's message")
+        gid = field_of(msg, "grant_id", int)
+        hid = field_of(msg, "handoff_id", int)
+        if not 0 <= hid < 2**64:
+            raise ProtocolError("bad_header", f"handoff_id must be 0..2**64-1, got {hid}", field="handoff_id")
+        ready = self._credits(msg, "ready", optional=True)
+        if ready:
+            self._add_ready(c, ready)  # before validation: a refused handoff still asked for more
+        g = self.grants.get(gid)
+        if g is None or g.producer != c.rid:
+            raise ProtocolError("unknown_grant", f"grant {gid} is not one this producer holds")
+        del self.grants[gid]  # a grant is used once, whatever the outcome
+        consumer = self.clients.get(g.consumer)
+        if consumer is None or g.consumer_gone:
+            self.stats.rejected += 1
+            raise ProtocolError("consumer_gone", f"the consumer of grant {gid} died before the handoff arrived")
+        try:
+            if (c.rid, hid) in self.by_handoff:
+                raise ProtocolError("bad_header", f"handoff {hid} of this producer is still outstanding",
+                                    field="handoff_id")
+            try:
+                handle = BufferHandle.decode(msg.frames["handle"])
+            except HandleError as e:
+                raise ProtocolError("bad_handle", str(e), reason=e.reason) from None
+            self._check_handoff(c, consumer, msg, handle)
+        except ProtocolError:
+            # The consumer's request is not lost with a bad handoff: it goes back to the front.
+            self._channel(g.channel).requests.appendleft(g.consumer)
+            consumer.credits += 1
+            self.stats.rejected += 1
+            raise
+        token = f"{self.session}.{self._token()}"
+        self._bind(Delivery(token, c.rid, g.consumer, hid, handle.sync_mode is SyncMode.EVENT, now))
+        header = {k: msg.header[k] for k in ("handoff_id", "size", "meta", "staged", "inproc", "inproc_ref", "offset")
+                  if k in msg.header}
+        header.update(token=token, producer_id=c.rid.decode())
+        self._send(g.consumer, Message("DELIVER", header, dict(msg.frames)))
+        self._send(c.rid, Message("ACCEPTED", {"handoff_id": hid}))
+        self.stats.handoffs += 1
+
+    def expected_modes(self, producer: Client, consumer: Client, handle: BufferHandle) -> Any:
+        cpu = handle.device_tag is DeviceTag.CPU
+        ep = host_side(producer.endpoint) if cpu else producer.endpoint
+        return self.modes.get(producer.rid, consumer.rid, ep, consumer.endpoint)
+
+    def _check_handoff(self, producer: Client, consumer: Client, msg: Message, handle: BufferHandle) -> None:
+        """Spec §4.5, in this order: sync mode, transport payload, offset, size, meta."""
+        pm = self.expected_modes(producer, consumer, handle)
+        mode = handle.sync_mode
+        if mode not in pm.valid:
+            why = pm.reasons.get(mode) or "not valid for this pair"
+            raise ProtocolError("mode_not_valid", f"{mode.wire_name} for a {handle.device_tag.name} buffer "
+                                f"from {producer.endpoint.identity.spec} to {consumer.endpoint.identity.spec} "
+                                f"over {pm.transport.value}: {why}")
+        inproc = bool(msg.header.get("inproc"))
+        if inproc != (pm.transport is Transport.IN_PROCESS):
+            raise ProtocolError("payload_mismatch", "inproc flag does not match the endpoints' processes")
+        if inproc:
+            if not isinstance(msg.header.get("inproc_ref"), str) or len(msg.frames) != 1:
+                raise ProtocolError("payload_mismatch", "an in-process handoff carries an inproc_ref and no blobs")
+        else:
+            if "memory" not in msg.frames:
+                raise ProtocolError("payload_mismatch", "an IPC handoff needs the memory blob frame")
+            if (mode is SyncMode.EVENT) != ("event" in msg.frames):
+                raise ProtocolError("payload_mismatch", f"{mode.wire_name} "
+                                    f"{'needs' if mode is SyncMode.EVENT else 'carries no'} event blob frame")
+            if "offset" not in msg.header:
+                raise ProtocolError("payload_mismatch", "an IPC handoff names the buffer's offset in its allocation",
+                                    field="offset")
+            offset = field_of(msg, "offset", int)
+            if not 0 <= offset < 2**63:
+                raise ProtocolError("bad_header", f"offset must be 0..2**63-1, got {offset}", field="offset",
+                                    value=offset)
+        size = field_of(msg, "size", int, optional=True)
+        if size is not None and size != handle.size:
+            raise ProtocolError("payload_mismatch", f"header size {size} differs from the handle's size {handle.size}",
+                                field="size", value=size)
+        check_meta(msg.header.get("meta"), handle.size)
+
+    # --- releases --------------------------------------------------------------------------
+    def _delivery_of(self, c: Client, msg: Message) -> Delivery:
+        if c.role != "consumer":
+            raise ProtocolError("wrong_role", f"{msg.verb} is a consumer's message")
+        token = field_of(msg, "token", str)
+        d = self.deliveries.get(token)
+        if d is None:
+            if token in self.released:
+                raise ProtocolError("already_released", f"token {token[:8]}... was already released")
+            raise ProtocolError("unknown_token", f"token {token[:8]}... is not one this broker issued")
+        if d.consumer != c.rid:
+            raise ProtocolError("foreign_token", f"token {token[:8]}... was delivered to another consumer")
+        return d
+
+    def on_event_release(self, c: Client, msg: Message) -> None:
+        d = self._delivery_of(c, msg)
+        if not d.event_pending:
+            raise ProtocolError("already_released", "this handoff's event was already released (or it has none)")
+        d.event_pending = False
+        if d.producer in self.clients:
+            self._send(d.producer, Message("EVENT_RELEASED", {"handoff_id": d.handoff_id}))
+
+    def on_release(self, c: Client, msg: Message) -> None:
+        credits = self._credits(msg, "credits", optional=True)
+        d = self._delivery_of(c, msg)
+        self._release(d, str(msg.header.get("reason", "released"))[:200])
+        if credits:
+            self._add_requests(c, credits)
+
+    def _release(self, d: Delivery, reason: str) -> None:
+        self._unbind(d)
+        self.released[d.token] = d.consumer
+        while len(self.released) > _RELEASED_MEMORY:
+            self.released.popitem(last=False)
+        self.stats.releases += 1
+        if d.producer in self.clients:
+            if d.event_pending:
+                self._send(d.producer, Message("EVENT_RELEASED", {"handoff_id": d.handoff_id, "reason": reason}))
+            self._send(d.producer, Message("RELEASED", {"handoff_id": d.handoff_id, "reason": reason}))
+
+    # --- capability queries ----------------------------------------------------------------
+    def on_caps(self, rid: bytes, msg: Message) -> None:
+        """CAPS {device: endpoint, peer?: endpoint, channel?, transport?} -> CAPS_REPLY."""
+        request_id = msg.header.get("request_id")
+        if request_id is not None and not isinstance(request_id, (str, int)):
+            raise ProtocolError("bad_header", "request_id must be a string or an integer", field="request_id")
+        try:
+            me = Endpoint.from_dict(field_of(msg, "device", dict))
+            peer_d = field_of(msg, "peer", dict, optional=True)
+            peer = Endpoint.from_dict(peer_d) if peer_d is not None else None
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            raise ProtocolError("bad_header", f"CAPS endpoint: {e!r}", field="device", request_id=request_id) from None
+        transport = field_of(msg, "transport", str, optional=True)
+        try:
+            t = Transport.parse(transport) if transport is not None else None
+        except ValueError:
+            raise ProtocolError("bad_header", f"transport {transport[:32]!r} is not one of "
+                                f"{[x.value for x in Transport]}", field="transport", request_id=request_id) from None
+        channel = msg.header.get("channel")
+        reply: dict[str, Any] = {"request_id": request_id}
+        if peer is not None:
+            reply.update(pair_modes(me, peer, t).to_dict())
+        elif isinstance(channel, str) and channel in self.channels:
+            per = []
+            for cl in self.clients.values():
+                if cl.channel == channel and cl.role == "consumer":
+                    per.append({"consumer_id": cl.label, "name": cl.name, **pair_modes(me, cl.endpoint, t).to_dict()})
+            reply["consumers"] = per
+            if per:
+                reply.update({k: per[0][k] for k in ("transport", "device_tag", "valid_sync_modes", "excluded",
+                                                     "host_staged")})
+        if "valid_sync_modes" not in reply:
+            # No consumer named: answer for a consumer on the same device, as hurray-caps does.
+            reply.update(pair_modes(me, me, t or Transport.IPC).to_dict())
+        self._send(rid, Message("CAPS_REPLY", reply))
+
+    # --- leaving ---------------------------------------------------------------------------
+    def _producer_gone(self, ds: list[Delivery]) -> None:
+        by_consumer: dict[bytes, list[str]] = {}
+        for d in ds:
+            self._unbind(d)
+            by_consumer.setdefault(d.consumer, []).append(d.token)
+        for rid, tokens in by_consumer.items():
+            if rid in self.clients:
+                self._send(rid, Message("PRODUCER_GONE", {"tokens": tokens}))
+
+    def _void_credits(self, c: Client) -> None:
+        """Forget a client's queued credits and grants: a producer's grants give their consumers'
+        credits back (front of the queue); grants *for* a consumer must go to another consumer."""
+        ch = self._channel(c.channel)
+        ch.requests = deque(r for r in ch.requests if r != c.rid)
+        ch.producers.pop(c.rid, None)
+        for g in list(self.grants.values()):
+            if g.producer == c.rid:
+                del self.grants[g.gid]
+                consumer = self.clients.get(g.consumer)
+                if consumer is not None and not g.consumer_gone:
+                    ch.requests.appendleft(g.consumer)
+                    consumer.credits += 1
+            elif g.consumer == c.rid:
+                g.consumer_gone = True
+        c.credits = 0
+
+    def _forget(self, c: Client) -> None:
+        """Remove ``c``'s registration (credits, grants, channel membership, process count)."""
+        self._void_credits(c)
+        del self.clients[c.rid]
+        n = self.per_process.get(c.process, 0) - 1
+        if n > 0:
+            self.per_process[c.process] = n
+        else:
+            self.per_process.pop(c.process, None)
+        ch = self.channels.get(c.channel)
+        if ch is not None:
+            ch.members -= 1
+            if ch.members <= 0 and not ch.requests and not ch.producers:
+                del self.channels[c.channel]
+        if c.unresponsive:
+            self.stats.unresponsive -= 1
+
+    def _reregister(self, rid: bytes) -> None:
+        """A registered client said HELLO again (it thought us gone). Its credits and grants are
+        void, as its HELLO re-declares them; its deliveries stay bound: they are real."""
+        self._forget(self.clients[rid])
+
+    def _drop(self, rid: bytes, why: str) -> None:
+        c = self.clients.get(rid)
+        if c is None:
+            return
+        log.info(json.dumps({"event": "client_gone", "client": rid.decode(errors="replace"), "role": c.role,
+                             "why": why, "pid": c.endpoint.pid}))
+        self._forget(c)
+        if c.role == "consumer":
+            self.stats.consumers_lost += why != "bye"
+            for d in [d for d in self.deliveries.values() if d.consumer == rid]:
+                self._release(d, "consumer_gone")
+        else:
+            self.stats.producers_lost += why != "bye"
+            self._producer_gone([d for d in self.deliveries.values() if d.producer == rid])
+            self.orphans = {k: v for k, v in self.orphans.items() if k[0] != rid}
+            self._match(c.channel)
+        if why != "bye" and c.endpoint.identity.host == self.host:
+            self._out.append(CleanSegments())
+
+    # --- invariants ------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first broken invariant (see the module docstring)."""
+        for name, ch in self.channels.items():
+            for rid in ch.producers:
+                assert rid in self.clients and self.clients[rid].role == "producer", f"{name}: stray producer"
+            counts: dict[bytes, int] = {}
+            for rid in ch.requests:
+                counts[rid] = counts.get(rid, 0) + 1
+            for rid, n in counts.items():
+                c = self.clients.get(rid)
+                assert c is not None and c.channel == name and c.role == "consumer", f"{name}: request of a stranger"
+                assert c.credits == n, f"credits of {rid!r}: {c.credits} != {n} queued"
+        for c in self.clients.values():
+            assert 0 <= c.credits <= MAX_CREDITS, f"credits out of range: {c}"
+            assert c.channel in self.channels, f"{c.rid!r}: channel {c.channel!r} missing"
+            if c.role == "consumer":
+                assert c.credits == sum(1 for r in self.channels[c.channel].requests if r == c.rid)
+            assert 0 <= c.held <= MAX_HELD, f"{c.rid!r} holds {c.held}"
+        held: dict[bytes, int] = {}
+        for token, d in self.deliveries.items():
+            assert token == d.token and token not in self.released, f"token {token} both live and released"
+            assert d.consumer in self.clients and self.clients[d.consumer].role == "consumer", \
+                f"delivery {token} owned by no registered consumer"
+            assert self.by_handoff.get((d.producer, d.handoff_id)) == token, f"{token}: handoff index stale"
+            held[d.consumer] = held.get(d.consumer, 0) + 1
+        assert len(self.by_handoff) == len(self.deliveries), "one handoff delivered twice"
+        for c in self.clients.values():
+            assert c.held == held.get(c.rid, 0), f"{c.rid!r}: held {c.held} != {held.get(c.rid, 0)}"
+        for g in self.grants.values():
+            assert g.producer in self.clients, f"grant {g.gid} of a gone producer"
+        assert sum(self.per_process.values()) == len(self.clients)
+        assert self.stats.unresponsive == sum(c.unresponsive for c in self.clients.values())

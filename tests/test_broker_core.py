@@ -1,0 +1,420 @@
+"""The broker core, driven over every interleaving hypothesis finds (no sockets, no clock).
+
+A model of each client's view (grants, outstanding handoffs, held tokens) is fed by what the core
+sends; after every step the core's invariants hold and no handoff has ended twice; at the end,
+with every client gone, every handoff the broker accepted has ended exactly once (RELEASED to its
+producer, or PRODUCER_GONE to its consumer). ``HURRAY_HYPOTHESIS_EXAMPLES`` raises the number of
+runs for a soak (CI: the default below).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from broker.core import MAX_CREDITS, MAX_HELD, BrokerCore, Send
+from hurray_ipc.devices.base import host_id
+from hurray_ipc.transport.protocol import ERROR_CODES, PROTOCOL_VERSION, Message
+
+HOST = host_id()
+TIMEOUT = 3.0
+PRODUCERS = [b"p0", b"p1"]
+CONSUMERS = [b"c0", b"c1", b"c2"]
+EXAMPLES = int(os.environ.get("HURRAY_HYPOTHESIS_EXAMPLES", "150"))
+
+
+def endpoint(pid: int) -> dict:
+    return {"device": {"kind": "cpu", "ordinal": 0, "uuid": "cpu-test", "pci_bus_id": "", "emulated": False,
+                       "host": HOST},
+            "caps": {"ipc_memory": True, "ipc_events": False, "ipc_streams": False, "peers": []},
+            "pid": pid, "stream": None}
+
+
+def frames(verb: str, header: dict, *payload: bytes) -> list[bytes]:
+    return [verb.encode(), json.dumps(header).encode(), *payload]
+
+
+def cpu_handle(size: int = 4096) -> bytes:
+    return struct.pack("<QIBB2s", size, 256, 0, 0, b"\0\0")
+
+
+class View:
+    def __init__(self) -> None:
+        self.registered = False
+        self.grants: list[int] = []
+        self.outstanding: set[int] = set()
+        self.held: dict[str, tuple[bytes, int]] = {}
+
+
+class BrokerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 1000.0
+        self.core = BrokerCore(host=HOST, timeout_s=TIMEOUT)
+        self.views = {rid: View() for rid in PRODUCERS + CONSUMERS}
+        self.pids = {rid: 100 + i for i, rid in enumerate(PRODUCERS + CONSUMERS)}
+        self.accepted: dict[tuple[bytes, int], str] = {}
+        self.holder: dict[tuple[bytes, int], bytes] = {}
+        self.token_of: dict[str, tuple[bytes, int]] = {}
+        self.ends: dict[tuple[bytes, int], int] = {}
+        self.hids = iter(range(1, 1 << 30))
+        self.errors: list[str] = []
+
+    # --- plumbing ---------------------------------------------------------------------------
+    def feed(self, outs: list) -> None:
+        for o in outs:
+            if not isinstance(o, Send):
+                continue
+            v, h = self.views.get(o.rid), o.msg.header
+            verb = o.msg.verb
+            if verb == "GRANT":
+                v.grants.append(h["grant_id"])
+            elif verb == "DELIVER":
+                key = (h["producer_id"].encode(), h["handoff_id"])
+                v.held[h["token"]] = key
+                self.token_of[h["token"]] = key
+                self.holder[key] = o.rid
+            elif verb == "ACCEPTED":
+                v.outstanding.add(h["handoff_id"])
+            elif verb == "RELEASED":
+                self._end((o.rid, h["handoff_id"]))
+                v.outstanding.discard(h["handoff_id"])
+            elif verb == "PRODUCER_GONE":
+                for t in h["tokens"]:
+                    if h.get("reason") != "reclaimed":  # reclaimed: a claim refused, not an end
+                        self._end(self.token_of.get(t, (b"?", -1)))
+                    v.held.pop(t, None)
+            elif verb == "ERROR":
+                assert h["code"] in ERROR_CODES and h["code"] != "internal", h
+                self.errors.append(h["code"])
+
+    def _end(self, key: tuple[bytes, int]) -> None:
+        self.ends[key] = self.ends.get(key, 0) + 1
+        assert self.ends[key] == 1, f"handoff {key} ended {self.ends[key]} times"
+
+    def send(self, rid: bytes, verb: str, header: dict, *payload: bytes) -> None:
+        self.feed(self.core.receive(rid, frames(verb, header, *payload), self.now))
+
+    def hello(self, rid: bytes) -> None:
+        v = self.views[rid]
+        role = "producer" if rid in PRODUCERS else "consumer"
+        h = {"protocol": PROTOCOL_VERSION, "role": role, "channel": "ch", "pid": self.pids[rid],
+             "endpoint": endpoint(self.pids[rid])}
+        if role == "producer":
+            h["outstanding"] = [{"handoff_id": hid, "consumer_id": BrokerCore.label_of(self.holder[(rid, hid)])}
+                                for hid in sorted(v.outstanding)]
+            v.grants.clear()  # void with the old registration
+        else:
+            h["held"] = [{"token": t, "producer_id": k[0].decode(), "handoff_id": k[1], "event_pending": False}
+                         for t, k in v.held.items()]
+        v.registered = True
+        self.send(rid, "HELLO", h)
+
+    # --- rules ------------------------------------------------------------------------------
+    @initialize()
+    def everyone_registers(self) -> None:
+        for rid in PRODUCERS + CONSUMERS:
+            self.hello(rid)
+
+    @rule(who=st.sampled_from(PRODUCERS + CONSUMERS))
+    def register(self, who: bytes) -> None:
+        self.hello(who)
+
+    @rule(who=st.sampled_from(CONSUMERS), n=st.integers(1, 3))
+    def request(self, who: bytes, n: int) -> None:
+        self.send(who, "REQUEST", {"credits": n})
+
+    @rule(who=st.sampled_from(PRODUCERS), n=st.integers(1, 3))
+    def ready(self, who: bytes, n: int) -> None:
+        self.send(who, "READY", {"credits": n})
+
+    @rule(who=st.sampled_from(PRODUCERS), how=st.sampled_from(["ok", "ok", "ok", "bad_size", "bad_meta",
+                                                                  "no_offset", "bogus_grant", "dup_hid"]))
+    def handoff(self, who: bytes, how: str) -> None:
+        v = self.views[who]
+        if not v.grants and how != "bogus_grant":
+            # Ask for one grant so most handoff steps reach the interesting part.
+            self.send(who, "READY", {"credits": 1})
+            if not v.grants:
+                consumer = CONSUMERS[next(self.hids) % len(CONSUMERS)]
+                self.send(consumer, "REQUEST", {"credits": 1})
+        gid = v.grants.pop(0) if v.grants and how != "bogus_grant" else 12345
+        hid = next(self.hids)
+        if how == "dup_hid":
+            if not v.outstanding:
+                how = "ok"  # nothing to duplicate: an ordinary handoff
+            else:
+                hid = min(v.outstanding)
+        h = {"grant_id": gid, "handoff_id": hid, "size": 4096, "offset": 0,
+             "meta": {"shape": [1024], "typestr": "<f4"}}
+        if how == "bad_size":
+            h["size"] = 128
+        elif how == "bad_meta":
+            h["meta"] = {"shape": [1 << 20], "typestr": "<f8"}
+        elif how == "no_offset":
+            del h["offset"]
+        before = dict(self.core.deliveries)
+        self.send(who, "HANDOFF", h, cpu_handle(), b"M" * 64)
+        new = set(self.core.deliveries) - set(before)
+        for t in new:
+            self.accepted[self.core.deliveries[t].producer, self.core.deliveries[t].handoff_id] = t
+        if how not in ("ok",):
+            assert not new, f"{how} handoff was accepted"
+
+    @rule(who=st.sampled_from(CONSUMERS), data=st.data(),
+          how=st.sampled_from(["own", "own", "own", "foreign", "unknown", "double", "event"]))
+    def release(self, who: bytes, data: st.DataObject, how: str) -> None:
+        v = self.views[who]
+        if not v.registered:
+            return  # a client that lost its broker says HELLO before anything else
+        if how in ("own", "double", "event") and v.held:
+            token = data.draw(st.sampled_from(sorted(v.held)))
+            if how == "event":
+                self.send(who, "EVENT_RELEASE", {"token": token})  # a PRODUCER_SYNCED token has no event
+                assert self.errors[-1] == "already_released"
+                return
+            self.send(who, "RELEASE", {"token": token, "credits": 1})
+            del v.held[token]
+            if how == "double":
+                self.send(who, "RELEASE", {"token": token})
+                assert self.errors[-1] == "already_released"
+        elif how == "foreign":
+            others = [t for c in CONSUMERS if c != who for t in self.views[c].held]
+            if others:
+                before = len(self.errors)
+                self.send(who, "RELEASE", {"token": data.draw(st.sampled_from(sorted(others)))})
+                # unknown_token: the victim has not re-claimed it from a restarted broker yet
+                assert len(self.errors) == before + 1 and self.errors[-1] in ("foreign_token", "unknown_token")
+        elif how == "unknown":
+            self.send(who, "RELEASE", {"token": "nope-" + "x" * 30})
+
+    @rule(who=st.sampled_from(CONSUMERS))
+    def forge_held(self, who: bytes) -> None:
+        """Re-HELLO claiming another consumer's handoffs under made-up tokens, then release them."""
+        victims = [(t, k) for c in CONSUMERS if c != who for t, k in self.views[c].held.items()]
+        if not victims:
+            return
+        h = {"protocol": PROTOCOL_VERSION, "role": "consumer", "channel": "ch", "pid": self.pids[who],
+             "endpoint": endpoint(self.pids[who]),
+             "held": [{"token": f"forged-{i}", "producer_id": k[0].decode(), "handoff_id": k[1]}
+                      for i, (_, k) in enumerate(victims)]
+             + [{"token": t, "producer_id": k[0].decode(), "handoff_id": k[1]} for t, k in victims]
+             + [{"token": t, "producer_id": k[0].decode(), "handoff_id": k[1]}
+                for t, k in self.views[who].held.items()]}
+        self.views[who].registered = True
+        self.send(who, "HELLO", h)
+        for i, (t, _) in enumerate(victims):
+            for tok in (f"forged-{i}", t):
+                self.send(who, "RELEASE", {"token": tok})
+                assert self.errors[-1] in ("unknown_token", "foreign_token", "not_registered"), self.errors[-1]
+
+    @rule(who=st.sampled_from(PRODUCERS + CONSUMERS),
+          raw=st.one_of(st.lists(st.binary(max_size=40), max_size=4),
+                        st.sampled_from([[b"HELLO", b"[" * 5000], [b"RELEASE", b'{"token": 7}'],
+                                         [b"REQUEST", b'{"credits": 99999999999999999999}'],
+                                         [b"HANDOFF", b"{}"], [b"NOPE", b"[" * 100000], [b"BYE"]])))
+    def malformed(self, who: bytes, raw: list[bytes]) -> None:
+        self.feed(self.core.receive(who, raw, self.now))
+
+    @rule(who=st.sampled_from(PRODUCERS + CONSUMERS))
+    def die(self, who: bytes) -> None:
+        self.feed(self.core.client_gone(who, "process gone"))
+        self.views[who] = View()  # a new process would start from nothing
+
+    @rule(who=st.sampled_from(PRODUCERS + CONSUMERS))
+    def bye(self, who: bytes) -> None:
+        if who in CONSUMERS and self.views[who].held:
+            return  # the library releases before BYE; a BYE with held buffers is covered by die
+        self.send(who, "BYE", {})
+        self.views[who] = View()  # a producer's BYE ends its handoffs (PRODUCER_GONE): a clean slate
+
+    @rule(dt=st.floats(0.0, 2 * TIMEOUT))
+    def time_passes(self, dt: float) -> None:
+        self.now += dt
+        self.feed(self.core.tick(self.now, lambda c: True))  # every process lives: silence is no death
+
+    @rule(order=st.permutations(PRODUCERS + CONSUMERS), late=st.sets(st.sampled_from(CONSUMERS)))
+    def broker_restart(self, order: list[bytes], late: set[bytes]) -> None:
+        """A new broker; clients re-HELLO with what they hold, the ``late`` consumers only at a
+        later ``register`` step (after their producers' orphan deadlines may have passed)."""
+        self.core = BrokerCore(host=HOST, timeout_s=TIMEOUT)
+        for rid in order:
+            if rid in late:
+                self.views[rid].registered = False
+            elif self.views[rid].registered:
+                self.hello(rid)
+
+    @invariant()
+    def core_invariants(self) -> None:
+        self.core.check_invariants()
+
+    def teardown(self) -> None:
+        for rid in CONSUMERS + PRODUCERS:
+            self.feed(self.core.client_gone(rid, "process gone"))
+        self.now += 10 * TIMEOUT
+        self.feed(self.core.tick(self.now, lambda c: True))
+        self.core.check_invariants()
+        assert not self.core.deliveries and not self.core.clients
+        for key in self.accepted:
+            assert self.ends.get(key, 0) <= 1, key
+        # A handoff accepted by a broker that restarted ends through its producer's re-HELLO
+        # (orphan) or its consumer's claim; one whose producer died unregistered has no one to tell.
+        for key in self.accepted:
+            producer = self.views.get(key[0])
+            assert self.ends.get(key, 0) == 1 or producer is not None, key
+
+
+TestBrokerCore = BrokerMachine.TestCase
+TestBrokerCore.settings = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None,
+                                   suppress_health_check=[HealthCheck.too_slow])
+
+
+# --- direct checks of single rules ------------------------------------------------------------
+
+def _core() -> BrokerCore:
+    return BrokerCore(host=HOST, timeout_s=TIMEOUT)
+
+
+def _hello(core: BrokerCore, rid: bytes, role: str, pid: int = 5, **extra) -> list:
+    h = {"protocol": PROTOCOL_VERSION, "role": role, "channel": "ch", "pid": pid, "endpoint": endpoint(pid), **extra}
+    return core.receive(rid, frames("HELLO", h), 0.0)
+
+
+def _errors(outs: list) -> list[dict]:
+    return [o.msg.header for o in outs if isinstance(o, Send) and o.msg.verb == "ERROR"]
+
+
+def test_deeply_nested_json_is_refused_not_fatal():
+    core = _core()
+    for raw in ([b"NOPE", b"[" * 100_000], [b"HELLO", b"[" * 100_000], [b"HELLO", b'{"a":' * 50_000]):
+        (err,) = _errors(core.receive(b"x", raw, 0.0))
+        assert err["code"] in ("bad_header", "unknown_verb")
+    _hello(core, b"ok", "consumer")
+    assert b"ok" in core.clients
+
+
+def test_hello_pid_out_of_range_is_refused():
+    core = _core()
+    (err,) = _errors(_hello(core, b"x", "producer", pid=2**31))
+    assert err["code"] == "bad_header" and "endpoint.pid" in err["message"]
+
+
+def test_endpoint_fields_are_typed_not_coerced():
+    core = _core()
+    ep = endpoint(5)
+    ep["device"]["uuid"] = None
+    _hello(core, b"c", "consumer", pid=5, endpoint=ep)
+    assert core.clients[b"c"].endpoint.identity.uuid == ""
+    for bad in ({"ipc_memory": "false"}, {"ipc_events": 1}):
+        ep = endpoint(5)
+        ep["caps"].update(bad)
+        (err,) = _errors(_hello(core, b"d", "consumer", pid=5, endpoint=ep))
+        assert err["code"] == "bad_header" and "endpoint.caps" in err["message"]
+
+
+def test_limits_refuse_with_a_clear_error():
+    core = _core()
+    _hello(core, b"c", "consumer")
+    outs = core.receive(b"c", frames("REQUEST", {"credits": MAX_CREDITS}), 0.0)
+    assert not _errors(outs)
+    c = core.clients[b"c"]
+    c.held = MAX_HELD - 10  # as if it held that many
+    (err,) = _errors(core.receive(b"c", frames("REQUEST", {"credits": MAX_CREDITS}), 0.0))
+    assert err["code"] == "limit_exceeded" and "release some first" in err["message"]
+    c.held = 0
+
+
+def test_clients_per_process_are_bounded():
+    from broker.core import MAX_CLIENTS_PER_PROCESS
+    core = _core()
+    lease = f"hurray-{os.getuid()}-lease-1-77-{'a' * 16}"
+    for i in range(MAX_CLIENTS_PER_PROCESS):
+        assert not _errors(_hello(core, f"c{i}".encode(), "consumer", lease=lease))
+    (err,) = _errors(_hello(core, b"one-too-many", "consumer", lease=lease))
+    assert err["code"] == "limit_exceeded"
+    assert len(core.clients) == MAX_CLIENTS_PER_PROCESS and len(core.channels) == 1
+
+
+def test_channels_of_gone_clients_are_forgotten():
+    core = _core()
+    for i in range(200):
+        h = {"protocol": PROTOCOL_VERSION, "role": "consumer", "channel": f"ch{i}", "pid": 5, "endpoint": endpoint(5)}
+        core.receive(b"c", frames("HELLO", h), 0.0)  # re-HELLO onto another channel each time
+    assert len(core.channels) == 1
+    core.client_gone(b"c", "bye")
+    assert not core.channels
+
+
+def test_unresponsive_client_keeps_its_deliveries_until_it_dies():
+    core = _core()
+    _hello(core, b"p", "producer", pid=5)
+    _hello(core, b"c", "consumer", pid=6, credits=1)
+    (g,) = [o.msg for o in core.receive(b"p", frames("READY", {"credits": 1}), 0.0) if o.msg.verb == "GRANT"]
+    outs = core.receive(b"p", frames("HANDOFF", {"grant_id": g.header["grant_id"], "handoff_id": 1, "size": 4096,
+                                                 "offset": 0}, cpu_handle(), b"M" * 64), 0.0)
+    assert [o.msg.verb for o in outs] == ["DELIVER", "ACCEPTED"]
+    alive = {b"p": True, b"c": True}
+    outs = core.tick(10 * TIMEOUT, lambda c: alive[c.rid])  # silent far past the timeout, but alive
+    assert not outs and core.clients[b"c"].unresponsive and core.stats.unresponsive == 2
+    assert len(core.deliveries) == 1
+    alive[b"c"] = False
+    outs = core.tick(10 * TIMEOUT, lambda c: alive[c.rid])
+    assert [(o.msg.verb, o.msg.header.get("reason")) for o in outs if isinstance(o, Send)] == [
+        ("RELEASED", "consumer_gone")]
+    core.check_invariants()
+
+
+def test_heartbeat_alone_drops_only_peers_it_cannot_judge():
+    core = _core()
+    _hello(core, b"c", "consumer")
+    core.tick(10 * TIMEOUT, lambda c: None)
+    assert b"c" not in core.clients
+
+
+def test_caps_lists_consumers_by_label_not_routing_id():
+    core = _core()
+    _hello(core, b"secret-rid", "consumer")
+    (reply,) = [o.msg for o in core.receive(b"q", frames("CAPS", {"device": endpoint(9), "channel": "ch"}), 0.0)]
+    (entry,) = reply.header["consumers"]
+    assert entry["consumer_id"] == core.label_of(b"secret-rid") and "secret-rid" not in json.dumps(reply.header)
+
+
+def test_caps_with_unknown_transport_names_it_and_keeps_request_id():
+    core = _core()
+    (err,) = _errors(core.receive(b"q", frames("CAPS", {"device": endpoint(9), "transport": "carrier-pigeon",
+                                                        "request_id": 7}), 0.0))
+    assert err["code"] == "bad_header" and err["request_id"] == 7 and err["field"] == "transport"
+
+
+def test_bye_before_hello_is_silent_and_event_release_of_synced_token_refused():
+    core = _core()
+    assert core.receive(b"x", frames("BYE", {}), 0.0) == []
+
+
+def test_mode_cache_does_not_confuse_consumers_that_come_and_go():
+    """The cache once keyed on id(Client): a new consumer at a recycled address got the old one's
+    modes. 300 handoffs, consumers with and without IPC events alternating: none wrongly refused."""
+    from hurray_ipc.format.handle import BufferHandle, DeviceTag, SyncMode
+    core = _core()
+    gpu = dict(endpoint(5), device={"kind": "cuda", "ordinal": 0, "uuid": "GPU-x", "pci_bus_id": "", "emulated": True,
+                                     "host": HOST})
+    _hello(core, b"p", "producer", pid=5, endpoint=dict(gpu, caps=dict(gpu["caps"], ipc_events=True)))
+    refused = 0
+    for i in range(300):
+        events = i % 2 == 0
+        ep = dict(gpu, pid=6, caps=dict(gpu["caps"], ipc_events=events))
+        _hello(core, b"c%d" % i, "consumer", pid=6, endpoint=ep, credits=1)
+        (g,) = [o.msg for o in core.receive(b"p", frames("READY", {"credits": 1}), 0.0) if o.msg.verb == "GRANT"]
+        mode = SyncMode.EVENT if events else SyncMode.PRODUCER_SYNCED
+        hd = BufferHandle(4096, 256, DeviceTag.CUDA, mode).encode()
+        blobs = [b"M" * 64] + ([b"E" * 64] if events else [])
+        outs = core.receive(b"p", frames("HANDOFF", {"grant_id": g.header["grant_id"], "handoff_id": i,
+                                                      "size": 4096, "offset": 0}, hd, *blobs), 0.0)
+        refused += bool(_errors(outs))
+        core.client_gone(b"c%d" % i, "process gone")
+    assert refused == 0
