@@ -67,3 +67,27 @@ def wait_and_read(spec, env, mem_blob, offset, size, ev_blob, do_wait, q):
         q.put(("ok", bytes(out), race))
     except Exception:
         q.put(("error", traceback.format_exc()))
+
+
+def hold_one_buffer(endpoint, channel, ready, go):
+    """Receive one CPU buffer, say so on ``ready``, wait for ``go``, then check it and release it.
+
+    The paused-consumer test stops this process between ``ready`` and ``go``."""
+    import numpy as np
+
+    from hurray_ipc import workload
+    from hurray_ipc.client import Consumer
+    try:
+        with Consumer(endpoint, channel, "cpu") as c:
+            h = c.receive(timeout=30)
+            ready.set()
+            go.wait(60)
+            data = np.frombuffer(h.buffer.host_view() if hasattr(h.buffer, "host_view") else memoryview(h.buffer),
+                                 dtype=np.uint8).copy()
+            tag, seq, ok = workload.verify(data)
+            h.release()
+            c.flush_releases(10)
+            return {"intact": ok, "seq": seq, "error": None}
+    except Exception:  # noqa: BLE001 - reported to the parent
+        import traceback
+        return {"error": traceback.format_exc()}

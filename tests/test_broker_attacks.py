@@ -1,0 +1,193 @@
+"""Issue 10's attacks on a live broker, each now refused or survived (docs/spec/ipc-protocol.md).
+
+A broker that one message could kill, whose clients' buffers a neighbour could release, or that
+dropped a live but paused consumer's buffers: each attack is a test. Waits are on messages and
+processes; the only deliberate time passage is the broker's own heartbeat timeout in the paused
+consumer test (there, what must *not* happen is that the producer gets its buffer back).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import zmq
+
+from brokerproc import BrokerProcess
+from conftest import Proc
+from hurray_ipc import workload
+from hurray_ipc.client import Producer
+from hurray_ipc.devices import shm
+from test_protocol_raw import Raw, endpoint_dict, one_handoff
+from workers import hold_one_buffer
+
+
+@pytest.fixture
+def live(tmp_path):
+    b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=1.0).start()
+    ctx = zmq.Context()
+    yield b, ctx
+    ctx.destroy(linger=0)
+    assert b.proc is not None and b.proc.poll() is None, "the broker died"
+    b.stop()
+
+
+def _alive(b, ctx) -> None:
+    probe = Raw(ctx, b.endpoint, f"probe-{os.urandom(4).hex()}")
+    probe.send("CAPS", {"device": endpoint_dict(os.getpid()), "request_id": 1})
+    h, _ = probe.expect("CAPS_REPLY")
+    assert h["request_id"] == 1
+
+
+def test_one_message_cannot_kill_it(live, tmp_path):
+    b, ctx = live
+    evil = Raw(ctx, b.endpoint, "evil")
+    for verb, body in ((b"NOPE", b"[" * 100_000), (b"HELLO", b"[" * 100_000), (b"HELLO", b'{"a":' * 30_000),
+                       (b"RELEASE", b"[" * 70_000)):
+        evil.s.send_multipart([verb, body])
+        assert evil.expect("ERROR")[0]["code"] in ("bad_header", "unknown_verb")
+    hello = {"protocol": 1, "role": "producer", "channel": "x", "pid": 2**31, "endpoint": endpoint_dict(2**31)}
+    evil.send("HELLO", hello)
+    err, _ = evil.expect("ERROR")
+    assert err["code"] == "bad_header" and "pid" in err["message"]
+    _alive(b, ctx)
+
+
+def test_stale_segment_with_a_huge_pid_does_not_kill_it(live):
+    b, ctx = live
+    name = f"{shm.PREFIX}-{os.getuid()}-2147483648-c1-00"
+    (shm.SHM_DIR / name).write_bytes(b"\0" * 8)
+    try:
+        victim = Raw(ctx, b.endpoint, "victim")
+        victim.hello("consumer", "x", endpoint_dict(os.getpid()))
+        victim.send("BYE", {})
+        dead = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        goner = Raw(ctx, b.endpoint, "goner")
+        goner.hello("consumer", "x", endpoint_dict(dead.pid))
+        dead.kill()
+        dead.wait()  # a same-host client whose process is gone: the broker sweeps stale segments
+        _alive(b, ctx)
+    finally:
+        (shm.SHM_DIR / name).unlink(missing_ok=True)
+
+
+def test_forged_held_list_cannot_release_another_consumers_buffer(live):
+    b, ctx = live
+    prod, honest, thief = (Raw(ctx, b.endpoint, n) for n in ("p", "honest", "thief"))
+    prod.hello("producer", "ch", endpoint_dict(os.getppid()))
+    honest.hello("consumer", "ch", endpoint_dict(os.getpid()))
+    token, hid = one_handoff(prod, honest)
+    thief.send("HELLO", {"protocol": 1, "role": "consumer", "channel": "ch", "pid": os.getpid(),
+                         "endpoint": endpoint_dict(os.getpid()),
+                         "held": [{"token": "made-up-" + "x" * 20, "producer_id": "p", "handoff_id": hid},
+                                  {"token": token, "producer_id": "p", "handoff_id": hid}]})
+    thief.expect("WELCOME")
+    for t in ("made-up-" + "x" * 20, token):
+        thief.send("RELEASE", {"token": t})
+        assert thief.expect("ERROR")[0]["code"] in ("unknown_token", "foreign_token")
+    honest.send("RELEASE", {"token": token})
+    r, _ = prod.expect("RELEASED")
+    assert r["handoff_id"] == hid and r.get("reason") == "released", "the honest consumer released it, once"
+
+
+def test_routing_id_cannot_be_taken_over(live):
+    b, ctx = live
+    prod, cons = Raw(ctx, b.endpoint, "p"), Raw(ctx, b.endpoint, "c1")
+    prod.hello("producer", "ch", endpoint_dict(os.getppid()))
+    cons.hello("consumer", "ch", endpoint_dict(os.getpid()))
+    token, hid = one_handoff(prod, cons)
+    impostor = Raw(ctx, b.endpoint, "c1")  # the same routing id, a second connection
+    impostor.send("BYE", {})
+    _alive(b, ctx)  # ordered after the impostor's BYE on the broker's socket... if it got through
+    cons.send("PING", {})
+    assert cons.recv()[0] == "PONG", "the real consumer is still registered"
+    cons.send("RELEASE", {"token": token})
+    r, _ = prod.expect("RELEASED")
+    assert r["handoff_id"] == hid and r.get("reason") == "released"
+
+
+def test_caps_does_not_reveal_routing_ids(live):
+    b, ctx = live
+    cons = Raw(ctx, b.endpoint, "secret-routing-id")
+    cons.hello("consumer", "ch", endpoint_dict(os.getpid()))
+    q = Raw(ctx, b.endpoint, "q")
+    q.send("CAPS", {"device": endpoint_dict(os.getpid()), "channel": "ch"})
+    h, _ = q.expect("CAPS_REPLY")
+    assert h["consumers"] and "secret-routing-id" not in json.dumps(h)
+
+
+def test_second_broker_refuses_a_live_endpoint(live):
+    b, ctx = live
+    r = subprocess.run([sys.executable, "-m", "broker", "--endpoint", b.endpoint, "--duration", "5"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "broker already running at" in r.stderr, r.stderr[-500:]
+    _alive(b, ctx)
+
+
+def test_socket_directory_open_to_others_is_refused(tmp_path):
+    d = tmp_path / "open"
+    d.mkdir()
+    d.chmod(0o777)
+    r = subprocess.run([sys.executable, "-m", "broker", "--endpoint", f"ipc://{d}/b.sock", "--duration", "1"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "other users could replace" in r.stderr, r.stderr[-500:]
+
+
+def test_paused_consumer_keeps_its_buffer_and_reads_it_intact(live):
+    """SIGSTOP past the heartbeat timeout: the broker sees a live process (its lease), so the
+    buffer stays bound; resumed, the consumer reads the producer's bytes and releases once."""
+    b, _ = live
+    ctx = mp.get_context("spawn")
+    ready, go = ctx.Event(), ctx.Event()
+    c = Proc(hold_one_buffer, endpoint=b.endpoint, channel="pause", ready=ready, go=go)
+    with Producer(b.endpoint, "pause", "cpu") as p:
+        buf = p.allocate(64 << 10)
+        np.frombuffer(buf.host_view(), dtype=np.uint8)[:] = workload.pattern(7, 1, 64 << 10)
+        t = p.send(buf, timeout=30)
+        assert ready.wait(30)
+        os.kill(c.p.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(TimeoutError):
+                p.wait_released(timeout=4 * b.timeout)  # 4x the broker's heartbeat timeout
+        finally:
+            os.kill(c.p.pid, signal.SIGCONT)
+        go.set()
+        res = c.result()
+        assert res.get("error") is None, res.get("error")
+        assert res["intact"] and res["seq"] == 1
+        p.wait_released(timeout=30)
+        assert t.outcome == "released" and p.unknown_releases == 0
+
+
+def _unshare() -> list[str]:
+    cmd = ["unshare", "--user", "--pid", "--fork", "--map-root-user"]
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare(1) is not installed")
+    if subprocess.run([*cmd, "true"], capture_output=True).returncode != 0:
+        pytest.skip("this kernel does not let this user create user+pid namespaces")
+    if os.getuid() != 0:
+        pytest.skip("inside --map-root-user segments and leases are named for uid 0; run as root")
+    return cmd
+
+
+def test_producer_in_its_own_pid_namespace_keeps_working(live):
+    """A containerised producer says "pid 1"; its lease, not its pid, tells the broker it lives."""
+    b, _ = live
+    c = Proc(workload.run_consumer, endpoint=b.endpoint, channel="ns", device="cpu", count=20)
+    code = ("import json, sys; from hurray_ipc import workload; "
+            f"r = workload.run_producer({b.endpoint!r}, 'ns', 'cpu', 20, 4096, timeout=30); "
+            "print(json.dumps({'pid': __import__('os').getpid(), **{k: r[k] for k in ('sent', 'released', 'error')}}))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([*_unshare(), sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    pr = json.loads(r.stdout.strip().splitlines()[-1])
+    cr = c.result()
+    assert pr["pid"] == 1 and pr["error"] is None and pr["sent"] == pr["released"] == 20, pr
+    assert cr["error"] is None and cr["intact"] == 20 and cr["corrupt"] == 0, cr
