@@ -91,6 +91,39 @@ def test_on_release_callback_that_raises_is_contained(broker, caplog):
                for r in caplog.records if r.name == "hurray.client")
 
 
+def test_dropped_handoff_warns_and_is_released_by_the_next_pump_not_the_gc(broker):
+    """An un-released handoff dropped on the floor: ResourceWarning, no socket send from the
+    finalizer (the session's send is counted while gc runs), and the RELEASE reaches the
+    producer at the next pump (its on_release fires)."""
+    released = threading.Event()
+    with Producer(broker.endpoint, "gc", "cpu") as p, Consumer(broker.endpoint, "gc", "cpu", prefetch=0) as c:
+        th = threading.Thread(target=lambda: p.send(np.arange(8), on_release=lambda t: released.set(), timeout=10))
+        th.start()
+        h = c.receive(timeout=10)
+        th.join(10)
+        sends: list[str] = []
+        with c.session.lock:  # the background pump cannot run while we collect
+            real = c.session.sock.send_multipart
+
+            def counting(parts, *a, **kw):
+                sends.append(parts[0] if parts else b"")
+                return real(parts, *a, **kw)
+
+            c.session.sock.send_multipart = counting
+            try:
+                with warnings.catch_warnings(record=True) as w:
+                    warnings.simplefilter("always")
+                    del h
+                    gc.collect()
+                assert any(issubclass(x.category, ResourceWarning) for x in w)
+                assert sends == [], "the finalizer sent a message"
+                assert len(c._dropped) == 1
+            finally:
+                c.session.sock.send_multipart = real
+        c.session.pump(released.is_set, 10, "waiting for the dropped handoff's release")
+        assert not c._dropped and c.held == 0
+
+
 def test_rejected_delivery_asks_again(broker):
     """A delivery the consumer refuses (it cannot map it) returns its credit: receive() asks
     again and returns the next, good delivery promptly instead of starving until its timeout."""
