@@ -152,3 +152,42 @@ def test_rejected_delivery_asks_again(broker):
         h.release()
         th.join(10)
         p.flush(10)
+
+
+def test_event_synchronize_on_a_dead_zombie_recorder_raises():
+    """The emulated cudaEventSynchronize on an event whose recording process was killed (and is
+    not yet reaped: a zombie, which os.kill(pid, 0) calls alive) raises DeviceError instead of
+    spinning forever."""
+    import os
+
+    from hurray_ipc.devices.backend.emulated import EmulatedRuntime
+    from hurray_ipc.devices.errors import DeviceError
+
+    from conftest import emu_config
+
+    rt = EmulatedRuntime(emu_config())
+    ev = rt.event_create(interprocess=True)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # exited, left a zombie
+        ev.words[1] = 1  # recorded by the dead process, never completed
+        ev.words[3] = pid
+        outcome: list[BaseException] = []
+
+        def sync() -> None:
+            try:
+                rt.event_synchronize(ev)
+            except BaseException as e:  # noqa: BLE001
+                outcome.append(e)
+
+        th = threading.Thread(target=sync, daemon=True)
+        th.start()
+        th.join(20)
+        assert not th.is_alive(), "event_synchronize spun forever on a dead recorder"
+        assert len(outcome) == 1 and isinstance(outcome[0], DeviceError)
+    finally:
+        os.waitpid(pid, 0)
+        ev.words[2] = 1  # let any waiter finish
+        rt.event_destroy(ev)
