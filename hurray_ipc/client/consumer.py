@@ -306,6 +306,10 @@ class Consumer:
     SYNC_CONSUMER_STREAM (producers in this process then make it wait for you), the default
     stream of :meth:`ReceivedHandoff.wait` and one that :meth:`ReceivedHandoff.release` waits for; ``prefetch``: requests kept outstanding
     (0: ask for one buffer per ``receive`` call only, never ahead).
+
+    Thread-safe: ``receive``, ``flush_releases`` and the handoffs' ``release`` may be called from
+    several threads at once (each delivery goes to exactly one ``receive``); ``close`` must not
+    race them. See client/DESIGN.md, "Threads and the session pump".
     """
 
     def __init__(self, endpoint: str | None = None, channel: str = "default", device: "str | Device" = "cpu", *,
@@ -467,7 +471,9 @@ class Consumer:
         return len(self._held)
 
     def receive(self, timeout: float | None = None) -> ReceivedHandoff:
-        """The next handoff (raises TimeoutError, or BrokerUnavailable if the broker is gone)."""
+        """The next handoff (raises TimeoutError, or BrokerUnavailable if the broker is gone).
+
+        Thread-safe: concurrent callers each get a different handoff."""
         def asked(n: int) -> None:
             self._requested += n
 

@@ -4,7 +4,9 @@ The calling thread does the socket work itself (no extra thread hop on the fast 
 takes the session lock and *pumps* — sends, polls, dispatches what arrives — until its condition
 holds. A background thread pumps only while no API call does, so releases and heartbeats are
 handled while the application is busy elsewhere. Callbacks produced by dispatch run after the lock
-is dropped, so a release callback may itself call into the client.
+is dropped, so a release callback may itself call into the client; one that raises is contained
+(:func:`run_callbacks`). The lock is held one pump round at a time, never across a whole wait, so
+several threads may wait at once (:meth:`Session.pull` is thread-safe).
 
 The broker is considered gone after ``timeout_s`` without any message from it; calls then raise
 :class:`BrokerUnavailable`. The session keeps pinging, and when a broker answers again (a restarted
