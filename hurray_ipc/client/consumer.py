@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
+import weakref
 from collections import deque
 from typing import Any
 
@@ -275,6 +277,21 @@ class ReceivedHandoff(Handoff):
             fences.append(ev)
         self._consumer._release_after(self, fences)
 
+    def __del__(self) -> None:
+        """Finalizer policy: never any socket I/O (nor the session lock) from the garbage collector.
+        An un-released handoff warns with ResourceWarning and is queued on its consumer (a deque
+        append, atomic without the lock); the session's next pump releases it (EVENT_RELEASE,
+        then RELEASE once device work recorded on its streams completed)."""
+        if getattr(self, "_release", None) is None and getattr(self, "_event_release", None) is None:
+            return
+        warnings.warn(
+            f"unreleased {self.handle.sync_mode.wire_name} handoff of {self.handle.size} bytes was garbage-"
+            "collected; its release is queued for the session's next pump (call release() after your "
+            "device work has completed)", ResourceWarning, stacklevel=2)
+        consumer = getattr(self, "_consumer", None)
+        if consumer is not None:
+            consumer._dropped.append(self)  # resurrects self until the pump released it (PEP 442)
+
     def _give_back(self) -> None:
         """The consumer's device work on the buffer completed: unmap it and send RELEASE."""
         self._raw.close()
@@ -289,6 +306,10 @@ class Consumer:
     SYNC_CONSUMER_STREAM (producers in this process then make it wait for you), the default
     stream of :meth:`ReceivedHandoff.wait` and one that :meth:`ReceivedHandoff.release` waits for; ``prefetch``: requests kept outstanding
     (0: ask for one buffer per ``receive`` call only, never ahead).
+
+    Thread-safe: ``receive``, ``flush_releases`` and the handoffs' ``release`` may be called from
+    several threads at once (each delivery goes to exactly one ``receive``); ``close`` must not
+    race them. See client/DESIGN.md, "Threads and the session pump".
     """
 
     def __init__(self, endpoint: str | None = None, channel: str = "default", device: "str | Device" = "cpu", *,
@@ -308,7 +329,10 @@ class Consumer:
                                       None if stream is None else stream.handle)
         self._inbox: deque[ReceivedHandoff] = deque()
         self._requested = 0
-        self._held: dict[str, ReceivedHandoff] = {}
+        # Weak: a handoff the application drops is collected, and its finalizer queues it on
+        # _dropped (see ReceivedHandoff.__del__) for the pump to release.
+        self._held: "weakref.WeakValueDictionary[str, ReceivedHandoff]" = weakref.WeakValueDictionary()
+        self._dropped: deque[ReceivedHandoff] = deque()
         self.name = name or f"consumer-{os.getpid()}"
         self.errors: list[RemoteError] = []
         self._releasing: list[tuple[ReceivedHandoff, list[CudaEvent]]] = []  # RELEASE owed once these complete
@@ -332,6 +356,15 @@ class Consumer:
         """Called by the session's pump (under its lock): give back every handoff whose fences
         all completed (a successful event query is where the host learns the work finished).
         True while some release is still owed."""
+        while self._dropped:  # handoffs the garbage collector found un-released
+            ho = self._dropped.popleft()
+            try:
+                if not ho.released:
+                    ho.release()  # EVENT_RELEASE first if owed; then fenced RELEASE (re-enters here)
+                elif not ho.event_released:
+                    ho.release_event()
+            except Exception:  # noqa: BLE001 - one bad handoff must not stop the pump
+                log.exception("releasing a garbage-collected handoff failed")
         for entry in list(self._releasing):
             ho, fences = entry
             if all(ev.query() for ev in fences):
@@ -352,9 +385,11 @@ class Consumer:
                           f"waiting for the device work of {len(self._releasing)} release(s)")
 
     def _hello(self) -> dict[str, Any]:
+        live = {t: h for t, h in list(self._held.items())}
+        live.update({h.token: h for h in list(self._dropped) if not h.released})
         held = [{"token": t, "producer_id": h.producer_id, "handoff_id": h.handoff_id,
                  "event_pending": h.handle.sync_mode is SyncMode.EVENT and not h.event_released}
-                for t, h in self._held.items() if not h.producer_gone]
+                for t, h in live.items() if not h.producer_gone]
         # Credits travel in HELLO: a REQUEST sent to a broker that lost us is not lost with it.
         return {"name": self.name, "endpoint": self.endpoint_info.to_dict(), "held": held,
                 "credits": self._requested}
@@ -379,6 +414,10 @@ class Consumer:
             for token in h.get("tokens", []):
                 ho = self._held.pop(token, None)
                 if ho is not None:
+                    ho.producer_gone = True
+            gone = set(h.get("tokens", []))
+            for ho in list(self._dropped):
+                if ho.token in gone:
                     ho.producer_gone = True
             for ho in [x for x in self._inbox if x.producer_gone]:
                 self._inbox.remove(ho)  # in place: a waiting receive() watches this deque
@@ -441,7 +480,9 @@ class Consumer:
         return len(self._held)
 
     def receive(self, timeout: float | None = None) -> ReceivedHandoff:
-        """The next handoff (raises TimeoutError, or BrokerUnavailable if the broker is gone)."""
+        """The next handoff (raises TimeoutError, or BrokerUnavailable if the broker is gone).
+
+        Thread-safe: concurrent callers each get a different handoff."""
         def asked(n: int) -> None:
             self._requested += n
 

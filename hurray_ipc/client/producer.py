@@ -142,6 +142,11 @@ class Producer:
     ``prefetch``: how many consumer requests to hold ahead; ``event_pool``: reuse released
     SYNC_EVENT events (True) or create and destroy one per handoff (False); default from
     ``HURRAY_EVENT_POOL`` (1). See :class:`EventPool`.
+
+    Thread-safe: ``send``, ``flush``, ``wait_released`` and ``holds`` may be called from several
+    threads at once (each grant is taken by exactly one ``send``); ``close`` must not race them.
+    ``on_release`` callbacks run outside the session lock; one that raises is logged and counted
+    (``session.callback_errors``), never raised into another call. See client/DESIGN.md.
     """
 
     def __init__(self, endpoint: str | None = None, channel: str = "default", device: "str | Device" = "cpu", *,

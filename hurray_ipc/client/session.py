@@ -4,7 +4,9 @@ The calling thread does the socket work itself (no extra thread hop on the fast 
 takes the session lock and *pumps* — sends, polls, dispatches what arrives — until its condition
 holds. A background thread pumps only while no API call does, so releases and heartbeats are
 handled while the application is busy elsewhere. Callbacks produced by dispatch run after the lock
-is dropped, so a release callback may itself call into the client.
+is dropped, so a release callback may itself call into the client; one that raises is contained
+(:func:`run_callbacks`). The lock is held one pump round at a time, never across a whole wait, so
+several threads may wait at once (:meth:`Session.pull` is thread-safe).
 
 The broker is considered gone after ``timeout_s`` without any message from it; calls then raise
 :class:`BrokerUnavailable`. The session keeps pinging, and when a broker answers again (a restarted
@@ -31,6 +33,22 @@ log = logging.getLogger("hurray.client")
 
 Callback = Callable[[], None]
 POLL_BUSY_S = 0.002  # how long one pump round blocks on the socket while the owner's poll has work pending
+
+
+callback_errors = 0  # user callbacks that raised (all sessions of this process); see run_callbacks
+
+
+def run_callbacks(callbacks: list[Callback]) -> None:
+    """Run callbacks produced by dispatch, outside the session lock. A callback that raises (a
+    user's ``on_release``, for one) is contained: logged on 'hurray.client' and counted in
+    :data:`callback_errors`; it never escapes into the API call that happened to pump."""
+    global callback_errors
+    for cb in callbacks:
+        try:
+            cb()
+        except Exception:  # noqa: BLE001 - a user callback must not break an unrelated call
+            callback_errors += 1
+            log.exception("callback %r raised; contained (callback_errors=%d)", cb, callback_errors)
 
 
 class BrokerUnavailable(ConnectionError):
@@ -132,16 +150,28 @@ class Session:
 
     def pull(self, queue: "deque[Any]", verb: str, want: Callable[[], int], asked: Callable[[int], None],
              timeout: float | None, what: str) -> Any:
-        """Take the next item of ``queue`` (filled by dispatch), first asking the broker for
-        ``want()`` more with ``verb{credits}`` when the queue is empty (REQUEST / READY)."""
-        with self.lock:
+        """Take the next item of ``queue`` (filled by dispatch), asking the broker for ``want()``
+        more with ``verb{credits}`` whenever the queue is empty and ``want()`` is positive (REQUEST /
+        READY). Thread-safe: the check-and-take is one step under the lock (so two callers never
+        race for one item), and the ask is re-evaluated on every pump round (so a credit that came
+        back, e.g. a delivery the consumer rejected, or a second waiting thread, is asked again
+        instead of starving until the timeout)."""
+        got: list[Any] = []
+
+        def take() -> bool:  # runs under the lock, inside the pump
+            if got:
+                return True
+            if queue:
+                got.append(queue.popleft())
+                return True
             n = want()
-            if not queue and n > 0:
+            if n > 0:
                 self.send(Message(verb, {"credits": n}))
                 asked(n)
-        self.pump(lambda: bool(queue), timeout, what)
-        with self.lock:
-            return queue.popleft()
+            return False
+
+        self.pump(take, timeout, what)
+        return got[0]
 
     def pump(self, until: Callable[[], bool], timeout: float | None, what: str) -> None:
         """Send heartbeats and dispatch messages until ``until()`` is true.
@@ -154,8 +184,7 @@ class Session:
             callbacks: list[Callback] = []
             with self.lock:
                 done = self._pump_once(until, deadline, callbacks)
-            for cb in callbacks:
-                cb()
+            run_callbacks(callbacks)
             if done:
                 return
             now = time.monotonic()
@@ -208,11 +237,7 @@ class Session:
                     return
                 finally:
                     self.lock.release()
-                for cb in callbacks:
-                    try:
-                        cb()
-                    except Exception:  # noqa: BLE001 - a user callback must not kill the pump
-                        log.exception("release callback failed")
+                run_callbacks(callbacks)
             time.sleep(idle)
 
     def close(self) -> None:

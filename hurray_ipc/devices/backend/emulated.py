@@ -48,7 +48,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import DeviceError, RaceError
-from ..shm import SHM_DIR, Segment, pid_alive
+from ..shm import SHM_DIR, Segment
 from . import hb
 from .base import EMULATED_MAGIC, IPC_HANDLE_SIZE, Runtime, check_blob
 
@@ -151,6 +151,12 @@ def proc_start(pid: int) -> int | None:
     except (OSError, IndexError):
         return None
     return None if fields[0] in (b"Z", b"X") else int(fields[19])
+
+
+def _recorder_dead(pid: int) -> bool:
+    """True when the process that records an event can never complete it: exited, or a zombie
+    (``pid_alive`` says a zombie is alive, so a wait on a killed, not yet reaped child spun forever)."""
+    return pid != os.getpid() and proc_start(pid) is None
 
 
 def _self_start() -> int:
@@ -616,7 +622,7 @@ class EmulatedRuntime(Runtime):
                 while not ev.done(target):
                     spin += 1
                     time.sleep(0.00005 if spin < 100 else 0.001)
-                    if spin % 500 == 0 and owner and not pid_alive(owner):
+                    if spin % 500 == 0 and owner and _recorder_dead(owner):
                         raise DeviceError("cudaStreamWaitEvent", f"the process {owner} that records this event died",
                                           code="cudaErrorLaunchFailure")
 
@@ -711,7 +717,7 @@ class EmulatedRuntime(Runtime):
         while not ev.done(target):
             spin += 1
             time.sleep(0.0001)
-            if spin % 500 == 0 and owner and not pid_alive(owner):
+            if spin % 500 == 0 and owner and _recorder_dead(owner):
                 raise DeviceError("cudaEventSynchronize", f"the process {owner} that records this event died",
                                   code="cudaErrorLaunchFailure")
         self._learn(clock)

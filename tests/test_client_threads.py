@@ -1,0 +1,193 @@
+"""Client robustness (issue 10, "Clients"): several threads on one Producer/Consumer, contained user
+callbacks, finalizers without socket I/O, rejected deliveries returning their credit. In-process
+clients through a real broker; every wait is on a message or an event, none on a sleep."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import warnings
+
+import numpy as np
+import pytest
+
+from hurray_ipc.client import Consumer, Producer
+from hurray_ipc.client import session as session_mod
+
+THREADS = 3
+PER_THREAD = 40
+
+
+def test_consumer_and_producer_from_three_threads_each(broker):
+    """3 producer threads send and 3 consumer threads receive through one Producer and one
+    Consumer: every handoff arrives exactly once with its bytes intact, and no call raises (the
+    old check-then-popleft in Session.pull raised IndexError when two receivers raced)."""
+    total = THREADS * PER_THREAD
+    errors: list[BaseException] = []
+    seen: list[int] = []
+    seen_lock = threading.Lock()
+    with Producer(broker.endpoint, "mt", "cpu", prefetch=2) as p, \
+            Consumer(broker.endpoint, "mt", "cpu", prefetch=2) as c:
+        def produce(t: int) -> None:
+            try:
+                for i in range(PER_THREAD):
+                    seq = t * PER_THREAD + i
+                    p.send(np.full(256, seq, dtype=np.int64), timeout=30)
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        def consume() -> None:
+            try:
+                for _ in range(PER_THREAD):
+                    h = c.receive(timeout=30)
+                    h.wait()
+                    a = h.buffer.numpy()
+                    assert a.shape == (256,) and (a == a[0]).all(), "torn or foreign bytes"
+                    with seen_lock:
+                        seen.append(int(a[0]))
+                    h.release()
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=produce, args=(t,)) for t in range(THREADS)]
+        threads += [threading.Thread(target=consume) for _ in range(THREADS)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(90)
+        assert not any(th.is_alive() for th in threads), "a client call hung"
+        assert errors == [], errors
+        assert sorted(seen) == list(range(total))
+        p.flush(10)
+        assert p.outstanding == 0
+
+
+def test_on_release_callback_that_raises_is_contained(broker, caplog):
+    """A user's on_release that raises is logged on 'hurray.client' and counted; the unrelated
+    call whose pump ran it (here the next send and flush) does not see the exception."""
+    before = session_mod.callback_errors
+    fired = threading.Event()
+
+    def bad(ticket) -> None:
+        fired.set()
+        raise ValueError("user bug in on_release")
+
+    caplog.set_level(logging.ERROR, logger="hurray.client")
+    with Producer(broker.endpoint, "cb", "cpu") as p, Consumer(broker.endpoint, "cb", "cpu") as c:
+        th = threading.Thread(target=lambda: p.send(np.zeros(8), on_release=bad, timeout=10))
+        th.start()
+        c.receive(timeout=10).release()
+        th.join(10)
+        th2 = threading.Thread(target=lambda: p.send(np.ones(8), timeout=10))
+        th2.start()
+        h = c.receive(timeout=10)
+        h.release()
+        th2.join(10)
+        p.flush(10)  # must not raise the callback's ValueError
+        assert fired.is_set()
+    assert session_mod.callback_errors == before + 1
+    assert any("user bug in on_release" in (r.exc_text or "") or "raised" in r.getMessage()
+               for r in caplog.records if r.name == "hurray.client")
+
+
+def test_dropped_handoff_warns_and_is_released_by_the_next_pump_not_the_gc(broker):
+    """An un-released handoff dropped on the floor: ResourceWarning, no socket send from the
+    finalizer (the session's send is counted while gc runs), and the RELEASE reaches the
+    producer at the next pump (its on_release fires)."""
+    released = threading.Event()
+    with Producer(broker.endpoint, "gc", "cpu") as p, Consumer(broker.endpoint, "gc", "cpu", prefetch=0) as c:
+        th = threading.Thread(target=lambda: p.send(np.arange(8), on_release=lambda t: released.set(), timeout=10))
+        th.start()
+        h = c.receive(timeout=10)
+        th.join(10)
+        sends: list[str] = []
+        with c.session.lock:  # the background pump cannot run while we collect
+            real = c.session.sock.send_multipart
+
+            def counting(parts, *a, **kw):
+                sends.append(parts[0] if parts else b"")
+                return real(parts, *a, **kw)
+
+            c.session.sock.send_multipart = counting
+            try:
+                with warnings.catch_warnings(record=True) as w:
+                    warnings.simplefilter("always")
+                    del h
+                    gc.collect()
+                assert any(issubclass(x.category, ResourceWarning) for x in w)
+                assert sends == [], "the finalizer sent a message"
+                assert len(c._dropped) == 1
+            finally:
+                c.session.sock.send_multipart = real
+        c.session.pump(released.is_set, 10, "waiting for the dropped handoff's release")
+        assert not c._dropped and c.held == 0
+
+
+def test_rejected_delivery_asks_again(broker):
+    """A delivery the consumer refuses (it cannot map it) returns its credit: receive() asks
+    again and returns the next, good delivery promptly instead of starving until its timeout."""
+    with Producer(broker.endpoint, "rej", "cpu") as p, Consumer(broker.endpoint, "rej", "cpu", prefetch=1) as c:
+        real_accept = c._accept
+        refused = []
+
+        def accept(msg):
+            if not refused:
+                refused.append(msg.header.get("token"))
+                raise OSError("cannot map this one")
+            return real_accept(msg)
+
+        c._accept = accept
+        outcomes = []
+
+        def produce() -> None:
+            for v in (1, 2):
+                t = p.send(np.full(4, v, dtype=np.int32), timeout=10)
+                outcomes.append(t)
+
+        th = threading.Thread(target=produce)
+        th.start()
+        h = c.receive(timeout=5)
+        assert refused and (h.buffer.numpy() == 2).all()
+        h.release()
+        th.join(10)
+        p.flush(10)
+
+
+def test_event_synchronize_on_a_dead_zombie_recorder_raises():
+    """The emulated cudaEventSynchronize on an event whose recording process was killed (and is
+    not yet reaped: a zombie, which os.kill(pid, 0) calls alive) raises DeviceError instead of
+    spinning forever."""
+    import os
+
+    from hurray_ipc.devices.backend.emulated import EmulatedRuntime
+    from hurray_ipc.devices.errors import DeviceError
+
+    from conftest import emu_config
+
+    rt = EmulatedRuntime(emu_config())
+    ev = rt.event_create(interprocess=True)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # exited, left a zombie
+        ev.words[1] = 1  # recorded by the dead process, never completed
+        ev.words[3] = pid
+        outcome: list[BaseException] = []
+
+        def sync() -> None:
+            try:
+                rt.event_synchronize(ev)
+            except BaseException as e:  # noqa: BLE001
+                outcome.append(e)
+
+        th = threading.Thread(target=sync, daemon=True)
+        th.start()
+        th.join(20)
+        assert not th.is_alive(), "event_synchronize spun forever on a dead recorder"
+        assert len(outcome) == 1 and isinstance(outcome[0], DeviceError)
+    finally:
+        os.waitpid(pid, 0)
+        ev.words[2] = 1  # let any waiter finish
+        rt.event_destroy(ev)
