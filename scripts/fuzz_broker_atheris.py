@@ -7,6 +7,7 @@ ids, followed by a PING; a missing PONG within 5 s with the broker process gone 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -22,6 +23,10 @@ from brokerproc import BrokerProcess  # noqa: E402
 TMP = tempfile.mkdtemp(prefix="hurray-fuzz-")
 BROKER = BrokerProcess(f"ipc://{TMP}/b.sock", timeout=30.0).start()
 CTX = zmq.Context()
+SYNC = json.dumps({"device": {"device": {"kind": "cpu", "ordinal": 0, "uuid": "cpu-fuzz", "pci_bus_id": "",
+                                        "emulated": False, "host": "fuzz"},
+                             "caps": {"ipc_memory": True, "ipc_events": False, "ipc_streams": False, "peers": []},
+                             "pid": os.getpid(), "stream": None}, "request_id": "fuzz-sync"}).encode()
 SOCKS = []
 for i in range(4):
     s = CTX.socket(zmq.DEALER)
@@ -38,13 +43,14 @@ def one(data: bytes) -> None:
     s = SOCKS[data[0] % 4]
     frames = data[1:].split(b"\x00\xff") or [b""]
     s.send_multipart(frames)
-    s.send_multipart([b"PING", b"{}"])
+    s.send_multipart([b"CAPS", SYNC])  # needs no HELLO (PING before HELLO is not_registered)
     while True:
         if not s.poll(5000):
             code = BROKER.proc.poll()
             err = BROKER.proc.stderr.read()[-3000:] if code is not None and BROKER.proc.stderr else ""
             raise RuntimeError(f"broker {'exited %s' % code if code is not None else 'hung'}\n{err}")
-        if s.recv_multipart()[0] == b"PONG":
+        r = s.recv_multipart()
+        if r[0] == b"CAPS_REPLY" and b'"fuzz-sync"' in r[1]:
             return
 
 

@@ -135,6 +135,7 @@ def mutated(draw: st.DrawFn) -> list[bytes]:
     return msg
 
 
+SYNC = json.dumps({"device": endpoint_dict(os.getpid()), "request_id": "fuzz-sync"}).encode()
 raw_frames = st.lists(st.binary(max_size=80), min_size=0, max_size=5)
 message = st.one_of(mutated(), raw_frames, st.sampled_from(valid_messages()))
 
@@ -190,9 +191,10 @@ def test_fuzz_broker_with_good_pair(broker: Any) -> None:
             if not parts:
                 continue  # zmq cannot send a message of zero frames
             s.send_multipart(parts)
-            # Synchronise on the broker: a PING from the same socket is answered after the message,
-            # so every reply to it has arrived once the PONG has.
-            s.send_multipart([b"PING", b"{}"])
+            # Synchronise on the broker: a CAPS from the same socket (it needs no HELLO; PING before
+            # HELLO is not_registered) is answered after the message, so every reply has arrived
+            # once its CAPS_REPLY has.
+            s.send_multipart([b"CAPS", SYNC])
             while True:
                 if not s.poll(10_000):
                     killer.append(parts)
@@ -200,7 +202,7 @@ def test_fuzz_broker_with_good_pair(broker: Any) -> None:
                     raise AssertionError(f"broker {'died (exit %s)' % dead if dead is not None else 'hung'}"
                                          f" after {[f[:200] for f in parts]!r}")
                 r = s.recv_multipart()
-                if r[0] == b"PONG":
+                if r[0] == b"CAPS_REPLY" and json.loads(r[1]).get("request_id") == "fuzz-sync":
                     break
                 check_reply(r, parts)
             assert broker.proc.poll() is None, f"broker died on {parts[:2]!r}"
@@ -210,7 +212,10 @@ def test_fuzz_broker_with_good_pair(broker: Any) -> None:
         # The broker is alive and still answers PING and CAPS.
         assert broker.proc.poll() is None, broker.stop()
         probe = sock(99)
-        ping(probe)
+        probe.send_multipart([b"HELLO", json.dumps({"protocol": 1, "role": "consumer", "channel": "fuzz-probe",
+                                                     "client_id": "probe", "pid": os.getpid(), "epoch": 1,
+                                                     "endpoint": endpoint_dict(os.getpid())}).encode()])
+        ping(probe)  # registered now, so PING is answered PONG
         probe.send_multipart([b"CAPS", json.dumps({"device": endpoint_dict(os.getpid()), "request_id": 5,
                                                     "channel": GOOD_CHANNEL}).encode()])
         while True:
