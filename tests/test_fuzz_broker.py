@@ -185,7 +185,7 @@ def test_fuzz_broker_with_good_pair(broker: Any) -> None:
               suppress_health_check=list(HealthCheck))
     @given(st.lists(st.tuples(st.integers(0, 3), message), min_size=1, max_size=6))
     def hostile(batch: list[tuple[int, list[bytes]]]) -> None:
-        assert not killer, "broker already dead"
+        assert not killer, f"broker already dead after {[f[:120] for f in killer[0]]!r}"
         for i, parts in batch:
             s = sock(i)
             if not parts:
