@@ -188,7 +188,7 @@ def test_fuzz_broker_with_good_pair(broker: Any) -> None:
               suppress_health_check=list(HealthCheck))
     @given(st.lists(st.tuples(st.integers(0, 3), message), min_size=1, max_size=6))
     def hostile(batch: list[tuple[int, list[bytes]]]) -> None:
-        assert not killer, f"broker already dead after {[f[:120] for f in killer[0]]!r}"
+        assert not killer, f"broker already dead: {[f[:1500] for f in killer[0] + killer[-1]]!r}"
         for i, parts in batch:
             s = sock(i)
             if not parts:
@@ -202,8 +202,12 @@ def test_fuzz_broker_with_good_pair(broker: Any) -> None:
                 if not s.poll(10_000):
                     killer.append(parts)
                     dead = broker.proc.poll()
+                    # Found dead after this message; the cause may be earlier (the liveness sweep
+                    # runs on a timer), so the broker's own last words are part of the report.
+                    tail = broker.proc.stderr.read()[-1500:] if dead is not None and broker.proc.stderr else ""
+                    killer.append([tail.encode()])
                     raise AssertionError(f"broker {'died (exit %s)' % dead if dead is not None else 'hung'}"
-                                         f" after {[f[:200] for f in parts]!r}")
+                                         f", found after {[f[:200] for f in parts]!r}\n{tail}")
                 r = s.recv_multipart()
                 if r[0] == b"CAPS_REPLY" and json.loads(r[1]).get("request_id") == "fuzz-sync":
                     break
