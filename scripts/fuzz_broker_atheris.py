@@ -7,6 +7,7 @@ ids, followed by a PING; a missing PONG within 5 s with the broker process gone 
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -22,6 +23,7 @@ from brokerproc import BrokerProcess  # noqa: E402
 
 TMP = tempfile.mkdtemp(prefix="hurray-fuzz-")
 BROKER = BrokerProcess(f"ipc://{TMP}/b.sock", timeout=30.0).start()
+atexit.register(BROKER.stop)  # libFuzzer may still exit around it: check for an orphaned broker
 CTX = zmq.Context()
 SYNC = json.dumps({"device": {"device": {"kind": "cpu", "ordinal": 0, "uuid": "cpu-fuzz", "pci_bus_id": "",
                                         "emulated": False, "host": "fuzz"},
