@@ -1,0 +1,61 @@
+"""Opt-in long fuzz run (issue 10): atheris drives raw frames at a live broker process.
+
+Each input is split into frames (0x00 0xFF separator) and sent from one of four DEALER routing
+ids, followed by a PING; a missing PONG within 5 s with the broker process gone is a crash
+(atheris stops and the input is written as crash-*). Run via scripts/fuzz-broker.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import tempfile
+
+import atheris
+
+with atheris.instrument_imports():
+    import zmq
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from brokerproc import BrokerProcess  # noqa: E402
+
+TMP = tempfile.mkdtemp(prefix="hurray-fuzz-")
+BROKER = BrokerProcess(f"ipc://{TMP}/b.sock", timeout=30.0).start()
+atexit.register(BROKER.stop)  # libFuzzer may still exit around it: check for an orphaned broker
+CTX = zmq.Context()
+SYNC = json.dumps({"device": {"device": {"kind": "cpu", "ordinal": 0, "uuid": "cpu-fuzz", "pci_bus_id": "",
+                                        "emulated": False, "host": "fuzz"},
+                             "caps": {"ipc_memory": True, "ipc_events": False, "ipc_streams": False, "peers": []},
+                             "pid": os.getpid(), "stream": None}, "request_id": "fuzz-sync"}).encode()
+SOCKS = []
+for i in range(4):
+    s = CTX.socket(zmq.DEALER)
+    s.setsockopt(zmq.IDENTITY, f"atheris-{i}".encode())
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(BROKER.endpoint)
+    SOCKS.append(s)
+
+
+def one(data: bytes) -> None:
+    """Send one fuzzed message; raise if the broker no longer answers PING."""
+    if not data:
+        return
+    s = SOCKS[data[0] % 4]
+    frames = data[1:].split(b"\x00\xff") or [b""]
+    s.send_multipart(frames)
+    s.send_multipart([b"CAPS", SYNC])  # needs no HELLO (PING before HELLO is not_registered)
+    while True:
+        if not s.poll(5000):
+            code = BROKER.proc.poll()
+            err = BROKER.proc.stderr.read()[-3000:] if code is not None and BROKER.proc.stderr else ""
+            raise RuntimeError(f"broker {'exited %s' % code if code is not None else 'hung'}\n{err}")
+        r = s.recv_multipart()
+        if r[0] == b"CAPS_REPLY" and b'"fuzz-sync"' in r[1]:
+            return
+
+
+if __name__ == "__main__":
+    atheris.Setup(sys.argv, one)
+    atheris.Fuzz()
