@@ -49,7 +49,7 @@ def one(data: bytes) -> None:
     while True:
         if not s.poll(5000):
             code = BROKER.proc.poll()
-            err = BROKER.proc.stderr.read()[-3000:] if code is not None and BROKER.proc.stderr else ""
+            err = BROKER.stderr_text()[-3000:]
             raise RuntimeError(f"broker {'exited %s' % code if code is not None else 'hung'}\n{err}")
         r = s.recv_multipart()
         if r[0] == b"CAPS_REPLY" and b'"fuzz-sync"' in r[1]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,14 +20,17 @@ class BrokerProcess:
         path = Path(self.endpoint[len("ipc://"):])
         if path.exists():
             path.unlink()
+        # The broker's log goes to a file, not a pipe: a pipe nobody drains fills at 64 KiB and
+        # then blocks the broker in its next log write (a fuzz run logs an ERROR per message).
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="hurray-broker-", suffix=".log")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "broker", "--endpoint", self.endpoint, "--timeout", str(self.timeout),
              "--heartbeat", "0.2", "--log-level", "warning"],
-            stderr=subprocess.PIPE, text=True)
+            stderr=self.log, text=True)
         deadline = time.monotonic() + 20
         while not path.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"broker did not start: {self.proc.stderr.read() if self.proc.stderr else ''}")
+                raise RuntimeError(f"broker did not start: {self.stderr_text()}")
             time.sleep(0.02)
         return self
 
@@ -36,13 +40,19 @@ class BrokerProcess:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, sig)
         try:
-            _, err = self.proc.communicate(timeout=10)
+            self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            _, err = self.proc.communicate()
+            self.proc.wait()
         self.returncode = self.proc.returncode
         self.proc = None
-        return err or ""
+        return self.stderr_text()
+
+    def stderr_text(self) -> str:
+        """What the broker logged so far."""
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
 
     @property
     def rss_kib(self) -> int:

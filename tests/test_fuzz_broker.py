@@ -204,7 +204,7 @@ def test_fuzz_broker_with_good_pair(broker: Any) -> None:
                     dead = broker.proc.poll()
                     # Found dead after this message; the cause may be earlier (the liveness sweep
                     # runs on a timer), so the broker's own last words are part of the report.
-                    tail = broker.proc.stderr.read()[-1500:] if dead is not None and broker.proc.stderr else ""
+                    tail = broker.stderr_text()[-1500:]
                     killer.append([tail.encode()])
                     raise AssertionError(f"broker {'died (exit %s)' % dead if dead is not None else 'hung'}"
                                          f", found after {[f[:200] for f in parts]!r}\n{tail}")
