@@ -66,7 +66,7 @@ class Curve:
     clients_dir: str | None = None  # server side: authorised client public keys
 
     @classmethod
-    def server(cls, secret_file: str, clients_dir: str) -> "Curve":
+    def server(cls, secret_file: str, clients_dir: str) -> Curve:
         pub, sec = zmq.auth.load_certificate(secret_file)
         if sec is None:
             raise ValueError(f"{secret_file} holds no secret key")
@@ -75,7 +75,7 @@ class Curve:
         return cls(pub, sec, clients_dir=clients_dir)
 
     @classmethod
-    def client(cls, secret_file: str, server_public_file: str) -> "Curve":
+    def client(cls, secret_file: str, server_public_file: str) -> Curve:
         pub, sec = zmq.auth.load_certificate(secret_file)
         spub, _ = zmq.auth.load_certificate(server_public_file)
         if sec is None:

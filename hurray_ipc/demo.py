@@ -27,6 +27,7 @@ from .cli import caps as caps_cli
 from .cli import inspect as inspect_cli
 from .format.handle import BufferHandle, DeviceTag, SyncMode
 
+
 def choose_cuda() -> tuple[dict[str, str], str]:
     """The environment for the GPU scenarios: real CUDA if it works here, else the emulation."""
     if os.environ.get("HURRAY_CUDA"):

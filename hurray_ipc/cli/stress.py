@@ -29,6 +29,7 @@ from typing import Any
 from .. import workload
 from ..devices import shm
 
+
 def parse_size(text: str) -> int:
     t = text.strip().upper().removesuffix("B").removesuffix("I")
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..format.handle import BufferHandle, DeviceTag, SyncMode
 
@@ -139,7 +140,7 @@ class Handoff:
                 pass  # a concurrent release_event() won the race; that is the one release
         self._take("_release", "the buffer")()
 
-    def __enter__(self) -> "Handoff":
+    def __enter__(self) -> Handoff:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -10,8 +10,9 @@ into a shared-memory buffer, since another process can only map shared memory.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

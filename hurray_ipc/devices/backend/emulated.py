@@ -42,8 +42,9 @@ import struct
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -85,7 +86,7 @@ class EmulationConfig:
     race_check: bool = True
 
     @classmethod
-    def from_env(cls) -> "EmulationConfig":
+    def from_env(cls) -> EmulationConfig:
         try:
             devices = int(os.environ.get("HURRAY_EMU_DEVICES", "2"))
             delay = float(os.environ.get("HURRAY_EMU_DELAY_MS", "2")) / 1000.0
@@ -237,7 +238,7 @@ class _Stream:
 
     _ids = itertools.count(1)
 
-    def __init__(self, runtime: "EmulatedRuntime", device: int, label: str = ""):
+    def __init__(self, runtime: EmulatedRuntime, device: int, label: str = ""):
         self.id = 0x5EA0_0000 + next(self._ids)
         self.device = device
         self.rt = runtime
@@ -245,7 +246,7 @@ class _Stream:
         self.agent = new_agent()  # happens-before state, guarded by the runtime's _hb lock
         self.clock: hb.Clock = {}
         self.count = 0
-        self.q: "queue.Queue[Callable[[], None] | None]" = queue.Queue()
+        self.q: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self.pending = 0
         self.cv = threading.Condition()
         self.error: DeviceError | None = None
@@ -303,7 +304,7 @@ class EmulatedRuntime(Runtime):
         self._default: dict[int, _Stream] = {}
         self.races: list[str] = []  # every race this runtime found (its race counter is len(races))
         self._unraised: list[str] = []  # found, not yet raised at a synchronize
-        self._streams: "weakref.WeakSet[_Stream]" = weakref.WeakSet()
+        self._streams: weakref.WeakSet[_Stream] = weakref.WeakSet()
         # Happens-before state: this runtime's host agent and clock. One lock orders every clock
         # update of this runtime with the enqueue it belongs to.
         self._hb = threading.RLock()
