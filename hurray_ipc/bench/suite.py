@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -362,23 +363,29 @@ def run_suite(sizes: list[int], n_small: int, n_large: int, progress: Callable[[
         rows.append(bench_zmq_echo(tmp, n_small))
         for size in sizes:
             n = n_small if size <= (1 << 20) else n_large
-            for label, fn in [
-                ("cpu", lambda: bench_hurray(ep, "cpu", "cpu", "cpu", size, n, {})),
-                ("emulated cuda", lambda: bench_hurray(ep, "emulated cuda", "cuda:0", "cuda:0", size, n, emu)),
-                ("mp.Queue", lambda: bench_mp_queue(size, n)),
-                ("shared_memory", lambda: bench_shared_memory(size, n)),
-                ("torch", lambda: bench_torch(size, n)),
-                ("staging", lambda: bench_staging(size, max(5, n // 4), emu)),
-            ]:
+            # partial binds size and n now (a closure would read them late; here they are called
+            # in the same iteration, but bound arguments make that independent of when they run).
+            rows_fns: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+                ("cpu", partial(bench_hurray, ep, "cpu", "cpu", "cpu", size, n, {})),
+                ("emulated cuda", partial(bench_hurray, ep, "emulated cuda", "cuda:0", "cuda:0", size, n, emu)),
+                ("mp.Queue", partial(bench_mp_queue, size, n)),
+                ("shared_memory", partial(bench_shared_memory, size, n)),
+                ("torch", partial(bench_torch, size, n)),
+                ("staging", partial(bench_staging, size, max(5, n // 4), emu)),
+            ]
+            for label, fn in rows_fns:
                 progress(f"{label} {size}")
                 try:
                     rows.append(fn())
                 except Exception as e:  # noqa: BLE001
                     rows.append({"name": label, "size": size, "skipped": f"failed: {e}"})
             if size >= 64 << 20:  # the cross-machine rows: bandwidth, for big buffers only
-                for label, fn in [("tcp", lambda: bench_tcp(size, n // 4 or 2)),
-                                  ("bridge", lambda: bench_bridge(tmp, size, n // 4 or 2, curve=False)),
-                                  ("bridge curve", lambda: bench_bridge(tmp, size, n // 4 or 2, curve=True))]:
+                net_fns: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+                    ("tcp", partial(bench_tcp, size, n // 4 or 2)),
+                    ("bridge", partial(bench_bridge, tmp, size, n // 4 or 2, curve=False)),
+                    ("bridge curve", partial(bench_bridge, tmp, size, n // 4 or 2, curve=True)),
+                ]
+                for label, fn in net_fns:
                     progress(f"{label} {size}")
                     try:
                         rows.append(fn())

@@ -15,6 +15,7 @@ nothing is freed twice.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 from collections.abc import Callable
@@ -160,10 +161,9 @@ class Handoff:
             fn = getattr(self, attr, None)
             setattr(self, attr, None)
             if fn is not None:
-                try:
+                # A finaliser must not raise: suppress whatever the release hits at collection time.
+                with contextlib.suppress(Exception):
                     fn()
-                except Exception:  # noqa: BLE001 - a finaliser must not raise
-                    pass
 
     def __repr__(self) -> str:
         state = "released" if self.released else "held"
