@@ -23,7 +23,9 @@ class _JsonFormatter(logging.Formatter):
                 raise ValueError
         except ValueError:
             body = {"message": msg}
-        return json.dumps({"ts": round(time.time(), 3), "level": record.levelname.lower(), "logger": record.name, **body})
+        return json.dumps(
+            {"ts": round(time.time(), 3), "level": record.levelname.lower(), "logger": record.name, **body}
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,7 +90,9 @@ def _bridges(a: argparse.Namespace, endpoint: str) -> list:
             out.append(BridgeOut(channel, url, endpoint=endpoint, curve=curve, timeout_s=a.timeout))
         else:
             curve = Curve.client(str(keys / "client.key_secret"), str(keys / "server.key")) if keys else None
-            out.append(BridgeIn(channel, url, endpoint=endpoint, curve=curve, device=a.import_device, timeout_s=a.timeout))
+            out.append(
+                BridgeIn(channel, url, endpoint=endpoint, curve=curve, device=a.import_device, timeout_s=a.timeout)
+            )
     return out
 
 

@@ -157,7 +157,8 @@ class BridgeOut:
             self._reply(rid, Message("LINK_PONG", {}))
         elif msg.verb == "REJECT":
             self.stats["rejected"] += 1
-            log.warning(json.dumps({"event": "peer_rejected", **{k: msg.header.get(k) for k in ("transfer_id", "reason", "message")}}))
+            detail = {k: msg.header.get(k) for k in ("transfer_id", "reason", "message")}
+            log.warning(json.dumps({"event": "peer_rejected", **detail}))
 
     def _transfer(self, rid: bytes, h: Any) -> None:
         """Stream one handoff; release it exactly once, whatever happens to the link."""
@@ -175,8 +176,11 @@ class BridgeOut:
                 # its tracker says when ZeroMQ is done with it, so the release can follow safely.
                 # Every chunk is tracked: pyzmq copies small frames anyway and reports them done at
                 # once, so the last chunk's tracker says nothing about the earlier ones.
-                trackers.append(self.sock.send_multipart([rid, *head, view[off:off + self.chunk]], copy=False, track=True))
-            self.sock.send_multipart([rid, *Message("TENSOR_DATA_END", {"transfer_id": tid, "total_bytes": handle.size}).encode()])
+                trackers.append(
+                    self.sock.send_multipart([rid, *head, view[off:off + self.chunk]], copy=False, track=True)
+                )
+            end = Message("TENSOR_DATA_END", {"transfer_id": tid, "total_bytes": handle.size})
+            self.sock.send_multipart([rid, *end.encode()])
             deadline = time.monotonic() + self.timeout_s * 4
             for t in trackers:
                 t.wait(max(0.0, deadline - time.monotonic()))
@@ -203,7 +207,9 @@ class BridgeOut:
                 for rid in [r for r, p in self.peers.items() if now - p["seen"] > self.timeout_s]:
                     del self.peers[rid]
                 if self.peers and self.consumer is None:
-                    self.consumer = Consumer(self.local, self.channel, "cpu", prefetch=0, name=f"bridge-out:{self.channel}")
+                    self.consumer = Consumer(
+                        self.local, self.channel, "cpu", prefetch=0, name=f"bridge-out:{self.channel}"
+                    )
                 elif not self.peers and self.consumer is not None:
                     self.consumer.close()
                     self.consumer = None
@@ -406,7 +412,9 @@ def main(argv: list[str] | None = None) -> int:
             bridge: Any = BridgeOut(a.channel, a.listen, endpoint=a.endpoint, curve=curve, timeout_s=a.timeout)
         else:
             curve = None if a.insecure else Curve.client(a.client_key or "", a.server_public or "")
-            bridge = BridgeIn(a.channel, a.connect, endpoint=a.endpoint, curve=curve, device=a.device, timeout_s=a.timeout)
+            bridge = BridgeIn(
+                a.channel, a.connect, endpoint=a.endpoint, curve=curve, device=a.device, timeout_s=a.timeout
+            )
     except (OSError, ValueError) as e:
         print(f"bridge: {e} (CurveZMQ keys are required unless --insecure)", file=sys.stderr)
         return 2

@@ -202,7 +202,8 @@ def _mpq_producer(q: Any, ack: Any, size: int, n: int) -> dict[str, Any]:
 
 def bench_mp_queue(size: int, n: int) -> dict[str, Any]:
     q, ack = SPAWN.Queue(), SPAWN.Queue()
-    pr, cr = _pair((_mpq_producer, {"q": q, "ack": ack, "size": size, "n": n}), (_queue_consumer, {"q": q, "ack": ack, "n": n}))
+    pr, cr = _pair((_mpq_producer, {"q": q, "ack": ack, "size": size, "n": n}),
+                   (_queue_consumer, {"q": q, "ack": ack, "n": n}))
     return {"name": "multiprocessing.Queue + numpy", "what": "one-way (pickled copy)", "size": size,
             "latency": cr["latency"], "per_s": pr["per_s"]}
 
@@ -258,7 +259,8 @@ def _shm_consumer(q: Any, ack: Any, n: int) -> dict[str, Any]:
 
 def bench_shared_memory(size: int, n: int) -> dict[str, Any]:
     q, ack = SPAWN.Queue(), SPAWN.Queue()
-    pr, cr = _pair((_shm_producer, {"q": q, "ack": ack, "size": size, "n": n}), (_shm_consumer, {"q": q, "ack": ack, "n": n}))
+    pr, cr = _pair((_shm_producer, {"q": q, "ack": ack, "size": size, "n": n}),
+                   (_shm_consumer, {"q": q, "ack": ack, "n": n}))
     return {"name": "shared_memory + names via Queue", "what": "one-way (zero copy)", "size": size,
             "latency": cr["latency"], "per_s": pr["per_s"]}
 
@@ -282,7 +284,9 @@ def bench_torch(size: int, n: int, device: str = "cpu") -> dict[str, Any]:
         return {**row, "skipped": "torch is not installed"}
     ctx = tmp.get_context("spawn")
     q, ack = ctx.Queue(), ctx.Queue()
-    pp = ctx.Process(target=run_into_queue, args=(_torch_producer, {"q": q, "ack": ack, "size": size, "n": n, "device": device}, rq := ctx.Queue()))
+    pp = ctx.Process(target=run_into_queue,
+                     args=(_torch_producer, {"q": q, "ack": ack, "size": size, "n": n, "device": device},
+                           rq := ctx.Queue()))
     pc = ctx.Process(target=run_into_queue, args=(_queue_consumer, {"q": q, "ack": ack, "n": n}, rc := ctx.Queue()))
     pp.start(), pc.start()
     pr, cr = rq.get(timeout=300), rc.get(timeout=300)
@@ -320,7 +324,8 @@ def _staging(size: int, reps: int, env: dict[str, str]) -> dict[str, Any]:
         mc.append(time.perf_counter() - t)
     src.close(), pool.close()
     gbs = lambda xs: round(size / statistics.median(xs) / 1e9, 2)  # noqa: E731
-    return {"staged_GBps": gbs(st), "memcpy_GBps": gbs(mc), "ratio": round(statistics.median(mc) / statistics.median(st), 2),
+    return {"staged_GBps": gbs(st), "memcpy_GBps": gbs(mc),
+            "ratio": round(statistics.median(mc) / statistics.median(st), 2),
             "backend": gpu.identity.emulated and "emulated" or "real"}
 
 
@@ -418,8 +423,8 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         small, large = min(hurray_cpu), max(hurray_cpu)
         if large != small:
             ratio = hurray_cpu[large]["latency"]["p50_us"] / hurray_cpu[small]["latency"]["p50_us"]
-            out.append({"target": f"{large} B zero-copy handoff within 1.5x of {small} B (p50)", "value": round(ratio, 2),
-                        "met": ratio <= 1.5})
+            out.append({"target": f"{large} B zero-copy handoff within 1.5x of {small} B (p50)",
+                        "value": round(ratio, 2), "met": ratio <= 1.5})
     return out
 
 
@@ -447,7 +452,8 @@ def markdown(res: dict[str, Any]) -> str:
             notes = r.get("what", "")
             if r.get("modes"):
                 notes += "; " + ", ".join(r["modes"])
-            lines.append(f"| {r['name']} | {human(r.get('size'))} | {r['latency']['p50_us']} | {r['latency']['p99_us']} | "
+            lat = r["latency"]
+            lines.append(f"| {r['name']} | {human(r.get('size'))} | {lat['p50_us']} | {lat['p99_us']} | "
                          f"{r['per_s']} | {notes} |")
     if res.get("targets"):
         lines += ["", "| target | measured | met |", "|---|---:|---|"]
@@ -554,9 +560,11 @@ def bench_bridge(tmp: Path, size: int, n: int, curve: bool) -> dict[str, Any]:
     url = f"tcp://127.0.0.1:{port}"
     tag = "curve" if curve else "plain"
     a, b = f"ipc://{tmp}/a-{tag}.sock", f"ipc://{tmp}/b-{tag}.sock"
-    procs = [subprocess.Popen([sys.executable, "-m", "broker", "--endpoint", ep, "--log-level", "error"]) for ep in (a, b)]
+    procs = [subprocess.Popen([sys.executable, "-m", "broker", "--endpoint", ep, "--log-level", "error"])
+             for ep in (a, b)]
     if curve:
-        subprocess.run([sys.executable, "-m", "broker.bridge", "keygen", str(tmp / "keys")], check=True, capture_output=True)
+        subprocess.run([sys.executable, "-m", "broker.bridge", "keygen", str(tmp / "keys")],
+                       check=True, capture_output=True)
         out_sec = ["--server-key", str(tmp / "keys/server.key_secret"), "--clients", str(tmp / "keys/clients")]
         in_sec = ["--client-key", str(tmp / "keys/client.key_secret"), "--server-public", str(tmp / "keys/server.key")]
     else:

@@ -282,7 +282,9 @@ def render(s: StressSummary) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hurray-stress", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="hurray-stress", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     d = StressConfig()
     p.add_argument("--producers", type=int, default=d.producers)
     p.add_argument("--consumers", type=int, default=d.consumers)

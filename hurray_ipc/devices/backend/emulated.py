@@ -354,7 +354,8 @@ class EmulatedRuntime(Runtime):
     def _check(self, a: _Alloc, ptr: int, nbytes: int, is_write: bool, agent: int, clock: hb.Clock,
                where: str, call: str) -> None:
         lo = ptr - a.base
-        rec = self._record(agent, clock[agent], f"{where} {call} {'write' if is_write else 'read'} [{lo}, {lo + nbytes})")
+        access = "write" if is_write else "read"
+        rec = self._record(agent, clock[agent], f"{where} {call} {access} [{lo}, {lo + nbytes})")
         found = a.access(lo, lo + nbytes, is_write, rec, clock)
         if found:
             self.races.extend(found)
@@ -516,10 +517,12 @@ class EmulatedRuntime(Runtime):
 
     def ipc_get_mem_handle(self, base: int) -> bytes:
         if not self.config.ipc_memory:
-            raise DeviceError("cudaIpcGetMemHandle", "IPC memory disabled in this emulation", code="cudaErrorNotSupported")
+            raise DeviceError("cudaIpcGetMemHandle", "IPC memory disabled in this emulation",
+                              code="cudaErrorNotSupported")
         a = self._allocs.get(base)
         if a is None:
-            raise DeviceError("cudaIpcGetMemHandle", f"0x{base:x} is not an allocation base", code="cudaErrorInvalidValue")
+            raise DeviceError("cudaIpcGetMemHandle", f"0x{base:x} is not an allocation base",
+                              code="cudaErrorInvalidValue")
         return _BLOB.pack(_MEM_MAGIC, a.device, os.getpid(), a.size, a.seg.name.encode())
 
     def ipc_open_mem_handle(self, blob: bytes) -> int:
@@ -601,7 +604,8 @@ class EmulatedRuntime(Runtime):
         for st in list(self._streams):
             if st.id == ident:
                 return st
-        raise DeviceError("stream", f"no emulated stream {ident:#x} in this process", code="cudaErrorInvalidResourceHandle")
+        raise DeviceError("stream", f"no emulated stream {ident:#x} in this process",
+                          code="cudaErrorInvalidResourceHandle")
 
     def stream_wait_event(self, stream: Any, event: Any) -> None:
         ev = self._event(event, "cudaStreamWaitEvent")
@@ -630,7 +634,8 @@ class EmulatedRuntime(Runtime):
         d, s = self._find(dst), self._find(src)
         for a, p, what in ((d, dst, "destination"), (s, src, "source")):
             if a is not None and p + nbytes > a.base + a.size:
-                raise DeviceError("cudaMemcpyAsync", f"{what} range exceeds its allocation", code="cudaErrorInvalidValue")
+                raise DeviceError("cudaMemcpyAsync", f"{what} range exceeds its allocation",
+                                  code="cudaErrorInvalidValue")
         delay = self.config.op_delay_s
 
         def copy() -> None:
@@ -729,7 +734,8 @@ class EmulatedRuntime(Runtime):
     def ipc_get_event_handle(self, event: Any) -> bytes:
         ev = self._event(event, "cudaIpcGetEventHandle")
         if not self.config.ipc_events:
-            raise DeviceError("cudaIpcGetEventHandle", "IPC events disabled in this emulation", code="cudaErrorNotSupported")
+            raise DeviceError("cudaIpcGetEventHandle", "IPC events disabled in this emulation",
+                              code="cudaErrorNotSupported")
         if not ev.interprocess:
             raise DeviceError("cudaIpcGetEventHandle", "event was not created with cudaEventInterprocess",
                               code="cudaErrorInvalidResourceHandle")
