@@ -24,6 +24,8 @@ from .errors import DeviceError
 class CudaEvent(Event):
     """An event. Exported (owned) events are destroyed on close; imported ones drop our copy."""
 
+    device: CudaDevice  # narrows Event.device: a CUDA event only ever belongs to a CudaDevice
+
     def __init__(self, device: CudaDevice, raw: Any, *, interprocess: bool, imported: bool = False):
         self.device = device
         self.raw = raw
@@ -64,6 +66,8 @@ class CudaEvent(Event):
 
 
 class CudaStream(Stream):
+    device: CudaDevice  # narrows Stream.device: a CUDA stream only ever belongs to a CudaDevice
+
     def __init__(self, device: CudaDevice, raw: Any, *, owned: bool = True):
         self.device = device
         self.raw = raw
@@ -198,7 +202,12 @@ class CudaDevice(Device):
 
         def opener() -> tuple[int, Any]:
             base = self.rt.ipc_open_mem_handle(blob)
-            return base, lambda: (self.activate(), self.rt.ipc_close_mem_handle(base))
+
+            def close() -> None:
+                self.activate()
+                self.rt.ipc_close_mem_handle(base)
+
+            return base, close
 
         base = self._cache.acquire(blob, opener)
         return Buffer(self, base + exp.offset, exp.size, closer=lambda: self._cache.release(blob), imported=True)
