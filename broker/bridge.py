@@ -105,6 +105,8 @@ class BridgeOut:
         if curve is not None:
             self.auth = ThreadAuthenticator(self.ctx)
             self.auth.start()
+            if curve.clients_dir is None:
+                raise ValueError("a bridge sender needs server keys with a clients directory (Curve.server)")
             self.auth.configure_curve(domain="*", location=curve.clients_dir)
             self.sock.curve_server = True
             self.sock.curve_publickey, self.sock.curve_secretkey = curve.public, curve.secret
@@ -176,9 +178,10 @@ class BridgeOut:
                 # its tracker says when ZeroMQ is done with it, so the release can follow safely.
                 # Every chunk is tracked: pyzmq copies small frames anyway and reports them done at
                 # once, so the last chunk's tracker says nothing about the earlier ones.
-                trackers.append(
-                    self.sock.send_multipart([rid, *head, view[off:off + self.chunk]], copy=False, track=True)
-                )
+                tracker = self.sock.send_multipart([rid, *head, view[off:off + self.chunk]], copy=False, track=True)
+                if tracker is None:  # pyzmq returns a tracker for every track=True send
+                    raise RuntimeError("pyzmq returned no MessageTracker for a tracked send")
+                trackers.append(tracker)
             end = Message("TENSOR_DATA_END", {"transfer_id": tid, "total_bytes": handle.size})
             self.sock.send_multipart([rid, *end.encode()])
             deadline = time.monotonic() + self.timeout_s * 4
@@ -277,7 +280,7 @@ class BridgeIn:
             log.warning(json.dumps({"event": "partial_discarded", "transfer_id": self.partial["tid"], "why": why}))
             self.partial = None
 
-    def _handle(self, parts: list[bytes]) -> None:
+    def _handle(self, parts: list[zmq.Frame]) -> None:
         try:
             msg = decode(parts, allowed=LINK_SENDER_VERBS, views=True)
         except ProtocolError as e:
@@ -328,14 +331,17 @@ class BridgeIn:
         """Only now, after TENSOR_DATA_END, may anyone read the buffer: hand it on, PRODUCER_SYNCED."""
         buf = p["buf"]
         if isinstance(self.producer.device, CudaDevice):
+            stream = self.producer.stream
+            if stream is None:  # Producer gives every CUDA device a stream; never expected
+                raise RuntimeError(f"bridge producer on {self.producer.device.identity} has no CUDA stream")
             dev = self.producer.device.allocate(buf.size)
-            self.producer.stream.copy(dev, buf.host_view())
-            self.producer.stream.synchronize()  # visible before the handle leaves: PRODUCER_SYNCED
+            stream.copy(dev, buf.host_view())
+            stream.synchronize()  # visible before the handle leaves: PRODUCER_SYNCED
             buf.close()
             buf = dev
         meta = p["meta"].get("user")
         try:
-            self.producer.send(buf, SyncMode.PRODUCER_SYNCED, on_release=lambda t, b=buf: b.close(), meta=meta)
+            self.producer.send(buf, SyncMode.PRODUCER_SYNCED, on_release=lambda _ticket: buf.close(), meta=meta)
             self.stats["delivered"] += 1
         except (BrokerUnavailable, TimeoutError) as e:
             # The local broker is gone: this buffer cannot be handed on. Drop it (loudly) and keep

@@ -102,6 +102,11 @@ def bench_zmq_echo(tmp: Path, n: int) -> dict[str, Any]:
 
 # --- Hurray ----------------------------------------------------------------------------------
 
+def _back_to(free: list[Any], buf: Any) -> Callable[[object], None]:
+    """An ``on_release`` callback that puts ``buf`` (bound now, not when it runs) back on ``free``."""
+    return lambda _ticket: free.append(buf)
+
+
 def _hurray_producer(endpoint: str, channel: str, device: str, size: int, n: int, env: dict[str, str],
                      mode: str | None) -> dict[str, Any]:
     os.environ.update(env)
@@ -127,7 +132,7 @@ def _hurray_producer(endpoint: str, channel: str, device: str, size: int, n: int
             while not free:
                 p.wait_released(30)
             b = free.pop()
-            p.send(b, pref, block=False, on_release=lambda t, b=b: free.append(b))
+            p.send(b, pref, block=False, on_release=_back_to(free, b))
         p.flush(60)
         rate = n / (time.perf_counter() - t0)
         for b in bufs:
@@ -322,7 +327,8 @@ def _staging(size: int, reps: int, env: dict[str, str]) -> dict[str, Any]:
         t = time.perf_counter()
         np.copyto(b, a)
         mc.append(time.perf_counter() - t)
-    src.close(), pool.close()
+    src.close()
+    pool.close()
     gbs = lambda xs: round(size / statistics.median(xs) / 1e9, 2)  # noqa: E731
     return {"staged_GBps": gbs(st), "memcpy_GBps": gbs(mc),
             "ratio": round(statistics.median(mc) / statistics.median(st), 2),
@@ -510,7 +516,9 @@ def _tcp_source(url: str, n: int, size: int) -> dict[str, Any]:
     s.setsockopt(zmq.SNDHWM, 4)
     s.connect(url)
     buf = np.ones(size, np.uint8)
-    trackers = [s.send(buf, copy=False, track=True) for _ in range(n + 1)]
+    # pyzmq types data as the PEP 688 Buffer protocol (__buffer__), which numpy's stubs only give
+    # ndarray for Python >= 3.12; at our python_version 3.10 the zero-copy send cannot type-check.
+    trackers = [s.send(buf, copy=False, track=True) for _ in range(n + 1)]  # type: ignore[call-overload]
     for t in trackers:  # ZeroMQ must be done with the buffer before this process may exit
         t.wait(120)
     s.close(linger=-1)
@@ -543,7 +551,7 @@ def _bridge_source(endpoint: str, channel: str, n: int, size: int) -> dict[str, 
             while not free:
                 p.wait_released(120)
             b = free.pop()
-            p.send(b, timeout=120, on_release=lambda t, b=b: free.append(b))
+            p.send(b, timeout=120, on_release=_back_to(free, b))
         p.flush(120)
         for b in bufs:
             b.close()

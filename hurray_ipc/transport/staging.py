@@ -111,5 +111,8 @@ class StagingPool:
                     except DeviceError as e:
                         log.warning("staging: %s", e)
                 slot.close()
-            self._all.clear(), self._free.clear(), self._busy.clear(), self._pinned.clear()
+            self._all.clear()
+            self._free.clear()
+            self._busy.clear()
+            self._pinned.clear()
             self.total = 0
