@@ -8,10 +8,14 @@ import logging
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from hurray_ipc.client.endpoint import default_endpoint
 
 from .server import Broker
+
+if TYPE_CHECKING:  # bridge.py (and its zmq.auth) is imported only when a bridge is asked for
+    from .bridge import BridgeIn, BridgeOut
 
 
 class _JsonFormatter(logging.Formatter):
@@ -23,7 +27,9 @@ class _JsonFormatter(logging.Formatter):
                 raise ValueError
         except ValueError:
             body = {"message": msg}
-        return json.dumps({"ts": round(time.time(), 3), "level": record.levelname.lower(), "logger": record.name, **body})
+        return json.dumps(
+            {"ts": round(time.time(), 3), "level": record.levelname.lower(), "logger": record.name, **body}
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _bridges(a: argparse.Namespace, endpoint: str) -> list:
+def _bridges(a: argparse.Namespace, endpoint: str) -> list[BridgeOut | BridgeIn]:
     """The bridge threads asked for, each a client of this broker (see broker/bridge.py)."""
     if not (a.export or a.imports):
         return []
@@ -78,7 +84,7 @@ def _bridges(a: argparse.Namespace, endpoint: str) -> list:
     if not a.bridge_keys and not a.bridge_insecure:
         raise ValueError("--export/--import need --bridge-keys DIR (CurveZMQ) or --bridge-insecure")
     keys = Path(a.bridge_keys) if a.bridge_keys else None
-    out = []
+    out: list[BridgeOut | BridgeIn] = []
     for spec, make in [(s, "out") for s in a.export] + [(s, "in") for s in a.imports]:
         channel, sep, url = spec.partition("=")
         if not sep or not channel or not url.startswith("tcp://"):
@@ -88,7 +94,9 @@ def _bridges(a: argparse.Namespace, endpoint: str) -> list:
             out.append(BridgeOut(channel, url, endpoint=endpoint, curve=curve, timeout_s=a.timeout))
         else:
             curve = Curve.client(str(keys / "client.key_secret"), str(keys / "server.key")) if keys else None
-            out.append(BridgeIn(channel, url, endpoint=endpoint, curve=curve, device=a.import_device, timeout_s=a.timeout))
+            out.append(
+                BridgeIn(channel, url, endpoint=endpoint, curve=curve, device=a.import_device, timeout_s=a.timeout)
+            )
     return out
 
 

@@ -66,7 +66,7 @@ class Curve:
     clients_dir: str | None = None  # server side: authorised client public keys
 
     @classmethod
-    def server(cls, secret_file: str, clients_dir: str) -> "Curve":
+    def server(cls, secret_file: str, clients_dir: str) -> Curve:
         pub, sec = zmq.auth.load_certificate(secret_file)
         if sec is None:
             raise ValueError(f"{secret_file} holds no secret key")
@@ -75,7 +75,7 @@ class Curve:
         return cls(pub, sec, clients_dir=clients_dir)
 
     @classmethod
-    def client(cls, secret_file: str, server_public_file: str) -> "Curve":
+    def client(cls, secret_file: str, server_public_file: str) -> Curve:
         pub, sec = zmq.auth.load_certificate(secret_file)
         spub, _ = zmq.auth.load_certificate(server_public_file)
         if sec is None:
@@ -105,6 +105,8 @@ class BridgeOut:
         if curve is not None:
             self.auth = ThreadAuthenticator(self.ctx)
             self.auth.start()
+            if curve.clients_dir is None:
+                raise ValueError("a bridge sender needs server keys with a clients directory (Curve.server)")
             self.auth.configure_curve(domain="*", location=curve.clients_dir)
             self.sock.curve_server = True
             self.sock.curve_publickey, self.sock.curve_secretkey = curve.public, curve.secret
@@ -157,7 +159,8 @@ class BridgeOut:
             self._reply(rid, Message("LINK_PONG", {}))
         elif msg.verb == "REJECT":
             self.stats["rejected"] += 1
-            log.warning(json.dumps({"event": "peer_rejected", **{k: msg.header.get(k) for k in ("transfer_id", "reason", "message")}}))
+            detail = {k: msg.header.get(k) for k in ("transfer_id", "reason", "message")}
+            log.warning(json.dumps({"event": "peer_rejected", **detail}))
 
     def _transfer(self, rid: bytes, h: Any) -> None:
         """Stream one handoff; release it exactly once, whatever happens to the link."""
@@ -175,8 +178,12 @@ class BridgeOut:
                 # its tracker says when ZeroMQ is done with it, so the release can follow safely.
                 # Every chunk is tracked: pyzmq copies small frames anyway and reports them done at
                 # once, so the last chunk's tracker says nothing about the earlier ones.
-                trackers.append(self.sock.send_multipart([rid, *head, view[off:off + self.chunk]], copy=False, track=True))
-            self.sock.send_multipart([rid, *Message("TENSOR_DATA_END", {"transfer_id": tid, "total_bytes": handle.size}).encode()])
+                tracker = self.sock.send_multipart([rid, *head, view[off:off + self.chunk]], copy=False, track=True)
+                if tracker is None:  # pyzmq returns a tracker for every track=True send
+                    raise RuntimeError("pyzmq returned no MessageTracker for a tracked send")
+                trackers.append(tracker)
+            end = Message("TENSOR_DATA_END", {"transfer_id": tid, "total_bytes": handle.size})
+            self.sock.send_multipart([rid, *end.encode()])
             deadline = time.monotonic() + self.timeout_s * 4
             for t in trackers:
                 t.wait(max(0.0, deadline - time.monotonic()))
@@ -203,7 +210,9 @@ class BridgeOut:
                 for rid in [r for r, p in self.peers.items() if now - p["seen"] > self.timeout_s]:
                     del self.peers[rid]
                 if self.peers and self.consumer is None:
-                    self.consumer = Consumer(self.local, self.channel, "cpu", prefetch=0, name=f"bridge-out:{self.channel}")
+                    self.consumer = Consumer(
+                        self.local, self.channel, "cpu", prefetch=0, name=f"bridge-out:{self.channel}"
+                    )
                 elif not self.peers and self.consumer is not None:
                     self.consumer.close()
                     self.consumer = None
@@ -271,7 +280,7 @@ class BridgeIn:
             log.warning(json.dumps({"event": "partial_discarded", "transfer_id": self.partial["tid"], "why": why}))
             self.partial = None
 
-    def _handle(self, parts: list[bytes]) -> None:
+    def _handle(self, parts: list[zmq.Frame]) -> None:
         try:
             msg = decode(parts, allowed=LINK_SENDER_VERBS, views=True)
         except ProtocolError as e:
@@ -322,14 +331,17 @@ class BridgeIn:
         """Only now, after TENSOR_DATA_END, may anyone read the buffer: hand it on, PRODUCER_SYNCED."""
         buf = p["buf"]
         if isinstance(self.producer.device, CudaDevice):
+            stream = self.producer.stream
+            if stream is None:  # Producer gives every CUDA device a stream; never expected
+                raise RuntimeError(f"bridge producer on {self.producer.device.identity} has no CUDA stream")
             dev = self.producer.device.allocate(buf.size)
-            self.producer.stream.copy(dev, buf.host_view())
-            self.producer.stream.synchronize()  # visible before the handle leaves: PRODUCER_SYNCED
+            stream.copy(dev, buf.host_view())
+            stream.synchronize()  # visible before the handle leaves: PRODUCER_SYNCED
             buf.close()
             buf = dev
         meta = p["meta"].get("user")
         try:
-            self.producer.send(buf, SyncMode.PRODUCER_SYNCED, on_release=lambda t, b=buf: b.close(), meta=meta)
+            self.producer.send(buf, SyncMode.PRODUCER_SYNCED, on_release=lambda _ticket: buf.close(), meta=meta)
             self.stats["delivered"] += 1
         except (BrokerUnavailable, TimeoutError) as e:
             # The local broker is gone: this buffer cannot be handed on. Drop it (loudly) and keep
@@ -406,7 +418,9 @@ def main(argv: list[str] | None = None) -> int:
             bridge: Any = BridgeOut(a.channel, a.listen, endpoint=a.endpoint, curve=curve, timeout_s=a.timeout)
         else:
             curve = None if a.insecure else Curve.client(a.client_key or "", a.server_public or "")
-            bridge = BridgeIn(a.channel, a.connect, endpoint=a.endpoint, curve=curve, device=a.device, timeout_s=a.timeout)
+            bridge = BridgeIn(
+                a.channel, a.connect, endpoint=a.endpoint, curve=curve, device=a.device, timeout_s=a.timeout
+            )
     except (OSError, ValueError) as e:
         print(f"bridge: {e} (CurveZMQ keys are required unless --insecure)", file=sys.stderr)
         return 2

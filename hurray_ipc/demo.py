@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,12 @@ from . import workload
 from .cli import caps as caps_cli
 from .cli import inspect as inspect_cli
 from .format.handle import BufferHandle, DeviceTag, SyncMode
+
+
+def _closer(buf: Any) -> Callable[[object], None]:
+    """An ``on_release`` callback that closes ``buf`` (bound now, not when it runs)."""
+    return lambda _ticket: buf.close()
+
 
 def choose_cuda() -> tuple[dict[str, str], str]:
     """The environment for the GPU scenarios: real CUDA if it works here, else the emulation."""
@@ -55,12 +62,16 @@ def in_process(endpoint: str, env: dict[str, str], count: int, size: int) -> dic
     modes: dict[str, int] = {}
     intact = 0
     with Producer(endpoint, "inproc", dev) as p, Consumer(endpoint, "inproc", dev, stream=cstream) as c:
+        pstream = p.stream
+        if pstream is None:  # Producer gives every CUDA device a stream; never expected
+            raise RuntimeError(f"producer on {dev.identity} has no CUDA stream")
+
         def produce() -> None:
             for i in range(count):
                 buf = p.allocate(size)
-                p.stream.copy(buf, workload.pattern(1, i, size))
+                pstream.copy(buf, workload.pattern(1, i, size))
                 mode = SyncMode.CONSUMER_STREAM if i % 2 == 0 else SyncMode.EVENT
-                p.send(buf, mode, on_release=lambda t, b=buf: b.close())
+                p.send(buf, mode, on_release=_closer(buf))
 
         th = threading.Thread(target=produce)
         th.start()

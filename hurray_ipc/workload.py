@@ -12,8 +12,10 @@ import multiprocessing as mp
 import os
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -180,12 +182,14 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
                     buf = free.pop()
                     data = pattern(tag, seq, size)
                     if isinstance(p.device, CudaDevice):
+                        if writer is None:  # Producer gives every CUDA device a stream; never expected
+                            raise RuntimeError(f"producer on {p.device.identity} has no CUDA stream to write on")
                         writer.copy(buf, data)  # async: still in flight when the handle leaves
                         host[seq % pool] = data  # an async copy's source must outlive it
                     else:
                         np.frombuffer(buf.host_view(), dtype=np.uint8)[:] = data
                     seq += 1
-                    t = p.send(buf, pref, timeout=timeout, on_release=lambda t, b=buf: back(t, b))
+                    t = p.send(buf, pref, timeout=timeout, on_release=partial(back, buf=buf))
                     outage = None
                     rep.sent += 1
                     _bump(counters, P_SENT)
@@ -207,7 +211,7 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
             _bump(counters, P_DOUBLE, p.unknown_releases)
             for buf in free:
                 buf.close()
-    except Exception:
+    except Exception:  # noqa: BLE001 - not swallowed: the traceback goes to the parent in rep.error
         rep.error = traceback.format_exc()
     # Counted on every exit: a race the checker raised as RaceError is still a race found.
     rep.races = emulated_races(dev)
@@ -264,6 +268,8 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
                     if h.buffer.on_host:
                         out[:] = h.buffer.numpy().reshape(-1).view(np.uint8)
                     else:
+                        if reader is None:  # a device-memory handoff only reaches a CUDA consumer
+                            raise RuntimeError(f"device-memory handoff on {c.device.identity}, which has no stream")
                         reader.copy(out, h.buffer.device_buffer)  # our own read, on our stream
                         if fence is not None:
                             h.release(stream=fence)  # the injected fault: fenced on the wrong stream
@@ -296,6 +302,6 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
                     rep.producer_gone += 1
                     _bump(counters, C_PRODUCER_GONE)
                     release(h)
-    except Exception:
+    except Exception:  # noqa: BLE001 - not swallowed: the traceback goes to the parent in rep.error
         rep.error = traceback.format_exc()
     return asdict(rep)

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from .stall import measure
-from .suite import bench_hurray, bench_torch, markdown, machine
+from .suite import bench_hurray, bench_torch, machine, markdown
 
 
 def main() -> int:

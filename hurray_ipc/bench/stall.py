@@ -9,11 +9,12 @@ import json
 import statistics
 import sys
 import time
+from typing import Any
 
 from ..devices import open_device
 
 
-def measure(spec: str = "cuda:0", size: int = 64 << 20, work: int = 8, rounds: int = 30) -> dict[str, object]:
+def measure(spec: str = "cuda:0", size: int = 64 << 20, work: int = 8, rounds: int = 30) -> dict[str, Any]:
     dev = open_device(spec)
     s = dev.create_stream()
     buf = dev.allocate(size)
@@ -30,7 +31,9 @@ def measure(spec: str = "cuda:0", size: int = 64 << 20, work: int = 8, rounds: i
                 ev.record(s)
             out[mode].append(time.perf_counter() - t0)
             s.synchronize()  # drain before the next round so both modes start alike
-    ev.close(), buf.close(), s.close()
+    ev.close()
+    buf.close()
+    s.close()
     med = {m: statistics.median(v) for m, v in out.items()}
     return {
         "device": dev.identity.spec, "emulated": dev.identity.emulated, "buffer_bytes": size,

@@ -15,8 +15,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -100,6 +102,11 @@ def bench_zmq_echo(tmp: Path, n: int) -> dict[str, Any]:
 
 # --- Hurray ----------------------------------------------------------------------------------
 
+def _back_to(free: list[Any], buf: Any) -> Callable[[object], None]:
+    """An ``on_release`` callback that puts ``buf`` (bound now, not when it runs) back on ``free``."""
+    return lambda _ticket: free.append(buf)
+
+
 def _hurray_producer(endpoint: str, channel: str, device: str, size: int, n: int, env: dict[str, str],
                      mode: str | None) -> dict[str, Any]:
     os.environ.update(env)
@@ -125,7 +132,7 @@ def _hurray_producer(endpoint: str, channel: str, device: str, size: int, n: int
             while not free:
                 p.wait_released(30)
             b = free.pop()
-            p.send(b, pref, block=False, on_release=lambda t, b=b: free.append(b))
+            p.send(b, pref, block=False, on_release=_back_to(free, b))
         p.flush(60)
         rate = n / (time.perf_counter() - t0)
         for b in bufs:
@@ -200,7 +207,8 @@ def _mpq_producer(q: Any, ack: Any, size: int, n: int) -> dict[str, Any]:
 
 def bench_mp_queue(size: int, n: int) -> dict[str, Any]:
     q, ack = SPAWN.Queue(), SPAWN.Queue()
-    pr, cr = _pair((_mpq_producer, {"q": q, "ack": ack, "size": size, "n": n}), (_queue_consumer, {"q": q, "ack": ack, "n": n}))
+    pr, cr = _pair((_mpq_producer, {"q": q, "ack": ack, "size": size, "n": n}),
+                   (_queue_consumer, {"q": q, "ack": ack, "n": n}))
     return {"name": "multiprocessing.Queue + numpy", "what": "one-way (pickled copy)", "size": size,
             "latency": cr["latency"], "per_s": pr["per_s"]}
 
@@ -256,7 +264,8 @@ def _shm_consumer(q: Any, ack: Any, n: int) -> dict[str, Any]:
 
 def bench_shared_memory(size: int, n: int) -> dict[str, Any]:
     q, ack = SPAWN.Queue(), SPAWN.Queue()
-    pr, cr = _pair((_shm_producer, {"q": q, "ack": ack, "size": size, "n": n}), (_shm_consumer, {"q": q, "ack": ack, "n": n}))
+    pr, cr = _pair((_shm_producer, {"q": q, "ack": ack, "size": size, "n": n}),
+                   (_shm_consumer, {"q": q, "ack": ack, "n": n}))
     return {"name": "shared_memory + names via Queue", "what": "one-way (zero copy)", "size": size,
             "latency": cr["latency"], "per_s": pr["per_s"]}
 
@@ -280,7 +289,9 @@ def bench_torch(size: int, n: int, device: str = "cpu") -> dict[str, Any]:
         return {**row, "skipped": "torch is not installed"}
     ctx = tmp.get_context("spawn")
     q, ack = ctx.Queue(), ctx.Queue()
-    pp = ctx.Process(target=run_into_queue, args=(_torch_producer, {"q": q, "ack": ack, "size": size, "n": n, "device": device}, rq := ctx.Queue()))
+    pp = ctx.Process(target=run_into_queue,
+                     args=(_torch_producer, {"q": q, "ack": ack, "size": size, "n": n, "device": device},
+                           rq := ctx.Queue()))
     pc = ctx.Process(target=run_into_queue, args=(_queue_consumer, {"q": q, "ack": ack, "n": n}, rc := ctx.Queue()))
     pp.start(), pc.start()
     pr, cr = rq.get(timeout=300), rc.get(timeout=300)
@@ -316,9 +327,11 @@ def _staging(size: int, reps: int, env: dict[str, str]) -> dict[str, Any]:
         t = time.perf_counter()
         np.copyto(b, a)
         mc.append(time.perf_counter() - t)
-    src.close(), pool.close()
+    src.close()
+    pool.close()
     gbs = lambda xs: round(size / statistics.median(xs) / 1e9, 2)  # noqa: E731
-    return {"staged_GBps": gbs(st), "memcpy_GBps": gbs(mc), "ratio": round(statistics.median(mc) / statistics.median(st), 2),
+    return {"staged_GBps": gbs(st), "memcpy_GBps": gbs(mc),
+            "ratio": round(statistics.median(mc) / statistics.median(st), 2),
             "backend": gpu.identity.emulated and "emulated" or "real"}
 
 
@@ -361,23 +374,29 @@ def run_suite(sizes: list[int], n_small: int, n_large: int, progress: Callable[[
         rows.append(bench_zmq_echo(tmp, n_small))
         for size in sizes:
             n = n_small if size <= (1 << 20) else n_large
-            for label, fn in [
-                ("cpu", lambda: bench_hurray(ep, "cpu", "cpu", "cpu", size, n, {})),
-                ("emulated cuda", lambda: bench_hurray(ep, "emulated cuda", "cuda:0", "cuda:0", size, n, emu)),
-                ("mp.Queue", lambda: bench_mp_queue(size, n)),
-                ("shared_memory", lambda: bench_shared_memory(size, n)),
-                ("torch", lambda: bench_torch(size, n)),
-                ("staging", lambda: bench_staging(size, max(5, n // 4), emu)),
-            ]:
+            # partial binds size and n now (a closure would read them late; here they are called
+            # in the same iteration, but bound arguments make that independent of when they run).
+            rows_fns: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+                ("cpu", partial(bench_hurray, ep, "cpu", "cpu", "cpu", size, n, {})),
+                ("emulated cuda", partial(bench_hurray, ep, "emulated cuda", "cuda:0", "cuda:0", size, n, emu)),
+                ("mp.Queue", partial(bench_mp_queue, size, n)),
+                ("shared_memory", partial(bench_shared_memory, size, n)),
+                ("torch", partial(bench_torch, size, n)),
+                ("staging", partial(bench_staging, size, max(5, n // 4), emu)),
+            ]
+            for label, fn in rows_fns:
                 progress(f"{label} {size}")
                 try:
                     rows.append(fn())
                 except Exception as e:  # noqa: BLE001
                     rows.append({"name": label, "size": size, "skipped": f"failed: {e}"})
             if size >= 64 << 20:  # the cross-machine rows: bandwidth, for big buffers only
-                for label, fn in [("tcp", lambda: bench_tcp(size, n // 4 or 2)),
-                                  ("bridge", lambda: bench_bridge(tmp, size, n // 4 or 2, curve=False)),
-                                  ("bridge curve", lambda: bench_bridge(tmp, size, n // 4 or 2, curve=True))]:
+                net_fns: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+                    ("tcp", partial(bench_tcp, size, n // 4 or 2)),
+                    ("bridge", partial(bench_bridge, tmp, size, n // 4 or 2, curve=False)),
+                    ("bridge curve", partial(bench_bridge, tmp, size, n // 4 or 2, curve=True)),
+                ]
+                for label, fn in net_fns:
                     progress(f"{label} {size}")
                     try:
                         rows.append(fn())
@@ -410,8 +429,8 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         small, large = min(hurray_cpu), max(hurray_cpu)
         if large != small:
             ratio = hurray_cpu[large]["latency"]["p50_us"] / hurray_cpu[small]["latency"]["p50_us"]
-            out.append({"target": f"{large} B zero-copy handoff within 1.5x of {small} B (p50)", "value": round(ratio, 2),
-                        "met": ratio <= 1.5})
+            out.append({"target": f"{large} B zero-copy handoff within 1.5x of {small} B (p50)",
+                        "value": round(ratio, 2), "met": ratio <= 1.5})
     return out
 
 
@@ -439,7 +458,8 @@ def markdown(res: dict[str, Any]) -> str:
             notes = r.get("what", "")
             if r.get("modes"):
                 notes += "; " + ", ".join(r["modes"])
-            lines.append(f"| {r['name']} | {human(r.get('size'))} | {r['latency']['p50_us']} | {r['latency']['p99_us']} | "
+            lat = r["latency"]
+            lines.append(f"| {r['name']} | {human(r.get('size'))} | {lat['p50_us']} | {lat['p99_us']} | "
                          f"{r['per_s']} | {notes} |")
     if res.get("targets"):
         lines += ["", "| target | measured | met |", "|---|---:|---|"]
@@ -496,7 +516,9 @@ def _tcp_source(url: str, n: int, size: int) -> dict[str, Any]:
     s.setsockopt(zmq.SNDHWM, 4)
     s.connect(url)
     buf = np.ones(size, np.uint8)
-    trackers = [s.send(buf, copy=False, track=True) for _ in range(n + 1)]
+    # pyzmq types data as the PEP 688 Buffer protocol (__buffer__), which numpy's stubs only give
+    # ndarray for Python >= 3.12; at our python_version 3.10 the zero-copy send cannot type-check.
+    trackers = [s.send(buf, copy=False, track=True) for _ in range(n + 1)]  # type: ignore[call-overload]
     for t in trackers:  # ZeroMQ must be done with the buffer before this process may exit
         t.wait(120)
     s.close(linger=-1)
@@ -529,7 +551,7 @@ def _bridge_source(endpoint: str, channel: str, n: int, size: int) -> dict[str, 
             while not free:
                 p.wait_released(120)
             b = free.pop()
-            p.send(b, timeout=120, on_release=lambda t, b=b: free.append(b))
+            p.send(b, timeout=120, on_release=_back_to(free, b))
         p.flush(120)
         for b in bufs:
             b.close()
@@ -546,9 +568,11 @@ def bench_bridge(tmp: Path, size: int, n: int, curve: bool) -> dict[str, Any]:
     url = f"tcp://127.0.0.1:{port}"
     tag = "curve" if curve else "plain"
     a, b = f"ipc://{tmp}/a-{tag}.sock", f"ipc://{tmp}/b-{tag}.sock"
-    procs = [subprocess.Popen([sys.executable, "-m", "broker", "--endpoint", ep, "--log-level", "error"]) for ep in (a, b)]
+    procs = [subprocess.Popen([sys.executable, "-m", "broker", "--endpoint", ep, "--log-level", "error"])
+             for ep in (a, b)]
     if curve:
-        subprocess.run([sys.executable, "-m", "broker.bridge", "keygen", str(tmp / "keys")], check=True, capture_output=True)
+        subprocess.run([sys.executable, "-m", "broker.bridge", "keygen", str(tmp / "keys")],
+                       check=True, capture_output=True)
         out_sec = ["--server-key", str(tmp / "keys/server.key_secret"), "--clients", str(tmp / "keys/clients")]
         in_sec = ["--client-key", str(tmp / "keys/client.key_secret"), "--server-public", str(tmp / "keys/server.key")]
     else:

@@ -22,7 +22,9 @@ from .stress import parse_size
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hurray-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="hurray-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--sizes", default="4K,1M,64M", help="comma-separated buffer sizes")
     p.add_argument("--iterations", type=int, default=None, help="round trips per row for sizes <= 1 MiB")
     p.add_argument("--full", action="store_true", help="2000 / 200 iterations instead of 300 / 40")

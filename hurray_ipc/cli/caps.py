@@ -76,12 +76,15 @@ def render(d: dict[str, Any]) -> str:
         lines.append(f"  {name:<22} {'valid' if why is None else 'excluded: ' + why}")
     lines.append(f"  host-staged copy       {'yes' if d.get('host_staged') else 'no'}")
     for c in d.get("consumers", []):
-        lines.append(f"  consumer {c.get('name') or c['consumer_id'][:8]}: {', '.join(c['valid_sync_modes']) or 'host-staged'}")
+        modes = ", ".join(c["valid_sync_modes"]) or "host-staged"
+        lines.append(f"  consumer {c.get('name') or c['consumer_id'][:8]}: {modes}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hurray-caps", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="hurray-caps", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--broker", help="ask this running broker (else probe locally)")
     p.add_argument("--channel", help="with --broker: answer for the consumers of this channel")
     p.add_argument("--device", required=True, help="cpu or cuda:N (the producer's device)")

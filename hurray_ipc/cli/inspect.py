@@ -53,7 +53,9 @@ def describe(handle: BufferHandle) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hurray-inspect", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="hurray-inspect", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("handle", help="HEX, @FILE or - (stdin)")
     p.add_argument("--json", action="store_true", help="print JSON")
     args = p.parse_args(argv)

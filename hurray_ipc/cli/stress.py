@@ -22,12 +22,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .. import workload
 from ..devices import shm
+
 
 def parse_size(text: str) -> int:
     t = text.strip().upper().removesuffix("B").removesuffix("I")
@@ -145,7 +147,7 @@ class Runner:
         if role == "producer":
             kw = dict(common, count=share, size=self.cfg.size, mode=self.cfg.mode, duration=self.cfg.duration,
                       timeout=30.0, inject=self.cfg.inject if self.cfg.inject in workload.PRODUCER_INJECTIONS else None)
-            fn = workload.run_producer
+            fn: Callable[..., dict[str, Any]] = workload.run_producer
         else:
             kw = dict(common, count=None, idle_stop=max(3.0, 2 * self.cfg.timeout), keep_seen=False, timeout=30.0,
                       inject=self.cfg.inject if self.cfg.inject in workload.CONSUMER_INJECTIONS else None)
@@ -229,7 +231,8 @@ class Runner:
         self.broker.wait(10)  # type: ignore[union-attr]
         time.sleep(0.2)
         left = sorted(set(shm.list_segments()) - before)
-        self.summary.events_left = sum(1 for n in left if shm.parse_name(n)[2] == "v")
+        # list_segments() returns only names parse_name() recognises; the None check states it.
+        self.summary.events_left = sum(1 for n in left if (parsed := shm.parse_name(n)) and parsed[2] == "v")
         self.summary.segments_left = len(left) - self.summary.events_left
         shm.cleanup_stale()
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -281,7 +284,9 @@ def render(s: StressSummary) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hurray-stress", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="hurray-stress", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     d = StressConfig()
     p.add_argument("--producers", type=int, default=d.producers)
     p.add_argument("--consumers", type=int, default=d.consumers)

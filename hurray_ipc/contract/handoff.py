@@ -15,9 +15,11 @@ nothing is freed twice.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..format.handle import BufferHandle, DeviceTag, SyncMode
 
@@ -139,7 +141,7 @@ class Handoff:
                 pass  # a concurrent release_event() won the race; that is the one release
         self._take("_release", "the buffer")()
 
-    def __enter__(self) -> "Handoff":
+    def __enter__(self) -> Handoff:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -159,10 +161,9 @@ class Handoff:
             fn = getattr(self, attr, None)
             setattr(self, attr, None)
             if fn is not None:
-                try:
+                # A finaliser must not raise: suppress whatever the release hits at collection time.
+                with contextlib.suppress(Exception):
                     fn()
-                except Exception:  # noqa: BLE001 - a finaliser must not raise
-                    pass
 
     def __repr__(self) -> str:
         state = "released" if self.released else "held"

@@ -18,7 +18,7 @@ class Transport(enum.Enum):
     NETWORK = "network"
 
     @classmethod
-    def parse(cls, text: str) -> "Transport":
+    def parse(cls, text: str) -> Transport:
         for t in cls:
             if text in (t.value, t.name, t.name.lower()):
                 return t

@@ -27,7 +27,7 @@ def parse_spec(spec: str) -> tuple[str, int]:
 _open: dict[str, Device] = {}
 
 
-def open_device(spec: "str | Device") -> Device:
+def open_device(spec: str | Device) -> Device:
     """The process-wide device for a spec ('cpu', 'cuda:0'), created once."""
     if isinstance(spec, Device):
         return spec

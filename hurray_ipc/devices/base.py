@@ -12,8 +12,9 @@ import os
 import socket
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -48,7 +49,7 @@ class DeviceIdentity:
                 "emulated": self.emulated, "host": self.host}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DeviceIdentity":
+    def from_dict(cls, d: dict[str, Any]) -> DeviceIdentity:
         return cls(str(d["kind"]), int(d["ordinal"]), str(d["uuid"]), str(d.get("pci_bus_id", "")),
                    bool(d.get("emulated", False)), str(d.get("host", "")))
 
@@ -71,7 +72,7 @@ class DeviceCapabilities:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DeviceCapabilities":
+    def from_dict(cls, d: dict[str, Any]) -> DeviceCapabilities:
         return cls(bool(d["ipc_memory"]), bool(d["ipc_events"]), bool(d.get("ipc_streams", False)),
                    tuple(str(p) for p in d.get("peers", ())),
                    tuple((str(k), str(v)) for k, v in dict(d.get("why_not") or {}).items()))
@@ -89,7 +90,7 @@ class MemoryExport:
 class Buffer:
     """A span of memory on one device. ``ptr`` is an address valid in this process only."""
 
-    def __init__(self, device: "Device", ptr: int, size: int, *, closer: Callable[[], None] | None = None,
+    def __init__(self, device: Device, ptr: int, size: int, *, closer: Callable[[], None] | None = None,
                  host: memoryview | None = None, imported: bool = False):
         self.device = device
         self.ptr = ptr
@@ -115,7 +116,7 @@ class Buffer:
         if closer is not None:
             closer()
 
-    def __enter__(self) -> "Buffer":
+    def __enter__(self) -> Buffer:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -163,10 +164,10 @@ def resolve_copy(dst: Any, src: Any, nbytes: int | None, keep: list[Any]) -> tup
 
 
 class Event(ABC):
-    device: "Device"
+    device: Device
 
     @abstractmethod
-    def record(self, stream: "Stream") -> None: ...
+    def record(self, stream: Stream) -> None: ...
 
     @abstractmethod
     def synchronize(self) -> None: ...
@@ -181,7 +182,7 @@ class Event(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
-    def __enter__(self) -> "Event":
+    def __enter__(self) -> Event:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -191,7 +192,7 @@ class Event(ABC):
 class Stream(ABC):
     """An in-order queue of device work. Copies take Buffers, device pointers or host buffers."""
 
-    device: "Device"
+    device: Device
 
     @property
     @abstractmethod
@@ -220,7 +221,7 @@ class Stream(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
-    def __enter__(self) -> "Stream":
+    def __enter__(self) -> Stream:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -275,7 +276,7 @@ class Device(ABC):
     def close(self) -> None:
         pass
 
-    def __enter__(self) -> "Device":
+    def __enter__(self) -> Device:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -24,7 +24,9 @@ from .errors import DeviceError
 class CudaEvent(Event):
     """An event. Exported (owned) events are destroyed on close; imported ones drop our copy."""
 
-    def __init__(self, device: "CudaDevice", raw: Any, *, interprocess: bool, imported: bool = False):
+    device: CudaDevice  # narrows Event.device: a CUDA event only ever belongs to a CudaDevice
+
+    def __init__(self, device: CudaDevice, raw: Any, *, interprocess: bool, imported: bool = False):
         self.device = device
         self.raw = raw
         self.interprocess = interprocess
@@ -36,7 +38,7 @@ class CudaEvent(Event):
             raise DeviceError("event", "event already destroyed")
         return self.raw
 
-    def record(self, stream: "Stream") -> None:
+    def record(self, stream: Stream) -> None:
         if not isinstance(stream, CudaStream):
             raise DeviceError("cudaEventRecord", f"{stream!r} is not a CUDA stream")
         self.device.activate()
@@ -64,7 +66,9 @@ class CudaEvent(Event):
 
 
 class CudaStream(Stream):
-    def __init__(self, device: "CudaDevice", raw: Any, *, owned: bool = True):
+    device: CudaDevice  # narrows Stream.device: a CUDA stream only ever belongs to a CudaDevice
+
+    def __init__(self, device: CudaDevice, raw: Any, *, owned: bool = True):
         self.device = device
         self.raw = raw
         self.owned = owned
@@ -143,7 +147,7 @@ class CudaDevice(Device):
         self._owned: dict[int, bytes | None] = {}
         self._caps: DeviceCapabilities | None = None
         # handle -> the one CudaStream object standing for it, so coerced streams compare by identity
-        self._by_handle: "weakref.WeakValueDictionary[int, CudaStream]" = weakref.WeakValueDictionary()
+        self._by_handle: weakref.WeakValueDictionary[int, CudaStream] = weakref.WeakValueDictionary()
 
     def activate(self) -> None:
         """Make this device current on the calling thread before a runtime call that acts on it.
@@ -205,6 +209,7 @@ class CudaDevice(Device):
             def close() -> None:
                 self.activate()
                 self.rt.ipc_close_mem_handle(base)
+
             try:
                 _, size = self.rt.mem_range(base)  # the real allocation's size, not what the sender says
             except BaseException:

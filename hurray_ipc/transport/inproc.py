@@ -27,7 +27,9 @@ def take(key: str) -> Any:
         try:
             return _refs.pop(key)
         except KeyError:
-            raise KeyError(f"in-process handoff reference {key!r} is unknown (already taken, or another process)") from None
+            raise KeyError(
+                f"in-process handoff reference {key!r} is unknown (already taken, or another process)"
+            ) from None
 
 
 def drop(key: str) -> None:

@@ -4,14 +4,16 @@ Accepted, in this order: a device-layer :class:`Buffer`; an object with
 ``__cuda_array_interface__`` (CuPy, PyTorch CUDA tensors, Numba); a CUDA object with only
 ``__dlpack__`` (JAX); an object with ``__dlpack__`` on the CPU (converted through
 ``numpy.from_dlpack``, no copy); anything exposing the buffer protocol (numpy, bytes, memoryview).
-For GPU objects the source also names the stream the producer must order after (see :func:`resolve`). Host memory that is not already in our shared memory is copied once
+For GPU objects the source also names the stream the producer must order after (see
+:func:`resolve`). Host memory that is not already in our shared memory is copied once
 into a shared-memory buffer, since another process can only map shared memory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

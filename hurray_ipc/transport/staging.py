@@ -51,7 +51,9 @@ class StagingPool:
                 log.warning("staging slots stay unpinned: %s", e)
         self._unpin_with = self.pin_with  # stays set when pinning is given up: earlier slots are pinned
         self._pinned: set[int] = set()  # id() of the slots cudaHostRegister accepted
-        self.max_bytes = max_bytes if max_bytes is not None else int(os.environ.get("HURRAY_STAGING_BYTES", str(1 << 30)))
+        if max_bytes is None:
+            max_bytes = int(os.environ.get("HURRAY_STAGING_BYTES", str(1 << 30)))
+        self.max_bytes = max_bytes
         self._free: dict[int, list[Buffer]] = {}
         self._busy: set[int] = set()
         self._all: list[Buffer] = []
@@ -67,7 +69,9 @@ class StagingPool:
                 slot = free.pop()
             else:
                 if self.total + cls > self.max_bytes:
-                    raise StagingExhausted("staging", f"pool at its limit ({self.total} of {self.max_bytes} bytes in slots)")
+                    raise StagingExhausted(
+                        "staging", f"pool at its limit ({self.total} of {self.max_bytes} bytes in slots)"
+                    )
                 slot = self.cpu.allocate(cls)
                 self._pin(slot)
                 self.total += cls
@@ -107,5 +111,8 @@ class StagingPool:
                     except DeviceError as e:
                         log.warning("staging: %s", e)
                 slot.close()
-            self._all.clear(), self._free.clear(), self._busy.clear(), self._pinned.clear()
+            self._all.clear()
+            self._free.clear()
+            self._busy.clear()
+            self._pinned.clear()
             self.total = 0

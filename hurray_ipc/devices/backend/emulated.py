@@ -42,8 +42,9 @@ import struct
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -85,7 +86,7 @@ class EmulationConfig:
     race_check: bool = True
 
     @classmethod
-    def from_env(cls) -> "EmulationConfig":
+    def from_env(cls) -> EmulationConfig:
         try:
             devices = int(os.environ.get("HURRAY_EMU_DEVICES", "2"))
             delay = float(os.environ.get("HURRAY_EMU_DELAY_MS", "2")) / 1000.0
@@ -243,7 +244,7 @@ class _Stream:
 
     _ids = itertools.count(1)
 
-    def __init__(self, runtime: "EmulatedRuntime", device: int, label: str = ""):
+    def __init__(self, runtime: EmulatedRuntime, device: int, label: str = ""):
         self.id = 0x5EA0_0000 + next(self._ids)
         self.device = device
         self.rt = runtime
@@ -251,7 +252,7 @@ class _Stream:
         self.agent = new_agent()  # happens-before state, guarded by the runtime's _hb lock
         self.clock: hb.Clock = {}
         self.count = 0
-        self.q: "queue.Queue[Callable[[], None] | None]" = queue.Queue()
+        self.q: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self.pending = 0
         self.cv = threading.Condition()
         self.error: DeviceError | None = None
@@ -309,7 +310,7 @@ class EmulatedRuntime(Runtime):
         self._default: dict[int, _Stream] = {}
         self.races: list[str] = []  # every race this runtime found (its race counter is len(races))
         self._unraised: list[str] = []  # found, not yet raised at a synchronize
-        self._streams: "weakref.WeakSet[_Stream]" = weakref.WeakSet()
+        self._streams: weakref.WeakSet[_Stream] = weakref.WeakSet()
         # Happens-before state: this runtime's host agent and clock. One lock orders every clock
         # update of this runtime with the enqueue it belongs to.
         self._hb = threading.RLock()
@@ -359,7 +360,8 @@ class EmulatedRuntime(Runtime):
     def _check(self, a: _Alloc, ptr: int, nbytes: int, is_write: bool, agent: int, clock: hb.Clock,
                where: str, call: str) -> None:
         lo = ptr - a.base
-        rec = self._record(agent, clock[agent], f"{where} {call} {'write' if is_write else 'read'} [{lo}, {lo + nbytes})")
+        access = "write" if is_write else "read"
+        rec = self._record(agent, clock[agent], f"{where} {call} {access} [{lo}, {lo + nbytes})")
         found = a.access(lo, lo + nbytes, is_write, rec, clock)
         if found:
             self.races.extend(found)
@@ -521,10 +523,12 @@ class EmulatedRuntime(Runtime):
 
     def ipc_get_mem_handle(self, base: int) -> bytes:
         if not self.config.ipc_memory:
-            raise DeviceError("cudaIpcGetMemHandle", "IPC memory disabled in this emulation", code="cudaErrorNotSupported")
+            raise DeviceError("cudaIpcGetMemHandle", "IPC memory disabled in this emulation",
+                              code="cudaErrorNotSupported")
         a = self._allocs.get(base)
         if a is None:
-            raise DeviceError("cudaIpcGetMemHandle", f"0x{base:x} is not an allocation base", code="cudaErrorInvalidValue")
+            raise DeviceError("cudaIpcGetMemHandle", f"0x{base:x} is not an allocation base",
+                              code="cudaErrorInvalidValue")
         return _BLOB.pack(_MEM_MAGIC, a.device, os.getpid(), a.size, a.seg.name.encode())
 
     def ipc_open_mem_handle(self, blob: bytes) -> int:
@@ -606,7 +610,8 @@ class EmulatedRuntime(Runtime):
         for st in list(self._streams):
             if st.id == ident:
                 return st
-        raise DeviceError("stream", f"no emulated stream {ident:#x} in this process", code="cudaErrorInvalidResourceHandle")
+        raise DeviceError("stream", f"no emulated stream {ident:#x} in this process",
+                          code="cudaErrorInvalidResourceHandle")
 
     def stream_wait_event(self, stream: Any, event: Any) -> None:
         ev = self._event(event, "cudaStreamWaitEvent")
@@ -635,7 +640,8 @@ class EmulatedRuntime(Runtime):
         d, s = self._find(dst), self._find(src)
         for a, p, what in ((d, dst, "destination"), (s, src, "source")):
             if a is not None and p + nbytes > a.base + a.size:
-                raise DeviceError("cudaMemcpyAsync", f"{what} range exceeds its allocation", code="cudaErrorInvalidValue")
+                raise DeviceError("cudaMemcpyAsync", f"{what} range exceeds its allocation",
+                                  code="cudaErrorInvalidValue")
         delay = self.config.op_delay_s
 
         def copy() -> None:
@@ -734,7 +740,8 @@ class EmulatedRuntime(Runtime):
     def ipc_get_event_handle(self, event: Any) -> bytes:
         ev = self._event(event, "cudaIpcGetEventHandle")
         if not self.config.ipc_events:
-            raise DeviceError("cudaIpcGetEventHandle", "IPC events disabled in this emulation", code="cudaErrorNotSupported")
+            raise DeviceError("cudaIpcGetEventHandle", "IPC events disabled in this emulation",
+                              code="cudaErrorNotSupported")
         if not ev.interprocess:
             raise DeviceError("cudaIpcGetEventHandle", "event was not created with cudaEventInterprocess",
                               code="cudaErrorInvalidResourceHandle")

@@ -21,7 +21,7 @@ unordered pair is reported whether the read or the write came first.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 Clock = dict  # dict[int, int]: agent id -> the count of that agent's operations known to be done
 

@@ -25,8 +25,8 @@ def _import_bindings():
     try:
         from cuda.bindings import driver, runtime
     except ImportError:  # cuda-python < 12.6 spells it cuda.cudart
-        from cuda import cuda as driver  # type: ignore[no-redef]
-        from cuda import cudart as runtime  # type: ignore[no-redef]
+        from cuda import cuda as driver
+        from cuda import cudart as runtime
     return runtime, driver
 
 
