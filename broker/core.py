@@ -285,7 +285,8 @@ class BrokerCore:
                 if key[0] in self.clients:
                     self._send(key[0], Message("RELEASED", {"handoff_id": key[1], "reason": "consumer_gone"}))
         # Deliveries a consumer re-registered whose producer never came back to this broker.
-        lost = [d for d in self.deliveries.values() if d.producer not in self.clients and now - d.since > self.timeout_s]
+        lost = [d for d in self.deliveries.values()
+                if d.producer not in self.clients and now - d.since > self.timeout_s]
         if lost:
             self._producer_gone(lost)
         return self._take()
@@ -620,7 +621,7 @@ class BrokerCore:
     def on_caps(self, rid: bytes, msg: Message) -> None:
         """CAPS {device: endpoint, peer?: endpoint, channel?, transport?} -> CAPS_REPLY."""
         request_id = msg.header.get("request_id")
-        if request_id is not None and not isinstance(request_id, (str, int)):
+        if request_id is not None and not isinstance(request_id, str | int):
             raise ProtocolError("bad_header", "request_id must be a string or an integer", field="request_id")
         try:
             me = Endpoint.from_dict(field_of(msg, "device", dict))

@@ -29,7 +29,6 @@ import zmq
 from hurray_ipc.devices import shm
 from hurray_ipc.devices.base import host_id
 from hurray_ipc.transport import liveness
-from hurray_ipc.transport.protocol import Message
 
 from .core import MAX_CREDITS, BrokerCore, CleanSegments, Client, Out, Send
 from .lock import BrokerAlreadyRunning, EndpointLock, acquire_endpoint

@@ -16,7 +16,7 @@ class BrokerProcess:
         self.timeout = timeout
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "BrokerProcess":
+    def start(self) -> BrokerProcess:
         path = Path(self.endpoint[len("ipc://"):])
         if path.exists():
             path.unlink()

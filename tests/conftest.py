@@ -10,9 +10,8 @@ import pytest
 
 from brokerproc import BrokerProcess
 from hurray_ipc import workload
-
 from hurray_ipc.devices import CpuDevice, CudaDevice
-from hurray_ipc.devices.backend.emulated import EmulationConfig, EmulatedRuntime
+from hurray_ipc.devices.backend.emulated import EmulatedRuntime, EmulationConfig
 from hurray_ipc.devices.backend.real import RealRuntime
 
 SPAWN = mp.get_context("spawn")

@@ -43,7 +43,8 @@ def two_brokers(tmp_path):
 @pytest.fixture
 def keys(tmp_path):
     d = tmp_path / "keys"
-    assert subprocess.run([sys.executable, "-m", "broker.bridge", "keygen", str(d)], capture_output=True).returncode == 0
+    r = subprocess.run([sys.executable, "-m", "broker.bridge", "keygen", str(d)], capture_output=True)
+    assert r.returncode == 0
     return d
 
 
@@ -125,13 +126,15 @@ def test_receiver_rejects_non_synced_and_discards_partial(two_brokers):
         assert rej["transfer_id"] == 1 and rej["reason"] == "network_sync_mode"
         # 2. a sender that dies mid-transfer: the partial buffer is discarded, never handed on
         data = workload.pattern(9, 0, 8192).tobytes()
-        send(s, rid, "TENSOR_DESCRIPTOR", {"transfer_id": 2, "total_bytes": 8192}, struct.pack("<QIBB2s", 8192, 64, 0, 0, b"\0\0"))
+        send(s, rid, "TENSOR_DESCRIPTOR", {"transfer_id": 2, "total_bytes": 8192},
+             struct.pack("<QIBB2s", 8192, 64, 0, 0, b"\0\0"))
         send(s, rid, "TENSOR_DATA", {"transfer_id": 2, "byte_offset_in_buffer": 0}, data[:4096])
         rid, _ = recv(s, "LINK_HELLO", timeout=15000)  # silence > timeout: link considered cut
         # 3. the link comes back: a complete transfer is delivered intact
         send(s, rid, "LINK_WELCOME", {"protocol": 1})
         recv(s, "CREDIT")
-        send(s, rid, "TENSOR_DESCRIPTOR", {"transfer_id": 3, "total_bytes": 8192}, struct.pack("<QIBB2s", 8192, 64, 0, 0, b"\0\0"))
+        send(s, rid, "TENSOR_DESCRIPTOR", {"transfer_id": 3, "total_bytes": 8192},
+             struct.pack("<QIBB2s", 8192, 64, 0, 0, b"\0\0"))
         send(s, rid, "TENSOR_DATA", {"transfer_id": 3, "byte_offset_in_buffer": 4096}, data[4096:])
         send(s, rid, "TENSOR_DATA", {"transfer_id": 3, "byte_offset_in_buffer": 0}, data[:4096])
         send(s, rid, "TENSOR_DATA_END", {"transfer_id": 3, "total_bytes": 8192})

@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from broker.core import MAX_CREDITS, MAX_HELD, BrokerCore, Send
 from hurray_ipc.devices.base import host_id
-from hurray_ipc.transport.protocol import ERROR_CODES, PROTOCOL_VERSION, Message
+from hurray_ipc.transport.protocol import ERROR_CODES, PROTOCOL_VERSION
 
 HOST = host_id()
 TIMEOUT = 3.0

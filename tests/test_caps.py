@@ -29,7 +29,8 @@ EMU = emu_config().to_env()
      ["SYNC_PRODUCER_SYNCED", "SYNC_EVENT", "SYNC_CONSUMER_STREAM"], False),
     (["--device", "cuda:0", "--transport", "network"], EMU, ["SYNC_PRODUCER_SYNCED"], False),
     (["--device", "cuda:0", "--peer-device", "cpu", "--transport", "ipc"], EMU, [], True),
-    (["--device", "cuda:0", "--transport", "ipc"], {**EMU, "HURRAY_EMU_IPC_EVENTS": "0"}, ["SYNC_PRODUCER_SYNCED"], False),
+    (["--device", "cuda:0", "--transport", "ipc"], {**EMU, "HURRAY_EMU_IPC_EVENTS": "0"}, ["SYNC_PRODUCER_SYNCED"],
+     False),
     (["--device", "cpu", "--transport", "ipc"], {}, ["SYNC_PRODUCER_SYNCED"], False),
 ])
 def test_local_probe(args, env, valid, staged):

@@ -10,7 +10,6 @@ import threading
 import warnings
 
 import numpy as np
-import pytest
 
 from hurray_ipc.client import Consumer, Producer
 from hurray_ipc.client import session as session_mod
@@ -160,10 +159,9 @@ def test_event_synchronize_on_a_dead_zombie_recorder_raises():
     spinning forever."""
     import os
 
+    from conftest import emu_config
     from hurray_ipc.devices.backend.emulated import EmulatedRuntime
     from hurray_ipc.devices.errors import DeviceError
-
-    from conftest import emu_config
 
     rt = EmulatedRuntime(emu_config())
     ev = rt.event_create(interprocess=True)

@@ -93,7 +93,8 @@ def test_in_process_all_modes_consumer_stream(broker):
         dev = CudaDevice(0, runtime=rt)
         cstream = dev.create_stream()
         got = []
-        with Producer(broker.endpoint, "inproc", dev) as p, Consumer(broker.endpoint, "inproc", dev, stream=cstream) as c:
+        with Producer(broker.endpoint, "inproc", dev) as p, \
+                Consumer(broker.endpoint, "inproc", dev, stream=cstream) as c:
             def produce():
                 for i, mode in enumerate(["CONSUMER_STREAM", "EVENT", "PRODUCER_SYNCED"]):
                     buf = p.allocate(4096)

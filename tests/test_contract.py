@@ -15,9 +15,9 @@ from hurray_ipc import (
     BufferHandle,
     DeviceTag,
     EndpointCapabilities,
+    HandleError,
     Handoff,
     HandoffError,
-    HandleError,
     SyncMode,
     Transport,
     check_network_handle,
@@ -51,7 +51,8 @@ def test_every_excluded_mode_has_a_reason():
     assert "IPC-exportable events" in why[SyncMode.EVENT]
     assert "not IPC-exportable" in why[SyncMode.CONSUMER_STREAM]
     why = explain_sync_modes(DeviceTag.CUDA, Transport.IPC,
-                             EndpointCapabilities(shared_memory=False, memory_reason="consumer on another GPU without peer access"))
+                             EndpointCapabilities(shared_memory=False,
+                                                  memory_reason="consumer on another GPU without peer access"))
     assert set(why.values()) == {"consumer on another GPU without peer access"}
 
 

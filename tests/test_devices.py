@@ -340,7 +340,7 @@ def test_calls_run_on_the_owning_device_after_a_foreign_set_device():
     for name in ("memset_async", "event_record", "stream_wait_event", "ipc_get_event_handle", "event_synchronize",
                  "event_query", "stream_synchronize", "stream_query", "host_register", "host_unregister",
                  "event_destroy", "stream_destroy"):
-        def spy(*a, _n=name, _f=getattr(rt, name), **k):
+        def spy(*a, _n=name, _f=getattr(rt, name), **k):  # noqa: B008 - bound per loop turn on purpose
             seen.append((_n, rt._device()))
             return _f(*a, **k)
         setattr(rt, name, spy)

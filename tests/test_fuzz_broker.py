@@ -206,7 +206,7 @@ def test_fuzz_broker_with_good_pair(broker: Any) -> None:
                     # runs on a timer), so the broker's own last words are part of the report.
                     tail = broker.stderr_text()[-1500:]
                     killer.append([tail.encode()])
-                    raise AssertionError(f"broker {'died (exit %s)' % dead if dead is not None else 'hung'}"
+                    raise AssertionError(f"broker {f'died (exit {dead})' if dead is not None else 'hung'}"
                                          f", found after {[f[:200] for f in parts]!r}\n{tail}")
                 r = s.recv_multipart()
                 if r[0] == b"CAPS_REPLY" and json.loads(r[1]).get("request_id") == "fuzz-sync":

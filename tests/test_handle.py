@@ -7,7 +7,8 @@ import struct
 from pathlib import Path
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from hurray_ipc import BufferHandle, DeviceTag, HandleError, ReservedSyncMode, SyncMode
 from hurray_ipc.format import HANDLE_ERROR_REASONS

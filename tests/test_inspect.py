@@ -42,7 +42,8 @@ def test_file_raw_and_stdin(tmp_path):
     assert run(f"@{tmp_path / 'h.txt'}").returncode == 0
 
 
-@pytest.mark.parametrize("hexs,reason", [("00" * 15, "length"), ("00" * 8 + "01000000" + "01ff0000", "sync_mode_invalid")])
+@pytest.mark.parametrize("hexs,reason", [("00" * 15, "length"),
+                                         ("00" * 8 + "01000000" + "01ff0000", "sync_mode_invalid")])
 def test_invalid_exit_2_reason_on_stderr(hexs, reason):
     r = run("--json", hexs)
     assert r.returncode == 2

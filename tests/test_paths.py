@@ -11,8 +11,9 @@ delay. Only an exact happens-before checker makes that deterministic; see NEEDS_
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest

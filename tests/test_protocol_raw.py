@@ -164,7 +164,8 @@ def test_mode_not_valid_for_pair(env):
     cons.send("REQUEST", {"credits": 1})
     prod.send("READY", {"credits": 1})
     g, _ = prod.expect("GRANT")
-    prod.send("HANDOFF", {"grant_id": g["grant_id"], "handoff_id": 1, "offset": 0}, handle(64, 1, 1), b"M" * 64, b"E" * 64)
+    prod.send("HANDOFF", {"grant_id": g["grant_id"], "handoff_id": 1, "offset": 0}, handle(64, 1, 1), b"M" * 64,
+              b"E" * 64)
     err, _ = prod.expect("ERROR")
     assert err["code"] == "mode_not_valid" and "IPC-exportable events" in err["message"] and err["handoff_id"] == 1
     prod.send("HANDOFF", {"grant_id": g["grant_id"] + 1, "handoff_id": 2, "offset": 0}, handle(64, 1, 2), b"M" * 64)

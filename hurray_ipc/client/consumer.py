@@ -21,10 +21,9 @@ from typing import Any
 import numpy as np
 
 from ..contract.handoff import AlreadyReleasedError, Handoff
-from ..devices.cuda import CudaEvent
 from ..devices import Device, open_device
 from ..devices.base import Buffer, MemoryExport
-from ..devices.cuda import CudaDevice, CudaStream
+from ..devices.cuda import CudaDevice, CudaEvent, CudaStream
 from ..format.handle import BufferHandle, DeviceTag, HandleError, SyncMode
 from ..transport import dlpack, inproc
 from ..transport.pairing import Endpoint
@@ -46,7 +45,7 @@ class ReceivedBuffer:
     and ``__dlpack__(stream=...)``, both ordered on the stream(s) the handoff was waited on.
     """
 
-    def __init__(self, handoff: "ReceivedHandoff", buf: Buffer, typestr: str, shape: tuple[int, ...]):
+    def __init__(self, handoff: ReceivedHandoff, buf: Buffer, typestr: str, shape: tuple[int, ...]):
         self._handoff = handoff
         self._buf = buf
         self.typestr = typestr
@@ -125,7 +124,7 @@ class ReceivedBuffer:
 class ReceivedHandoff(Handoff):
     """A handoff on the consumer side: :meth:`wait`, then use :attr:`buffer`, then :meth:`release`."""
 
-    def __init__(self, consumer: "Consumer", token: str, handle: BufferHandle, buf: Buffer, header: dict[str, Any],
+    def __init__(self, consumer: Consumer, token: str, handle: BufferHandle, buf: Buffer, header: dict[str, Any],
                  event: Any, event_blob: bytes | None, consumer_stream: CudaStream | None):
         self._consumer = consumer
         self.token = token
@@ -184,7 +183,7 @@ class ReceivedHandoff(Handoff):
             return
         fresh = [s for s in targets if s not in self._waited and s is not self.consumer_stream]
         if mode is SyncMode.EVENT and not self.event_released and fresh:
-            ev = self._event if self._event is not None else self._consumer.gpu.import_event(self._event_blob)
+            ev = self._event if self._event is not None else self._import_event()
             try:
                 for s in fresh:
                     s.wait(ev)
@@ -196,6 +195,12 @@ class ReceivedHandoff(Handoff):
         base = self.consumer_stream if mode is SyncMode.CONSUMER_STREAM else (self._waited[0] if self._waited else None)
         for s in fresh:
             self._after(s, base)
+
+    def _import_event(self) -> CudaEvent:
+        gpu, blob = self._consumer.gpu, self._event_blob
+        if gpu is None or blob is None:
+            raise RuntimeError("an EVENT handoff reached a consumer without a GPU, or without its event blob")
+        return gpu.import_event(blob)
 
     def _note(self, stream: CudaStream) -> None:
         if stream not in self._waited:
@@ -304,7 +309,8 @@ class Consumer:
     ``device``: where you will use the buffers ('cpu' or 'cuda:N'); ``stream``: a CUDA stream
     (CudaStream, ``__cuda_stream__`` object or cudaStream_t int) you declare for
     SYNC_CONSUMER_STREAM (producers in this process then make it wait for you), the default
-    stream of :meth:`ReceivedHandoff.wait` and one that :meth:`ReceivedHandoff.release` waits for; ``prefetch``: requests kept outstanding
+    stream of :meth:`ReceivedHandoff.wait` and one that :meth:`ReceivedHandoff.release` waits for;
+    ``prefetch``: requests kept outstanding
     (0: ask for one buffer per ``receive`` call only, never ahead).
 
     Thread-safe: ``receive``, ``flush_releases`` and the handoffs' ``release`` may be called from
@@ -312,7 +318,7 @@ class Consumer:
     race them. See client/DESIGN.md, "Threads and the session pump".
     """
 
-    def __init__(self, endpoint: str | None = None, channel: str = "default", device: "str | Device" = "cpu", *,
+    def __init__(self, endpoint: str | None = None, channel: str = "default", device: str | Device = "cpu", *,
                  stream: Any = None, prefetch: int = 1, heartbeat_s: float = 0.5,
                  timeout_s: float = 3.0, name: str | None = None):
         self.device = open_device(device)
@@ -331,7 +337,7 @@ class Consumer:
         self._requested = 0
         # Weak: a handoff the application drops is collected, and its finalizer queues it on
         # _dropped (see ReceivedHandoff.__del__) for the pump to release.
-        self._held: "weakref.WeakValueDictionary[str, ReceivedHandoff]" = weakref.WeakValueDictionary()
+        self._held: weakref.WeakValueDictionary[str, ReceivedHandoff] = weakref.WeakValueDictionary()
         self._dropped: deque[ReceivedHandoff] = deque()
         self.name = name or f"consumer-{os.getpid()}"
         self.errors: list[RemoteError] = []
@@ -486,7 +492,8 @@ class Consumer:
         def asked(n: int) -> None:
             self._requested += n
 
-        return self.session.pull(self._inbox, "REQUEST", lambda: max(self.prefetch, 1) - len(self._inbox) - self._requested,
+        return self.session.pull(self._inbox, "REQUEST",
+                                 lambda: max(self.prefetch, 1) - len(self._inbox) - self._requested,
                                  asked, timeout, "waiting for a handoff")
 
     def close(self) -> None:
@@ -503,7 +510,7 @@ class Consumer:
         if self.declared_stream is not None:
             inproc.unregister_stream(self.declared_stream)
 
-    def __enter__(self) -> "Consumer":
+    def __enter__(self) -> Consumer:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -16,8 +16,10 @@ import logging
 import os
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from functools import partial
+from typing import Any
 
 from ..contract.sync import Transport, choose_sync_mode
 from ..devices import Device, open_device
@@ -35,6 +37,14 @@ from .session import BrokerUnavailable, RemoteError, Session
 log = logging.getLogger("hurray.producer")
 
 DEFAULT_ALIGNMENT = 256
+
+
+def _settled(ticket: Ticket) -> bool:
+    return ticket.accepted or ticket.released
+
+
+def _fewer_in_use(staging: StagingPool, before: int) -> bool:
+    return staging.in_use < before
 
 
 def event_pool_setting(event_pool: bool | None) -> bool:
@@ -100,7 +110,8 @@ class EventPool:
         with self._lock:
             for ev in self._all:
                 ev.close()
-            self._all.clear(), self._idle.clear()
+            self._all.clear()
+            self._idle.clear()
 
 
 @dataclass
@@ -149,18 +160,20 @@ class Producer:
     (``session.callback_errors``), never raised into another call. See client/DESIGN.md.
     """
 
-    def __init__(self, endpoint: str | None = None, channel: str = "default", device: "str | Device" = "cpu", *,
+    def __init__(self, endpoint: str | None = None, channel: str = "default", device: str | Device = "cpu", *,
                  stream: CudaStream | None = None, prefetch: int = 1, heartbeat_s: float = 0.5,
                  timeout_s: float = 3.0, name: str | None = None, event_pool: bool | None = None):
         self.device = open_device(device)
         self.cpu: CpuDevice = open_device("cpu")  # type: ignore[assignment]
         self.gpu: CudaDevice | None = self.device if isinstance(self.device, CudaDevice) else None
         if stream is not None and self.gpu is None:
-            raise ValueError(f"stream={stream!r} was given to a producer on {self.device.identity}, which has no streams")
+            raise ValueError(f"stream={stream!r} was given to a producer on {self.device.identity}, "
+                             "which has no streams")
         #: Where the producer orders device-layer Buffers it sends without ``stream=`` (enqueue your
         #: writes to ``allocate()``d buffers here), and what it passes to a CUDA DLPack exporter.
-        self.stream: CudaStream | None = (self.gpu.as_stream(stream) if stream is not None
-                                          else self.gpu.create_stream() if self.gpu else None)
+        self.stream: CudaStream | None = None
+        if self.gpu is not None:
+            self.stream = self.gpu.as_stream(stream) if stream is not None else self.gpu.create_stream()
         self.events = EventPool(self.gpu, event_pool_setting(event_pool)) if self.gpu else None
         self.staging = StagingPool(self.cpu, pin_with=self.gpu)
         self.prefetch = max(1, prefetch)
@@ -212,9 +225,10 @@ class Producer:
                 self.device.order_receive(order_key(self.session.client_id, hid, "release"))
             return self._finish(hid, str(h.get("reason", "released")))
         elif msg.verb == "ERROR":
-            hid = h.get("handoff_id")
-            if hid is not None and int(hid) in self._out:
-                o = self._out[int(hid)]
+            ref = h.get("handoff_id")
+            if isinstance(ref, int) and ref in self._out:
+                hid = ref
+                o = self._out[hid]
                 o.ticket.error = RemoteError(str(h.get("code")), str(h.get("message")), h)
                 keep = o.resend and o.ticket.error.code in ("consumer_gone", "unknown_grant")  # send() may re-send
                 return self._finish(int(hid), "rejected", free_source=not keep)
@@ -294,7 +308,7 @@ class Producer:
                 ticket = self._handoff(src, grant, mode, on_release, resend=block)
                 if not block:
                     return ticket
-                self.session.pump(lambda: ticket.accepted or ticket.released, timeout, "waiting for the broker to accept")
+                self.session.pump(partial(_settled, ticket), timeout, "waiting for the broker to accept")
                 if ticket.error is not None and (
                         ticket.error.code in ("consumer_gone", "broker_restarted")
                         or (ticket.error.code == "unknown_grant" and grant.get("epoch") != self.session.epoch)):
@@ -404,7 +418,7 @@ class Producer:
                 break
             except StagingExhausted:
                 before = self.staging.in_use
-                self.session.pump(lambda: self.staging.in_use < before, self.session.timeout_s * 4,
+                self.session.pump(partial(_fewer_in_use, self.staging, before), self.session.timeout_s * 4,
                                   "waiting for a staging slot to be released")
         s = stream or self.stream
         s.copy(slot, buf, buf.size)  # type: ignore[union-attr]
@@ -435,7 +449,7 @@ class Producer:
             if not self._out:
                 self.staging.close()
 
-    def __enter__(self) -> "Producer":
+    def __enter__(self) -> Producer:
         return self
 
     def __exit__(self, *exc: object) -> None:

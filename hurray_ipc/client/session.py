@@ -21,7 +21,8 @@ import secrets
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -148,7 +149,7 @@ class Session:
             return
         out.extend(self._dispatch(msg))
 
-    def pull(self, queue: "deque[Any]", verb: str, want: Callable[[], int], asked: Callable[[int], None],
+    def pull(self, queue: deque[Any], verb: str, want: Callable[[], int], asked: Callable[[int], None],
              timeout: float | None, what: str) -> Any:
         """Take the next item of ``queue`` (filled by dispatch), asking the broker for ``want()``
         more with ``verb{credits}`` whenever the queue is empty and ``want()`` is positive (REQUEST /
@@ -191,7 +192,8 @@ class Session:
             if self.shutdown_reason and not self.registered:
                 raise BrokerUnavailable(f"broker at {self.endpoint} shut down ({self.shutdown_reason}) while {what}")
             if now - self.last_rx > self.timeout_s:
-                raise BrokerUnavailable(f"no reply from broker at {self.endpoint} for {now - self.last_rx:.1f} s while {what}")
+                raise BrokerUnavailable(f"no reply from broker at {self.endpoint} for {now - self.last_rx:.1f} s "
+                                        f"while {what}")
             if deadline is not None and now >= deadline:
                 raise TimeoutError(f"timed out after {timeout} s while {what}")
 

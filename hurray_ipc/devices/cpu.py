@@ -29,7 +29,7 @@ _BLOB = struct.Struct("<8sQ48s")  # magic, segment size, segment name
 class HostStream(Stream):
     """Host 'stream': every operation completes before the call returns."""
 
-    def __init__(self, device: "CpuDevice"):
+    def __init__(self, device: CpuDevice):
         self.device = device
 
     @property
@@ -102,7 +102,8 @@ class CpuDevice(Device):
             raise DeviceError("import_memory", "not a CPU shared-memory blob")
         _magic, seg_size, name = _BLOB.unpack(blob)
         if exp.offset < 0 or exp.size < 0 or exp.offset + exp.size > seg_size:
-            raise DeviceError("import_memory", f"offset {exp.offset} + size {exp.size} exceeds the segment ({seg_size})")
+            raise DeviceError("import_memory",
+                              f"offset {exp.offset} + size {exp.size} exceeds the segment ({seg_size})")
 
         def opener() -> tuple[Segment, Any]:
             seg = Segment.attach(name.rstrip(b"\0").decode())

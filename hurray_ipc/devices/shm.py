@@ -84,9 +84,10 @@ class Segment:
         self.fd = mem.fd  # kept open: emulated allocations lock it with flock
         self.closed = False
         self._pin: ctypes.Array | None = None
+        self._finalizer: weakref.finalize | None = None  # owners: unlinks the name once
 
     @classmethod
-    def create(cls, size: int, kind: str) -> "Segment":
+    def create(cls, size: int, kind: str) -> Segment:
         size = max(int(size), 1)  # mmap refuses length 0; a 0-byte buffer still gets a segment
         check_space(size)
         name = new_name(kind)
@@ -103,7 +104,7 @@ class Segment:
         return seg
 
     @classmethod
-    def attach(cls, name: str) -> "Segment":
+    def attach(cls, name: str) -> Segment:
         if not isinstance(name, str) or not _NAME_RE.match(name.lstrip("/")):
             raise DeviceError("shm_open", f"{name!r} is not a hurray shared-memory segment name")
         try:
@@ -140,10 +141,10 @@ class Segment:
             self._shm.close_fd()
         except (posix_ipc.Error, OSError):
             pass
-        if self.owner:
+        if self.owner and self._finalizer is not None:
             self._finalizer()  # unlinks, once
 
-    def __enter__(self) -> "Segment":
+    def __enter__(self) -> Segment:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -184,7 +185,7 @@ def pid_alive(pid: int) -> bool:
 def list_segments(uid: int | None = None, pid: int | None = None) -> list[str]:
     """Names of this project's segments in /dev/shm (optionally of one uid / pid)."""
     uid = os.getuid() if uid is None else uid
-    out = []
+    out: list[str] = []
     try:
         entries = os.listdir(SHM_DIR)
     except OSError:

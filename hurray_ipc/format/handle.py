@@ -17,7 +17,6 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
-from typing import Union
 
 HANDLE_SIZE = 16
 _LAYOUT = struct.Struct("<QIBB2s")
@@ -72,7 +71,7 @@ class DeviceTag(enum.IntEnum):
     WEBGPU = 0x08
 
     @classmethod
-    def parse(cls, value: int) -> "DeviceTag":
+    def parse(cls, value: int) -> DeviceTag:
         """Return the tag for a raw byte, raising :class:`HandleError` for 0x09-0xFF."""
         try:
             return cls(value)
@@ -111,7 +110,7 @@ class SyncMode(enum.IntEnum):
         return "SYNC_" + self.name
 
     @classmethod
-    def parse(cls, value: int) -> "Union[SyncMode, ReservedSyncMode]":
+    def parse(cls, value: int) -> SyncMode | ReservedSyncMode:
         """Map a raw byte to a mode, or to a :class:`ReservedSyncMode` carrier; never raises."""
         try:
             return cls(value)
@@ -119,7 +118,7 @@ class SyncMode(enum.IntEnum):
             return ReservedSyncMode(value)
 
     @classmethod
-    def from_name(cls, name: str) -> "SyncMode":
+    def from_name(cls, name: str) -> SyncMode:
         """Accept ``SYNC_EVENT``, ``EVENT`` or ``event``."""
         key = name.strip().upper()
         key = key[5:] if key.startswith("SYNC_") else key
@@ -184,7 +183,7 @@ class BufferHandle:
         return _LAYOUT.pack(self.size, self.alignment, int(self.device_tag), int(self.sync_mode), b"\0\0")
 
     @classmethod
-    def decode(cls, data: bytes | bytearray | memoryview) -> "BufferHandle":
+    def decode(cls, data: bytes | bytearray | memoryview) -> BufferHandle:
         """Parse 16 bytes, rejecting every pattern the spec makes invalid (see HandleError.reason)."""
         raw = bytes(data)
         if len(raw) != HANDLE_SIZE:
@@ -199,7 +198,7 @@ class BufferHandle:
             raise HandleError("reserved_nonzero", "_reserved", 14, reserved.hex(), "must be zero")
         return cls(size, alignment, device_tag, sync_mode)
 
-    def with_sync_mode(self, mode: SyncMode) -> "BufferHandle":
+    def with_sync_mode(self, mode: SyncMode) -> BufferHandle:
         return BufferHandle(self.size, self.alignment, self.device_tag, mode)
 
     def to_dict(self) -> dict[str, object]:

@@ -48,7 +48,8 @@ class Endpoint:
         why_not = _get(caps, "endpoint.caps.why_not", (dict, type(None)), None) or {}
         if len(why_not) > 16 or not all(isinstance(v, str) and len(v) <= 1024 for v in why_not.values()):
             raise ValueError("endpoint.caps.why_not must map at most 16 capabilities to strings")
-        cap = DeviceCapabilities(_get(caps, "endpoint.caps.ipc_memory", bool), _get(caps, "endpoint.caps.ipc_events", bool),
+        cap = DeviceCapabilities(_get(caps, "endpoint.caps.ipc_memory", bool),
+                                 _get(caps, "endpoint.caps.ipc_events", bool),
                                  _get(caps, "endpoint.caps.ipc_streams", bool, False), tuple(peers),
                                  tuple((str(k), v) for k, v in why_not.items()))
         return cls(ident, cap, _get(obj, "endpoint.pid", int, lo=1, hi=2**31 - 1),

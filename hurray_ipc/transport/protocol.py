@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 64 * 1024
@@ -152,7 +153,7 @@ def decode(parts: Sequence[Any], *, allowed: frozenset[str] | None = None, views
     if not required <= len(payload) <= len(names):
         raise ProtocolError("bad_frames", f"{verb} takes {required}-{len(names)} payload frames, got {len(payload)}")
     frames = {}
-    for name, data in zip(names, payload):
+    for name, data in zip(names, payload, strict=False):
         key = name.rstrip("?")
         data = memoryview(data) if views else bytes(data)
         if key in ("memory", "event") and len(data) != BLOB_SIZE:
@@ -226,7 +227,8 @@ def field_of(msg: Message, name: str, kind: type | tuple[type, ...], *, optional
     if isinstance(v, bool) and bool not in kinds:  # JSON true is no int here, though Python says so
         raise ProtocolError("bad_header", f"{msg.verb} '{name}' must be {kind}, got a boolean")
     if not isinstance(v, kind):
-        raise ProtocolError("bad_header", f"{msg.verb} '{name}' must be {getattr(kind, '__name__', kind)}, got {type(v).__name__}")
+        raise ProtocolError("bad_header", f"{msg.verb} '{name}' must be {getattr(kind, '__name__', kind)}, "
+                            f"got {type(v).__name__}", field=name)
     return v
 
 
