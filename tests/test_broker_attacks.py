@@ -151,7 +151,8 @@ def test_paused_consumer_keeps_its_buffer_and_reads_it_intact(live):
         buf = p.allocate(64 << 10)
         np.frombuffer(buf.host_view(), dtype=np.uint8)[:] = workload.pattern(7, 1, 64 << 10)
         t = p.send(buf, timeout=30)
-        assert ready.wait(30)
+        if not ready.wait(60):
+            pytest.fail(f"the consumer never held the buffer: {c.result(timeout=5)}")
         os.kill(c.p.pid, signal.SIGSTOP)
         try:
             with pytest.raises(TimeoutError):
@@ -191,3 +192,39 @@ def test_producer_in_its_own_pid_namespace_keeps_working(live):
     cr = c.result()
     assert pr["pid"] == 1 and pr["error"] is None and pr["sent"] == pr["released"] == 20, pr
     assert cr["error"] is None and cr["intact"] == 20 and cr["corrupt"] == 0, cr
+
+
+@pytest.mark.parametrize("name", [b"/etc/passwd", b"hurray-0-1-c1-ab", b"/hurray-0-1-c1-ab/../x", b"/other-0-1-c1-ab"])
+def test_consumer_refuses_a_segment_name_outside_the_grammar(name):
+    from hurray_ipc.devices import open_device
+    from hurray_ipc.devices.base import MemoryExport
+    from hurray_ipc.devices.cpu import _BLOB, CPU_MAGIC
+    from hurray_ipc.devices.errors import DeviceError
+    blob = _BLOB.pack(CPU_MAGIC, 4096, name)
+    with pytest.raises(DeviceError, match="not a Hurray segment name"):
+        open_device("cpu").import_memory(MemoryExport(blob, 0, 64))
+
+
+def test_consumer_bounds_offsets_by_the_real_segment_not_the_blob():
+    from hurray_ipc.devices import open_device
+    from hurray_ipc.devices.base import MemoryExport
+    from hurray_ipc.devices.cpu import _BLOB
+    from hurray_ipc.devices.errors import DeviceError
+    dev = open_device("cpu")
+    buf = dev.allocate(4096)
+    exp = dev.export_memory(buf)
+    magic, _size, name = _BLOB.unpack(bytes(exp.blob))
+    lying = _BLOB.pack(magic, 1 << 40, name)  # the blob claims a 1 TiB segment
+    with pytest.raises(DeviceError, match="exceeds the segment"):
+        dev.import_memory(MemoryExport(lying, 4096, 4096))
+    buf.close()
+
+
+def test_memset_past_the_buffer_is_refused_not_a_segfault():
+    from hurray_ipc.devices import open_device
+    from hurray_ipc.devices.errors import DeviceError
+    dev = open_device("cpu")
+    buf = dev.allocate(64)
+    with pytest.raises(DeviceError, match="64"):
+        dev.create_stream().memset(buf, 0, 1 << 20)
+    buf.close()

@@ -20,6 +20,7 @@ from .base import (
     resolve_copy,
 )
 from .errors import DeviceError
+from . import shm
 from .shm import Segment
 
 CPU_MAGIC = b"HRYSHM01"
@@ -100,13 +101,17 @@ class CpuDevice(Device):
         blob = bytes(exp.blob)
         if len(blob) != _BLOB.size or not blob.startswith(CPU_MAGIC):
             raise DeviceError("import_memory", "not a CPU shared-memory blob")
-        _magic, seg_size, name = _BLOB.unpack(blob)
+        _magic, seg_size, raw_name = _BLOB.unpack(blob)
+        name = raw_name.rstrip(b"\0")
+        if not name.startswith(b"/") or shm.parse_name(name.decode("ascii", "replace")) is None:
+            raise DeviceError("import_memory", f"segment name {name[:48]!r} is not a Hurray segment name "
+                              "(/hurray-<uid>-<pid>-<kind><n>-<hex>)")
         if exp.offset < 0 or exp.size < 0 or exp.offset + exp.size > seg_size:
             raise DeviceError("import_memory",
                               f"offset {exp.offset} + size {exp.size} exceeds the segment ({seg_size})")
 
         def opener() -> tuple[Segment, Any]:
-            seg = Segment.attach(name.rstrip(b"\0").decode())
+            seg = Segment.attach(name.decode())
             seg.address()
             return seg, seg.close
 
