@@ -7,6 +7,7 @@ import struct
 from typing import Any
 
 from ..format.handle import DeviceTag
+from . import shm
 from .base import (
     Buffer,
     Device,
@@ -20,7 +21,6 @@ from .base import (
     resolve_copy,
 )
 from .errors import DeviceError
-from . import shm
 from .shm import Segment
 
 CPU_MAGIC = b"HRYSHM01"
