@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import signal
+import subprocess
 
 import pytest
 
@@ -120,3 +122,15 @@ def broker(tmp_path):
 
 def emu_env(**kw):
     return emu_config(**kw).to_env()
+
+
+def unshare_cmd() -> list[str]:
+    """``unshare`` into a new user + PID namespace (a container's view), or skip saying why."""
+    cmd = ["unshare", "--user", "--pid", "--fork", "--map-root-user"]
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare(1) is not installed")
+    if subprocess.run([*cmd, "true"], capture_output=True).returncode != 0:
+        pytest.skip("this kernel does not let this user create user+pid namespaces")
+    if os.getuid() != 0:
+        pytest.skip("inside --map-root-user segments and leases are named for uid 0; run as root to compare")
+    return cmd

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import pytest
 import zmq
 
 from brokerproc import BrokerProcess
-from conftest import Proc
+from conftest import Proc, unshare_cmd
 from hurray_ipc import workload
 from hurray_ipc.client import Producer
 from hurray_ipc.devices import shm
@@ -167,17 +166,6 @@ def test_paused_consumer_keeps_its_buffer_and_reads_it_intact(live):
         assert t.outcome == "released" and p.unknown_releases == 0
 
 
-def _unshare() -> list[str]:
-    cmd = ["unshare", "--user", "--pid", "--fork", "--map-root-user"]
-    if shutil.which("unshare") is None:
-        pytest.skip("unshare(1) is not installed")
-    if subprocess.run([*cmd, "true"], capture_output=True).returncode != 0:
-        pytest.skip("this kernel does not let this user create user+pid namespaces")
-    if os.getuid() != 0:
-        pytest.skip("inside --map-root-user segments and leases are named for uid 0; run as root")
-    return cmd
-
-
 def test_producer_in_its_own_pid_namespace_keeps_working(live):
     """A containerised producer says "pid 1"; its lease, not its pid, tells the broker it lives."""
     b, _ = live
@@ -186,7 +174,8 @@ def test_producer_in_its_own_pid_namespace_keeps_working(live):
             f"r = workload.run_producer({b.endpoint!r}, 'ns', 'cpu', 20, 4096, timeout=30); "
             "print(json.dumps({'pid': __import__('os').getpid(), **{k: r[k] for k in ('sent', 'released', 'error')}}))")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    r = subprocess.run([*_unshare(), sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    r = subprocess.run([*unshare_cmd(), sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     pr = json.loads(r.stdout.strip().splitlines()[-1])
     cr = c.result()

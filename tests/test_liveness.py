@@ -7,7 +7,6 @@ child was reaped, the child is stopped): nothing depends on timing.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import textwrap
 import pytest
 
 from broker.lock import BrokerAlreadyRunning, acquire_endpoint
+from conftest import unshare_cmd
 from hurray_ipc.devices import shm
 from hurray_ipc.transport import liveness
 
@@ -88,20 +88,9 @@ def test_probe_refuses_a_file_it_cannot_trust(tmp_path):
     assert liveness.probe(name, tmp_path) is None, "a directory is not a lease"
 
 
-def _unshare() -> list[str]:
-    cmd = ["unshare", "--user", "--pid", "--fork", "--map-root-user"]
-    if shutil.which("unshare") is None:
-        pytest.skip("unshare(1) is not installed")
-    if subprocess.run([*cmd, "true"], capture_output=True).returncode != 0:
-        pytest.skip("this kernel does not let an unprivileged user create user+pid namespaces")
-    if os.getuid() != 0:
-        pytest.skip("inside --map-root-user the lease is named for uid 0; run as root to compare uids")
-    return cmd
-
-
 def test_holder_in_another_pid_namespace():
     """Its pid means nothing here (it is 1 or 2 in its namespace); its lease still decides."""
-    p, name, ns, pid = _holder(*_unshare())
+    p, name, ns, pid = _holder(*unshare_cmd())
     try:
         assert ns != liveness.pid_namespace() and pid < 10
         assert liveness.probe(name) is True
@@ -135,3 +124,14 @@ def test_second_broker_lock_refused_and_released(tmp_path):
         acquire_endpoint(sock)
     first.release()
     acquire_endpoint(sock).release()
+
+
+def test_a_zombie_is_not_alive():
+    """A killed process its parent has not reaped yet holds no memory: its segments are stale
+    (a lease reports the death before the reap, so the sweep runs while it is a zombie)."""
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    assert shm.pid_alive(p.pid)
+    p.kill()
+    os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)  # exited, deliberately not reaped
+    assert not shm.pid_alive(p.pid)
+    p.wait()

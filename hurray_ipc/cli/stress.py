@@ -230,7 +230,10 @@ class Runner:
         self.broker.terminate()  # type: ignore[union-attr]
         self.broker.wait(10)  # type: ignore[union-attr]
         time.sleep(0.2)
-        left = sorted(set(shm.list_segments()) - before)
+        # This run's workers' and broker's segments only (others may share the uid and /dev/shm).
+        ours = {w.proc.pid for w in self.workers} | {self.broker.pid}  # type: ignore[union-attr]
+        left = sorted(n for n in set(shm.list_segments()) - before
+                      if (parsed := shm.parse_name(n)) is not None and parsed[1] in ours)
         # list_segments() returns only names parse_name() recognises; the None check states it.
         self.summary.events_left = sum(1 for n in left if (parsed := shm.parse_name(n)) and parsed[2] == "v")
         self.summary.segments_left = len(left) - self.summary.events_left

@@ -178,8 +178,15 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass
+    # A zombie (exited, not yet reaped) still answers kill(0) but holds nothing any more: its
+    # segments are stale. Lease-based liveness reports deaths before the parent reaps.
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] != b"Z"
+    except (OSError, ValueError):
         return True
-    return True
 
 
 def list_segments(uid: int | None = None, pid: int | None = None) -> list[str]:
