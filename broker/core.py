@@ -295,10 +295,10 @@ class BrokerCore:
         """The socket could not take ``msg`` for ``rid`` ('unreachable': the peer is disconnected;
         'full': its queue is at the high-water mark). Counted and logged; the client's liveness
         (not this) decides whether it is gone, and its re-HELLO resynchronises what it holds."""
-        if why == "unreachable":
-            self.stats.undeliverable += 1
-        else:
+        if why == "full":
             self.stats.dropped_full += 1
+        else:
+            self.stats.undeliverable += 1
         log.warning(json.dumps({"event": "send_failed", "why": why, "client": rid.decode(errors="replace")[:32],
                                 "verb": msg.verb}))
         return self._take()
@@ -335,6 +335,11 @@ class BrokerCore:
         lease = field_of(msg, "lease", str, optional=True)
         if lease is not None and liveness.parse(lease) is None:
             raise ProtocolError("bad_header", f"lease {lease[:80]!r} is not a lease name", field="lease")
+        # Everything that can refuse this HELLO is checked before any state changes.
+        outstanding = _outstanding(msg.header.get("outstanding")) if role == "producer" else {}
+        held = msg.header.get("held") or []
+        if not isinstance(held, list):
+            raise ProtocolError("bad_header", "held must be a list", field="held")
         old = self.clients.get(rid)
         c = Client(rid, role, channel, endpoint, str(msg.header.get("name", ""))[:128], now, lease, credits, epoch,
                    label=self.label_of(rid))
@@ -354,11 +359,8 @@ class BrokerCore:
         ch.members += 1
         if role == "producer":
             ch.producers[rid] = None
-            self._restore_outstanding(c, _outstanding(msg.header.get("outstanding")), now)
+            self._restore_outstanding(c, outstanding, now)
         else:
-            held = msg.header.get("held") or []
-            if not isinstance(held, list):
-                raise ProtocolError("bad_header", "held must be a list", field="held")
             self._restore_held(c, held, now)
             credits = min(credits, MAX_HELD - c.held)
             c.credits = credits

@@ -109,9 +109,8 @@ class Broker:
                 except zmq.Again:
                     self._apply(self.core.undeliverable(o.rid, o.msg, "full"))
                 except zmq.ZMQError as e:
-                    if e.errno != zmq.EHOSTUNREACH:
-                        raise
-                    self._apply(self.core.undeliverable(o.rid, o.msg, "unreachable"))
+                    why = "unreachable" if e.errno == zmq.EHOSTUNREACH else f"zmq error {e.errno}: {e}"
+                    self._apply(self.core.undeliverable(o.rid, o.msg, why))
             elif isinstance(o, CleanSegments):
                 self._clean()
 
@@ -134,7 +133,10 @@ class Broker:
         verdict: bool | None = None
         parsed = liveness.parse(c.lease) if c.lease else None
         if c.lease:
-            verdict = liveness.probe(c.lease)
+            try:
+                verdict = liveness.probe(c.lease)
+            except OSError as e:  # e.g. ENOLCK: cannot judge by the lease this time
+                log.warning(json.dumps({"event": "lease_probe_failed", "lease": c.lease, "error": str(e)}))
         if verdict is None and (parsed is None or parsed[1] == self._ns):
             # No lease, or one we cannot read (another uid): its pid means something only in our
             # PID namespace (a client without a lease is assumed to share it). Else: heartbeats decide.

@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from broker.core import MAX_CREDITS, MAX_HELD, BrokerCore, Send
 from hurray_ipc.devices.base import host_id
-from hurray_ipc.transport.protocol import ERROR_CODES, PROTOCOL_VERSION
+from hurray_ipc.transport.protocol import ERROR_CODES, PROTOCOL_VERSION, Message
 
 HOST = host_id()
 TIMEOUT = 3.0
@@ -423,3 +423,28 @@ def test_mode_cache_does_not_confuse_consumers_that_come_and_go():
         refused += bool(_errors(outs))
         core.client_gone(b"c%d" % i, "process gone")
     assert refused == 0
+
+
+def test_a_refused_re_hello_changes_nothing():
+    """A registered consumer's HELLO with a malformed ``held`` is refused before any state changes:
+    it stays registered with its credits and deliveries."""
+    core = _core()
+    _hello(core, b"p", "producer", pid=5)
+    _hello(core, b"c", "consumer", pid=6, credits=2)
+    (g,) = [o.msg for o in core.receive(b"p", frames("READY", {"credits": 1}), 0.0) if o.msg.verb == "GRANT"]
+    core.receive(b"p", frames("HANDOFF", {"grant_id": g.header["grant_id"], "handoff_id": 1, "size": 4096,
+                                          "offset": 0}, cpu_handle(), b"M" * 64), 0.0)
+    before = (core.clients[b"c"].credits, core.clients[b"c"].held, len(core.deliveries))
+    for who, role, pid, bad in ((b"c", "consumer", 6, {"held": "all of them"}),
+                                (b"p", "producer", 5, {"outstanding": [{"handoff_id": "x"}]})):
+        (err,) = _errors(_hello(core, who, role, pid=pid, **bad))
+        assert err["code"] == "bad_header"
+        core.check_invariants()
+    assert (core.clients[b"c"].credits, core.clients[b"c"].held, len(core.deliveries)) == before
+
+
+def test_undeliverable_sends_are_counted_by_kind():
+    core = _core()
+    core.undeliverable(b"x", Message("PONG", {}), "unreachable")
+    core.undeliverable(b"x", Message("PONG", {}), "full")
+    assert (core.stats.undeliverable, core.stats.dropped_full) == (1, 1)
