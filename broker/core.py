@@ -56,6 +56,7 @@ MAX_HELD = 2 * MAX_CREDITS      # deliveries one consumer may hold at once
 MAX_CLIENTS = 16384             # registrations in all
 MAX_CLIENTS_PER_PROCESS = 256   # registrations of one process (by lease, else by host and pid)
 MAX_OUTSTANDING_CLAIMS = MAX_CREDITS  # handoffs a re-registering producer may list
+MAX_RATE = 50_000.0  # messages per second one registered client may send (sustained; burst of one second)
 _RELEASED_MEMORY = 100_000  # released tokens remembered, to tell "already released" from "unknown"
 
 
@@ -73,6 +74,8 @@ class Client:
     label: str = ""  # what other clients see of it (CAPS, GRANT): never its routing id
     unresponsive: bool = False  # heartbeat timed out but the process is alive: keeps what it holds
     held: int = 0  # consumer: deliveries bound to it
+    allowance: float = MAX_RATE  # token bucket for MAX_RATE
+    allowance_at: float = 0.0
     # producer: handoffs it declared outstanding at its last HELLO -> the consumer label it named
     confirmed: dict[int, str | None] = field(default_factory=dict)
 
@@ -231,6 +234,11 @@ class BrokerCore:
     def _dispatch(self, rid: bytes, msg: Message, now: float) -> None:
         client = self.clients.get(rid)
         if client is not None:
+            client.allowance = min(MAX_RATE, client.allowance + (now - client.allowance_at) * MAX_RATE)
+            client.allowance_at = now
+            if client.allowance < 1.0:
+                self._limit(f"a client may send at most {int(MAX_RATE)} messages per second; this one was dropped")
+            client.allowance -= 1.0
             client.last_seen = now
             if client.unresponsive:
                 client.unresponsive = False
@@ -342,7 +350,9 @@ class BrokerCore:
             raise ProtocolError("bad_header", "held must be a list", field="held")
         old = self.clients.get(rid)
         c = Client(rid, role, channel, endpoint, str(msg.header.get("name", ""))[:128], now, lease, credits, epoch,
-                   label=self.label_of(rid))
+                   label=self.label_of(rid), allowance_at=now)
+        if old is not None:
+            c.allowance = old.allowance  # a re-HELLO does not refill the bucket
         if old is None:
             if len(self.clients) >= MAX_CLIENTS:
                 self._limit(f"this broker serves at most {MAX_CLIENTS} clients")

@@ -448,3 +448,13 @@ def test_undeliverable_sends_are_counted_by_kind():
     core.undeliverable(b"x", Message("PONG", {}), "unreachable")
     core.undeliverable(b"x", Message("PONG", {}), "full")
     assert (core.stats.undeliverable, core.stats.dropped_full) == (1, 1)
+
+
+def test_message_rate_is_bounded_per_client():
+    from broker.core import MAX_RATE
+    core = _core()
+    _hello(core, b"c", "consumer", pid=6)
+    ping = frames("PING", {})
+    refused = sum(bool(_errors(core.receive(b"c", ping, 1.0))) for _ in range(int(MAX_RATE) + 10))
+    assert refused == 10  # the burst allowance is one second's worth
+    assert not _errors(core.receive(b"c", ping, 1.5)), "the allowance refills with time"
