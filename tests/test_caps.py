@@ -67,3 +67,18 @@ def test_broker_query(tmp_path):
         b.stop()
     rc, _, err = caps("--broker", b.endpoint, "--device", "cpu", "--timeout", "0.5")
     assert rc == 2 and "no reply from broker" in err
+
+
+def test_exclusions_carry_the_device_probe_reason():
+    """A device whose probe said why IPC events or memory fail: CAPS repeats it (the hardware's
+    own words, e.g. the CUDA error), not only 'no IPC events'."""
+    from hurray_ipc.devices.base import DeviceCapabilities, DeviceIdentity
+    from hurray_ipc.format.handle import SyncMode
+    from hurray_ipc.transport.pairing import Endpoint, pair_modes
+    gpu = DeviceIdentity("cuda", 0, "GPU-x", emulated=True, host="h")
+    why = (("ipc_events", "cudaIpcGetEventHandle: cudaErrorNotSupported"),)
+    a = Endpoint(gpu, DeviceCapabilities(True, False, why_not=why), 1)
+    b = Endpoint(gpu, DeviceCapabilities(True, True), 2)
+    assert "cudaErrorNotSupported" in (pair_modes(a, b).reasons[SyncMode.EVENT] or "")
+    c = Endpoint(gpu, DeviceCapabilities(False, False, why_not=(("ipc_memory", "WSL2: no IPC"),)), 1)
+    assert all("WSL2: no IPC" in (r or "") for r in pair_modes(c, b).reasons.values())

@@ -40,6 +40,7 @@ class EndpointCapabilities:
     ipc_events: bool = False
     ipc_streams: bool = False
     memory_reason: str = ""
+    events_reason: str = ""  # why ``ipc_events`` is false, when a device probe said (e.g. the CUDA error)
 
 
 STREAMS_NOT_EXPORTABLE = "device streams are not IPC-exportable (CUDA streams never are)"
@@ -76,7 +77,7 @@ def explain_sync_modes(
             reason = caps.memory_reason or "device memory is not shareable between the endpoints"
             return {m: reason for m in SyncMode}
         if not caps.ipc_events:
-            out[SyncMode.EVENT] = NO_IPC_EVENTS
+            out[SyncMode.EVENT] = NO_IPC_EVENTS + (f" ({caps.events_reason})" if caps.events_reason else "")
         if not caps.ipc_streams:
             out[SyncMode.CONSUMER_STREAM] = STREAMS_NOT_EXPORTABLE
     if out[SyncMode.CONSUMER_STREAM] is None and not consumer_stream:

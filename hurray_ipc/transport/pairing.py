@@ -117,12 +117,16 @@ def share_memory(producer: Endpoint, consumer: Endpoint, transport: Transport) -
     elif p.emulated != c.emulated:
         why = "one side runs emulated CUDA and the other real CUDA"
     elif transport is Transport.IPC and not producer.caps.ipc_memory:
-        why = "device has no IPC memory support"
+        probe = dict(producer.caps.why_not).get("ipc_memory")
+        why = "device has no IPC memory support" + (f" ({probe})" if probe else "")
     elif c.uuid != p.uuid and c.uuid not in producer.caps.peers:
         why = "consumer on another GPU without peer access"
     events = transport is Transport.IN_PROCESS or (producer.caps.ipc_events and consumer.caps.ipc_events)
     streams = transport is Transport.IN_PROCESS or (producer.caps.ipc_streams and consumer.caps.ipc_streams)
-    return EndpointCapabilities(not why, events, streams, why)
+    # The device probe's own words (e.g. the CUDA error), from whichever side lacks IPC events.
+    events_why = next((dict(ep.caps.why_not).get("ipc_events", "") for ep in (producer, consumer)
+                       if not ep.caps.ipc_events), "") if not events else ""
+    return EndpointCapabilities(not why, events, streams, why, events_why)
 
 
 @dataclass(frozen=True)
