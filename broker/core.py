@@ -307,8 +307,11 @@ class BrokerCore:
             self.stats.dropped_full += 1
         else:
             self.stats.undeliverable += 1
-        log.warning(json.dumps({"event": "send_failed", "why": why, "client": rid.decode(errors="replace")[:32],
-                                "verb": msg.verb}))
+        n = self.stats.dropped_full + self.stats.undeliverable
+        if n & (n - 1) == 0 or n % 1000 == 0:  # 1, 2, 4, ... then every 1000th: a flood must not flood the log
+            log.warning(json.dumps({"event": "send_failed", "why": why, "client": rid.decode(errors="replace")[:32],
+                                    "verb": msg.verb, "undeliverable": self.stats.undeliverable,
+                                    "dropped_full": self.stats.dropped_full}))
         return self._take()
 
     def client_gone(self, rid: bytes, why: str) -> list[Out]:

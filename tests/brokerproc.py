@@ -11,9 +11,10 @@ from pathlib import Path
 
 
 class BrokerProcess:
-    def __init__(self, endpoint: str, timeout: float = 2.0):
+    def __init__(self, endpoint: str, timeout: float = 2.0, log_level: str = "warning"):
         self.endpoint = endpoint
         self.timeout = timeout
+        self.log_level = log_level
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> BrokerProcess:
@@ -25,7 +26,7 @@ class BrokerProcess:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="hurray-broker-", suffix=".log")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "broker", "--endpoint", self.endpoint, "--timeout", str(self.timeout),
-             "--heartbeat", "0.2", "--log-level", "warning"],
+             "--heartbeat", "0.2", "--log-level", self.log_level],
             stderr=self.log, text=True)
         deadline = time.monotonic() + 20
         while not path.exists():
