@@ -28,7 +28,7 @@ from ..devices.cpu import CpuDevice
 from ..devices.cuda import CudaDevice, CudaEvent, CudaStream
 from ..format.handle import BufferHandle, DeviceTag, SyncMode
 from ..transport import inproc
-from ..transport.pairing import Endpoint, PairModes, host_side, pair_modes
+from ..transport.pairing import Endpoint, ModeCache, PairModes, host_side
 from ..transport.protocol import Message, order_key
 from ..transport.source import Source, resolve
 from ..transport.staging import StagingExhausted, StagingPool
@@ -182,7 +182,10 @@ class Producer:
         self._ready = 0  # READY credits sent and not yet granted
         self._ids = itertools.count(1)
         self._out: dict[int, _Outgoing] = {}
-        self._pairs: dict[tuple[str, bool], tuple[dict[str, Any], Endpoint, PairModes]] = {}
+        # The consumer endpoints GRANTs named (parsed once per consumer and endpoint), and the
+        # pair's modes from the one cache the broker uses too (keyed by the endpoints' values).
+        self._consumers: dict[str, tuple[dict[str, Any], Endpoint]] = {}
+        self._modes = ModeCache()
         self.name = name or f"producer-{os.getpid()}"
         self.unknown_releases = 0  # RELEASED for a handoff already finished: a double release
         self.session = Session(endpoint, "producer", channel, self._hello, self._dispatch,
@@ -334,17 +337,17 @@ class Producer:
         return self.gpu.as_stream(stream)
 
     def _pairing(self, grant: dict[str, Any], on_gpu: bool) -> tuple[Endpoint, PairModes]:
-        """The consumer's endpoint and the pair's valid modes, computed once per consumer (again
-        only if that consumer re-registered with another endpoint)."""
-        key = (grant["consumer_id"], on_gpu)
-        hit = self._pairs.get(key)
+        """The consumer's endpoint (parsed again only if that consumer re-registered with another
+        one) and the pair's valid modes."""
+        label = grant["consumer_id"]
+        hit = self._consumers.get(label)
         if hit is None or hit[0] != grant["consumer"]:
-            if len(self._pairs) > 1024:
-                self._pairs.clear()
-            consumer = Endpoint.from_dict(grant["consumer"])
-            pm = pair_modes(self.endpoint_info if on_gpu else host_side(self.endpoint_info), consumer)
-            hit = self._pairs[key] = (grant["consumer"], consumer, pm)
-        return hit[1], hit[2]
+            if len(self._consumers) > 1024:
+                self._consumers.clear()
+            hit = self._consumers[label] = (grant["consumer"], Endpoint.from_dict(grant["consumer"]))
+        consumer = hit[1]
+        me = self.endpoint_info if on_gpu else host_side(self.endpoint_info)
+        return consumer, self._modes.get(self.session.client_id, label, me, consumer)
 
     def _handoff(self, src: Source, grant: dict[str, Any], preferred: SyncMode | None,
                  on_release: Callable[[Ticket], None] | None, resend: bool) -> Ticket:
