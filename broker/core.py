@@ -195,9 +195,11 @@ class BrokerCore:
 
     def _error(self, rid: bytes, code: str, message: str, **extra: Any) -> None:
         self.stats.errors += 1
-        self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1
-        log.warning(json.dumps({"event": "error", "client": rid.decode(errors="replace")[:32], "code": code,
-                                "message": message[:500], **{k: str(v)[:64] for k, v in extra.items()}}))
+        n = self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1
+        if n <= 100 or n % 1000 == 0:  # every refusal is answered; a flood of them is not all logged
+            log.warning(json.dumps({"event": "error", "client": rid.decode(errors="replace")[:32], "code": code,
+                                    "message": message[:500], "count_of_code": n,
+                                    **{k: str(v)[:64] for k, v in extra.items()}}))
         self._send(rid, error(code, message, **extra))
 
     @staticmethod
