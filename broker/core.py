@@ -406,7 +406,7 @@ class BrokerCore:
             if not isinstance(item, dict) or not isinstance(item.get("token"), str):
                 continue
             token = item["token"]
-            if token in self.deliveries or token.startswith(prefix) or len(token) > 128:
+            if token in self.deliveries or token in self.released or token.startswith(prefix) or len(token) > 128:
                 continue  # ours: still bound to whoever it was delivered to (the same client, unchanged)
             prod, hid = item.get("producer_id"), item.get("handoff_id")
             if not isinstance(prod, str) or not isinstance(hid, int) or isinstance(hid, bool) or not 0 <= hid < 2**64:
@@ -532,7 +532,7 @@ class BrokerCore:
             self.stats.rejected += 1
             raise ProtocolError("consumer_gone", f"the consumer of grant {gid} died before the handoff arrived")
         try:
-            if (c.rid, hid) in self.by_handoff:
+            if (c.rid, hid) in self.by_handoff or (c.rid, hid) in self.orphans:
                 raise ProtocolError("bad_header", f"handoff {hid} of this producer is still outstanding",
                                     field="handoff_id")
             try:

@@ -216,7 +216,8 @@ class BrokerMachine(RuleBasedStateMachine):
                 continue
             for tok in (f"forged-{i}", t):
                 self.send(who, "RELEASE", {"token": tok})
-                assert self.errors[-1] in ("unknown_token", "foreign_token", "not_registered"), self.errors[-1]
+                assert self.errors[-1] in ("unknown_token", "foreign_token", "already_released",
+                                           "not_registered"), self.errors[-1]
 
     @rule(who=st.sampled_from(PRODUCERS + CONSUMERS),
           raw=st.one_of(st.lists(st.binary(max_size=40), max_size=4),
@@ -275,7 +276,10 @@ class BrokerMachine(RuleBasedStateMachine):
 
 
 TestBrokerCore = BrokerMachine.TestCase
+# CI runs a fixed set of examples (derandomized: the same interleavings every run, so a red CI is a
+# regression, not a new draw); a soak run (HURRAY_HYPOTHESIS_EXAMPLES) explores at random.
 TestBrokerCore.settings = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None,
+                                   derandomize="HURRAY_HYPOTHESIS_EXAMPLES" not in os.environ,
                                    suppress_health_check=[HealthCheck.too_slow])
 
 
