@@ -538,7 +538,10 @@ class BrokerCore:
             try:
                 handle = BufferHandle.decode(msg.frames["handle"])
             except HandleError as e:
-                raise ProtocolError("bad_handle", str(e), reason=e.reason) from None
+                # The handle's own field and byte offset (buffer-handle.md), not a header field.
+                raise ProtocolError("bad_handle", str(e), reason=e.reason, handle_field=e.field,
+                                    handle_offset=e.offset, value=e.value if isinstance(e.value, int) else
+                                    str(e.value)[:64]) from None
             self._check_handoff(c, consumer, msg, handle)
         except ProtocolError:
             # The consumer's request is not lost with a bad handoff: it goes back to the front.

@@ -462,3 +462,29 @@ def test_message_rate_is_bounded_per_client():
     refused = sum(bool(_errors(core.receive(b"c", ping, 1.0))) for _ in range(int(MAX_RATE) + 10))
     assert refused == 10  # the burst allowance is one second's worth
     assert not _errors(core.receive(b"c", ping, 1.5)), "the allowance refills with time"
+
+
+def test_bad_handle_error_names_the_handle_field_and_offset():
+    core = _core()
+    _hello(core, b"p", "producer", pid=5)
+    _hello(core, b"c", "consumer", pid=6, credits=1)
+    (g,) = [o.msg for o in core.receive(b"p", frames("READY", {"credits": 1}), 0.0) if o.msg.verb == "GRANT"]
+    bad = struct.pack("<QIBB2s", 4096, 256, 0, 0x7F, b"\0\0")  # sync_mode 0x7f
+    (err,) = _errors(core.receive(b"p", frames("HANDOFF", {"grant_id": g.header["grant_id"], "handoff_id": 1,
+                                                           "size": 4096, "offset": 0}, bad, b"M" * 64), 0.0))
+    assert (err["code"], err["handle_field"], err["handle_offset"], err["value"]) == (
+        "bad_handle", "sync_mode", 13, 0x7F), err
+
+
+def test_release_after_producer_gone_is_unknown_token():
+    core = _core()
+    _hello(core, b"p", "producer", pid=5)
+    _hello(core, b"c", "consumer", pid=6, credits=1)
+    (g,) = [o.msg for o in core.receive(b"p", frames("READY", {"credits": 1}), 0.0) if o.msg.verb == "GRANT"]
+    (d, _) = [o.msg for o in core.receive(b"p", frames("HANDOFF", {"grant_id": g.header["grant_id"], "handoff_id": 1,
+                                                                    "size": 4096, "offset": 0}, cpu_handle(),
+                                                         b"M" * 64), 0.0)]
+    gone = [o.msg for o in core.client_gone(b"p", "process gone") if isinstance(o, Send)]
+    assert [(m.verb, m.header["tokens"]) for m in gone] == [("PRODUCER_GONE", [d.header["token"]])]
+    (err,) = _errors(core.receive(b"c", frames("RELEASE", {"token": d.header["token"]}), 0.0))
+    assert err["code"] == "unknown_token"

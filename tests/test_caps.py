@@ -82,3 +82,20 @@ def test_exclusions_carry_the_device_probe_reason():
     assert "cudaErrorNotSupported" in (pair_modes(a, b).reasons[SyncMode.EVENT] or "")
     c = Endpoint(gpu, DeviceCapabilities(False, False, why_not=(("ipc_memory", "WSL2: no IPC"),)), 1)
     assert all("WSL2: no IPC" in (r or "") for r in pair_modes(c, b).reasons.values())
+
+
+def test_no_memory_events_or_streams_across_hosts_whatever_the_transport_asked():
+    """CPU endpoints on different hosts asked about over IPC, and CUDA peers with different hosts,
+    get no shared memory and no SYNC_EVENT: nothing crosses machines but bytes."""
+    from hurray_ipc.contract.sync import Transport
+    from hurray_ipc.devices.base import DeviceCapabilities, DeviceIdentity
+    from hurray_ipc.format.handle import SyncMode
+    from hurray_ipc.transport.pairing import Endpoint, pair_modes
+    caps = DeviceCapabilities(True, True)
+    for kind in ("cpu", "cuda"):
+        a = Endpoint(DeviceIdentity(kind, 0, "U", host="host-a"), caps, 1)
+        b = Endpoint(DeviceIdentity(kind, 0, "U", host="host-b"), caps, 2)
+        pm = pair_modes(a, b, Transport.IPC)
+        assert SyncMode.EVENT not in pm.valid, pm
+        if kind == "cpu":
+            assert not pm.valid and "different hosts" in (pm.reasons[SyncMode.PRODUCER_SYNCED] or "")
