@@ -189,15 +189,19 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def entries(directory: Path | str = SHM_DIR) -> list[str]:
+    """File names in ``directory`` (/dev/shm), or none when it cannot be read."""
+    try:
+        return os.listdir(directory)
+    except OSError:
+        return []
+
+
 def list_segments(uid: int | None = None, pid: int | None = None) -> list[str]:
     """Names of this project's segments in /dev/shm (optionally of one uid / pid)."""
     uid = os.getuid() if uid is None else uid
     out: list[str] = []
-    try:
-        entries = os.listdir(SHM_DIR)
-    except OSError:
-        return out
-    for e in entries:
+    for e in entries():
         parsed = parse_name(e)
         if parsed and parsed[0] == uid and (pid is None or parsed[1] == pid):
             out.append("/" + e)

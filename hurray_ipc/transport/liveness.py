@@ -141,11 +141,7 @@ def live_foreign_pids(directory: Path | str = LEASE_DIR) -> set[int]:
     mine = os.getuid()
     ns = pid_namespace()
     out: set[int] = set()
-    try:
-        entries = os.listdir(directory)
-    except OSError:
-        return out
-    for e in entries:
+    for e in shm.entries(directory):
         parsed = parse(e)
         if parsed is None or parsed[0] != mine:
             continue
