@@ -45,7 +45,7 @@ from hurray_ipc.transport.protocol import (
     Message,
     ProtocolError,
     check_meta,
-    decode,
+    decode_all,
     error,
     field_of,
 )
@@ -57,6 +57,7 @@ MAX_CLIENTS = 16384             # registrations in all
 MAX_CLIENTS_PER_PROCESS = 256   # registrations of one process (by lease, else by host and pid)
 MAX_OUTSTANDING_CLAIMS = MAX_CREDITS  # handoffs a re-registering producer may list
 MAX_RATE = 50_000.0  # messages per second one registered client may send (sustained; burst of one second)
+MAX_ROUTING_ID = 32  # bytes: a DELIVER names its producer in a 32-byte field (spec §2.2)
 _RELEASED_MEMORY = 100_000  # released tokens remembered, to tell "already released" from "unknown"
 
 
@@ -78,6 +79,8 @@ class Client:
     allowance_at: float = 0.0
     # producer: handoffs it declared outstanding at its last HELLO -> the consumer label it named
     confirmed: dict[int, str | None] = field(default_factory=dict)
+    # producer: the consumer endpoints its GRANTs carried (consumer rid -> the Endpoint sent)
+    endpoints_sent: dict[bytes, Endpoint] = field(default_factory=dict)
 
     @property
     def process(self) -> str:
@@ -140,6 +143,10 @@ Out = Send | CleanSegments
 Alive = Callable[[Client], "bool | None"]  # True alive, False dead, None: cannot tell
 
 
+def _is_token(token: str) -> bool:
+    return len(token) == 48 and all(ch in "0123456789abcdef" for ch in token)
+
+
 def _outstanding(raw: Any) -> dict[int, str | None]:
     """A producer HELLO's ``outstanding``: handoff ids, or {handoff_id, consumer_id} objects."""
     if raw is None:
@@ -167,7 +174,7 @@ class BrokerCore:
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
         self.session = session or secrets.token_hex(8)
-        self._token = token or (lambda: secrets.token_urlsafe(24))
+        self._token = token or (lambda: secrets.token_hex(16))
         self.clients: dict[bytes, Client] = {}
         self.channels: dict[str, Channel] = {}
         self.grants: dict[int, Grant] = {}
@@ -216,21 +223,28 @@ class BrokerCore:
 
     # --- events ----------------------------------------------------------------------------
     def receive(self, rid: bytes, parts: list[bytes], now: float) -> list[Out]:
-        """One message from ``rid``. Nothing a client sends can raise out of here."""
-        msg: Message | None = None
+        """One message from ``rid`` (a binary batch is its entries, each answered on its own, in
+        order). Nothing a client sends can raise out of here."""
+        ref = bytes(parts[0])[:32].decode(errors="replace") if parts else ""
         try:
-            msg = decode(parts, allowed=CLIENT_VERBS)
-            self._dispatch(rid, msg, now)
+            msgs = decode_all(parts, allowed=CLIENT_VERBS)
         except ProtocolError as e:
-            extra: dict[str, Any] = {}
-            if msg is not None:
-                extra = {k: msg.header[k] for k in ("handoff_id", "request_id", "token") if k in msg.header}
-            extra.update(e.extra)
-            ref = bytes(parts[0])[:32].decode(errors="replace") if parts else ""
-            self._error(rid, e.code, str(e), ref=ref, **extra)
+            self._error(rid, e.code, str(e), ref=ref, **e.extra)
+            return self._take()
         except Exception as e:  # noqa: BLE001 - a bug must cost one message, never the broker
-            log.exception("internal error handling a message")
+            log.exception("internal error decoding a message")
             self._error(rid, "internal", f"internal error: {type(e).__name__}")
+            return self._take()
+        for msg in msgs:
+            try:
+                self._dispatch(rid, msg, now)
+            except ProtocolError as e:
+                extra = {k: msg.header[k] for k in ("handoff_id", "request_id", "token") if k in msg.header}
+                extra.update(e.extra)
+                self._error(rid, e.code, str(e), ref=ref, **extra)
+            except Exception as e:  # noqa: BLE001 - a bug must cost one message, never the broker
+                log.exception("internal error handling a message")
+                self._error(rid, "internal", f"internal error: {type(e).__name__}")
         return self._take()
 
     def _dispatch(self, rid: bytes, msg: Message, now: float) -> None:
@@ -330,6 +344,9 @@ class BrokerCore:
         version = field_of(msg, "protocol", int)
         if version != PROTOCOL_VERSION:
             raise ProtocolError("protocol_version", f"this broker speaks protocol {PROTOCOL_VERSION}, not {version}")
+        if not 1 <= len(rid) <= MAX_ROUTING_ID:
+            raise ProtocolError("bad_header", f"the routing id (client_id) must be 1-{MAX_ROUTING_ID} bytes, got "
+                                f"{len(rid)}", field="client_id")
         role = field_of(msg, "role", str)
         if role not in ("producer", "consumer"):
             raise ProtocolError("bad_header", f"role must be 'producer' or 'consumer', not {role!r}", field="role")
@@ -399,14 +416,14 @@ class BrokerCore:
         with this consumer. A claim that fails only because the buffer went back to its producer
         is answered PRODUCER_GONE (reason ``reclaimed``): stop using it. Anything else is ignored:
         a re-HELLO cannot claim another consumer's delivery (which would let it release it)."""
-        prefix = self.session + "."
+        prefix = self.session
         for item in held[:MAX_HELD]:
             if c.held >= MAX_HELD:
                 break
             if not isinstance(item, dict) or not isinstance(item.get("token"), str):
                 continue
             token = item["token"]
-            if token in self.deliveries or token in self.released or token.startswith(prefix) or len(token) > 128:
+            if token in self.deliveries or token in self.released or token.startswith(prefix) or not _is_token(token):
                 continue  # ours: still bound to whoever it was delivered to (the same client, unchanged)
             prod, hid = item.get("producer_id"), item.get("handoff_id")
             if not isinstance(prod, str) or not isinstance(hid, int) or isinstance(hid, bool) or not 0 <= hid < 2**64:
@@ -508,9 +525,13 @@ class BrokerCore:
             self.clients[producer].credits -= 1
             g = Grant(next(self._gids), producer, consumer_rid, name)
             self.grants[g.gid] = g
-            self._send(producer, Message("GRANT", {"grant_id": g.gid, "epoch": self.clients[producer].epoch,
-                                                   "consumer_id": consumer.label,
-                                                   "consumer": consumer.endpoint.to_dict()}))
+            p = self.clients[producer]
+            grant: dict[str, Any] = {"grant_id": g.gid, "epoch": p.epoch, "consumer_id": consumer.label}
+            if p.endpoints_sent.get(consumer_rid) is not consumer.endpoint:
+                # Once per pairing (per registration of either side), not per grant.
+                p.endpoints_sent[consumer_rid] = consumer.endpoint
+                grant["consumer"] = consumer.endpoint.to_dict()
+            self._send(producer, Message("GRANT", grant))
 
     # --- handoffs --------------------------------------------------------------------------
     def on_handoff(self, c: Client, msg: Message, now: float) -> None:
@@ -549,13 +570,14 @@ class BrokerCore:
             consumer.credits += 1
             self.stats.rejected += 1
             raise
-        token = f"{self.session}.{self._token()}"
+        token = self.session + self._token()
         self._bind(Delivery(token, c.rid, g.consumer, hid, handle.sync_mode is SyncMode.EVENT, now))
-        header = {k: msg.header[k] for k in ("handoff_id", "size", "meta", "staged", "inproc", "inproc_ref", "offset")
+        header = {k: msg.header[k] for k in ("handoff_id", "meta", "staged", "inproc", "inproc_ref", "offset")
                   if k in msg.header}
-        header.update(token=token, producer_id=c.rid.decode())
+        header.update(token=token, producer_id=c.rid.decode(errors="replace"))
         self._send(g.consumer, Message("DELIVER", header, dict(msg.frames)))
-        self._send(c.rid, Message("ACCEPTED", {"handoff_id": hid}))
+        if msg.header.get("ack"):  # acceptance is implicit (a refusal is an ERROR) unless asked for
+            self._send(c.rid, Message("ACCEPTED", {"handoff_id": hid}))
         self.stats.handoffs += 1
 
     def expected_modes(self, producer: Client, consumer: Client, handle: BufferHandle) -> Any:
@@ -564,7 +586,7 @@ class BrokerCore:
         return self.modes.get(producer.rid, consumer.rid, ep, consumer.endpoint)
 
     def _check_handoff(self, producer: Client, consumer: Client, msg: Message, handle: BufferHandle) -> None:
-        """Spec §4.5, in this order: sync mode, transport payload, offset, size, meta."""
+        """Spec §4.5, in this order: sync mode, transport payload, offset, meta."""
         pm = self.expected_modes(producer, consumer, handle)
         mode = handle.sync_mode
         if mode not in pm.valid:
@@ -584,17 +606,10 @@ class BrokerCore:
             if (mode is SyncMode.EVENT) != ("event" in msg.frames):
                 raise ProtocolError("payload_mismatch", f"{mode.wire_name} "
                                     f"{'needs' if mode is SyncMode.EVENT else 'carries no'} event blob frame")
-            if "offset" not in msg.header:
-                raise ProtocolError("payload_mismatch", "an IPC handoff names the buffer's offset in its allocation",
-                                    field="offset")
             offset = field_of(msg, "offset", int)
             if not 0 <= offset < 2**63:
                 raise ProtocolError("bad_header", f"offset must be 0..2**63-1, got {offset}", field="offset",
                                     value=offset)
-        size = field_of(msg, "size", int, optional=True)
-        if size is not None and size != handle.size:
-            raise ProtocolError("payload_mismatch", f"header size {size} differs from the handle's size {handle.size}",
-                                field="size", value=size)
         check_meta(msg.header.get("meta"), handle.size)
 
     # --- releases --------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import zmq
 from hurray_ipc.devices import shm
 from hurray_ipc.devices.base import host_id
 from hurray_ipc.transport import liveness
+from hurray_ipc.transport.protocol import HOT_VERBS, Message, coalesce, encode_batch
 
 from .core import MAX_CREDITS, BrokerCore, CleanSegments, Client, Out, Send
 from .lock import BrokerAlreadyRunning, EndpointLock, acquire_endpoint
@@ -67,6 +68,9 @@ class Broker:
         self._last_tick = 0.0
         self._last_clean = 0.0
         self._verdicts: dict[bytes, tuple[float, bool | None]] = {}
+        self._pending: dict[bytes, list[Message]] = {}  # outgoing, per peer, until the drain round ends
+        self.messages_sent = 0
+        self.messages_received = 0
         self._ns = liveness.pid_namespace()
         self._clean()
 
@@ -101,18 +105,38 @@ class Broker:
             self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     # --- plumbing --------------------------------------------------------------------------
-    def _apply(self, outs: list[Out]) -> None:
+    def _queue(self, outs: list[Out]) -> None:
         for o in outs:
             if isinstance(o, Send):
-                try:
-                    self.sock.send_multipart([o.rid, *o.msg.encode()], zmq.NOBLOCK)
-                except zmq.Again:
-                    self._apply(self.core.undeliverable(o.rid, o.msg, "full"))
-                except zmq.ZMQError as e:
-                    why = "unreachable" if e.errno == zmq.EHOSTUNREACH else f"zmq error {e.errno}: {e}"
-                    self._apply(self.core.undeliverable(o.rid, o.msg, why))
+                q = self._pending.get(o.rid)
+                if q is None:
+                    q = self._pending[o.rid] = []
+                q.append(o.msg)
             elif isinstance(o, CleanSegments):
                 self._clean()
+
+    def _flush(self) -> None:
+        """Send what the last events produced: per peer, in order, hot messages of one verb
+        batched (protocol.coalesce). Called once per drain round, so a lone message waits for
+        nothing and a burst travels in few messages."""
+        while self._pending:
+            pending, self._pending = self._pending, {}
+            for rid, msgs in pending.items():
+                for group in coalesce(msgs):
+                    frames = encode_batch(group) if group[0].verb in HOT_VERBS else group[0].encode()
+                    try:
+                        self.sock.send_multipart([rid, *frames], zmq.NOBLOCK)
+                    except zmq.ZMQError as e:
+                        why = "full" if e.errno == zmq.EAGAIN else (
+                            "unreachable" if e.errno == zmq.EHOSTUNREACH else f"zmq error {e.errno}: {e}")
+                        for m in group:
+                            self._queue(self.core.undeliverable(rid, m, why))
+                    else:
+                        self.messages_sent += 1
+
+    def _apply(self, outs: list[Out]) -> None:
+        self._queue(outs)
+        self._flush()
 
     def _clean(self) -> None:
         self._last_clean = time.monotonic()
@@ -157,12 +181,15 @@ class Broker:
         try:
             while self.running and (end is None or time.monotonic() < end):
                 if poller.poll(50):
-                    for _ in range(1000):  # drain, but keep sweeping under load
-                        try:
-                            parts = self.sock.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
+                    sock, core = self.sock, self.core
+                    for _ in range(1000):  # drain (no exception ends it), but keep sweeping under load
+                        if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                             break
-                        self.handle(parts)
+                        parts = sock.recv_multipart(zmq.NOBLOCK)
+                        self.messages_received += 1
+                        if len(parts) > 1:
+                            self._queue(core.receive(parts[0], parts[1:], time.monotonic()))
+                    self._flush()
                 now = time.monotonic()
                 if now - self._last_tick >= 0.05:
                     self._last_tick = now
@@ -190,6 +217,7 @@ class Broker:
             return
         self._apply(self.core.shutdown(reason))
         log.info(json.dumps({"event": "shutdown", "reason": reason, "clients": len(self.core.clients),
+                             "messages_received": self.messages_received, "messages_sent": self.messages_sent,
                              **self.core.stats.__dict__, "errors_by_code": self.core.errors_by_code}))
         self.sock.close(linger=200)
         if self.endpoint.startswith("ipc://"):

@@ -53,7 +53,7 @@ def test_one_message_cannot_kill_it(live, tmp_path):
                        (b"RELEASE", b"[" * 70_000)):
         evil.s.send_multipart([verb, body])
         assert evil.expect("ERROR")[0]["code"] in ("bad_header", "unknown_verb")
-    hello = {"protocol": 1, "role": "producer", "channel": "x", "pid": 2**31, "endpoint": endpoint_dict(2**31)}
+    hello = {"protocol": 2, "role": "producer", "channel": "x", "pid": 2**31, "endpoint": endpoint_dict(2**31)}
     evil.send("HELLO", hello)
     err, _ = evil.expect("ERROR")
     assert err["code"] == "bad_header" and "pid" in err["message"]
@@ -84,12 +84,12 @@ def test_forged_held_list_cannot_release_another_consumers_buffer(live):
     prod.hello("producer", "ch", endpoint_dict(os.getppid()))
     honest.hello("consumer", "ch", endpoint_dict(os.getpid()))
     token, hid = one_handoff(prod, honest)
-    thief.send("HELLO", {"protocol": 1, "role": "consumer", "channel": "ch", "pid": os.getpid(),
+    thief.send("HELLO", {"protocol": 2, "role": "consumer", "channel": "ch", "pid": os.getpid(),
                          "endpoint": endpoint_dict(os.getpid()),
-                         "held": [{"token": "made-up-" + "x" * 20, "producer_id": "p", "handoff_id": hid},
+                         "held": [{"token": "0d" * 24, "producer_id": "p", "handoff_id": hid},
                                   {"token": token, "producer_id": "p", "handoff_id": hid}]})
     thief.expect("WELCOME")
-    for t in ("made-up-" + "x" * 20, token):
+    for t in ("0d" * 24, token):
         thief.send("RELEASE", {"token": t})
         assert thief.expect("ERROR")[0]["code"] in ("unknown_token", "foreign_token")
     honest.send("RELEASE", {"token": token})

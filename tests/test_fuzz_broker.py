@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from conftest import Proc
 from hurray_ipc import workload
 from hurray_ipc.devices.base import host_id
-from hurray_ipc.transport.protocol import ERROR_CODES
+from hurray_ipc.transport.protocol import ERROR_CODES, Message, encode_batch
 
 HOST = host_id()
 EXAMPLES = int(os.environ.get("HURRAY_FUZZ_EXAMPLES", "150"))
@@ -57,19 +57,23 @@ def valid_messages() -> list[list[bytes]]:
         return [verb.encode(), json.dumps(header).encode(), *frames]
 
     return [
-        m("HELLO", {"protocol": 1, "role": "producer", "channel": "fuzz-hostile", "client_id": "h", "pid": me,
+        m("HELLO", {"protocol": 2, "role": "producer", "channel": "fuzz-hostile", "client_id": "h", "pid": me,
                     "endpoint": endpoint_dict(me), "epoch": 1}),
-        m("HELLO", {"protocol": 1, "role": "consumer", "channel": "fuzz-hostile", "client_id": "h", "pid": me,
+        m("HELLO", {"protocol": 2, "role": "consumer", "channel": "fuzz-hostile", "client_id": "h", "pid": me,
                     "endpoint": endpoint_dict(me), "epoch": 1, "held": [[1, 2]]}),
         m("PING", {}),
         m("CAPS", {"device": endpoint_dict(me), "peer": endpoint_dict(me), "channel": GOOD_CHANNEL,
                    "transport": "ipc", "request_id": 7}),
         m("REQUEST", {"credits": 1}),
         m("READY", {"credits": 1}),
-        m("HANDOFF", {"grant_id": 1, "handoff_id": 1, "size": 64, "offset": 0, "staged": False, "inproc": False,
-                      "meta": {"typestr": "|u1", "shape": [64]}}, handle(64, 0, 0), b"M" * 64),
-        m("RELEASE", {"token": "f" * 32}),
-        m("EVENT_RELEASE", {"token": "0" * 32}),
+        # binary hot verbs (spec §2.2): one entry, and a batch of three
+        Message("HANDOFF", {"grant_id": 1, "handoff_id": 1, "offset": 0, "ready": 1, "ack": True,
+                            "meta": {"typestr": "|u1", "shape": [64]}},
+                {"handle": handle(64, 0, 0), "memory": b"M" * 64}).encode(),
+        encode_batch([Message("HANDOFF", {"grant_id": 1 + i, "handoff_id": 5 + i, "offset": 64 * i},
+                              {"handle": handle(64, 0, 0), "memory": b"M" * 64}) for i in range(3)]),
+        Message("RELEASE", {"token": "f" * 48, "credits": 2, "reason": "rejected: fuzz"}).encode(),
+        encode_batch([Message("EVENT_RELEASE", {"token": "0" * 48}), Message("RELEASE", {"token": "0" * 48})]),
         m("BYE", {}),
     ]
 
@@ -93,7 +97,7 @@ def mutated(draw: st.DrawFn) -> list[bytes]:
     how = draw(st.sampled_from([k for k in ["flip", "truncate", "swap", "huge", "deep", "oversize", "unknown_verb",
                                             "drop_frame", "extra_frame", "asis", "weird_endpoint", "forged"]
                                 if k not in SKIP]))
-    header = json.loads(msg[1])
+    header = {} if msg[0] in (b"HANDOFF", b"RELEASE") else json.loads(msg[1])  # binary: byte mutations only
     if how == "flip":
         i = draw(st.integers(0, len(msg) - 1))
         if msg[i]:
@@ -220,7 +224,7 @@ def test_fuzz_broker_with_good_pair(broker: Any) -> None:
         # The broker is alive and still answers PING and CAPS.
         assert broker.proc.poll() is None, broker.stop()
         probe = sock(99)
-        probe.send_multipart([b"HELLO", json.dumps({"protocol": 1, "role": "consumer", "channel": "fuzz-probe",
+        probe.send_multipart([b"HELLO", json.dumps({"protocol": 2, "role": "consumer", "channel": "fuzz-probe",
                                                      "client_id": "probe", "pid": os.getpid(), "epoch": 1,
                                                      "endpoint": endpoint_dict(os.getpid())}).encode()])
         ping(probe)  # registered now, so PING is answered PONG

@@ -13,7 +13,8 @@ import zmq
 
 from broker.core import BrokerCore, Send
 from hurray_ipc.devices.base import host_id
-from hurray_ipc.transport.protocol import Message
+from hurray_ipc.transport.protocol import Message, decode_all
+from test_protocol_raw import pack_hot
 
 VEC = json.loads((Path(__file__).parent / "vectors" / "ipc_refusals.json").read_text())["vectors"]
 HOST = host_id()
@@ -30,11 +31,16 @@ def _subst(x: Any, env: dict[str, Any]) -> Any:
 
 
 def _frames(verb: str, header: Any, frames: list[str], env: dict[str, Any]) -> list[bytes]:
+    payload = [bytes.fromhex(f) for f in frames]
     if isinstance(header, str) and header.startswith("$raw:"):
         body = header[len("$raw:"):].encode()
+    elif isinstance(header, str) and header.startswith("$hex:"):
+        body = bytes.fromhex(header[len("$hex:"):])
+    elif verb in ("HANDOFF", "RELEASE", "EVENT_RELEASE"):
+        return pack_hot(verb, _subst(header, env), payload)  # binary, packed from the spec (§2.2)
     else:
         body = json.dumps(_subst(header, env)).encode()
-    return [verb.encode(), body, *(bytes.fromhex(f) for f in frames)]
+    return [verb.encode(), body, *payload]
 
 
 def _ep(pid: int) -> dict:
@@ -58,7 +64,7 @@ class Driver:
             return env
         for who, role, pid in (("p", "producer", 100), ("c", "consumer", 200), ("c2", "consumer", 201)):
             pid = self.pids.get(pid, pid)
-            (w,) = self.send(who, [b"HELLO", json.dumps({"protocol": 1, "role": role, "channel": "v", "pid": pid,
+            (w,) = self.send(who, [b"HELLO", json.dumps({"protocol": 2, "role": role, "channel": "v", "pid": pid,
                                                          "endpoint": _ep(pid)}).encode()])
             assert w.verb == "WELCOME", w
         self.send("c", [b"REQUEST", b'{"credits": 1}'])
@@ -67,8 +73,8 @@ class Driver:
         env["$grant"] = g.header["grant_id"]
         if kind == "delivered":
             handle = bytes.fromhex("0010000000000000" "00010000" "00" "00" "0000")
-            acc = self.send("p", [b"HANDOFF", json.dumps({"grant_id": env["$grant"], "handoff_id": 1, "size": 4096,
-                                                          "offset": 0}).encode(), handle, b"M" * 64])
+            acc = self.send("p", pack_hot("HANDOFF", {"grant_id": env["$grant"], "handoff_id": 1, "offset": 0,
+                                                      "ack": True}, [handle, b"M" * 64]))
             assert [m.verb for m in acc] == ["ACCEPTED"], acc
             (d,) = self.pending["c"]
             env["$token"] = d.header["token"]
@@ -117,16 +123,14 @@ class LiveDriver(Driver):
         out: list[Message] = []
         while True:
             assert s.poll(10_000), "the broker did not answer"
-            parts = s.recv_multipart()
-            msg = Message(parts[0].decode(), json.loads(parts[1]))
-            if msg.verb == "CAPS_REPLY" and msg.header.get("request_id") == "vec-sync":
+            msgs = decode_all(s.recv_multipart())
+            if msgs[0].verb == "CAPS_REPLY" and msgs[0].header.get("request_id") == "vec-sync":
                 break
-            out.append(msg)
+            out.extend(msgs)
         if who == "p":  # deliveries to c arrive on c's socket: collect them for '$token'
             c = self._sock("c")
             while c.poll(200 if out and out[0].verb == "ACCEPTED" else 0):
-                parts = c.recv_multipart()
-                self.pending.setdefault("c", []).append(Message(parts[0].decode(), json.loads(parts[1])))
+                self.pending.setdefault("c", []).extend(decode_all(c.recv_multipart()))
         return out
 
 

@@ -27,7 +27,7 @@ from ..devices.cuda import CudaDevice, CudaEvent, CudaStream
 from ..format.handle import BufferHandle, DeviceTag, HandleError, SyncMode
 from ..transport import dlpack, inproc
 from ..transport.pairing import Endpoint
-from ..transport.protocol import Message, ProtocolError, check_meta, order_key
+from ..transport.protocol import Message, check_meta, order_key
 from .session import RemoteError, Session
 
 log = logging.getLogger("hurray.consumer")
@@ -138,6 +138,7 @@ class ReceivedHandoff(Handoff):
         self._waited: list[CudaStream] = []  # streams ordered after the producer, in order of ordering
         self._release_streams: list[CudaStream] | None = None  # release(stream=s): [s]; release(): None
         self._raw = buf
+        self._buffer_ref: weakref.ref[ReceivedBuffer] | None = None
         mode = handle.sync_mode
         super().__init__(
             handle, None, self._release_buffer,
@@ -146,8 +147,24 @@ class ReceivedHandoff(Handoff):
             event_release=self._release_event if mode is SyncMode.EVENT else None,
             consumer_stream=consumer_stream if mode is SyncMode.CONSUMER_STREAM else None,
         )
-        shape = tuple(int(x) for x in self.meta.get("shape", [handle.size]))
-        self.buffer = ReceivedBuffer(self, buf, str(self.meta.get("typestr", "|u1")), shape)
+
+    # The buffer refers to its handoff (a buffer kept alive keeps the handoff, and so its release,
+    # alive); the handoff refers to its buffer only weakly, so no reference cycle is built per
+    # handoff (the garbage collector would otherwise run every few hundred handoffs to free them).
+    @property
+    def buffer(self) -> ReceivedBuffer:
+        """The bytes, without a copy (the same object while you hold it)."""
+        b = self._buffer_ref() if self._buffer_ref is not None else None
+        if b is None:
+            shape = tuple(int(x) for x in self.meta.get("shape", [self.handle.size]))
+            b = ReceivedBuffer(self, self._raw, str(self.meta.get("typestr", "|u1")), shape)
+            self._buffer_ref = weakref.ref(b)
+        return b
+
+    @buffer.setter
+    def buffer(self, value: object) -> None:
+        if value is not None:  # Handoff.__init__ sets None; nothing else may set it
+            raise AttributeError("a received handoff's buffer cannot be replaced")
 
     # --- the sync rule -----------------------------------------------------------------------
     def _check_usable(self) -> None:
@@ -438,9 +455,6 @@ class Consumer:
         h = msg.header
         handle = BufferHandle.decode(msg.frames["handle"])  # the consumer checks too: never trust the wire
         token = str(h["token"])
-        if h.get("size", handle.size) != handle.size:
-            raise ProtocolError("payload_mismatch", f"DELIVER size {h.get('size')} differs from the handle's "
-                                f"{handle.size}", field="size")
         check_meta(h.get("meta"), handle.size)  # before any view is built from it
         self.device.order_receive(order_key(str(h.get("producer_id", "")), int(h.get("handoff_id", 0)), "handoff"))
         event = None
@@ -476,7 +490,9 @@ class Consumer:
             try:
                 if verb == "RELEASE":
                     self.device.order_send(order_key(ho.producer_id, ho.handoff_id, "release"))
-                self.session.send(Message(verb, header))
+                self.session.queue(Message(verb, header))
+                if not self._inbox:  # nothing else is about to be released with it: send now
+                    self.session.flush_out()
             except Exception as e:  # noqa: BLE001
                 log.warning("%s of %s not sent: %s", verb, ho.token[:8], e)
 

@@ -182,9 +182,9 @@ class Producer:
         self._ready = 0  # READY credits sent and not yet granted
         self._ids = itertools.count(1)
         self._out: dict[int, _Outgoing] = {}
-        # The consumer endpoints GRANTs named (parsed once per consumer and endpoint), and the
-        # pair's modes from the one cache the broker uses too (keyed by the endpoints' values).
-        self._consumers: dict[str, tuple[dict[str, Any], Endpoint]] = {}
+        # The consumer endpoints GRANTs carried (once per pairing and registration), by label, and
+        # the pair's modes from the one cache the broker uses too (keyed by the endpoints' values).
+        self._consumers: dict[str, Endpoint] = {}
         self._modes = ModeCache()
         self.name = name or f"producer-{os.getpid()}"
         self.unknown_releases = 0  # RELEASED for a handoff already finished: a double release
@@ -196,15 +196,14 @@ class Producer:
         # Grants of a previous broker are void; ask the new one for as many again.
         self._ready += len(self._grants)
         self._grants.clear()
-        # A handoff the old broker never accepted is void too (the new one refuses it unregistered).
-        for hid in [h for h, o in self._out.items() if not o.ticket.accepted]:
-            o = self._out[hid]
-            o.ticket.error = RemoteError("broker_restarted", "the broker went away before accepting this handoff")
-            self.session.deferred.extend(self._finish(hid, "rejected", free_source=not o.resend))
+        # A new registration is sent each consumer's endpoint again with its first GRANT.
+        self._consumers.clear()
+        # Every handoff not released is listed, accepted or not (acceptance is implicit, so we may
+        # not know): one a consumer holds is claimed by it; one that never arrived comes back
+        # after the timeout as RELEASED consumer_gone. None is freed before the broker says so.
         return {"name": self.name, "endpoint": self.endpoint_info.to_dict(), "credits": self._ready,
                 # Which consumer holds each: the broker lets only that consumer claim it again.
-                "outstanding": [{"handoff_id": h, "consumer_id": o.ticket.consumer}
-                                for h, o in self._out.items() if o.ticket.accepted]}
+                "outstanding": [{"handoff_id": h, "consumer_id": o.ticket.consumer} for h, o in self._out.items()]}
 
     def _dispatch(self, msg: Message) -> list[Callable[[], None]]:
         h = msg.header
@@ -212,6 +211,15 @@ class Producer:
             if h.get("epoch") != self.session.epoch:
                 return []  # issued to an earlier registration, which both sides voided
             self._ready = max(0, self._ready - 1)
+            label = h["consumer_id"]
+            if "consumer" in h:  # the first GRANT of this pairing carries the consumer's endpoint
+                self._consumers[label] = Endpoint.from_dict(h["consumer"])
+            if label not in self._consumers:
+                log.error("GRANT %s names consumer %s whose endpoint this producer was never sent; "
+                          "registering again", h["grant_id"], label)
+                self.session.registered = False
+                self.session._register()
+                return []
             self._grants.append(h)
         elif msg.verb == "ACCEPTED":
             o = self._out.get(int(h.get("handoff_id", -1)))
@@ -308,12 +316,12 @@ class Producer:
         try:
             while True:
                 grant = self._take_grant(timeout)
-                ticket = self._handoff(src, grant, mode, on_release, resend=block)
+                ticket = self._handoff(src, grant, mode, on_release, resend=block, ack=block)
                 if not block:
                     return ticket
                 self.session.pump(partial(_settled, ticket), timeout, "waiting for the broker to accept")
                 if ticket.error is not None and (
-                        ticket.error.code in ("consumer_gone", "broker_restarted")
+                        ticket.error.code == "consumer_gone"
                         or (ticket.error.code == "unknown_grant" and grant.get("epoch") != self.session.epoch)):
                     continue  # never delivered (its consumer died, or its grant died with a registration)
                 if ticket.error is not None:
@@ -337,20 +345,14 @@ class Producer:
         return self.gpu.as_stream(stream)
 
     def _pairing(self, grant: dict[str, Any], on_gpu: bool) -> tuple[Endpoint, PairModes]:
-        """The consumer's endpoint (parsed again only if that consumer re-registered with another
-        one) and the pair's valid modes."""
+        """The consumer's endpoint (as its pairing's first GRANT carried it) and the pair's valid modes."""
         label = grant["consumer_id"]
-        hit = self._consumers.get(label)
-        if hit is None or hit[0] != grant["consumer"]:
-            if len(self._consumers) > 1024:
-                self._consumers.clear()
-            hit = self._consumers[label] = (grant["consumer"], Endpoint.from_dict(grant["consumer"]))
-        consumer = hit[1]
+        consumer = self._consumers[label]
         me = self.endpoint_info if on_gpu else host_side(self.endpoint_info)
         return consumer, self._modes.get(self.session.client_id, label, me, consumer)
 
     def _handoff(self, src: Source, grant: dict[str, Any], preferred: SyncMode | None,
-                 on_release: Callable[[Ticket], None] | None, resend: bool) -> Ticket:
+                 on_release: Callable[[Ticket], None] | None, resend: bool, ack: bool) -> Ticket:
         buf = src.buffer
         on_gpu = isinstance(buf.device, CudaDevice)
         consumer, pm = self._pairing(grant, on_gpu)
@@ -358,8 +360,10 @@ class Producer:
         out = _Outgoing(Ticket(hid, SyncMode.PRODUCER_SYNCED, False, pm.transport, grant["consumer_id"]), src,
                         on_release=on_release, resend=resend)
         frames: dict[str, bytes] = {}
-        header: dict[str, Any] = {"grant_id": grant["grant_id"], "handoff_id": hid, "size": buf.size,
-                                  "meta": src.meta(), "staged": False, "inproc": pm.transport is Transport.IN_PROCESS}
+        header: dict[str, Any] = {"grant_id": grant["grant_id"], "handoff_id": hid, "meta": src.meta(),
+                                  "staged": False, "inproc": pm.transport is Transport.IN_PROCESS, "ack": ack}
+        if header["meta"] == {"typestr": "|u1", "shape": [buf.size]}:
+            header["meta"] = None  # plain bytes: what a DELIVER without meta means (spec §2.2)
         inproc_obj: dict[str, Any] = {}
         if on_gpu and pm.host_staged:
             slot = self._stage(buf, src.stream)

@@ -27,7 +27,16 @@ from typing import Any
 import zmq
 
 from ..transport.liveness import process_lease
-from ..transport.protocol import BROKER_VERBS, PROTOCOL_VERSION, Message, ProtocolError, decode
+from ..transport.protocol import (
+    BROKER_VERBS,
+    HOT_VERBS,
+    PROTOCOL_VERSION,
+    Message,
+    ProtocolError,
+    coalesce,
+    decode_all,
+    encode_batch,
+)
 from .endpoint import default_endpoint
 
 log = logging.getLogger("hurray.client")
@@ -92,6 +101,11 @@ class Session:
         self.sock.setsockopt(zmq.IDENTITY, self.client_id.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(self.endpoint)
+        self._poller = zmq.Poller()  # one, reused: Socket.poll() builds a Poller per call
+        self._poller.register(self.sock, zmq.POLLIN)
+        self._outbox: list[Message] = []  # hot messages held for one batch (see queue())
+        self.messages_sent = 0
+        self.messages_received = 0
         self.registered = False
         self.shutdown_reason: str | None = None
         self.broker_session: str | None = None
@@ -109,8 +123,30 @@ class Session:
 
     # --- sending ---------------------------------------------------------------------------
     def send(self, msg: Message) -> None:
+        """Send now (after anything queued, which keeps its order)."""
         with self.lock:
+            if self._outbox:
+                self.flush_out()
             self.sock.send_multipart(msg.encode(), copy=True)
+            self.messages_sent += 1
+            self.last_tx = time.monotonic()
+
+    def queue(self, msg: Message) -> None:
+        """Hold a hot message for the next :meth:`flush_out` (at the latest the next pump round,
+        or the next :meth:`send`), so that several travel as one batch. The caller flushes at
+        once when nothing else is about to follow (a lone release waits for nothing)."""
+        with self.lock:
+            self._outbox.append(msg)
+
+    def flush_out(self) -> None:
+        with self.lock:
+            if not self._outbox:
+                return
+            out, self._outbox = self._outbox, []
+            for group in coalesce(out):
+                frames = encode_batch(group) if group[0].verb in HOT_VERBS else group[0].encode()
+                self.sock.send_multipart(frames, copy=True)
+                self.messages_sent += 1
             self.last_tx = time.monotonic()
 
     def _register(self) -> None:
@@ -125,11 +161,16 @@ class Session:
     # --- receiving -------------------------------------------------------------------------
     def _handle(self, parts: list[bytes], out: list[Callback]) -> None:
         self.last_rx = time.monotonic()
+        self.messages_received += 1
         try:
-            msg = decode(parts, allowed=BROKER_VERBS)
+            msgs = decode_all(parts, allowed=BROKER_VERBS)
         except ProtocolError as e:
             log.warning("dropping malformed message from broker: %s", e)
             return
+        for msg in msgs:
+            self._handle_one(msg, out)
+
+    def _handle_one(self, msg: Message, out: list[Callback]) -> None:
         if msg.verb == "WELCOME":
             self.registered = True
             self.shutdown_reason = None
@@ -164,6 +205,8 @@ class Session:
                 return True
             if queue:
                 got.append(queue.popleft())
+                if not queue and self._outbox:
+                    self.flush_out()  # e.g. releases held while more deliveries were queued
                 return True
             n = want()
             if n > 0:
@@ -202,6 +245,8 @@ class Session:
             out.extend(self.deferred)
             self.deferred.clear()
         busy = self._poll() if self._poll is not None else False
+        if self._outbox:
+            self.flush_out()
         if until():
             return True
         now = time.monotonic()
@@ -213,13 +258,10 @@ class Session:
         wait = self.heartbeat_s if deadline is None else max(0.0, min(self.heartbeat_s, deadline - now))
         if busy:
             wait = min(wait, POLL_BUSY_S)
-        if self.sock.poll(int(wait * 1000) if wait > 0 else 0, zmq.POLLIN):
-            while True:
-                try:
-                    parts = self.sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._handle(parts, out)
+        sock = self.sock
+        if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN or self._poller.poll(int(wait * 1000) if wait > 0 else 0):
+            while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # drain; no exception ends it
+                self._handle(sock.recv_multipart(zmq.NOBLOCK), out)
         return until()
 
     @property
@@ -247,6 +289,7 @@ class Session:
             return
         with self.lock:
             try:
+                self.flush_out()
                 if self.registered:
                     self.send(Message("BYE", {}))
             except zmq.ZMQError:
