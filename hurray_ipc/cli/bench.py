@@ -4,6 +4,7 @@ shared_memory, torch.multiprocessing (when installed) and memcpy, in one run.
     hurray-bench                      # CI-sized: 4 KiB, 1 MiB, 64 MiB
     hurray-bench --full               # more iterations (minutes)
     hurray-bench --sizes 4K,1M --out results/mine
+    hurray-bench --sizes 4K --rounds 7 --profile   # cProfile per process in <out>/profile/
 
 Writes results.json, results.md and plot.png (with the bench extra) into the results folder and
 prints the markdown table. Targets are reported, never asserted.
@@ -29,6 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iterations", type=int, default=None, help="round trips per row for sizes <= 1 MiB")
     p.add_argument("--full", action="store_true", help="2000 / 200 iterations instead of 300 / 40")
     p.add_argument("--out", default=None, help="results folder (default results/bench-<time>)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds, each in a new shuffled order; rows report medians over them (default 3; --full 5)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the shuffles")
+    p.add_argument("--profile", action="store_true",
+                   help="write cProfile output of the broker and of every Hurray producer and consumer process "
+                        "to <out>/profile/*.pstats (read with python -m pstats; slows every row)")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     sizes = [parse_size(s) for s in a.sizes.split(",") if s]
@@ -37,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     say = (lambda s: None) if a.quiet else (lambda s: print(f"  running {s} ...", file=sys.stderr, flush=True))
-    res = run_suite(sizes, n_small, n_large, say)
+    rounds = a.rounds or (5 if a.full else 3)
+    res = run_suite(sizes, n_small, n_large, say, rounds=rounds, seed=a.seed,
+                    profile=(out / "profile").resolve() if a.profile else None)
     (out / "results.json").write_text(json.dumps(res, indent=1))
     md = markdown(res)
     (out / "results.md").write_text(md)

@@ -245,10 +245,10 @@ class Session:
             out.extend(self.deferred)
             self.deferred.clear()
         busy = self._poll() if self._poll is not None else False
-        if self._outbox:
-            self.flush_out()
         if until():
-            return True
+            return True  # held messages stay held: the caller goes on and may add to them
+        if self._outbox:
+            self.flush_out()  # before waiting: nothing held waits on the socket
         now = time.monotonic()
         if now - self.last_tx >= self.heartbeat_s:
             if not self.registered and now - self._hello_sent >= self.heartbeat_s:

@@ -1,0 +1,212 @@
+"""Protocol v2's batching and message-saving rules (docs/spec/ipc-protocol.md §2.2, §4.6, §4.7),
+each beside what breaking it would look like: credits of a batch add up, entries of a batch are
+answered one by one, a consumer's endpoint travels once per pairing, ACCEPTED only on request,
+coalescing never reorders what a client depends on, and a consumer holds releases only while
+more deliveries are queued."""
+
+from __future__ import annotations
+
+import gc
+import json
+import struct
+import threading
+import weakref
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given, settings
+
+from broker.core import BrokerCore, Send
+from hurray_ipc.devices.base import host_id
+from hurray_ipc.transport.protocol import (
+    MAX_BATCH,
+    Message,
+    ProtocolError,
+    coalesce,
+    decode_all,
+    encode_batch,
+    wire_verb,
+)
+
+HOST = host_id()
+TOKEN = "11" * 8 + "22" * 16
+
+
+def _ep(pid: int) -> dict:
+    return {"device": {"kind": "cpu", "ordinal": 0, "uuid": "cpu-b", "pci_bus_id": "", "emulated": False,
+                       "host": HOST},
+            "caps": {"ipc_memory": True, "ipc_events": False, "ipc_streams": False, "peers": []},
+            "pid": pid, "stream": None}
+
+
+def _hello(core: BrokerCore, rid: bytes, role: str, pid: int) -> list:
+    h = {"protocol": 2, "role": role, "channel": "b", "pid": pid, "endpoint": _ep(pid)}
+    return core.receive(rid, [b"HELLO", json.dumps(h).encode()], 0.0)
+
+
+def _to(outs: list, rid: bytes) -> list[Message]:
+    return [o.msg for o in outs if isinstance(o, Send) and o.rid == rid]
+
+
+def _handle(size: int = 64) -> bytes:
+    return struct.pack("<QIBB2s", size, 256, 0, 0, b"\0\0")
+
+
+def test_batch_credits_add_up():
+    """Two releases that each ask for buffers, sent as one message, ask for both (a decoder that
+    kept one entry's credits would starve the consumer)."""
+    frames = encode_batch([Message("RELEASE", {"token": TOKEN, "credits": 1}),
+                           Message("RELEASE", {"token": TOKEN, "credits": 2})])
+    assert struct.unpack_from("<HHI", frames[1]) == (2, 3, 0)
+    msgs = decode_all(frames)
+    assert "credits" not in msgs[0].header and msgs[-1].header["credits"] == 3
+
+
+def test_batch_frames_must_add_up_exactly():
+    ok = encode_batch([Message("HANDOFF", {"grant_id": 1, "handoff_id": 1, "offset": 0},
+                               {"handle": _handle(), "memory": b"M" * 64})])
+    with pytest.raises(ProtocolError) as e:
+        decode_all(ok + [b"extra"])
+    assert e.value.code == "bad_frames"
+    with pytest.raises(ProtocolError) as e:
+        decode_all(ok[:-1])
+    assert e.value.code == "bad_frames"
+    head = bytearray(ok[1])
+    head[0:2] = struct.pack("<H", MAX_BATCH + 1)
+    with pytest.raises(ProtocolError) as e:
+        decode_all([ok[0], bytes(head), *ok[2:]])
+    assert e.value.code == "bad_header" and e.value.extra["field"] == "count"
+
+
+def _world() -> tuple[BrokerCore, int]:
+    core = BrokerCore(host=HOST)
+    _hello(core, b"p", "producer", 100)
+    _hello(core, b"c", "consumer", 200)
+    core.receive(b"c", [b"REQUEST", b'{"credits": 3}'], 0.0)
+    outs = core.receive(b"p", [b"READY", b'{"credits": 3}'], 0.0)
+    return core, [m.header["grant_id"] for m in _to(outs, b"p")]
+
+
+def test_each_entry_of_a_batch_is_answered_on_its_own():
+    """A bad entry in the middle costs that entry alone: the others are delivered, in order, and
+    the refusal names the bad entry's handoff id."""
+    core, gids = _world()
+    entries = [Message("HANDOFF", {"grant_id": gids[0], "handoff_id": 1, "offset": 0},
+                       {"handle": _handle(), "memory": b"M" * 64}),
+               Message("HANDOFF", {"grant_id": 999, "handoff_id": 2, "offset": 0},
+                       {"handle": _handle(), "memory": b"M" * 64}),
+               Message("HANDOFF", {"grant_id": gids[2], "handoff_id": 3, "offset": 0, "ack": True},
+                       {"handle": _handle(), "memory": b"M" * 64})]
+    outs = core.receive(b"p", encode_batch(entries), 0.0)
+    assert [(m.verb, m.header["handoff_id"]) for m in _to(outs, b"c")] == [("DELIVER", 1), ("DELIVER", 3)]
+    to_p = _to(outs, b"p")
+    assert [(m.verb, m.header.get("handoff_id")) for m in to_p] == [("ERROR", 2), ("ACCEPTED", 3)]
+    assert to_p[0].header["code"] == "unknown_grant"
+    core.check_invariants()
+
+
+def test_accepted_only_when_asked():
+    core, gids = _world()
+    for hid, ack in ((1, False), (2, True)):
+        outs = core.receive(b"p", Message("HANDOFF", {"grant_id": gids[hid], "handoff_id": hid, "offset": 0,
+                                                      "ack": ack},
+                                          {"handle": _handle(), "memory": b"M" * 64}).encode(), 0.0)
+        assert [m.verb for m in _to(outs, b"p")] == ([] if not ack else ["ACCEPTED"])
+        assert [m.verb for m in _to(outs, b"c")] == ["DELIVER"]
+
+
+def test_consumer_endpoint_travels_once_per_pairing():
+    """The first GRANT of a pairing carries the consumer's endpoint, later ones do not; after
+    either side registers again, the next GRANT carries it again (the producer forgot it)."""
+    core, _ = _world()
+
+    def grants() -> list[bool]:
+        core.receive(b"c", [b"REQUEST", b'{"credits": 2}'], 0.0)
+        outs = core.receive(b"p", [b"READY", b'{"credits": 2}'], 0.0)
+        return ["consumer" in m.header for m in _to(outs, b"p") if m.verb == "GRANT"]
+
+    core2, gids = BrokerCore(host=HOST), None
+    _hello(core2, b"p", "producer", 100)
+    _hello(core2, b"c", "consumer", 200)
+    core2.receive(b"c", [b"REQUEST", b'{"credits": 2}'], 0.0)
+    outs = core2.receive(b"p", [b"READY", b'{"credits": 2}'], 0.0)
+    gids = [("consumer" in m.header) for m in _to(outs, b"p")]
+    assert gids == [True, False]
+    assert grants() == [False, False]  # the world's three grants already sent it
+    _hello(core, b"c", "consumer", 200)  # the consumer registers again
+    assert grants() == [True, False]
+    _hello(core, b"p", "producer", 100)  # the producer registers again
+    assert grants() == [True, False]
+
+
+hot = st.sampled_from(["GRANT", "RELEASED", "EVENT_RELEASED", "ACCEPTED", "DELIVER"])
+cold = st.sampled_from(["ERROR", "PRODUCER_GONE", "PONG"])
+
+
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(st.lists(st.one_of(hot, cold), max_size=200))
+def test_coalesce_keeps_what_clients_depend_on(verbs):
+    """Flattened batches hold every message once; messages of one wire verb keep their order; a
+    JSON message is never moved across a hot one; no batch exceeds MAX_BATCH or mixes verbs."""
+    msgs = [Message(v, {"i": i}) for i, v in enumerate(verbs)]
+    groups = coalesce(msgs)
+    flat = [m for g in groups for m in g]
+    assert sorted(m.header["i"] for m in flat) == list(range(len(msgs)))
+    for g in groups:
+        assert 1 <= len(g) <= MAX_BATCH and len({wire_verb(m.verb) for m in g}) == 1
+    pos = {m.header["i"]: k for k, m in enumerate(flat)}
+    for a in msgs:
+        for b in msgs:
+            if a.header["i"] < b.header["i"] and (
+                    wire_verb(a.verb) == wire_verb(b.verb) or a.verb in ("ERROR", "PRODUCER_GONE", "PONG")
+                    or b.verb in ("ERROR", "PRODUCER_GONE", "PONG")):
+                assert pos[a.header["i"]] < pos[b.header["i"]], (a, b)
+
+
+def test_received_handoff_is_freed_without_the_garbage_collector(broker):
+    """No reference cycle per handoff: with the collector off, a released handoff dies by
+    refcount the moment its last reference goes."""
+    from hurray_ipc.client import Consumer, Producer
+
+    with Producer(broker.endpoint, "nocycle") as p, Consumer(broker.endpoint, "nocycle") as c:
+        buf = p.allocate(64)
+        th = threading.Thread(target=p.send, args=(buf,), kwargs={"block": False, "timeout": 10})
+        th.start()  # the consumer asks at its first receive()
+        h = c.receive(timeout=10)
+        th.join(10)
+        _ = h.buffer.numpy()  # the buffer object exists and refers to its handoff
+        h.release()
+        gc.collect()
+        gc.disable()
+        try:
+            ref = weakref.ref(h)
+            del h, _
+            assert ref() is None, gc.get_referrers(ref())
+        finally:
+            gc.enable()
+        p.flush(10)
+
+
+def test_consumer_holds_releases_only_while_deliveries_are_queued(broker):
+    """Releases made while more deliveries wait in the inbox are held and leave together when the
+    last queued one is taken; a release with nothing queued leaves at once (no timer involved)."""
+    from hurray_ipc.client import Consumer, Producer
+
+    with Producer(broker.endpoint, "hold", prefetch=4) as p, Consumer(broker.endpoint, "hold", prefetch=4) as c:
+        bufs = [p.allocate(64) for _ in range(3)]
+        th = threading.Thread(target=lambda: [p.send(b, block=False, timeout=10) for b in bufs])
+        th.start()  # the consumer asks at its first receive()
+        first = c.receive(timeout=10)
+        th.join(10)
+        c.session.pump(lambda: len(c._inbox) == 2, 10, "deliveries")
+        with c.session.lock:  # the background pump must not flush between our steps
+            first.release()
+            assert [m.verb for m in c.session._outbox] == ["RELEASE"], "held: two deliveries still queued"
+            second = c.receive(timeout=10)
+            second.release()
+            assert len(c.session._outbox) == 2
+            third = c.receive(timeout=10)  # takes the last queued delivery: the held ones leave now
+            assert c.session._outbox == []
+            third.release()  # nothing queued: leaves at once
+            assert c.session._outbox == []
+        p.flush(10)
