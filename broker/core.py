@@ -29,6 +29,7 @@ import hashlib
 import itertools
 import json
 import logging
+import os
 import secrets
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -81,6 +82,10 @@ class Client:
     confirmed: dict[int, str | None] = field(default_factory=dict)
     # producer: the consumer endpoints its GRANTs carried (consumer rid -> the Endpoint sent)
     endpoints_sent: dict[bytes, Endpoint] = field(default_factory=dict)
+    rid_text: str = ""  # the routing id as DELIVER names a producer
+
+    def __post_init__(self) -> None:
+        self.rid_text = self.rid.decode(errors="replace")
 
     @property
     def process(self) -> str:
@@ -143,6 +148,17 @@ Out = Send | CleanSegments
 Alive = Callable[[Client], "bool | None"]  # True alive, False dead, None: cannot tell
 
 
+_POOL: list[str] = []
+
+
+def _random_hex32() -> str:
+    """128 random bits as 32 hex digits, from the OS's CSPRNG 64 at a time (one getrandom call)."""
+    if not _POOL:
+        raw = os.urandom(16 * 64).hex()
+        _POOL.extend(raw[i:i + 32] for i in range(0, len(raw), 32))
+    return _POOL.pop()
+
+
 def _is_token(token: str) -> bool:
     return len(token) == 48 and all(ch in "0123456789abcdef" for ch in token)
 
@@ -174,7 +190,7 @@ class BrokerCore:
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
         self.session = session or secrets.token_hex(8)
-        self._token = token or (lambda: secrets.token_hex(16))
+        self._token = token or _random_hex32
         self.clients: dict[bytes, Client] = {}
         self.channels: dict[str, Channel] = {}
         self.grants: dict[int, Grant] = {}
@@ -572,10 +588,10 @@ class BrokerCore:
             raise
         token = self.session + self._token()
         self._bind(Delivery(token, c.rid, g.consumer, hid, handle.sync_mode is SyncMode.EVENT, now))
-        header = {k: msg.header[k] for k in ("handoff_id", "meta", "staged", "inproc", "inproc_ref", "offset")
-                  if k in msg.header}
-        header.update(token=token, producer_id=c.rid.decode(errors="replace"))
-        self._send(g.consumer, Message("DELIVER", header, dict(msg.frames)))
+        header = dict(msg.header)  # DELIVER's encoder takes its fields and ignores the HANDOFF's others
+        header["token"] = token
+        header["producer_id"] = c.rid_text
+        self._send(g.consumer, Message("DELIVER", header, msg.frames))
         if msg.header.get("ack"):  # acceptance is implicit (a refusal is an ERROR) unless asked for
             self._send(c.rid, Message("ACCEPTED", {"handoff_id": hid}))
         self.stats.handoffs += 1
@@ -598,7 +614,7 @@ class BrokerCore:
         if inproc != (pm.transport is Transport.IN_PROCESS):
             raise ProtocolError("payload_mismatch", "inproc flag does not match the endpoints' processes")
         if inproc:
-            if not isinstance(msg.header.get("inproc_ref"), str) or len(msg.frames) != 1:
+            if not isinstance(msg.header.get("inproc_ref"), str) or "memory" in msg.frames or "event" in msg.frames:
                 raise ProtocolError("payload_mismatch", "an in-process handoff carries an inproc_ref and no blobs")
         else:
             if "memory" not in msg.frames:

@@ -30,6 +30,7 @@ from hurray_ipc.devices import shm
 from hurray_ipc.devices.base import host_id
 from hurray_ipc.transport import liveness
 from hurray_ipc.transport.protocol import HOT_VERBS, Message, coalesce, encode_batch
+from hurray_ipc.transport.sockets import NOBLOCK, readable, recv_frames, send_frames
 
 from .core import MAX_CREDITS, BrokerCore, CleanSegments, Client, Out, Send
 from .lock import BrokerAlreadyRunning, EndpointLock, acquire_endpoint
@@ -125,7 +126,7 @@ class Broker:
                 for group in coalesce(msgs):
                     frames = encode_batch(group) if group[0].verb in HOT_VERBS else group[0].encode()
                     try:
-                        self.sock.send_multipart([rid, *frames], zmq.NOBLOCK)
+                        send_frames(self.sock, [rid, *frames], NOBLOCK)
                     except zmq.ZMQError as e:
                         why = "full" if e.errno == zmq.EAGAIN else (
                             "unreachable" if e.errno == zmq.EHOSTUNREACH else f"zmq error {e.errno}: {e}")
@@ -183,9 +184,9 @@ class Broker:
                 if poller.poll(50):
                     sock, core = self.sock, self.core
                     for _ in range(1000):  # drain (no exception ends it), but keep sweeping under load
-                        if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                        if not readable(sock):
                             break
-                        parts = sock.recv_multipart(zmq.NOBLOCK)
+                        parts = recv_frames(sock, NOBLOCK)
                         self.messages_received += 1
                         if len(parts) > 1:
                             self._queue(core.receive(parts[0], parts[1:], time.monotonic()))

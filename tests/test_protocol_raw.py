@@ -294,7 +294,7 @@ def test_message_vectors_parse():
             for k, v in e.header.items():
                 if k not in ("ready", "credits"):
                     assert got.header[k] == v, (m["name"], k)
-            assert got.frames == e.frames
+            assert {k: v for k, v in got.frames.items() if k != "meta"} == e.frames
             if "handle" in got.frames:
                 BufferHandle.decode(got.frames["handle"])
         credit = sum(e.header.get("ready") or e.header.get("credits") or 0 for e in entries) or None

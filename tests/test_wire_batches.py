@@ -210,3 +210,44 @@ def test_consumer_holds_releases_only_while_deliveries_are_queued(broker):
             third.release()  # nothing queued: leaves at once
             assert c.session._outbox == []
         p.flush(10)
+
+
+def test_send_many_batches_what_the_grants_allow(broker):
+    """send_many sends every handoff it has a grant for in one HANDOFF message, hands each object
+    back through its ticket, and keeps a grant it could not use for the next send."""
+    from hurray_ipc.client import Consumer, Producer
+
+    with Producer(broker.endpoint, "many", prefetch=4) as p, Consumer(broker.endpoint, "many", prefetch=4) as c:
+        c.session.send(Message("REQUEST", {"credits": 4}))
+        c._requested += 4
+        p.session.send(Message("READY", {"credits": 4}))
+        p._ready += 4
+        p.session.pump(lambda: len(p._grants) == 4, 10, "grants")
+        bufs = [p.allocate(64) for _ in range(3)]
+        back: list = []
+        before = p.session.messages_sent
+        tickets = p.send_many(bufs, on_release=back.append)
+        assert p.session.messages_sent - before == 1, "three handoffs, one message"
+        assert [t.obj for t in tickets] == bufs and len(p._grants) == 1, "the fourth grant is kept"
+        got = [c.receive(timeout=10) for _ in range(3)]
+        assert sorted(h.handoff_id for h in got) == sorted(t.handoff_id for t in tickets)
+        for h in got:
+            h.release()
+        p.flush(10)
+        assert sorted(id(t.obj) for t in back) == sorted(id(b) for b in bufs)
+        real = p._prepare
+
+        def fail(*a, **k):
+            raise RuntimeError("injected: the producer obligation failed")
+
+        p._prepare = fail  # type: ignore[method-assign]
+        p.session.pump(lambda: len(p._grants) > 0, 10, "a grant")
+        with p.session.lock:  # no pump between the two counts
+            held = len(p._grants)
+            with pytest.raises(RuntimeError):
+                p.send_many([bufs[0]])
+            assert len(p._grants) == held, "a grant that was not used is kept for the next send"
+        p._prepare = real  # type: ignore[method-assign]
+        p.send(bufs[0], block=False)
+        c.receive(timeout=10).release()
+        p.flush(10)

@@ -142,7 +142,7 @@ class Profiled:
 
 
 def _hurray_producer(endpoint: str, channel: str, device: str, size: int, n: int, env: dict[str, str],
-                     mode: str | None, broker_pid: int | None = None) -> dict[str, Any]:
+                     mode: str | None, broker_pid: int | None = None, batch: bool = False) -> dict[str, Any]:
     os.environ.update(env)
     from ..client import Producer
     from ..format.handle import SyncMode
@@ -168,11 +168,20 @@ def _hurray_producer(endpoint: str, channel: str, device: str, size: int, n: int
         cpu0 = time.process_time()
         t0 = time.perf_counter()
         free = list(bufs)
-        for _ in range(n):
+        back = free.append
+        sent = 0
+        while sent < n:
             while not free:
                 p.wait_released(30)
-            b = free.pop()
-            p.send(b, pref, block=False, on_release=_back_to(free, b))
+            if batch:  # every free buffer in one call: as many per message as grants allow
+                objs = free[:n - sent]
+                del free[:len(objs)]
+                p.send_many(objs, pref, on_release=lambda t: back(t.obj))
+                sent += len(objs)
+            else:
+                b = free.pop()
+                p.send(b, pref, block=False, on_release=_back_to(free, b))
+                sent += 1
         p.flush(60)
         rate = n / (time.perf_counter() - t0)
         cpu = time.process_time() - cpu0
@@ -212,10 +221,11 @@ def _hurray_consumer(endpoint: str, channel: str, device: str, n: int, env: dict
 
 
 def bench_hurray(endpoint: str, label: str, pdev: str, cdev: str, size: int, n: int, env: dict[str, str],
-                 mode: str | None = None, broker_pid: int | None = None) -> dict[str, Any]:
-    ch = f"bench-{label}-{size}".replace(" ", "-")
+                 mode: str | None = None, broker_pid: int | None = None, batch: bool = False) -> dict[str, Any]:
+    """``batch``: the pipelined phase sends with ``send_many`` (every free buffer at once)."""
+    ch = f"bench-{label}-{size}".replace(" ", "-").replace(",", "")
     pr, cr = _pair((_hurray_producer, {"endpoint": endpoint, "channel": ch, "device": pdev, "size": size, "n": n,
-                                       "env": env, "mode": mode, "broker_pid": broker_pid}),
+                                       "env": env, "mode": mode, "broker_pid": broker_pid, "batch": batch}),
                    (_hurray_consumer, {"endpoint": endpoint, "channel": ch, "device": cdev, "n": n, "env": env}))
     return {"name": f"hurray {label}", "what": "one-way handoff", "size": size, "latency": cr["latency"],
             "per_s": pr["per_s"], "modes": cr["modes"], "producer_send_call": pr["send_call"],
@@ -447,6 +457,8 @@ def run_suite(sizes: list[int], n_small: int, n_large: int, progress: Callable[[
                     (f"relay struct {size}", partial(bench_relay, tmp, size, n, header=True)),
                     (f"cpu {size}", partial(bench_hurray, ep, "cpu", "cpu", "cpu", size, n, {},
                                             broker_pid=broker.pid)),
+                    (f"cpu send_many {size}", partial(bench_hurray, ep, "cpu, send_many", "cpu", "cpu", size, n, {},
+                                                      broker_pid=broker.pid, batch=True)),
                     (f"emulated cuda {size}", partial(bench_hurray, ep, "emulated cuda", "cuda:0", "cuda:0", size, n,
                                                       emu, broker_pid=broker.pid)),
                     (f"mp.Queue {size}", partial(bench_mp_queue, size, n)),
@@ -510,7 +522,7 @@ def aggregate(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 _ORDER = {"pyzmq ROUTER/DEALER echo (200 B)": 0, "relay, forwarding only": 1, "relay, struct header": 2,
-          "hurray cpu": 3, "hurray emulated cuda": 4}
+          "hurray cpu": 3, "hurray cpu, send_many": 4, "hurray emulated cuda": 5}
 
 
 def _side_by_side(raw: list[dict[str, Any]], name: str, size: int, base: str,
@@ -539,8 +551,10 @@ def targets(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rate: Callable[[dict[str, Any]], float] = lambda r: r["per_s"]  # noqa: E731
     sizes = sorted({r["size"] for r in raw if r["name"] == "hurray cpu" and "skipped" not in r})
     for size in sizes:
-        add(f"handoffs/s (window {WINDOW}) >= 0.5x relay; 1.0x the stretch goal ({size} B, cpu)",
+        add(f"handoffs/s (window {WINDOW}) >= 0.5x relay ({size} B, cpu)",
             _side_by_side(raw, "hurray cpu", size, relay, rate), lambda v: v >= 0.5)
+        add(f"handoffs/s with batching (send_many) >= 1.0x relay ({size} B, cpu)",
+            _side_by_side(raw, "hurray cpu, send_many", size, relay, rate), lambda v: v >= 1.0)
         add(f"one-way p50 <= 1.5x relay ({size} B, cpu)", _side_by_side(raw, "hurray cpu", size, relay, p50),
             lambda v: v <= 1.5)
         cpu = [r["cpu_us"] for r in raw if r["name"] == "hurray cpu" and r.get("size") == size and "cpu_us" in r]

@@ -372,6 +372,9 @@ class Consumer:
     def _release_after(self, ho: ReceivedHandoff, fences: list[CudaEvent]) -> None:
         """Send ``ho``'s RELEASE once every fence event completed (at once when there are none)."""
         with self.session.lock:
+            if not fences and not self._releasing:
+                ho._give_back()  # nothing to wait for, nothing owed before it: now
+                return
             self._releasing.append((ho, fences))
             self._poll_releases()
 

@@ -11,13 +11,14 @@ their release (see :class:`EventPool`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -29,7 +30,7 @@ from ..devices.cuda import CudaDevice, CudaEvent, CudaStream
 from ..format.handle import BufferHandle, DeviceTag, SyncMode
 from ..transport import inproc
 from ..transport.pairing import Endpoint, ModeCache, PairModes, host_side
-from ..transport.protocol import Message, order_key
+from ..transport.protocol import MAX_BATCH, Message, order_key
 from ..transport.source import Source, resolve
 from ..transport.staging import StagingExhausted, StagingPool
 from .session import BrokerUnavailable, RemoteError, Session
@@ -37,6 +38,12 @@ from .session import BrokerUnavailable, RemoteError, Session
 log = logging.getLogger("hurray.producer")
 
 DEFAULT_ALIGNMENT = 256
+
+
+@functools.lru_cache(maxsize=1024)
+def _handle(size: int, tag: DeviceTag, mode: SyncMode) -> BufferHandle:
+    """Handles are immutable and a producer sends few distinct ones: validate and encode each once."""
+    return BufferHandle(size, DEFAULT_ALIGNMENT, tag, mode)
 
 
 def _settled(ticket: Ticket) -> bool:
@@ -117,7 +124,9 @@ class EventPool:
 @dataclass
 class Ticket:
     """One handoff as the producer sees it. ``outcome`` once released: 'released' (by the
-    consumer), 'consumer_gone' (broker released it for a dead consumer), or 'rejected'."""
+    consumer), 'consumer_gone' (broker released it for a dead consumer), or 'rejected'.
+    ``obj``: what was sent (so an ``on_release`` callback knows what it may reuse).
+    ``accepted``: the broker said so (only a ``send(block=True)`` asks, spec §4.6)."""
 
     handoff_id: int
     mode: SyncMode
@@ -127,6 +136,7 @@ class Ticket:
     accepted: bool = False
     outcome: str | None = None
     error: RemoteError | None = None
+    obj: Any = field(default=None, repr=False)
 
     @property
     def released(self) -> bool:
@@ -316,7 +326,13 @@ class Producer:
         try:
             while True:
                 grant = self._take_grant(timeout)
-                ticket = self._handoff(src, grant, mode, on_release, resend=block, ack=block)
+                try:
+                    prepared = self._prepare(src, grant, mode, on_release, resend=block, ack=block)
+                except BaseException:
+                    with self.session.lock:
+                        self._grants.appendleft(grant)  # unused: the next send takes it
+                    raise
+                ticket = self._submit([prepared])[0]
                 if not block:
                     return ticket
                 self.session.pump(partial(_settled, ticket), timeout, "waiting for the broker to accept")
@@ -351,14 +367,67 @@ class Producer:
         me = self.endpoint_info if on_gpu else host_side(self.endpoint_info)
         return consumer, self._modes.get(self.session.client_id, label, me, consumer)
 
-    def _handoff(self, src: Source, grant: dict[str, Any], preferred: SyncMode | None,
-                 on_release: Callable[[Ticket], None] | None, resend: bool, ack: bool) -> Ticket:
+    def send_many(self, objs: list[Any], mode: SyncMode | None = None, *, stream: Any = None,
+                  timeout: float | None = None, on_release: Callable[[Ticket], None] | None = None,
+                  meta: dict[str, Any] | None = None) -> list[Ticket]:
+        """Hand several objects over in as few messages as the grants allow: each round takes
+        every grant already here (waiting only for the first), prepares that many handoffs as
+        :meth:`send` would, and sends them as one HANDOFF batch (spec §4.7). Like
+        ``send(block=False)``: errors land on the tickets, ``on_release(ticket)`` runs once per
+        handoff; a handoff whose consumer died before it arrived is not re-sent."""
+        explicit = self._explicit_stream(stream)
+        srcs = [resolve(obj, self.cpu, self.gpu, explicit, self.stream) for obj in objs]
+        for src in srcs:
+            src.user = meta
+        tickets: list[Ticket] = []
+        done = 0
+        try:
+            while done < len(srcs):
+                grants = [self._take_grant(timeout)]
+                with self.session.lock:
+                    while self._grants and len(grants) < min(len(srcs) - done, MAX_BATCH):
+                        grants.append(self._grants.popleft())
+                batch: list[tuple[_Outgoing, Message]] = []
+                try:
+                    for src, g in zip(srcs[done:], grants, strict=False):
+                        batch.append(self._prepare(src, g, mode, on_release, resend=False, ack=False))
+                finally:  # what was prepared goes out; grants not used stay for the next send
+                    with self.session.lock:
+                        self._grants.extendleft(reversed(grants[len(batch):]))
+                    if batch:
+                        done += len(batch)
+                        tickets += self._submit(batch)
+        except BaseException:
+            for src in srcs[done:]:
+                if src.cleanup is not None:
+                    src.cleanup()
+            raise
+        return tickets
+
+    def _submit(self, batch: list[tuple[_Outgoing, Message]]) -> list[Ticket]:
+        """Register the prepared handoffs and send them as one message (the last carries the READY)."""
+        with self.session.lock:  # the background pump reads these too
+            want = self.prefetch - len(self._grants) - self._ready
+            if want > 0:  # ask for the next grants on this message instead of a READY of their own
+                batch[-1][1].header["ready"] = want
+                self._ready += want
+            for out, _msg in batch:
+                hid = out.ticket.handoff_id
+                self._out[hid] = out
+                self.device.order_send(order_key(self.session.client_id, hid, "handoff"))
+            self.session.send_batch([msg for _out, msg in batch])
+        return [out.ticket for out, _msg in batch]
+
+    def _prepare(self, src: Source, grant: dict[str, Any], preferred: SyncMode | None,
+                 on_release: Callable[[Ticket], None] | None, resend: bool,
+                 ack: bool) -> tuple[_Outgoing, Message]:
+        """One handoff's mode, producer obligation (ADR-018 §1) and HANDOFF entry; not yet sent."""
         buf = src.buffer
         on_gpu = isinstance(buf.device, CudaDevice)
         consumer, pm = self._pairing(grant, on_gpu)
         hid = next(self._ids)
-        out = _Outgoing(Ticket(hid, SyncMode.PRODUCER_SYNCED, False, pm.transport, grant["consumer_id"]), src,
-                        on_release=on_release, resend=resend)
+        out = _Outgoing(Ticket(hid, SyncMode.PRODUCER_SYNCED, False, pm.transport, grant["consumer_id"],
+                               obj=src.keep), src, on_release=on_release, resend=resend)
         frames: dict[str, bytes] = {}
         header: dict[str, Any] = {"grant_id": grant["grant_id"], "handoff_id": hid, "meta": src.meta(),
                                   "staged": False, "inproc": pm.transport is Transport.IN_PROCESS, "ack": ack}
@@ -374,7 +443,7 @@ class Producer:
         else:
             mode = choose_sync_mode(pm.valid, preferred) if on_gpu else SyncMode.PRODUCER_SYNCED
             assert mode is not None
-            handle = BufferHandle(buf.size, DEFAULT_ALIGNMENT, buf.tag, mode)
+            handle = _handle(buf.size, buf.tag, mode)
             out.ticket.mode = mode
             target = share = buf
             if on_gpu:
@@ -387,15 +456,7 @@ class Producer:
             frames["memory"] = exp.blob
             header["offset"] = exp.offset
         frames = {"handle": handle.encode(), **frames}
-        with self.session.lock:  # the background pump reads these too
-            want = self.prefetch - len(self._grants) - self._ready
-            if want > 0:  # ask for the next grants on this message instead of a READY of their own
-                header["ready"] = want
-                self._ready += want
-            self._out[hid] = out
-            self.device.order_send(order_key(self.session.client_id, hid, "handoff"))
-            self.session.send(Message("HANDOFF", header, frames))
-        return out.ticket
+        return out, Message("HANDOFF", header, frames)
 
     def _order(self, mode: SyncMode, stream: CudaStream | None, out: _Outgoing, consumer: Endpoint,
                inproc_obj: dict[str, Any], frames: dict[str, bytes], transport: Transport) -> None:

@@ -30,6 +30,7 @@ from ..transport.liveness import process_lease
 from ..transport.protocol import (
     BROKER_VERBS,
     HOT_VERBS,
+    MAX_BATCH,
     PROTOCOL_VERSION,
     Message,
     ProtocolError,
@@ -37,6 +38,7 @@ from ..transport.protocol import (
     decode_all,
     encode_batch,
 )
+from ..transport.sockets import NOBLOCK, readable, recv_frames, send_frames
 from .endpoint import default_endpoint
 
 log = logging.getLogger("hurray.client")
@@ -127,8 +129,18 @@ class Session:
         with self.lock:
             if self._outbox:
                 self.flush_out()
-            self.sock.send_multipart(msg.encode(), copy=True)
+            send_frames(self.sock, msg.encode())
             self.messages_sent += 1
+            self.last_tx = time.monotonic()
+
+    def send_batch(self, msgs: list[Message]) -> None:
+        """Send hot messages of one wire verb now, as few messages as MAX_BATCH allows."""
+        with self.lock:
+            if self._outbox:
+                self.flush_out()
+            for i in range(0, len(msgs), MAX_BATCH):
+                send_frames(self.sock, encode_batch(msgs[i:i + MAX_BATCH]))
+                self.messages_sent += 1
             self.last_tx = time.monotonic()
 
     def queue(self, msg: Message) -> None:
@@ -145,7 +157,7 @@ class Session:
             out, self._outbox = self._outbox, []
             for group in coalesce(out):
                 frames = encode_batch(group) if group[0].verb in HOT_VERBS else group[0].encode()
-                self.sock.send_multipart(frames, copy=True)
+                send_frames(self.sock, frames)
                 self.messages_sent += 1
             self.last_tx = time.monotonic()
 
@@ -259,9 +271,9 @@ class Session:
         if busy:
             wait = min(wait, POLL_BUSY_S)
         sock = self.sock
-        if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN or self._poller.poll(int(wait * 1000) if wait > 0 else 0):
-            while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # drain; no exception ends it
-                self._handle(sock.recv_multipart(zmq.NOBLOCK), out)
+        if readable(sock) or self._poller.poll(int(wait * 1000) if wait > 0 else 0):
+            while readable(sock):  # drain; no exception ends it
+                self._handle(recv_frames(sock, NOBLOCK), out)
         return until()
 
     @property

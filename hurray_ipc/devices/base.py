@@ -333,6 +333,8 @@ class ImportCache:
 
     def _evict(self) -> None:
         # Closers run under the lock: a mapping is closed before the same blob can be reopened.
+        if len(self._entries) <= self.limit:
+            return
         idle = [k for k, e in self._entries.items() if e[2] <= 0]
         while len(self._entries) > self.limit and idle:
             self._entries.pop(idle.pop(0))[1]()

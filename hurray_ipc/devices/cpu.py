@@ -94,8 +94,12 @@ class CpuDevice(Device):
         raise DeviceError("export_memory", f"{buf!r} is not in shared memory this process allocated")
 
     def export_memory(self, buf: Buffer) -> MemoryExport:
-        seg, offset = self.segment_of(buf)
-        return MemoryExport(_BLOB.pack(CPU_MAGIC, seg.size, seg.name.encode()), offset, buf.size)
+        exp: MemoryExport | None = getattr(buf, "_export", None)
+        if exp is None:  # a buffer's segment and offset never change: found once, then remembered
+            seg, offset = self.segment_of(buf)
+            exp = MemoryExport(_BLOB.pack(CPU_MAGIC, seg.size, seg.name.encode()), offset, buf.size)
+            buf._export = exp  # type: ignore[attr-defined]
+        return exp
 
     def import_memory(self, exp: MemoryExport) -> Buffer:
         blob = bytes(exp.blob)
@@ -103,14 +107,14 @@ class CpuDevice(Device):
             raise DeviceError("import_memory", "not a CPU shared-memory blob")
         _magic, seg_size, raw_name = _BLOB.unpack(blob)
         name = raw_name.rstrip(b"\0")
-        if not name.startswith(b"/") or shm.parse_name(name.decode("ascii", "replace")) is None:
-            raise DeviceError("import_memory", f"segment name {name[:48]!r} is not a Hurray segment name "
-                              "(/hurray-<uid>-<pid>-<kind><n>-<hex>)")
         if exp.offset < 0 or exp.size < 0 or exp.offset + exp.size > seg_size:
             raise DeviceError("import_memory",
                               f"offset {exp.offset} + size {exp.size} exceeds the segment ({seg_size})")
 
-        def opener() -> tuple[Segment, Any]:
+        def opener() -> tuple[Segment, Any]:  # first use of this blob: check the name, then open
+            if not name.startswith(b"/") or shm.parse_name(name.decode("ascii", "replace")) is None:
+                raise DeviceError("import_memory", f"segment name {name[:48]!r} is not a Hurray segment name "
+                                  "(/hurray-<uid>-<pid>-<kind><n>-<hex>)")
             seg = Segment.attach(name.decode())
             seg.address()
             return seg, seg.close

@@ -22,6 +22,8 @@ HANDLE_SIZE = 16
 _LAYOUT = struct.Struct("<QIBB2s")
 assert _LAYOUT.size == HANDLE_SIZE
 
+_DECODED: dict[bytes, BufferHandle] = {}  # valid encodings seen lately: a steady stream repeats a few
+_DECODED_MAX = 4096
 _U64_MAX = (1 << 64) - 1
 _U32_MAX = (1 << 32) - 1
 
@@ -180,12 +182,19 @@ class BufferHandle:
 
     def encode(self) -> bytes:
         """The 16 wire bytes."""
-        return _LAYOUT.pack(self.size, self.alignment, int(self.device_tag), int(self.sync_mode), b"\0\0")
+        raw: bytes | None = self.__dict__.get("_raw")
+        if raw is None:
+            raw = _LAYOUT.pack(self.size, self.alignment, int(self.device_tag), int(self.sync_mode), b"\0\0")
+            object.__setattr__(self, "_raw", raw)
+        return raw
 
     @classmethod
     def decode(cls, data: bytes | bytearray | memoryview) -> BufferHandle:
         """Parse 16 bytes, rejecting every pattern the spec makes invalid (see HandleError.reason)."""
         raw = bytes(data)
+        hit = _DECODED.get(raw)
+        if hit is not None:  # handles are immutable and decoding is a pure function of the bytes
+            return hit
         if len(raw) != HANDLE_SIZE:
             raise HandleError("length", "handle", None, len(raw), f"bytes given; a handle is exactly {HANDLE_SIZE}")
         size, alignment, tag, mode, reserved = _LAYOUT.unpack(raw)
@@ -196,7 +205,11 @@ class BufferHandle:
         sync_mode = _require_mode(mode)
         if reserved != b"\0\0":
             raise HandleError("reserved_nonzero", "_reserved", 14, reserved.hex(), "must be zero")
-        return cls(size, alignment, device_tag, sync_mode)
+        handle = cls(size, alignment, device_tag, sync_mode)
+        if len(_DECODED) >= _DECODED_MAX:
+            _DECODED.clear()
+        _DECODED[raw] = handle
+        return handle
 
     def with_sync_mode(self, mode: SyncMode) -> BufferHandle:
         return BufferHandle(self.size, self.alignment, self.device_tag, mode)

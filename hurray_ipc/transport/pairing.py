@@ -24,6 +24,15 @@ class Endpoint:
     pid: int
     stream: int | None = None
 
+    def __hash__(self) -> int:
+        # Computed once: endpoints key the mode cache on every handoff, and a frozen dataclass's
+        # generated hash walks every nested field each time.
+        h: int | None = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.identity, self.caps, self.pid, self.stream))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     def to_dict(self) -> dict[str, Any]:
         return {"device": self.identity.to_dict(), "caps": self.caps.to_dict(), "pid": self.pid, "stream": self.stream}
 
@@ -135,9 +144,13 @@ class PairModes:
     device_tag: DeviceTag
     reasons: dict[SyncMode, str | None]
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_valid", frozenset(m for m, why in self.reasons.items() if why is None))
+
     @property
     def valid(self) -> frozenset[SyncMode]:
-        return frozenset(m for m, why in self.reasons.items() if why is None)
+        v: frozenset[SyncMode] = self.__dict__["_valid"]
+        return v
 
     @property
     def host_staged(self) -> bool:

@@ -201,6 +201,7 @@ F_MEMORY, F_EVENT, F_REF, F_META, F_STAGED, F_ACK = 0x01, 0x02, 0x04, 0x08, 0x10
 # RELEASED reason codes (anything else travels as text in a reason frame).
 REASONS = {0: "released", 1: "consumer_gone"}
 REASON_TEXT = 255
+_BLOBS = frozenset(["memory", "event"])
 
 
 class _Layout:
@@ -208,6 +209,7 @@ class _Layout:
 
     def __init__(self, verb: str, fmt: str, credits: str | None, kinds: dict[int, str] | None = None):
         self.verb = verb
+        self.verb_bytes = verb.encode("ascii")
         self.entry = struct.Struct(fmt)
         self.credits = credits  # the header field the batch header's credits carry, if any
         self.kinds = kinds or {1: verb}  # entry kind -> logical verb (RELEASE / EVENT_RELEASE)
@@ -233,17 +235,24 @@ class _Layout:
         it = iter(parts[2:])
         n_frames = len(parts) - 2
         used = 0
-        for i in range(count):
-            fields = self.entry.unpack_from(head, BATCH.size + i * self.entry.size)
-            msg, wants = self._entry(fields, i)
+        entry, frame = self._entry, self._frame
+        for i, fields in enumerate(self.entry.iter_unpack(memoryview(head)[BATCH.size:])):
+            msg, wants = entry(fields, i)
             if allowed is not None and msg.verb not in allowed:
                 raise ProtocolError("unknown_verb", f"{msg.verb} is not a verb this side accepts")
             used += len(wants)
             if used > n_frames:
                 raise ProtocolError("bad_frames", f"{v} entry {i} needs frames {wants}; the message has "
                                     f"{n_frames} payload frames in all")
+            frames = msg.frames
             for name in wants:
-                self._frame(msg, name, bytes(next(it)), i)
+                data = bytes(next(it))
+                if name == "handle":
+                    frames[name] = data  # checked by BufferHandle.decode where it is used
+                elif name in _BLOBS and len(data) == BLOB_SIZE:
+                    frames[name] = data
+                else:
+                    frame(msg, name, data, i)
             out.append(msg)
         if used != n_frames:
             raise ProtocolError("bad_frames", f"{v} entries name {used} payload frames, the message has {n_frames}")
@@ -269,6 +278,8 @@ class _Layout:
                                     "bytes", field=name)
             key = "consumer" if name == "endpoint" else name  # GRANT: the consumer's endpoint
             msg.header[key] = _json_object(data, f"{msg.verb} entry {i} {name}", field=name)
+            if name == "meta":
+                msg.frames["meta"] = data  # forwarded as received (DELIVER), not encoded again
         elif name == "reason":
             msg.header["reason"] = data[:MAX_REASON_BYTES].decode("utf-8", "replace")
         else:
@@ -276,13 +287,15 @@ class _Layout:
 
     def encode(self, msgs: Sequence[Message]) -> list[bytes]:
         credits = sum(m.header.get(self.credits) or 0 for m in msgs) if self.credits else 0
-        head = bytearray(BATCH.pack(len(msgs), credits, 0))
-        frames: list[bytes] = []
+        head = [BATCH.pack(len(msgs), credits, 0)]
+        out = [self.verb_bytes, b""]
+        pack, entry = self._pack, self.entry.pack
         for m in msgs:
-            fields, extra = self._pack(m)
-            head += self.entry.pack(*fields)
-            frames += extra
-        return [self.verb.encode("ascii"), bytes(head), *frames]
+            fields, extra = pack(m)
+            head.append(entry(*fields))
+            out += extra
+        out[1] = b"".join(head)
+        return out
 
     def _pack(self, m: Message) -> tuple[tuple[Any, ...], list[bytes]]:
         raise NotImplementedError
@@ -310,7 +323,8 @@ def _buffer_frames(m: Message) -> tuple[int, list[bytes]]:
         out.append(str(h.get("inproc_ref", "")).encode("ascii"))
     if h.get("meta") is not None:
         flags |= F_META
-        out.append(json_bytes(h["meta"]))
+        raw = f.get("meta")  # as received: a broker forwards the producer's bytes
+        out.append(bytes(raw) if raw is not None else json_bytes(h["meta"]))
     if h.get("staged"):
         flags |= F_STAGED
     return flags, out
