@@ -294,7 +294,7 @@ class ReceivedHandoff(Handoff):
     def _release_buffer(self) -> None:
         fences = []
         for s in self._fence_streams():
-            ev = self._consumer.gpu.create_event(interprocess=False)  # type: ignore[union-attr]
+            ev = self._consumer._fence()
             ev.record(s)
             fences.append(ev)
         self._consumer._release_after(self, fences)
@@ -359,6 +359,7 @@ class Consumer:
         self.name = name or f"consumer-{os.getpid()}"
         self.errors: list[RemoteError] = []
         self._releasing: list[tuple[ReceivedHandoff, list[CudaEvent]]] = []  # RELEASE owed once these complete
+        self._fences: list[CudaEvent] = []  # completed fence events, recorded again by later releases
         self.session = Session(endpoint, "consumer", channel, self._hello, self._dispatch,
                                heartbeat_s=heartbeat_s, timeout_s=timeout_s, poll=self._poll_releases)
 
@@ -369,6 +370,14 @@ class Consumer:
         return self.gpu.as_stream(stream)
 
     # --- deferred releases ------------------------------------------------------------------
+    def _fence(self) -> CudaEvent:
+        """A process-local event to record a release fence on: from the pool of completed ones,
+        or new (creating one per release costs a driver call, and far more in the emulation)."""
+        with self.session.lock:
+            if self._fences:
+                return self._fences.pop()
+        return self.gpu.create_event(interprocess=False)  # type: ignore[union-attr]
+
     def _release_after(self, ho: ReceivedHandoff, fences: list[CudaEvent]) -> None:
         """Send ``ho``'s RELEASE once every fence event completed (at once when there are none)."""
         with self.session.lock:
@@ -395,8 +404,7 @@ class Consumer:
             ho, fences = entry
             if all(ev.query() for ev in fences):
                 self._releasing.remove(entry)
-                for ev in fences:
-                    ev.close()
+                self._fences.extend(fences)  # completed: re-recordable for a later release
                 ho._give_back()
         return bool(self._releasing)
 
@@ -494,7 +502,10 @@ class Consumer:
                 if verb == "RELEASE":
                     self.device.order_send(order_key(ho.producer_id, ho.handoff_id, "release"))
                 self.session.queue(Message(verb, header))
-                if not self._inbox:  # nothing else is about to be released with it: send now
+                # A RELEASE with nothing queued behind it goes now. An EVENT_RELEASE waits for the
+                # next flush (this handoff's RELEASE, or the next pump round): only the producer's
+                # event pool waits on it, and the two then travel, and come back, as one message.
+                if verb == "RELEASE" and not self._inbox:
                     self.session.flush_out()
             except Exception as e:  # noqa: BLE001
                 log.warning("%s of %s not sent: %s", verb, ho.token[:8], e)
@@ -526,6 +537,10 @@ class Consumer:
             except (TimeoutError, ConnectionError):
                 log.warning("closing with %d release(s) still waiting for device work", len(self._releasing))
         self.session.close()
+        with self.session.lock:
+            fences, self._fences = self._fences, []
+        for ev in fences:
+            ev.close()
         if self.declared_stream is not None:
             inproc.unregister_stream(self.declared_stream)
 
