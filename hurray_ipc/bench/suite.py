@@ -358,9 +358,11 @@ def bench_torch(size: int, n: int, device: str = "cpu") -> dict[str, Any]:
                      args=(_torch_producer, {"q": q, "ack": ack, "size": size, "n": n, "device": device},
                            rq := ctx.Queue()))
     pc = ctx.Process(target=run_into_queue, args=(_queue_consumer, {"q": q, "ack": ack, "n": n}, rc := ctx.Queue()))
-    pp.start(), pc.start()
+    pp.start()
+    pc.start()
     pr, cr = rq.get(timeout=300), rc.get(timeout=300)
-    pp.join(10), pc.join(10)
+    pp.join(10)
+    pc.join(10)
     if "error" in pr or "error" in cr:
         return {**row, "skipped": pr.get("error") or cr.get("error")}
     return {**row, "latency": cr["latency"], "per_s": pr["per_s"]}
