@@ -492,14 +492,18 @@ def run_suite(sizes: list[int], n_small: int, n_large: int, progress: Callable[[
 
 
 def _median_tree(xs: list[Any]) -> Any:
-    """The median of each numeric leaf across rows of the same shape (first value elsewhere)."""
+    """The median of each numeric leaf across rows of the same shape (first value elsewhere;
+    identifying fields, ``size`` and ``n``, are never averaged)."""
     first = xs[0]
     if isinstance(first, dict):
-        return {k: _median_tree([x[k] for x in xs if isinstance(x, dict) and k in x]) for k in first}
+        return {k: first[k] if k in ("size", "n") else
+                _median_tree([x[k] for x in xs if isinstance(x, dict) and k in x]) for k in first}
     nums = [x for x in xs if isinstance(x, int | float) and not isinstance(x, bool) and x == x]
     if isinstance(first, int | float) and not isinstance(first, bool) and nums:
         m = statistics.median(nums)
-        return round(m, 2) if isinstance(m, float) else m
+        if all(isinstance(x, int) for x in nums):
+            return int(round(m))
+        return round(m, 2 if abs(m) < 100 else 1)
     return first
 
 

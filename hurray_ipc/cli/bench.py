@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..bench.suite import markdown, plot, run_suite
+from ..bench.suite import aggregate, markdown, plot, run_suite, targets
 from .stress import parse_size
 
 
@@ -36,8 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="write cProfile output of the broker and of every Hurray producer and consumer process "
                         "to <out>/profile/*.pstats (read with python -m pstats; slows every row)")
+    p.add_argument("--render", metavar="RESULTS_JSON", default=None,
+                   help="no run: aggregate and print the markdown of an earlier run's results.json again")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
+    if a.render:
+        res = json.loads(Path(a.render).read_text())
+        res["rows"], res["targets"] = aggregate(res["raw"]), targets(res["raw"])
+        print(markdown(res))
+        return 0
     sizes = [parse_size(s) for s in a.sizes.split(",") if s]
     n_small = a.iterations or (2000 if a.full else 300)
     n_large = max(5, n_small // 10) if a.iterations else (200 if a.full else 40)
