@@ -651,9 +651,21 @@ class BrokerCore:
             self._send(d.producer, Message("EVENT_RELEASED", {"handoff_id": d.handoff_id}))
 
     def on_release(self, c: Client, msg: Message) -> None:
+        """Release the token; then apply the REQUEST carried on the message, even when the release
+        was refused (as a HANDOFF's ready): the consumer counts those credits as asked either way,
+        and a batch carries them on its last entry, whatever became of that entry (spec §4)."""
         credits = self._credits(msg, "credits", optional=True)
-        d = self._delivery_of(c, msg)
-        self._release(d, str(msg.header.get("reason", "released"))[:200])
+        try:
+            d = self._delivery_of(c, msg)
+            self._release(d, str(msg.header.get("reason", "released"))[:200])
+        except ProtocolError:
+            if credits and c.role == "consumer":
+                try:
+                    self._add_requests(c, credits)
+                except ProtocolError as limit:  # the refusal of the release is the one answered
+                    log.warning(json.dumps({"event": "credits_refused", "client": c.rid_text[:32],
+                                            "why": str(limit)[:200]}))
+            raise
         if credits:
             self._add_requests(c, credits)
 

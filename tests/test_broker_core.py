@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from broker.core import MAX_CREDITS, MAX_HELD, BrokerCore, Send
 from hurray_ipc.devices.base import host_id
-from hurray_ipc.transport.protocol import ERROR_CODES, HOT_VERBS, PROTOCOL_VERSION, Message
+from hurray_ipc.transport.protocol import ERROR_CODES, HOT_VERBS, PROTOCOL_VERSION, Message, encode_batch
 
 HOST = host_id()
 TIMEOUT = 3.0
@@ -199,6 +199,23 @@ class BrokerMachine(RuleBasedStateMachine):
                 assert len(self.errors) == before + 1 and self.errors[-1] in ("foreign_token", "unknown_token")
         elif how == "unknown":
             self.send(who, "RELEASE", {"token": "ee" * 24})
+
+    @rule(who=st.sampled_from(CONSUMERS), data=st.data())
+    def release_batch(self, who: bytes, data: st.DataObject) -> None:
+        """Several releases in one RELEASE message (spec §2.2), a token twice among them and one
+        never issued: each entry is answered on its own, exactly as if sent alone, and the
+        batch's credits are applied once, after the last entry."""
+        v = self.views[who]
+        if not v.registered or not v.held:
+            return
+        tokens = data.draw(st.lists(st.sampled_from(sorted(v.held)), min_size=1, max_size=3, unique=True))
+        entries = [Message("RELEASE", {"token": t}) for t in tokens]
+        entries += [Message("RELEASE", {"token": tokens[0]}), Message("RELEASE", {"token": "ee" * 24, "credits": 2})]
+        before = len(self.errors)
+        self.feed(self.core.receive(who, encode_batch(entries), self.now))
+        for t in tokens:
+            del v.held[t]
+        assert self.errors[before:] == ["already_released", "unknown_token"], self.errors[before:]
 
     @rule(who=st.sampled_from(CONSUMERS))
     def forge_held(self, who: bytes) -> None:

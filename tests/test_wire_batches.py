@@ -251,3 +251,14 @@ def test_send_many_batches_what_the_grants_allow(broker):
         p.send(bufs[0], block=False)
         c.receive(timeout=10).release()
         p.flush(10)
+
+
+def test_release_credits_apply_even_when_the_release_is_refused():
+    """A batch carries its REQUEST on its last entry; if that entry is refused the consumer has
+    still counted the credits as asked, so the broker applies them (else it would starve)."""
+    core, _ = _world()  # c asked for 3, p was granted 3: c has no credits queued
+    assert core.clients[b"c"].credits == 0
+    outs = core.receive(b"c", encode_batch([Message("RELEASE", {"token": "ee" * 24, "credits": 2})]), 0.0)
+    assert [m.header["code"] for m in _to(outs, b"c")] == ["unknown_token"]
+    assert core.clients[b"c"].credits == 2
+    core.check_invariants()
