@@ -10,6 +10,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from hurray_ipc.cli.common import LOG_LEVELS, add_version, device, endpoint
 from hurray_ipc.client.endpoint import default_endpoint
 
 from .server import Broker
@@ -34,17 +35,19 @@ class _JsonFormatter(logging.Formatter):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hurray-broker", description=__doc__)
-    p.add_argument("--endpoint", default=None, help=f"ZeroMQ endpoint to bind (default {default_endpoint()})")
+    add_version(p)
+    p.add_argument("--endpoint", type=endpoint, default=None,
+                   help=f"ZeroMQ endpoint to bind (default {default_endpoint()})")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds of client silence before it is dead")
     p.add_argument("--heartbeat", type=float, default=0.5, help="heartbeat interval clients are told")
     p.add_argument("--group", action="store_true", help="socket 0660 and directory 0750 (default owner-only)")
     p.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="default: %(default)s")
     p.add_argument("--export", action="append", default=[], metavar="CHANNEL=tcp://ADDR:PORT",
                    help="bridge: serve this channel's handoffs to remote brokers (repeatable)")
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="CHANNEL=tcp://HOST:PORT",
                    help="bridge: receive this channel from a remote broker's --export (repeatable)")
-    p.add_argument("--import-device", default="cpu", help="hand imported buffers on as cpu or cuda:N")
+    p.add_argument("--import-device", type=device, default="cpu", help="hand imported buffers on as cpu or cuda:N")
     p.add_argument("--bridge-keys", metavar="DIR", help="CurveZMQ keys as written by 'python -m broker.bridge keygen'")
     p.add_argument("--bridge-insecure", action="store_true", help="bridge over plaintext TCP")
     a = p.parse_args(argv)

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from ..bench.suite import aggregate, markdown, plot, run_suite, targets
+from .common import add_version
 from .stress import parse_size
 
 
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="hurray-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    add_version(p)
     p.add_argument("--sizes", default="4K,1M,64M", help="comma-separated buffer sizes")
     p.add_argument("--iterations", type=int, default=None, help="round trips per row for sizes <= 1 MiB")
     p.add_argument("--full", action="store_true", help="2000 / 200 iterations instead of 300 / 40")

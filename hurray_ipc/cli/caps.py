@@ -21,6 +21,7 @@ from ..contract.sync import Transport
 from ..devices import DeviceError, open_device
 from ..format.handle import SyncMode
 from ..transport.pairing import Endpoint, pair_modes
+from .common import add_version, cuda_hint, device, endpoint
 
 ORDER = [m.wire_name for m in (SyncMode.PRODUCER_SYNCED, SyncMode.EVENT, SyncMode.CONSUMER_STREAM)]
 
@@ -85,10 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="hurray-caps", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--broker", help="ask this running broker (else probe locally)")
+    add_version(p)
+    p.add_argument("--broker", type=endpoint, help="ask this running broker (else probe locally)")
     p.add_argument("--channel", help="with --broker: answer for the consumers of this channel")
-    p.add_argument("--device", required=True, help="cpu or cuda:N (the producer's device)")
-    p.add_argument("--peer-device", help="the consumer's device (default: the same device)")
+    p.add_argument("--device", type=device, required=True, help="cpu or cuda:N (the producer's device)")
+    p.add_argument("--peer-device", type=device, help="the consumer's device (default: the same device)")
     p.add_argument("--transport", choices=[t.value for t in Transport], default=None,
                    help="in-process, ipc or network (default ipc)")
     p.add_argument("--no-consumer-stream", action="store_true", help="the consumer names no stream")
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             d = local_answer(a.device, a.peer_device, t or Transport.IPC, not a.no_consumer_stream)
     except (DeviceError, ValueError, ConnectionError) as e:
-        print(f"hurray-caps: {e}", file=sys.stderr)
+        print(f"hurray-caps: {cuda_hint(str(e))}", file=sys.stderr)
         return 2
     print(json.dumps(d) if a.json else render(d))
     return 0

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..contract.sync import consumer_obligation
 from ..format.handle import BufferHandle, HandleError
+from .common import add_version
 
 _HEX = set(string.hexdigits)
 
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="hurray-inspect", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    add_version(p)
     p.add_argument("handle", help="HEX, @FILE or - (stdin)")
     p.add_argument("--json", action="store_true", help="print JSON")
     args = p.parse_args(argv)

@@ -29,6 +29,7 @@ from typing import Any
 
 from .. import workload
 from ..devices import shm
+from .common import add_version
 
 
 def parse_size(text: str) -> int:
@@ -290,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="hurray-stress", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    add_version(p)
     d = StressConfig()
     p.add_argument("--producers", type=int, default=d.producers)
     p.add_argument("--consumers", type=int, default=d.consumers)

@@ -39,7 +39,7 @@ from ..transport.protocol import (
     encode_batch,
 )
 from ..transport.sockets import NOBLOCK, readable, recv_frames, send_frames
-from .endpoint import default_endpoint
+from .endpoint import check_endpoint, default_endpoint
 
 log = logging.getLogger("hurray.client")
 
@@ -89,7 +89,7 @@ class Session:
         timeout_s: float = 3.0,
         poll: Callable[[], bool] | None = None,
     ):
-        self.endpoint = endpoint or default_endpoint()
+        self.endpoint = check_endpoint(endpoint or default_endpoint())
         self.role = role
         self.channel = channel
         self.client_id = secrets.token_hex(16)

@@ -1,0 +1,39 @@
+"""What every Hurray command line shares: ``--version``, and argument types that refuse bad
+values with a one-line error and exit status 2 (argparse's convention) instead of a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from .. import __version__
+from ..client.endpoint import check_endpoint
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_DEVICE = re.compile(r"^(cpu|cuda:[0-9]{1,4})$")
+
+
+def add_version(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+
+
+def endpoint(value: str) -> str:
+    """A ZeroMQ endpoint with its scheme: ipc:///path, tcp://host:port or inproc://name."""
+    try:
+        return check_endpoint(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def device(value: str) -> str:
+    """``cpu`` or ``cuda:N``."""
+    if not _DEVICE.match(value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a device: use cpu or cuda:N (e.g. cuda:0)")
+    return value
+
+
+def cuda_hint(message: str) -> str:
+    """``message`` plus how to run without a GPU, when it says CUDA is unavailable."""
+    if "CUDA unavailable" in message:
+        return message + " (no GPU here? HURRAY_CUDA=emulated runs the same code on the CUDA emulation)"
+    return message

@@ -1,0 +1,55 @@
+"""The command lines behave like Unix tools (issue 12, first part): --version everywhere, bad
+arguments refused in one line with exit status 2 before anything runs, a hint where CUDA is
+missing; the library refuses an endpoint without a scheme with the same words."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hurray_ipc import __version__
+
+CLIS = {"hurray-broker": "broker", "hurray-caps": "hurray_ipc.cli.caps", "hurray-inspect": "hurray_ipc.cli.inspect",
+        "hurray-stress": "hurray_ipc.cli.stress", "hurray-bench": "hurray_ipc.cli.bench"}
+
+
+def run(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=60,
+                          env=env)
+
+
+@pytest.mark.parametrize("prog", sorted(CLIS))
+def test_version(prog):
+    r = run(CLIS[prog], "--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"{prog} {__version__}", (r.stdout, r.stderr)
+
+
+@pytest.mark.parametrize(("module", "args", "says"), [
+    ("broker", ["--endpoint", "/tmp/hurray-no-scheme.sock"], "did you mean ipc:///tmp/hurray-no-scheme.sock"),
+    ("broker", ["--log-level", "chatty"], "invalid choice: 'chatty'"),
+    ("broker", ["--import-device", "gpu"], "'gpu' is not a device"),
+    ("hurray_ipc.cli.caps", ["--device", "cuda0"], "'cuda0' is not a device"),
+    ("hurray_ipc.cli.caps", ["--device", "cpu", "--broker", "localhost:5555"], "is not a ZeroMQ endpoint"),
+])
+def test_bad_arguments_are_one_line_and_exit_2(module, args, says):
+    r = run(module, *args)
+    assert r.returncode == 2, r
+    assert "Traceback" not in r.stderr and says in r.stderr.strip().splitlines()[-1], r.stderr
+
+
+def test_caps_without_a_gpu_names_the_emulation():
+    env = {k: v for k, v in os.environ.items() if k != "HURRAY_CUDA"}
+    r = run("hurray_ipc.cli.caps", "--device", "cuda:0", env=env)
+    if r.returncode == 0:
+        pytest.skip("this machine has a CUDA device")
+    assert r.returncode == 2 and "HURRAY_CUDA=emulated" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_library_refuses_an_endpoint_without_a_scheme():
+    from hurray_ipc.client import Producer
+
+    with pytest.raises(ValueError, match="is not a ZeroMQ endpoint"):
+        Producer(endpoint="nonsense")
