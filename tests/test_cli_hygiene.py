@@ -33,6 +33,8 @@ def test_version(prog):
     ("broker", ["--import-device", "gpu"], "'gpu' is not a device"),
     ("hurray_ipc.cli.caps", ["--device", "cuda0"], "'cuda0' is not a device"),
     ("hurray_ipc.cli.caps", ["--device", "cpu", "--broker", "localhost:5555"], "is not a ZeroMQ endpoint"),
+    ("hurray_ipc.cli.stress", ["--mode", "bogus"], "unknown sync mode 'bogus'"),
+    ("hurray_ipc.cli.stress", ["--producers", "0"], "0 is not a positive integer"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(module, args, says):
     r = run(module, *args)

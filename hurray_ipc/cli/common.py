@@ -32,6 +32,27 @@ def device(value: str) -> str:
     return value
 
 
+def positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is not a positive integer (at least 1)")
+    return n
+
+
+def sync_mode(value: str) -> str:
+    """A sync mode name (SYNC_EVENT, EVENT or event ...), checked now rather than in the workers."""
+    from ..format.handle import SyncMode
+
+    try:
+        SyncMode.from_name(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
 def cuda_hint(message: str) -> str:
     """``message`` plus how to run without a GPU, when it says CUDA is unavailable."""
     if "CUDA unavailable" in message:

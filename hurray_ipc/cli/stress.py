@@ -29,7 +29,7 @@ from typing import Any
 
 from .. import workload
 from ..devices import shm
-from .common import add_version
+from .common import add_version, positive_int, sync_mode
 
 
 def parse_size(text: str) -> int:
@@ -293,13 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_version(p)
     d = StressConfig()
-    p.add_argument("--producers", type=int, default=d.producers)
-    p.add_argument("--consumers", type=int, default=d.consumers)
+    p.add_argument("--producers", type=positive_int, default=d.producers, help="default: %(default)s")
+    p.add_argument("--consumers", type=positive_int, default=d.consumers, help="default: %(default)s")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--count", type=int, default=d.count, help="handoffs in total")
+    g.add_argument("--count", type=positive_int, default=d.count, help="handoffs in total (default: %(default)s)")
     g.add_argument("--duration", type=float, help="seconds to run instead of a count")
     p.add_argument("--size", type=parse_size, default=d.size, help="bytes per buffer (64K, 1M ...)")
-    p.add_argument("--mode", help="preferred sync mode (default: cheapest valid)")
+    p.add_argument("--mode", type=sync_mode, help="preferred sync mode (default: cheapest valid)")
     p.add_argument("--device", choices=["cpu", "emulated", "cuda"], default=d.device)
     p.add_argument("--kill-consumers", type=float, default=0.0, help="SIGKILLs of consumers per second")
     p.add_argument("--kill-producers", type=float, default=0.0, help="SIGKILLs of producers per second")
