@@ -124,7 +124,13 @@ class Broker:
             pending, self._pending = self._pending, {}
             for rid, msgs in pending.items():
                 for group in coalesce(msgs):
-                    frames = encode_batch(group) if group[0].verb in HOT_VERBS else group[0].encode()
+                    try:
+                        frames = encode_batch(group) if group[0].verb in HOT_VERBS else group[0].encode()
+                    except Exception:  # noqa: BLE001 - a bug must cost these messages, never the broker
+                        log.exception("could not encode %s for %r", group[0].verb, rid[:32])
+                        for m in group:
+                            self._queue(self.core.undeliverable(rid, m, "internal: not encodable"))
+                        continue
                     try:
                         send_frames(self.sock, [rid, *frames], NOBLOCK)
                     except zmq.ZMQError as e:

@@ -262,3 +262,15 @@ def test_release_credits_apply_even_when_the_release_is_refused():
     assert [m.header["code"] for m in _to(outs, b"c")] == ["unknown_token"]
     assert core.clients[b"c"].credits == 2
     core.check_invariants()
+
+
+def test_a_lone_surrogate_in_a_name_is_sent_escaped():
+    """JSON lets a client put "\\ud800" in a string; echoing it (CAPS_REPLY names consumers) must
+    not fail to encode, or one client's name would stop the broker's sends."""
+    core = BrokerCore(host=HOST)
+    h = {"protocol": 2, "role": "consumer", "channel": "b", "pid": 200, "endpoint": _ep(200), "name": "\ud800x"}
+    core.receive(b"c", [b"HELLO", json.dumps(h).encode()], 0.0)
+    outs = core.receive(b"q", [b"CAPS", json.dumps({"device": _ep(300), "channel": "b"}).encode()], 0.0)
+    (reply,) = _to(outs, b"q")
+    frames = reply.encode()
+    assert json.loads(frames[1])["consumers"][0]["name"] == "\ud800x"

@@ -99,7 +99,9 @@ class ProtocolError(ValueError):
         super().__init__(f"{code}: {message}")
 
 
-_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)  # built once: dumps() builds one per call
+# Built once (json.dumps builds an encoder per call). ASCII output: a lone surrogate a client put in
+# a string (JSON allows "\ud800") is escaped again, never an encoding error when sending.
+_JSON = json.JSONEncoder(separators=(",", ":"))
 
 
 def json_bytes(obj: Any) -> bytes:
