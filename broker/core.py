@@ -49,6 +49,7 @@ from hurray_ipc.transport.protocol import (
     decode_all,
     error,
     field_of,
+    is_token,
 )
 
 log = logging.getLogger("hurray.broker")
@@ -157,10 +158,6 @@ def _random_hex32() -> str:
         raw = os.urandom(16 * 64).hex()
         _POOL.extend(raw[i:i + 32] for i in range(0, len(raw), 32))
     return _POOL.pop()
-
-
-def _is_token(token: str) -> bool:
-    return len(token) == 48 and all(ch in "0123456789abcdef" for ch in token)
 
 
 def _outstanding(raw: Any) -> dict[int, str | None]:
@@ -439,7 +436,7 @@ class BrokerCore:
             if not isinstance(item, dict) or not isinstance(item.get("token"), str):
                 continue
             token = item["token"]
-            if token in self.deliveries or token in self.released or token.startswith(prefix) or not _is_token(token):
+            if token in self.deliveries or token in self.released or token.startswith(prefix) or not is_token(token):
                 continue  # ours: still bound to whoever it was delivered to (the same client, unchanged)
             prod, hid = item.get("producer_id"), item.get("handoff_id")
             if not isinstance(prod, str) or not isinstance(hid, int) or isinstance(hid, bool) or not 0 <= hid < 2**64:

@@ -29,7 +29,7 @@ import zmq
 from hurray_ipc.devices import shm
 from hurray_ipc.devices.base import host_id
 from hurray_ipc.transport import liveness
-from hurray_ipc.transport.protocol import HOT_VERBS, Message, coalesce, encode_batch
+from hurray_ipc.transport.protocol import Message, coalesce, encode_group
 from hurray_ipc.transport.sockets import NOBLOCK, readable, recv_frames, send_frames
 
 from .core import MAX_CREDITS, BrokerCore, CleanSegments, Client, Out, Send
@@ -125,7 +125,7 @@ class Broker:
             for rid, msgs in pending.items():
                 for group in coalesce(msgs):
                     try:
-                        frames = encode_batch(group) if group[0].verb in HOT_VERBS else group[0].encode()
+                        frames = encode_group(group)
                     except Exception:  # noqa: BLE001 - a bug must cost these messages, never the broker
                         log.exception("could not encode %s for %r", group[0].verb, rid[:32])
                         for m in group:

@@ -29,14 +29,12 @@ import zmq
 from ..transport.liveness import process_lease
 from ..transport.protocol import (
     BROKER_VERBS,
-    HOT_VERBS,
-    MAX_BATCH,
     PROTOCOL_VERSION,
     Message,
     ProtocolError,
     coalesce,
     decode_all,
-    encode_batch,
+    encode_group,
 )
 from ..transport.sockets import NOBLOCK, readable, recv_frames, send_frames
 from .endpoint import check_endpoint, default_endpoint
@@ -126,22 +124,13 @@ class Session:
     # --- sending ---------------------------------------------------------------------------
     def send(self, msg: Message) -> None:
         """Send now (after anything queued, which keeps its order)."""
-        with self.lock:
-            if self._outbox:
-                self.flush_out()
-            send_frames(self.sock, msg.encode())
-            self.messages_sent += 1
-            self.last_tx = time.monotonic()
+        self.send_batch([msg])
 
     def send_batch(self, msgs: list[Message]) -> None:
-        """Send hot messages of one wire verb now, as few messages as MAX_BATCH allows."""
+        """Send now, after anything queued, in as few messages as protocol.coalesce allows."""
         with self.lock:
-            if self._outbox:
-                self.flush_out()
-            for i in range(0, len(msgs), MAX_BATCH):
-                send_frames(self.sock, encode_batch(msgs[i:i + MAX_BATCH]))
-                self.messages_sent += 1
-            self.last_tx = time.monotonic()
+            self._outbox.extend(msgs)
+            self.flush_out()
 
     def queue(self, msg: Message) -> None:
         """Hold a hot message for the next :meth:`flush_out` (at the latest the next pump round,
@@ -156,8 +145,7 @@ class Session:
                 return
             out, self._outbox = self._outbox, []
             for group in coalesce(out):
-                frames = encode_batch(group) if group[0].verb in HOT_VERBS else group[0].encode()
-                send_frames(self.sock, frames)
+                send_frames(self.sock, encode_group(group))
                 self.messages_sent += 1
             self.last_tx = time.monotonic()
 

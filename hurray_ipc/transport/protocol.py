@@ -490,6 +490,16 @@ def encode_batch(msgs: Sequence[Message]) -> list[bytes]:
     return layout.encode(msgs)
 
 
+def encode_group(group: Sequence[Message]) -> list[bytes]:
+    """Frames of one group of :func:`coalesce`: a batch of hot entries, or one JSON message."""
+    return encode_batch(group) if group[0].verb in HOT_VERBS else group[0].encode()
+
+
+def is_token(text: str) -> bool:
+    """A token as JSON writes it (HELLO ``held``): 2 x TOKEN_BYTES lowercase hex digits."""
+    return len(text) == 2 * TOKEN_BYTES and all(ch in "0123456789abcdef" for ch in text)
+
+
 def coalesce(msgs: Sequence[Message]) -> list[list[Message]]:
     """Group one peer's outgoing messages into batches, in order: between two JSON messages,
     hot messages of one wire verb share a batch (at most MAX_BATCH), batches in the order of
