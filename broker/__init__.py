@@ -1,4 +1,4 @@
-"""The Hurray broker service (hurray-broker, python -m broker)."""
+"""The Hurray broker service (hurray-broker, python -m hurray_ipc.broker)."""
 
 from .server import Broker
 

@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="CHANNEL=tcp://HOST:PORT",
                    help="bridge: receive this channel from a remote broker's --export (repeatable)")
     p.add_argument("--import-device", type=device, default="cpu", help="hand imported buffers on as cpu or cuda:N")
-    p.add_argument("--bridge-keys", metavar="DIR", help="CurveZMQ keys as written by 'python -m broker.bridge keygen'")
+    p.add_argument("--bridge-keys", metavar="DIR",
+                   help="CurveZMQ keys as written by 'python -m hurray_ipc.broker.bridge keygen'")
     p.add_argument("--bridge-insecure", action="store_true", help="bridge over plaintext TCP")
     a = p.parse_args(argv)
     handler = logging.StreamHandler(sys.stderr)

@@ -1,12 +1,12 @@
 """Cross-machine bridge between two brokers (docs/spec/interchange.md, ADR-018 §6).
 
     # host A: take handoffs of channel "frames" from the local broker, serve them over TCP
-    python -m broker.bridge out --channel frames --listen tcp://*:5555 --server-key keys/server.key_secret \\
+    python -m hurray_ipc.broker.bridge out --channel frames --listen tcp://*:5555 --server-key keys/server.key_secret \\
         --clients keys/clients
     # host B: receive them and hand them to local consumers of "frames"
-    python -m broker.bridge in --channel frames --connect tcp://hostA:5555 --client-key keys/client.key_secret \\
-        --server-public keys/server.key [--device cuda:0]
-    python -m broker.bridge keygen keys          # server and client certificates (CurveZMQ)
+    python -m hurray_ipc.broker.bridge in --channel frames --connect tcp://hostA:5555 \\
+        --client-key keys/client.key_secret --server-public keys/server.key [--device cuda:0]
+    python -m hurray_ipc.broker.bridge keygen keys          # server and client certificates (CurveZMQ)
 
 The sending side is a *CPU consumer* of its local broker, so every GPU buffer reaches it host-staged
 (the producer host-waited the copy): device writes are visible to host reads before the first
@@ -386,7 +386,7 @@ class BridgeIn:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m broker.bridge", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m hurray_ipc.broker.bridge", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     k = sub.add_parser("keygen", help="write server and client CurveZMQ certificates into DIR")

@@ -5,9 +5,10 @@ Layers, each importing only those below it::
     format/     the 16-byte buffer handle                        (bottom)
     contract/   sync modes per transport; the handoff object
     devices/    CPU shared memory, CUDA (real or emulated backend)
-    transport/  the IPC wire protocol, object export, staging pool
+    transport/  the IPC wire protocol: messages, sockets, pairing, liveness
+    interop/    user objects in and out: CUDA Array Interface, DLPack, buffer protocol, staging
     client/     Producer and Consumer
-    cli/, broker/ (top)
+    cli/, broker/ (top; broker/ installs as hurray_ipc.broker)
 """
 
 from .contract import (

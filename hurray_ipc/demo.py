@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     tmp = Path(tempfile.mkdtemp(prefix="hurray-demo-"))
     endpoint = f"ipc://{tmp}/broker.sock"
-    broker = subprocess.Popen([sys.executable, "-m", "broker", "--endpoint", endpoint, "--log-level", "warning"])
+    broker = subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker", "--endpoint", endpoint,
+                               "--log-level", "warning"])
     try:
         deadline = time.monotonic() + 20
         while not (tmp / "broker.sock").exists():

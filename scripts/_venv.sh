@@ -1,5 +1,6 @@
-# Sourced by scripts/*: create/use .venv and install the project (with the extras in $HURRAY_EXTRAS).
-# Re-installs only when pyproject.toml changed since the last install.
+# Sourced by scripts/*: create/use .venv and install the project with its test extras, once for
+# every script (scripts/demo then scripts/test installs once). Re-installs only when pyproject.toml
+# changed since the last install.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
@@ -7,11 +8,14 @@ PY="${PYTHON:-python3}"
 if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
-extras="${HURRAY_EXTRAS:-}"
-stamp="$VENV/.hurray-installed${extras:+-$extras}"
+extras="test${HURRAY_EXTRAS:+,$HURRAY_EXTRAS}"  # scripts/bench adds "bench"
+stamp="$VENV/.hurray-installed-${extras//,/-}"
 if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT${extras:+[$extras]}"
+    # The filter hides setuptools' one informational note on editable installs (a meta path finder
+    # maps broker/ to hurray_ipc.broker); real warnings still show.
+    PYTHONWARNINGS="ignore:Editable installation" \
+        "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[$extras]"
     touch "$stamp"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -1,4 +1,4 @@
-"""Start and stop a real broker process (python -m broker) for the multi-process tests."""
+"""Start and stop a real broker process (python -m hurray_ipc.broker) for the multi-process tests."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class BrokerProcess:
         # then blocks the broker in its next log write (a fuzz run logs an ERROR per message).
         self.log = tempfile.NamedTemporaryFile("w+", prefix="hurray-broker-", suffix=".log")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "broker", "--endpoint", self.endpoint, "--timeout", str(self.timeout),
+            [sys.executable, "-m", "hurray_ipc.broker", "--endpoint", self.endpoint, "--timeout", str(self.timeout),
              "--heartbeat", "0.2", "--log-level", self.log_level],
             stderr=self.log, text=True)
         deadline = time.monotonic() + 20

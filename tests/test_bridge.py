@@ -28,8 +28,8 @@ def free_port() -> int:
 
 
 def bridge(*args, env=None):
-    return subprocess.Popen([sys.executable, "-m", "broker.bridge", *args], stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+    return subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker.bridge", *args], stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, **(env or {})})
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def two_brokers(tmp_path):
 @pytest.fixture
 def keys(tmp_path):
     d = tmp_path / "keys"
-    r = subprocess.run([sys.executable, "-m", "broker.bridge", "keygen", str(d)], capture_output=True)
+    r = subprocess.run([sys.executable, "-m", "hurray_ipc.broker.bridge", "keygen", str(d)], capture_output=True)
     assert r.returncode == 0
     return d
 
@@ -199,12 +199,15 @@ def test_bridge_across_network_namespaces(two_brokers, keys, netns_pair):
     a, b = two_brokers
     ns_a, ns_b = netns_pair
     url = "tcp://10.77.0.1:5599"
-    out = subprocess.Popen(["ip", "netns", "exec", ns_a, sys.executable, "-m", "broker.bridge", "out", "--channel", "z",
-                            "--endpoint", a.endpoint, "--listen", url, "--server-key", str(keys / "server.key_secret"),
-                            "--clients", str(keys / "clients")], stderr=subprocess.PIPE, text=True)
-    inn = subprocess.Popen(["ip", "netns", "exec", ns_b, sys.executable, "-m", "broker.bridge", "in", "--channel", "z",
-                            "--endpoint", b.endpoint, "--connect", url, "--client-key", str(keys / "client.key_secret"),
-                            "--server-public", str(keys / "server.key")], stderr=subprocess.PIPE, text=True)
+    out = subprocess.Popen(["ip", "netns", "exec", ns_a, sys.executable, "-m", "hurray_ipc.broker.bridge", "out",
+                            "--channel", "z", "--endpoint", a.endpoint, "--listen", url,
+                            "--server-key", str(keys / "server.key_secret"), "--clients", str(keys / "clients")],
+                           stderr=subprocess.PIPE, text=True)
+    inn = subprocess.Popen(["ip", "netns", "exec", ns_b, sys.executable, "-m", "hurray_ipc.broker.bridge", "in",
+                            "--channel", "z", "--endpoint", b.endpoint, "--connect", url,
+                            "--client-key", str(keys / "client.key_secret"),
+                            "--server-public", str(keys / "server.key")],
+                           stderr=subprocess.PIPE, text=True)
     try:
         c = Proc(workload.run_consumer, endpoint=b.endpoint, channel="z", device="cpu", count=4, env={})
         p = Proc(workload.run_producer, endpoint=a.endpoint, channel="z", device="cpu", count=4, size=2 << 20, env={})
@@ -276,9 +279,9 @@ def test_brokers_bridge_channels_themselves(tmp_path, keys):
     """hurray-broker --export / --import: the brokers run the bridge, no separate process."""
     url = f"tcp://127.0.0.1:{free_port()}"
     a_ep, b_ep = f"ipc://{tmp_path}/ea.sock", f"ipc://{tmp_path}/eb.sock"
-    procs = [subprocess.Popen([sys.executable, "-m", "broker", "--endpoint", a_ep, "--log-level", "warning",
+    procs = [subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker", "--endpoint", a_ep, "--log-level", "warning",
                                "--export", f"e={url}", "--bridge-keys", str(keys)], stderr=subprocess.PIPE, text=True),
-             subprocess.Popen([sys.executable, "-m", "broker", "--endpoint", b_ep, "--log-level", "warning",
+             subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker", "--endpoint", b_ep, "--log-level", "warning",
                                "--import", f"e={url}", "--bridge-keys", str(keys)], stderr=subprocess.PIPE, text=True)]
     try:
         c = Proc(workload.run_consumer, endpoint=b_ep, channel="e", device="cpu", count=3, env={})
@@ -292,6 +295,6 @@ def test_brokers_bridge_channels_themselves(tmp_path, keys):
 
 
 def test_broker_bridge_needs_keys_or_insecure(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "broker", "--endpoint", f"ipc://{tmp_path}/x.sock",
+    r = subprocess.run([sys.executable, "-m", "hurray_ipc.broker", "--endpoint", f"ipc://{tmp_path}/x.sock",
                         "--export", "e=tcp://127.0.0.1:1"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--bridge-insecure" in r.stderr

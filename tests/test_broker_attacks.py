@@ -125,7 +125,7 @@ def test_caps_does_not_reveal_routing_ids(live):
 
 def test_second_broker_refuses_a_live_endpoint(live):
     b, ctx = live
-    r = subprocess.run([sys.executable, "-m", "broker", "--endpoint", b.endpoint, "--duration", "5"],
+    r = subprocess.run([sys.executable, "-m", "hurray_ipc.broker", "--endpoint", b.endpoint, "--duration", "5"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "broker already running at" in r.stderr, r.stderr[-500:]
     _alive(b, ctx)
@@ -135,8 +135,8 @@ def test_socket_directory_open_to_others_is_refused(tmp_path):
     d = tmp_path / "open"
     d.mkdir()
     d.chmod(0o777)
-    r = subprocess.run([sys.executable, "-m", "broker", "--endpoint", f"ipc://{d}/b.sock", "--duration", "1"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "hurray_ipc.broker", "--endpoint", f"ipc://{d}/b.sock",
+                        "--duration", "1"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "other users could replace" in r.stderr, r.stderr[-500:]
 
 

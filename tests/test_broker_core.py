@@ -17,7 +17,7 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from broker.core import MAX_CREDITS, MAX_HELD, BrokerCore, Send
+from hurray_ipc.broker.core import MAX_CREDITS, MAX_HELD, BrokerCore, Send
 from hurray_ipc.devices.base import host_id
 from hurray_ipc.transport.protocol import ERROR_CODES, HOT_VERBS, PROTOCOL_VERSION, Message, encode_batch
 
@@ -363,7 +363,7 @@ def test_limits_refuse_with_a_clear_error():
 
 
 def test_clients_per_process_are_bounded():
-    from broker.core import MAX_CLIENTS_PER_PROCESS
+    from hurray_ipc.broker.core import MAX_CLIENTS_PER_PROCESS
     core = _core()
     lease = f"hurray-{os.getuid()}-lease-1-77-{'a' * 16}"
     for i in range(MAX_CLIENTS_PER_PROCESS):
@@ -479,7 +479,7 @@ def test_undeliverable_sends_are_counted_by_kind():
 
 
 def test_message_rate_is_bounded_per_client():
-    from broker.core import MAX_RATE
+    from hurray_ipc.broker.core import MAX_RATE
     core = _core()
     _hello(core, b"c", "consumer", pid=6)
     ping = frames("PING", {})

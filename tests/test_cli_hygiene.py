@@ -7,13 +7,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import zipfile
+from pathlib import Path
 
 import pytest
 
 from hurray_ipc import __version__
 
-CLIS = {"hurray-broker": "broker", "hurray-caps": "hurray_ipc.cli.caps", "hurray-inspect": "hurray_ipc.cli.inspect",
-        "hurray-stress": "hurray_ipc.cli.stress", "hurray-bench": "hurray_ipc.cli.bench"}
+ROOT = Path(__file__).resolve().parents[1]
+CLIS = {"hurray-broker": "hurray_ipc.broker", "hurray-caps": "hurray_ipc.cli.caps",
+        "hurray-inspect": "hurray_ipc.cli.inspect", "hurray-stress": "hurray_ipc.cli.stress",
+        "hurray-bench": "hurray_ipc.cli.bench"}
 
 
 def run(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -28,9 +32,9 @@ def test_version(prog):
 
 
 @pytest.mark.parametrize(("module", "args", "says"), [
-    ("broker", ["--endpoint", "/tmp/hurray-no-scheme.sock"], "did you mean ipc:///tmp/hurray-no-scheme.sock"),
-    ("broker", ["--log-level", "chatty"], "invalid choice: 'chatty'"),
-    ("broker", ["--import-device", "gpu"], "'gpu' is not a device"),
+    ("hurray_ipc.broker", ["--endpoint", "/tmp/hurray-no-scheme.sock"], "did you mean ipc:///tmp/hurray-no-scheme.sock"),
+    ("hurray_ipc.broker", ["--log-level", "chatty"], "invalid choice: 'chatty'"),
+    ("hurray_ipc.broker", ["--import-device", "gpu"], "'gpu' is not a device"),
     ("hurray_ipc.cli.caps", ["--device", "cuda0"], "'cuda0' is not a device"),
     ("hurray_ipc.cli.caps", ["--device", "cpu", "--broker", "localhost:5555"], "is not a ZeroMQ endpoint"),
     ("hurray_ipc.cli.stress", ["--mode", "bogus"], "unknown sync mode 'bogus'"),
@@ -55,3 +59,25 @@ def test_library_refuses_an_endpoint_without_a_scheme():
 
     with pytest.raises(ValueError, match="is not a ZeroMQ endpoint"):
         Producer(endpoint="nonsense")
+
+
+def test_wheel_installs_only_hurray_ipc_and_builds_quietly(tmp_path: Path) -> None:
+    """The broker/ folder ships as hurray_ipc.broker (nothing generic at the top of site-packages),
+    and building the wheel prints no setuptools deprecation warning (SPDX license string)."""
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                        "--disable-pip-version-check", "-w", str(tmp_path), str(ROOT)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "Deprecat" not in r.stderr + r.stdout, r.stderr
+    (wheel,) = tmp_path.glob("hurray_ipc-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"hurray_ipc"}, tops
+    assert "hurray_ipc/broker/core.py" in names and "hurray_ipc/interop/dlpack.py" in names
+
+
+def test_python_m_hurray_ipc_broker_is_the_broker() -> None:
+    r = subprocess.run([sys.executable, "-m", "hurray_ipc.broker", "--help"], capture_output=True, text=True,
+                       timeout=60, cwd="/")
+    assert r.returncode == 0 and "--endpoint" in r.stdout, r.stderr

@@ -14,8 +14,8 @@ import textwrap
 
 import pytest
 
-from broker.lock import BrokerAlreadyRunning, acquire_endpoint
 from conftest import unshare_cmd
+from hurray_ipc.broker.lock import BrokerAlreadyRunning, acquire_endpoint
 from hurray_ipc.devices import shm
 from hurray_ipc.transport import liveness
 

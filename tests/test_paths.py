@@ -27,7 +27,7 @@ from hurray_ipc.devices.backend.emulated import EmulatedRuntime
 from hurray_ipc.devices.base import Buffer
 from hurray_ipc.devices.cuda import CudaStream
 from hurray_ipc.format.handle import SyncMode
-from hurray_ipc.transport import dlpack
+from hurray_ipc.interop import dlpack
 
 SIZE = 4096
 DELAYS = [0.0, 0.2]  # HURRAY_EMU_DELAY_MS=0 and a large delay

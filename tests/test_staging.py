@@ -8,7 +8,7 @@ import os
 from conftest import emu_config
 from hurray_ipc.devices import CpuDevice, CudaDevice, DeviceError, shm
 from hurray_ipc.devices.backend.emulated import EmulatedRuntime
-from hurray_ipc.transport.staging import MIN_SLOT, StagingPool
+from hurray_ipc.interop.staging import MIN_SLOT, StagingPool
 
 
 def _device(pinnable: bool, fail: bool = False) -> tuple[CudaDevice, list[str]]:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import zmq
 
-from broker.core import BrokerCore, Send
+from hurray_ipc.broker.core import BrokerCore, Send
 from hurray_ipc.devices.base import host_id
 from hurray_ipc.transport.protocol import Message, decode_all
 from test_protocol_raw import pack_hot

@@ -16,7 +16,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from broker.core import BrokerCore, Send
+from hurray_ipc.broker.core import BrokerCore, Send
 from hurray_ipc.devices.base import host_id
 from hurray_ipc.transport.protocol import (
     MAX_BATCH,

@@ -20,7 +20,7 @@ def main() -> int:
     env = {"HURRAY_CUDA": "real"}
     tmp = Path(tempfile.mkdtemp(prefix="hurray-gpu-bench-"))
     ep = f"ipc://{tmp}/broker.sock"
-    broker = subprocess.Popen([sys.executable, "-m", "broker", "--endpoint", ep, "--log-level", "error"])
+    broker = subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker", "--endpoint", ep, "--log-level", "error"])
     rows = []
     try:
         while not (tmp / "broker.sock").exists():

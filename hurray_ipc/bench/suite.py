@@ -373,7 +373,7 @@ def bench_torch(size: int, n: int, device: str = "cpu") -> dict[str, Any]:
 def _staging(size: int, reps: int, env: dict[str, str]) -> dict[str, Any]:
     os.environ.update(env)
     from ..devices import CpuDevice, open_device
-    from ..transport.staging import StagingPool
+    from ..interop.staging import StagingPool
 
     gpu = open_device("cuda:0")
     cpu = CpuDevice()
@@ -435,7 +435,7 @@ def run_suite(sizes: list[int], n_small: int, n_large: int, progress: Callable[[
     emu = cuda_env if cuda_env is not None else EmulationConfig(devices=1, op_delay_s=0.0).to_env()
     tmp = Path(tempfile.mkdtemp(prefix="hurray-bench-"))
     ep = f"ipc://{tmp}/broker.sock"
-    cmd = [sys.executable, "-m", "broker", "--endpoint", ep, "--log-level", "error"]
+    cmd = [sys.executable, "-m", "hurray_ipc.broker", "--endpoint", ep, "--log-level", "error"]
     if profile is not None:
         profile.mkdir(parents=True, exist_ok=True)
         os.environ["HURRAY_BENCH_PROFILE"] = str(profile)  # the spawned bench processes inherit it
@@ -733,10 +733,10 @@ def bench_bridge(tmp: Path, size: int, n: int, curve: bool) -> dict[str, Any]:
     url = f"tcp://127.0.0.1:{port}"
     tag = "curve" if curve else "plain"
     a, b = f"ipc://{tmp}/a-{tag}.sock", f"ipc://{tmp}/b-{tag}.sock"
-    procs = [subprocess.Popen([sys.executable, "-m", "broker", "--endpoint", ep, "--log-level", "error"])
+    procs = [subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker", "--endpoint", ep, "--log-level", "error"])
              for ep in (a, b)]
     if curve:
-        subprocess.run([sys.executable, "-m", "broker.bridge", "keygen", str(tmp / "keys")],
+        subprocess.run([sys.executable, "-m", "hurray_ipc.broker.bridge", "keygen", str(tmp / "keys")],
                        check=True, capture_output=True)
         out_sec = ["--server-key", str(tmp / "keys/server.key_secret"), "--clients", str(tmp / "keys/clients")]
         in_sec = ["--client-key", str(tmp / "keys/client.key_secret"), "--server-public", str(tmp / "keys/server.key")]
@@ -745,10 +745,10 @@ def bench_bridge(tmp: Path, size: int, n: int, curve: bool) -> dict[str, Any]:
     try:
         while not all(Path(ep[6:]).exists() for ep in (a, b)):
             time.sleep(0.02)
-        procs.append(subprocess.Popen([sys.executable, "-m", "broker.bridge", "out", "--channel", "bb", "--endpoint", a,
-                                       "--listen", url, *out_sec], stderr=subprocess.DEVNULL))
-        procs.append(subprocess.Popen([sys.executable, "-m", "broker.bridge", "in", "--channel", "bb", "--endpoint", b,
-                                       "--connect", url, *in_sec], stderr=subprocess.DEVNULL))
+        procs.append(subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker.bridge", "out", "--channel", "bb",
+                                       "--endpoint", a, "--listen", url, *out_sec], stderr=subprocess.DEVNULL))
+        procs.append(subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker.bridge", "in", "--channel", "bb",
+                                       "--endpoint", b, "--connect", url, *in_sec], stderr=subprocess.DEVNULL))
         src, sink = _pair((_bridge_source, {"endpoint": a, "channel": "bb", "n": n, "size": size}),
                           (_bridge_sink, {"endpoint": b, "channel": "bb", "n": n}))
     finally:

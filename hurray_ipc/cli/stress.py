@@ -132,8 +132,9 @@ class Runner:
 
     # --- processes -------------------------------------------------------------------------
     def start_broker(self) -> None:
-        self.broker = subprocess.Popen([sys.executable, "-m", "broker", "--endpoint", self.endpoint, "--timeout",
-                                        str(self.cfg.timeout), "--heartbeat", "0.2", "--log-level", "error"])
+        self.broker = subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker", "--endpoint", self.endpoint,
+                                        "--timeout", str(self.cfg.timeout), "--heartbeat", "0.2",
+                                        "--log-level", "error"])
         sock = self.tmp / "broker.sock"
         deadline = time.monotonic() + 20
         while not sock.exists():

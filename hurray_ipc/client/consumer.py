@@ -25,7 +25,8 @@ from ..devices import Device, open_device
 from ..devices.base import Buffer, MemoryExport
 from ..devices.cuda import CudaDevice, CudaEvent, CudaStream
 from ..format.handle import BufferHandle, DeviceTag, HandleError, SyncMode
-from ..transport import dlpack, inproc
+from ..interop import dlpack
+from ..transport import inproc
 from ..transport.pairing import Endpoint
 from ..transport.protocol import Message, check_meta, order_key
 from .session import RemoteError, Session

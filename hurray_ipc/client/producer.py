@@ -28,11 +28,11 @@ from ..devices.base import Buffer
 from ..devices.cpu import CpuDevice
 from ..devices.cuda import CudaDevice, CudaEvent, CudaStream
 from ..format.handle import BufferHandle, DeviceTag, SyncMode
+from ..interop.source import Source, resolve
+from ..interop.staging import StagingExhausted, StagingPool
 from ..transport import inproc
 from ..transport.pairing import Endpoint, ModeCache, PairModes, host_side
 from ..transport.protocol import MAX_BATCH, Message, order_key
-from ..transport.source import Source, resolve
-from ..transport.staging import StagingExhausted, StagingPool
 from .session import BrokerUnavailable, RemoteError, Session
 
 log = logging.getLogger("hurray.producer")
