@@ -1,5 +1,14 @@
 """Hurray IPC: zero-copy, race-free handoff of GPU and host buffers between processes.
 
+Producer side: ``Producer(endpoint, channel, device).send(obj)`` hands an array (numpy, torch,
+CuPy, anything with ``__cuda_array_interface__``, ``__dlpack__`` or the buffer protocol) to the
+next consumer that asks, ordered after the writes on its stream; the returned ``Ticket`` says
+when the consumer released it. Consumer side: ``Consumer(...).receive()`` (or ``for h in
+consumer``, or ``await consumer.areceive()``) gives a ``ReceivedHandoff``: ``h.wait(stream)``
+orders your stream after the producer, ``h.numpy()`` / ``h.torch()`` / ``h.cupy()`` /
+``h.buffer`` are zero-copy views, and ``h.release()`` (or ``with h:``) gives the buffer back
+once your device work on it completed. See README.md and docs/spec/.
+
 Layers, each importing only those below it::
 
     format/     the 16-byte buffer handle                        (bottom)
@@ -27,13 +36,21 @@ from .format import BufferHandle, DeviceTag, HandleError, ReservedSyncMode, Sync
 __version__ = "0.1.0"
 
 
+_CLIENT = ("Producer", "Consumer", "Ticket", "ReceivedHandoff", "ReceivedBuffer", "BrokerUnavailable",
+           "ProducerGone", "RemoteError")
+
+
 def __getattr__(name: str):
-    # Producer and Consumer pull in ZeroMQ and the device layer; import them on first use.
-    if name in ("Producer", "Consumer", "BrokerUnavailable", "ProducerGone", "RemoteError"):
+    # The client side pulls in ZeroMQ and the device layer; import it on first use.
+    if name in _CLIENT:
         from . import client
 
         return getattr(client, name)
     raise AttributeError(f"module 'hurray_ipc' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))  # help() and dir() list the lazy names too
 
 __all__ = [
     "AlreadyReleasedError",
@@ -47,9 +64,12 @@ __all__ = [
     "HandleError",
     "Producer",
     "ProducerGone",
+    "ReceivedBuffer",
+    "ReceivedHandoff",
     "RemoteError",
     "ReservedSyncMode",
     "SyncMode",
+    "Ticket",
     "Transport",
     "check_network_handle",
     "choose_sync_mode",

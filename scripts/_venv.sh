@@ -11,7 +11,7 @@ fi
 extras="test${HURRAY_EXTRAS:+,$HURRAY_EXTRAS}"  # scripts/bench adds "bench"
 stamp="$VENV/.hurray-installed-${extras//,/-}"
 if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip "setuptools>=77" >/dev/null
     # The filter hides setuptools' one informational note on editable installs (a meta path finder
     # maps broker/ to hurray_ipc.broker); real warnings still show.
     PYTHONWARNINGS="ignore:Editable installation" \

@@ -11,14 +11,19 @@ A released buffer must not be touched again.
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
+import importlib
 import logging
 import os
 import warnings
 import weakref
 from collections import deque
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import numpy as np
+import zmq
 
 from ..contract.handoff import AlreadyReleasedError, Handoff
 from ..devices import Device, open_device
@@ -29,7 +34,7 @@ from ..interop import dlpack
 from ..transport import inproc
 from ..transport.pairing import Endpoint
 from ..transport.protocol import Message, check_meta, order_key
-from .session import RemoteError, Session
+from .session import BrokerUnavailable, RemoteError, Session
 
 log = logging.getLogger("hurray.consumer")
 
@@ -39,18 +44,25 @@ class ProducerGone(RuntimeError):
 
 
 class ReceivedBuffer:
-    """The bytes of one handoff, exposed without a copy.
+    """The bytes of one handoff, exposed without a copy, with the array metadata that travelled
+    with them (docs/spec/ipc-protocol.md §4.8): ``shape`` (``()`` for 0-d), ``typestr`` (byte
+    order kept), ``dl_dtype`` (a DLPack dtype numpy lacks, e.g. bfloat16) and ``readonly``.
 
-    Host buffers: ``numpy()``, ``memoryview()``/``host_view()``, ``__array_interface__``, and the
-    buffer protocol (``__buffer__``, Python 3.12+). GPU buffers: ``__cuda_array_interface__`` (v3)
-    and ``__dlpack__(stream=...)``, both ordered on the stream(s) the handoff was waited on.
+    Host buffers: :meth:`numpy`, :meth:`host_view`, ``__array_interface__``, and the buffer
+    protocol (``memoryview(buf)``) on Python 3.12+ (``__buffer__``; a Python class cannot offer
+    it earlier: use :meth:`host_view` or :meth:`numpy` there). GPU buffers:
+    ``__cuda_array_interface__`` (v3). Both: ``__dlpack__`` by the array API standard (2023.12),
+    ordered on the stream the caller names.
     """
 
-    def __init__(self, handoff: ReceivedHandoff, buf: Buffer, typestr: str, shape: tuple[int, ...]):
+    def __init__(self, handoff: ReceivedHandoff, buf: Buffer, typestr: str, shape: tuple[int, ...],
+                 dl_dtype: list[int] | None = None, readonly: bool = False):
         self._handoff = handoff
         self._buf = buf
         self.typestr = typestr
         self.shape = shape
+        self.dl_dtype = dl_dtype
+        self.readonly = readonly
         self.device_tag = handoff.handle.device_tag
 
     @property
@@ -68,6 +80,11 @@ class ReceivedBuffer:
         return self._buf.size
 
     @property
+    def dtype_name(self) -> str:
+        """'bfloat16' for a DLPack-only dtype, else the typestr ('<f4')."""
+        return dlpack.dtype_name(self.typestr, self.dl_dtype)
+
+    @property
     def on_host(self) -> bool:
         return self.device_tag in (DeviceTag.CPU, DeviceTag.CUDA_HOST)
 
@@ -75,14 +92,25 @@ class ReceivedBuffer:
         self._handoff._check_usable()
 
     def host_view(self) -> memoryview:
+        """The bytes as a flat memoryview (read-only when the producer said so); host buffers."""
         self._check()
-        return self._buf.host_view()
+        if not self.on_host:
+            raise TypeError(f"a {self.device_tag.name} buffer has no host view; use __cuda_array_interface__, "
+                            "__dlpack__ or handoff.torch() / .cupy()")
+        v = self._buf.host_view()
+        return v.toreadonly() if self.readonly else v
 
     def numpy(self) -> np.ndarray:
-        """A zero-copy numpy view (host buffers)."""
+        """A zero-copy numpy view with the exact shape and dtype (host buffers; read-only when
+        the producer said so). A dtype numpy lacks raises TypeError naming it."""
+        if self.dl_dtype is not None:
+            raise TypeError(f"{self.dtype_name} has no numpy dtype; use handoff.torch(), handoff.cupy() or "
+                            "another DLPack consumer (from_dlpack), which get it exactly")
         return np.frombuffer(self.host_view(), dtype=np.dtype(self.typestr)).reshape(self.shape)
 
     def __buffer__(self, flags: int) -> memoryview:
+        if self.readonly and flags & 1:  # inspect.BufferFlags.WRITABLE
+            raise BufferError("this handoff's buffer is read-only (the producer said so)")
         return self.host_view()
 
     @property
@@ -90,7 +118,7 @@ class ReceivedBuffer:
         if not self.on_host:
             raise AttributeError("__array_interface__ is only offered for host buffers")
         self._check()
-        return {"shape": self.shape, "typestr": self.typestr, "data": (self._buf.ptr, False), "version": 3}
+        return {"shape": self.shape, "typestr": self.typestr, "data": (self._buf.ptr, self.readonly), "version": 3}
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
@@ -99,9 +127,11 @@ class ReceivedBuffer:
         wait here, device-side); ``None`` when the producer synced. Reading it sends nothing."""
         if self.device_tag is not DeviceTag.CUDA:
             raise AttributeError("__cuda_array_interface__ is only offered for CUDA buffers")
+        if self.dl_dtype is not None:
+            raise AttributeError(f"{self.dtype_name} has no CUDA Array Interface typestr; use __dlpack__")
         self._check()
         s = self._handoff.ordered_stream()
-        return {"shape": self.shape, "typestr": self.typestr, "data": (self._buf.ptr, False), "version": 3,
+        return {"shape": self.shape, "typestr": self.typestr, "data": (self._buf.ptr, self.readonly), "version": 3,
                 "strides": None, "stream": None if s is None else s.handle}
 
     def __dlpack_device__(self) -> tuple[int, int]:
@@ -109,21 +139,90 @@ class ReceivedBuffer:
             return (dlpack.KDL_CUDA, self._buf.device.identity.ordinal)
         return (dlpack.KDL_CPU, 0)
 
-    def __dlpack__(self, stream: Any = None, **_kw: Any) -> Any:
-        """A DLPack capsule. For CUDA, ``stream`` (where the caller will use it) is made to wait
-        for the handoff first, device-side: ``None`` means the legacy default stream (array API),
-        ``-1`` no ordering; 1, 2, other ints, CudaStreams and ``__cuda_stream__`` objects as in
-        :meth:`CudaDevice.as_stream`. Sends no message; :meth:`ReceivedHandoff.release` then
-        waits for work on that stream too."""
+    def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None,
+                   dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> Any:
+        """A DLPack capsule, by the array API standard (2023.12).
+
+        ``stream``: CUDA: where the caller will use the buffer; it is made to wait for the
+        handoff first, device-side (``None``: the legacy default stream; ``-1``: no ordering; 1,
+        2, other ints, CudaStreams and ``__cuda_stream__`` objects as in
+        :meth:`CudaDevice.as_stream`); :meth:`ReceivedHandoff.release` then waits for work on it
+        too. Host buffers take only ``None`` (or ``-1``). ``max_version`` >= (1, 0): a versioned
+        capsule (READ_ONLY flag when the producer said so, IS_COPIED for a copy); else a legacy
+        one, which a read-only buffer cannot have (BufferError). ``dl_device``: only this
+        buffer's own device (BufferError otherwise). ``copy=True``: a private copy (host: numpy
+        memory; CUDA: a new allocation, copied on the ordered stream); ``False``/``None``: the
+        buffer itself. Sends no message."""
         self._check()
-        if self.device_tag is DeviceTag.CUDA and not (isinstance(stream, int) and stream == -1):
-            self._handoff.order_onto(1 if stream is None else stream)
-        dev_type, dev_id = self.__dlpack_device__()
-        return dlpack.make_capsule(self._buf.ptr, self.shape, self.typestr, dev_type, dev_id, self)
+        here = self.__dlpack_device__()
+        if dl_device is not None and (int(dl_device[0]), int(dl_device[1])) != here:
+            raise BufferError(f"this buffer lives on DLPack device {here} and is exported there only, "
+                              f"not to {tuple(dl_device)}")
+        cuda = self.device_tag is DeviceTag.CUDA
+        no_sync = isinstance(stream, int) and not isinstance(stream, bool) and stream == -1
+        if not cuda and stream is not None and not no_sync:
+            raise ValueError(f"stream={stream!r} given for a host buffer; the array API takes only None there")
+        versioned = max_version is not None and int(max_version[0]) >= 1
+        dlpack.dtype_of(self.typestr, self.dl_dtype)  # BufferError for what DLPack cannot express
+        if not cuda:
+            # numpy builds host capsules: its destructor is C, so a consumer that fails after
+            # taking one keeps its own error (a ctypes destructor cannot run with it pending).
+            return dlpack.patch_dtype(self._host_array().__dlpack__(
+                max_version=max_version, copy=copy), self.dl_dtype)
+        ordered = None
+        if not no_sync:
+            ordered = self._handoff.order_onto(1 if stream is None else stream)
+        if copy:
+            return self._copy_capsule(here, versioned, ordered)
+        return dlpack.make_capsule(self._buf.ptr, self.shape, self.typestr, here[0], here[1], self,
+                                   dl_dtype=self.dl_dtype, versioned=versioned, read_only=self.readonly)
+
+    def _host_array(self) -> np.ndarray:
+        """A numpy view of the host bytes that keeps this buffer (so its handoff) alive; a dtype
+        numpy lacks is viewed as unsigned ints of its size (``patch_dtype`` renames it)."""
+        self._check()
+        raw = (ctypes.c_char * self._buf.size).from_address(self._buf.ptr)
+        raw._owner = self  # type: ignore[attr-defined]  # the view's base keeps us alive
+        dt = np.dtype(self.typestr if self.dl_dtype is None else f"u{int(self.typestr[2:])}")
+        arr = np.frombuffer(memoryview(raw), dtype=dt).reshape(self.shape)
+        if self.readonly:
+            arr.flags.writeable = False
+        return arr
+
+    def _copy_capsule(self, here: tuple[int, int], versioned: bool, ordered: CudaStream | None) -> Any:
+        if ordered is None:
+            raise BufferError("copy=True with stream=-1: the copy needs a stream ordered after the producer")
+        dst = self._buf.device.allocate(self._buf.size)
+        ordered.copy(dst, self._buf, self._buf.size)
+        owner = _OwnedCopy(dst)
+        return dlpack.make_capsule(dst.ptr, self.shape, self.typestr, here[0], here[1], owner,
+                                   dl_dtype=self.dl_dtype, versioned=versioned, copied=True)
+
+
+def _import(module: str, how: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"this needs {module}, which is not installed ({how}): {e}") from e
+
+
+class _OwnedCopy:
+    """A device copy made for ``__dlpack__(copy=True)``: freed when the capsule's consumer deletes it."""
+
+    def __init__(self, buf: Buffer):
+        self.buf = buf
+
+    def __del__(self) -> None:
+        self.buf.close()
 
 
 class ReceivedHandoff(Handoff):
-    """A handoff on the consumer side: :meth:`wait`, then use :attr:`buffer`, then :meth:`release`."""
+    """A handoff on the consumer side: :meth:`wait`, then use :attr:`buffer`, then :meth:`release`.
+
+    ``with handoff:`` releases it on leaving the block (:meth:`release` without ``stream=``: after
+    the device work on every stream it was ordered on). The array helpers :meth:`numpy`,
+    :meth:`torch` and :meth:`cupy` are zero-copy views, valid until the release.
+    """
 
     def __init__(self, consumer: Consumer, token: str, handle: BufferHandle, buf: Buffer, header: dict[str, Any],
                  event: Any, event_blob: bytes | None, consumer_stream: CudaStream | None):
@@ -157,8 +256,10 @@ class ReceivedHandoff(Handoff):
         """The bytes, without a copy (the same object while you hold it)."""
         b = self._buffer_ref() if self._buffer_ref is not None else None
         if b is None:
-            shape = tuple(int(x) for x in self.meta.get("shape", [self.handle.size]))
-            b = ReceivedBuffer(self, self._raw, str(self.meta.get("typestr", "|u1")), shape)
+            m = self.meta
+            shape = tuple(int(x) for x in m.get("shape", [self.handle.size]))
+            b = ReceivedBuffer(self, self._raw, str(m.get("typestr", "|u1")), shape, m.get("dl_dtype"),
+                               bool(m.get("readonly", False)))
             self._buffer_ref = weakref.ref(b)
         return b
 
@@ -166,6 +267,22 @@ class ReceivedHandoff(Handoff):
     def buffer(self, value: object) -> None:
         if value is not None:  # Handoff.__init__ sets None; nothing else may set it
             raise AttributeError("a received handoff's buffer cannot be replaced")
+
+    # --- array helpers ----------------------------------------------------------------------
+    def numpy(self) -> np.ndarray:
+        """A zero-copy numpy array of a host buffer (exact shape, dtype and byte order)."""
+        return self.buffer.numpy()
+
+    def torch(self) -> Any:
+        """A zero-copy torch tensor (``torch.from_dlpack``). On CUDA it is ordered on torch's
+        current stream, which torch names in ``__dlpack__(stream=)``; :meth:`release` then
+        waits for the work enqueued there."""
+        return _import("torch", "pip install torch").from_dlpack(self.buffer)
+
+    def cupy(self) -> Any:
+        """A zero-copy CuPy array of a CUDA buffer (``cupy.from_dlpack``), ordered on CuPy's
+        current stream the same way."""
+        return _import("cupy", "pip install cupy-cuda12x").from_dlpack(self.buffer)
 
     # --- the sync rule -----------------------------------------------------------------------
     def _check_usable(self) -> None:
@@ -526,6 +643,74 @@ class Consumer:
         return self.session.pull(self._inbox, "REQUEST",
                                  lambda: max(self.prefetch, 1) - len(self._inbox) - self._requested,
                                  asked, timeout, "waiting for a handoff")
+
+    def __iter__(self) -> Iterator[ReceivedHandoff]:
+        """``for handoff in consumer:`` receives until the consumer is closed (from another
+        thread) or the broker shuts down in order (SHUTDOWN); a broker that vanishes raises
+        BrokerUnavailable. Each handoff is yours to release (``with handoff:``)."""
+        while not self.session.closed:
+            try:
+                yield self.receive()
+            except BrokerUnavailable:
+                if self.session.closed or self.session.shutdown_reason is not None:
+                    return
+                raise
+            except zmq.ZMQError:
+                if self.session.closed:
+                    return  # closed while we waited
+                raise
+
+    async def areceive(self, timeout: float | None = None) -> ReceivedHandoff:
+        """The next handoff, awaited on the running asyncio loop (raises TimeoutError, or
+        BrokerUnavailable). The loop is never blocked: each attempt is one non-blocking pump
+        round, and between attempts the coroutine awaits the session socket becoming readable
+        (watched by the loop's selector on ZMQ_FD, as zmq.asyncio does) or the pump thread
+        having dispatched something (woken through the loop, thread-safely). A zmq.asyncio
+        Poller is not used on the socket itself because it would call into libzmq from the
+        loop's thread outside the session lock, while the pump thread uses the socket."""
+        loop = asyncio.get_running_loop()
+        woken = asyncio.Event()
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(woken.set)
+
+        deadline = None if timeout is None else loop.time() + timeout
+        fd = self.session.fd
+        self.session.wakers.append(wake)
+        loop.add_reader(fd, woken.set)
+        try:
+            while True:
+                woken.clear()  # before the attempt: a dispatch after it wakes the wait below
+                try:
+                    return self.receive(timeout=0)
+                except TimeoutError:
+                    pass
+                left = None if deadline is None else deadline - loop.time()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"timed out after {timeout} s while waiting for a handoff")
+                # Bounded by the heartbeat: a silent broker is noticed (BrokerUnavailable) by the
+                # next attempt, as a blocking receive() notices it.
+                hb = self.session.heartbeat_s
+                try:
+                    await asyncio.wait_for(woken.wait(), hb if left is None else min(hb, left))
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            loop.remove_reader(fd)
+            self.session.wakers.remove(wake)
+
+    def __aiter__(self) -> AsyncIterator[ReceivedHandoff]:
+        """``async for handoff in consumer:`` — :meth:`areceive` until closed or shut down."""
+        return self._aiter()
+
+    async def _aiter(self) -> AsyncIterator[ReceivedHandoff]:
+        while not self.session.closed:
+            try:
+                yield await self.areceive()
+            except BrokerUnavailable:
+                if self.session.closed or self.session.shutdown_reason is not None:
+                    return
+                raise
 
     def close(self) -> None:
         """Disconnect. Handoffs still held are released (the broker releases them to producers)."""

@@ -301,7 +301,8 @@ class Producer:
 
     def send(self, obj: Any, mode: SyncMode | None = None, *, stream: Any = None,
              timeout: float | None = None, block: bool = True,
-             on_release: Callable[[Ticket], None] | None = None, meta: dict[str, Any] | None = None) -> Ticket:
+             on_release: Callable[[Ticket], None] | None = None, meta: dict[str, Any] | None = None,
+             shape: Any = None, dtype: Any = None, readonly: bool | None = None) -> Ticket:
         """Hand ``obj`` to the next consumer that asks.
 
         ``mode``: preferred sync mode; the cheapest valid one is used where it is not valid for
@@ -318,10 +319,25 @@ class Producer:
         ``block``: wait until the broker accepted the handoff (errors raise here); with
         ``block=False`` they land on the returned ticket. ``on_release(ticket)`` runs once.
         ``meta``: small JSON-able user metadata, delivered as ``handoff.meta["user"]``.
+        ``shape``/``dtype``: how the consumer sees the bytes (e.g. for a buffer from
+        :meth:`allocate`, which is otherwise plain bytes); ``dtype`` is anything ``numpy.dtype``
+        takes, a torch dtype, or a name numpy lacks ('bfloat16', 'float8_e4m3fn'); shape times
+        item size must be the buffer's size exactly (ValueError otherwise, before anything is sent).
+        ``readonly``: the consumer must not write (default: True when ``obj`` is read-only,
+        e.g. bytes or a non-writeable array); its array views and DLPack capsules say so.
         A handoff whose consumer died before it arrived is re-sent to the next consumer.
         """
         explicit = self._explicit_stream(stream)
         src = resolve(obj, self.cpu, self.gpu, explicit, self.stream)
+        try:
+            if shape is not None or dtype is not None:
+                src.describe_as(shape, dtype)
+        except ValueError:
+            if src.cleanup is not None:
+                src.cleanup()
+            raise
+        if readonly is not None:
+            src.readonly = bool(readonly)
         src.user = meta
         try:
             while True:

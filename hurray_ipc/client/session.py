@@ -103,6 +103,10 @@ class Session:
         self.sock.connect(self.endpoint)
         self._poller = zmq.Poller()  # one, reused: Socket.poll() builds a Poller per call
         self._poller.register(self.sock, zmq.POLLIN)
+        self.fd = int(self.sock.getsockopt(zmq.FD))  # readable when the socket has work (edge-triggered)
+        # Called (with nothing held) after a pump round that received something: the asyncio API
+        # wakes its coroutine this way when the pump thread took the message it waits for.
+        self.wakers: list[Callable[[], None]] = []
         self._outbox: list[Message] = []  # hot messages held for one batch (see queue())
         self.messages_sent = 0
         self.messages_received = 0
@@ -274,6 +278,7 @@ class Session:
         while not self.closed:
             if self.lock.acquire(blocking=False):
                 callbacks: list[Callback] = []
+                received = self.messages_received
                 try:
                     if not self.closed:
                         self._pump_once(lambda: False, time.monotonic(), callbacks)
@@ -282,6 +287,9 @@ class Session:
                 finally:
                     self.lock.release()
                 run_callbacks(callbacks)
+                if received != self.messages_received:
+                    for wake in list(self.wakers):
+                        wake()
             time.sleep(idle)
 
     def close(self) -> None:

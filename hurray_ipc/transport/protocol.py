@@ -552,6 +552,8 @@ def check_depth(raw: bytes, what: str, limit: int = MAX_HEADER_DEPTH) -> None:
 # typestr of a meta: byte order, kind, item size (NumPy array-interface form), e.g. "<f4", "|u1".
 _TYPESTR = re.compile(r"^[<>|=][biufcmMVSU]([1-9][0-9]{0,3})$")
 MAX_NDIM = 32
+# meta.dl_dtype: DLPack codes with no typestr kind, each with its one bit width (bfloat16; float8).
+DL_DTYPE_BITS = {4: 16, **{code: 8 for code in range(7, 15)}}
 
 
 def check_meta(meta: Any, size: int) -> None:
@@ -571,6 +573,16 @@ def check_meta(meta: Any, size: int) -> None:
     if m is None:
         raise ProtocolError("bad_header", f"meta.typestr {str(typestr)[:32]!r} is not a typestr such as '<f4'",
                             field="meta.typestr")
+    dl_dtype = meta.get("dl_dtype")
+    if dl_dtype is not None and not (
+            isinstance(dl_dtype, list) and len(dl_dtype) == 3 and all(type(x) is int for x in dl_dtype)
+            and DL_DTYPE_BITS.get(dl_dtype[0]) == dl_dtype[1] and dl_dtype[2] == 1
+            and typestr == f"|V{dl_dtype[1] // 8}"):
+        raise ProtocolError("bad_header", f"meta.dl_dtype {str(dl_dtype)[:48]} is not [code, bits, 1] of a DLPack "
+                            f"dtype without a typestr (codes 4, 7-14) beside typestr '|V<bits/8>'",
+                            field="meta.dl_dtype", value=str(dl_dtype)[:48])
+    if "readonly" in meta and not isinstance(meta["readonly"], bool):
+        raise ProtocolError("bad_header", "meta.readonly must be a boolean", field="meta.readonly")
     count = 1
     for n in shape:
         count *= n
