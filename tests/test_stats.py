@@ -1,4 +1,5 @@
-"""Observability (issue 12): the STATS verb (spec §2.3) on the broker core.
+"""Observability (issue 12): the STATS verb (spec §2.3) on the broker core and on a real broker,
+and the Prometheus endpoint of ``hurray-broker --metrics-port``.
 
 Counters are checked for exact values after known traffic, so a counter that counts wrong (or not
 at all) fails here; nothing waits by sleeping: the real-broker tests poll until a condition holds,
@@ -8,9 +9,21 @@ with a deadline.
 from __future__ import annotations
 
 import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+import zmq
+
+from brokerproc import BrokerProcess
 from hurray_ipc.broker.core import MAX_STATS_CHANNELS, MAX_STATS_CLIENTS, BrokerCore, Send
 from hurray_ipc.transport.protocol import (
     BROKER_VERBS,
@@ -23,6 +36,7 @@ from hurray_ipc.transport.protocol import (
     encode_batch,
 )
 from test_broker_core import HOST, cpu_handle, endpoint, frames
+from test_protocol_raw import Raw, endpoint_dict, one_handoff
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = (ROOT / "docs" / "spec" / "ipc-protocol.md").read_text()
@@ -291,3 +305,148 @@ def test_vector_reply_has_the_fields_the_core_sends_and_the_spec_names():
         elif name.startswith(("rates.life.", "rates.window.")):
             name = name.rsplit(".", 1)[0] + ".<name>"
         assert f"`{name}`" in section, name
+
+
+# --- a real broker ---------------------------------------------------------------------------------
+
+def wait_for(what: str, probe: Callable[[], Any], ok: Callable[[Any], bool], timeout: float = 15.0) -> Any:
+    """Call ``probe`` until ``ok`` holds for its result; fail naming ``what`` and the last result."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if ok(last):
+            return last
+        time.sleep(0.05)  # the poll's pace; correctness never depends on it
+    raise AssertionError(f"{what}: not within {timeout} s; last {last!r}")
+
+
+def stats_of(raw: Raw) -> dict[str, Any]:
+    raw.send("STATS", {"request_id": "t"})
+    while True:
+        v, h, _f = raw.recv()
+        if v == "STATS_REPLY" and h["request_id"] == "t":
+            return h
+
+
+def traffic(ctx: zmq.Context, ep: str) -> tuple[Raw, Raw, Raw]:
+    """Three handoffs, one released, one PING before HELLO: (producer, consumer, observer)."""
+    prod, cons, obs = Raw(ctx, ep, "stats-p"), Raw(ctx, ep, "stats-c"), Raw(ctx, ep, "stats-o")
+    prod.hello("producer", "frames", endpoint_dict(os.getppid()))
+    cons.hello("consumer", "frames", endpoint_dict(os.getpid()))
+    tokens = [one_handoff(prod, cons)[0] for _ in range(3)]
+    cons.send("RELEASE", {"token": tokens[0]})
+    prod.expect("RELEASED")
+    obs.send("PING", {})
+    assert obs.expect("ERROR")[0]["code"] == "not_registered"
+    return prod, cons, obs
+
+
+def expected(r: dict[str, Any]) -> bool:
+    return (r["totals"]["handoffs"], r["totals"]["releases"], r["gauges"]["outstanding"],
+            r["errors_by_code"]["not_registered"]) == (3, 1, 2, 1)
+
+
+@pytest.fixture
+def busy_broker(tmp_path):
+    """A real broker after :func:`traffic` (its clients stay connected for the test)."""
+    b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=30).start()
+    ctx = zmq.Context()
+    try:
+        socks = traffic(ctx, b.endpoint)
+        yield b, socks
+    finally:
+        ctx.destroy(linger=0)
+        b.stop()
+
+
+def test_stats_from_a_real_broker(busy_broker):
+    b, (prod, cons, obs) = busy_broker
+    r = wait_for("STATS after the traffic", lambda: stats_of(obs), expected)
+    assert client(r, "producer")["outstanding"] == 2 and client(r, "consumer")["outstanding"] == 2
+    assert r["broker"]["pid"] == b.proc.pid and r["broker"]["uptime_s"] > 0
+    assert r["totals"]["wire_out"] > 0 and r["shm"]["sweeps"] >= 1
+    assert [ch["name"] for ch in r["channels"]] == ["frames"] and r["channels"][0]["in_flight"] == 2
+    # a registered client may ask too, and the counters go on (a snapshot is reused for 0.25 s)
+    wait_for("a newer snapshot", lambda: stats_of(cons), lambda r2: r2["totals"]["messages_in"] > r["totals"][
+        "messages_in"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) (\S+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def test_metrics_endpoint_serves_the_same_numbers(tmp_path):
+    pytest.importorskip("prometheus_client")
+    for _attempt in range(3):  # a free port can be taken between the probe and the broker's bind
+        port = _free_port()
+        b = BrokerProcess(f"ipc://{tmp_path}/m.sock", timeout=30,
+                          extra_args=["--metrics-port", str(port)]).start()
+        try:
+            wait_for("the metrics endpoint", lambda p=port: _try_scrape(p), lambda m: m is not None, timeout=10)
+            break
+        except AssertionError:
+            b.stop()
+    else:
+        pytest.fail("the metrics endpoint never answered")
+    ctx = zmq.Context()
+    try:
+        traffic(ctx, b.endpoint)
+        m = wait_for("metrics after the traffic", lambda: scrape(port),
+                     lambda m: m.get("hurray_broker_handoffs_total") == 3.0
+                     and m.get('hurray_broker_errors_total{code="not_registered"}') == 1.0)
+        assert m["hurray_broker_releases_total"] == 1.0
+        assert m["hurray_broker_outstanding_handoffs"] == 2.0
+        assert m["hurray_broker_clients"] == 2.0 and m["hurray_broker_consumers"] == 2.0 - m["hurray_broker_producers"]
+        assert m['hurray_channel_in_flight{channel="frames"}'] == 2.0
+        label = BrokerCore.label_of(b"stats-c")
+        (key,) = [k for k in m if k.startswith("hurray_client_outstanding{") and f'id="{label}"' in k]
+        assert m[key] == 2.0
+        assert m["hurray_broker_uptime_seconds"] > 0
+        assert any(k.startswith("hurray_broker_info{") and f'pid="{b.proc.pid}"' in k for k in m)
+    finally:
+        ctx.destroy(linger=0)
+        b.stop()
+
+
+def _try_scrape(port: int) -> dict[str, float] | None:
+    try:
+        return scrape(port)
+    except OSError:
+        return None
+
+
+def test_metrics_port_without_prometheus_client_is_one_line_exit_2(tmp_path):
+    code = ("import sys; sys.modules['prometheus_client'] = None; from hurray_ipc.broker.__main__ import main; "
+            f"sys.exit(main(['--endpoint', 'ipc://{tmp_path}/x.sock', '--metrics-port', '9']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "prometheus-client" in lines[0] and "hurray-ipc[metrics]" in lines[0], r.stderr
+    assert not (tmp_path / "x.sock").exists(), "refused before binding"
+
+
+def test_metrics_port_in_use_is_one_line_exit_2(tmp_path):
+    pytest.importorskip("prometheus_client")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "hurray_ipc.broker", "--endpoint", f"ipc://{tmp_path}/y.sock",
+                            "--metrics-port", str(port), "--log-level", "error"], capture_output=True, text=True,
+                           timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"metrics endpoint 127.0.0.1:{port}" in r.stderr.strip().splitlines()[-1]
