@@ -1,5 +1,5 @@
 """Observability (issue 12): the STATS verb (spec §2.3) on the broker core and on a real broker,
-and the Prometheus endpoint of ``hurray-broker --metrics-port``.
+hurray-top, and the Prometheus endpoint of ``hurray-broker --metrics-port``.
 
 Counters are checked for exact values after known traffic, so a counter that counts wrong (or not
 at all) fails here; nothing waits by sleeping: the real-broker tests poll until a condition holds,
@@ -370,6 +370,36 @@ def test_stats_from_a_real_broker(busy_broker):
     # a registered client may ask too, and the counters go on (a snapshot is reused for 0.25 s)
     wait_for("a newer snapshot", lambda: stats_of(cons), lambda r2: r2["totals"]["messages_in"] > r["totals"][
         "messages_in"])
+
+
+def top(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hurray_ipc.cli.top", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_top_once_and_json_against_a_real_broker(busy_broker):
+    b, (_p, _c, obs) = busy_broker
+    wait_for("STATS after the traffic", lambda: stats_of(obs), expected)
+    r = top("--endpoint", b.endpoint, "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert expected(d) and d["request_id"].startswith("top-")
+    r = top("--endpoint", b.endpoint, "--once")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert f"pid {b.proc.pid}" in out and "outstanding handoffs 2" in out and "handoffs 3 (" in out
+    assert "released 1 (" in out and "not_registered 1" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    assert rows["frames"][1:] == ["1", "1", "0", "0", "0", "2"]  # producers consumers queued ready grants in-flight
+    assert rows[BrokerCore.label_of(b"stats-p")][2:4] == ["producer", "frames"]
+
+
+def test_top_once_without_a_broker_is_one_line_and_exit_2(tmp_path):
+    r = top("--endpoint", f"ipc://{tmp_path}/none.sock", "--once", "--timeout", "0.3")
+    assert r.returncode == 2 and r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1 and "no reply from broker" in r.stderr, r.stderr
+    r = top("--endpoint", f"ipc://{tmp_path}/none.sock", "--json", "--timeout", "0.3")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
 
 
 def _free_port() -> int:
