@@ -400,6 +400,9 @@ def test_top_once_without_a_broker_is_one_line_and_exit_2(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1 and "no reply from broker" in r.stderr, r.stderr
     r = top("--endpoint", f"ipc://{tmp_path}/none.sock", "--json", "--timeout", "0.3")
     assert r.returncode == 2 and "Traceback" not in r.stderr
+    r = top("--endpoint", "tcp://no-port-here", "--once")  # ZeroMQ refuses the address itself
+    assert r.returncode == 2 and r.stderr.strip().startswith("hurray-top: cannot connect to tcp://no-port-here: ")
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def _free_port() -> int:

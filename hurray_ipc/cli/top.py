@@ -42,7 +42,11 @@ class StatsClient:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(ep)
+        try:
+            self.sock.connect(ep)
+        except zmq.ZMQError as e:
+            self.close()
+            raise NoBroker(f"cannot connect to {ep}: {e.strerror}") from None
 
     def query(self, timeout: float) -> dict[str, Any]:
         """The broker's STATS_REPLY header, or NoBroker. Stale replies (to an earlier request that
@@ -193,7 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--once", action="store_true", help="print one plain-text snapshot and exit")
     p.add_argument("--json", action="store_true", help="print the raw STATS_REPLY as JSON and exit")
     a = p.parse_args(argv)
-    client = StatsClient(a.endpoint or default_endpoint())
+    try:
+        client = StatsClient(a.endpoint or default_endpoint())
+    except NoBroker as e:
+        print(f"hurray-top: {e}", file=sys.stderr)
+        return 2
     try:
         if a.once or a.json:
             try:
