@@ -8,7 +8,7 @@ import logging
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hurray_ipc.cli.common import LOG_LEVELS, add_version, device, endpoint
 from hurray_ipc.client.endpoint import default_endpoint
@@ -33,6 +33,16 @@ class _JsonFormatter(logging.Formatter):
         )
 
 
+def _port(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port number") from None
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"{n} is not a port number (0-65535)")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hurray-broker", description=__doc__)
     add_version(p)
@@ -51,12 +61,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bridge-keys", metavar="DIR",
                    help="CurveZMQ keys as written by 'python -m hurray_ipc.broker.bridge keygen'")
     p.add_argument("--bridge-insecure", action="store_true", help="bridge over plaintext TCP")
+    p.add_argument("--metrics-port", type=_port, default=0, metavar="N",
+                   help="serve Prometheus metrics on http://ADDR:N/metrics (0, the default: off; needs "
+                   "the 'metrics' extra, prometheus-client)")
+    p.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
+                   help="address the metrics endpoint binds (default %(default)s)")
     a = p.parse_args(argv)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_JsonFormatter())
     logging.basicConfig(level=a.log_level.upper(), handlers=[handler])
-    b = Broker(a.endpoint or default_endpoint(), timeout_s=a.timeout, heartbeat_s=a.heartbeat, group=a.group)
+    serve_metrics: Any = None
+    if a.metrics_port:
+        try:
+            from .metrics import serve_metrics
+        except ImportError as e:
+            print(f"hurray-broker: --metrics-port needs prometheus-client ({e}); install hurray-ipc[metrics]",
+                  file=sys.stderr)
+            return 2
+    b = Broker(a.endpoint or default_endpoint(), timeout_s=a.timeout, heartbeat_s=a.heartbeat, group=a.group,
+               publish_every_s=1.0 if a.metrics_port else None)
     b.install_signal_handlers()
+    if serve_metrics is not None:
+        b.publish()
+        try:
+            serve_metrics(lambda: b.published, a.metrics_port, a.metrics_addr)
+        except OSError as e:
+            print(f"hurray-broker: metrics endpoint {a.metrics_addr}:{a.metrics_port}: {e.strerror or e}",
+                  file=sys.stderr)
+            b.shutdown("metrics endpoint unavailable")
+            return 2
+        logging.getLogger("hurray.broker").info(json.dumps({"event": "metrics_listening", "addr": a.metrics_addr,
+                                                            "port": a.metrics_port}))
     try:
         bridges = _bridges(a, b.endpoint)
     except ValueError as e:

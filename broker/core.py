@@ -36,12 +36,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hurray_ipc import __version__
 from hurray_ipc.contract.sync import Transport
 from hurray_ipc.format.handle import BufferHandle, DeviceTag, HandleError, SyncMode
 from hurray_ipc.transport import liveness
 from hurray_ipc.transport.pairing import Endpoint, ModeCache, host_side, pair_modes
 from hurray_ipc.transport.protocol import (
     CLIENT_VERBS,
+    ERROR_CODES,
     PROTOCOL_VERSION,
     Message,
     ProtocolError,
@@ -61,6 +63,10 @@ MAX_OUTSTANDING_CLAIMS = MAX_CREDITS  # handoffs a re-registering producer may l
 MAX_RATE = 50_000.0  # messages per second one registered client may send (sustained; burst of one second)
 MAX_ROUTING_ID = 32  # bytes: a DELIVER names its producer in a 32-byte field (spec §2.2)
 _RELEASED_MEMORY = 100_000  # released tokens remembered, to tell "already released" from "unknown"
+MAX_STATS_CLIENTS = 1000   # clients listed in one STATS_REPLY (the rest are counted in clients_truncated)
+MAX_STATS_CHANNELS = 1000  # channels listed in one STATS_REPLY
+STATS_WINDOW_S = 10.0      # the recent-rate window of STATS_REPLY
+_SAMPLE_EVERY_S = 1.0      # tick() samples the counters for the recent rates at most this often
 
 
 @dataclass
@@ -132,6 +138,18 @@ class Stats:
     undeliverable: int = 0     # sends to a peer that had disconnected (EHOSTUNREACH)
     dropped_full: int = 0      # sends refused because the peer's queue was full (EAGAIN)
     limits_refused: int = 0
+    # Messages as the core sees them: a binary batch's entries count one each (also a message too
+    # malformed to split: one). wire_in: ZeroMQ messages received; wire_out: sent (the loop counts
+    # those, after batching).
+    messages_in: int = 0
+    messages_out: int = 0
+    wire_in: int = 0
+    wire_out: int = 0
+    # The loop's stale-segment sweeps (broker/server.py, note_sweep): this uid's hurray segments and
+    # leases seen at the last sweep, and how many sweeps removed in all.
+    sweeps: int = 0
+    segments: int = 0
+    segments_cleaned: int = 0
 
 
 @dataclass(frozen=True)
@@ -182,8 +200,19 @@ class BrokerCore:
     """Pairs consumer requests with producers, routes handoffs and releases. See the module doc."""
 
     def __init__(self, *, host: str, timeout_s: float = 3.0, heartbeat_s: float = 0.5, session: str | None = None,
-                 token: Callable[[], str] | None = None):
+                 token: Callable[[], str] | None = None, started: float | None = None, pid: int = 0,
+                 stats_cache_s: float = 0.0):
         self.host = host
+        self.started = started  # the loop's clock at start (None: the first event's ``now``)
+        self.pid = pid  # the broker's pid, for STATS only (the core never uses it)
+        # STATS_REPLY reuses a snapshot younger than this (0: always fresh); bounds what a STATS
+        # flood costs, since a snapshot walks every client, channel and delivery.
+        self.stats_cache_s = stats_cache_s
+        self._snap: dict[str, Any] | None = None
+        self._snap_at = 0.0
+        # (now, handoffs, releases, messages_in, messages_out), one a second: the recent rates.
+        self._samples: deque[tuple[float, int, int, int, int]] = deque(
+            maxlen=int(STATS_WINDOW_S / _SAMPLE_EVERY_S) + 2)
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
         self.session = session or secrets.token_hex(8)
@@ -208,6 +237,7 @@ class BrokerCore:
     # --- outputs ---------------------------------------------------------------------------
     def _send(self, rid: bytes, msg: Message) -> None:
         self._out.append(Send(rid, msg))
+        self.stats.messages_out += 1
 
     def _take(self) -> list[Out]:
         out, self._out = self._out, []
@@ -239,15 +269,21 @@ class BrokerCore:
         """One message from ``rid`` (a binary batch is its entries, each answered on its own, in
         order). Nothing a client sends can raise out of here."""
         ref = bytes(parts[0])[:32].decode(errors="replace") if parts else ""
+        if self.started is None:
+            self.started = now
+        self.stats.wire_in += 1
         try:
             msgs = decode_all(parts, allowed=CLIENT_VERBS)
         except ProtocolError as e:
+            self.stats.messages_in += 1
             self._error(rid, e.code, str(e), ref=ref, **e.extra)
             return self._take()
         except Exception as e:  # noqa: BLE001 - a bug must cost one message, never the broker
+            self.stats.messages_in += 1
             log.exception("internal error decoding a message")
             self._error(rid, "internal", f"internal error: {type(e).__name__}")
             return self._take()
+        self.stats.messages_in += len(msgs)
         for msg in msgs:
             try:
                 self._dispatch(rid, msg, now)
@@ -277,6 +313,8 @@ class BrokerCore:
             self.on_hello(rid, msg, now)
         elif msg.verb == "CAPS":
             self.on_caps(rid, msg)
+        elif msg.verb == "STATS":
+            self.on_stats(rid, msg, now)
         elif client is None:
             if msg.verb == "BYE":
                 return  # nothing registered to end: silently done (spec §2)
@@ -299,6 +337,11 @@ class BrokerCore:
     def tick(self, now: float, alive: Alive) -> list[Out]:
         """Time passed. ``alive(client)`` judges same-host clients by their process (a lease);
         heartbeat silence alone drops only a client ``alive`` cannot judge (None)."""
+        if self.started is None:
+            self.started = now
+        if not self._samples or now - self._samples[-1][0] >= _SAMPLE_EVERY_S:
+            s = self.stats
+            self._samples.append((now, s.handoffs, s.releases, s.messages_in, s.messages_out))
         for rid, c in list(self.clients.items()):
             verdict = alive(c) if c.endpoint.identity.host == self.host else None
             if verdict is False:
@@ -712,6 +755,100 @@ class BrokerCore:
             # No consumer named: answer for a consumer on the same device, as hurray-caps does.
             reply.update(pair_modes(me, me, t or Transport.IPC).to_dict())
         self._send(rid, Message("CAPS_REPLY", reply))
+
+    # --- observability (STATS, spec §2.3) ----------------------------------------------------
+    def on_stats(self, rid: bytes, msg: Message, now: float) -> None:
+        """STATS {request_id?} -> STATS_REPLY: the snapshot of :meth:`snapshot`."""
+        request_id = msg.header.get("request_id")
+        if request_id is not None and (not isinstance(request_id, str | int) or isinstance(request_id, bool)):
+            raise ProtocolError("bad_header", "request_id must be a string or an integer", field="request_id")
+        snap = self._snap
+        if snap is None or not 0.0 <= now - self._snap_at < self.stats_cache_s:
+            snap = self._snap = self.snapshot(now)
+            self._snap_at = now
+        self._send(rid, Message("STATS_REPLY", {"request_id": request_id, **snap}))
+
+    def note_sweep(self, segments: int, removed: int) -> None:
+        """The loop swept stale segments: ``segments`` of this uid remain, ``removed`` went."""
+        self.stats.sweeps += 1
+        self.stats.segments = segments
+        self.stats.segments_cleaned += removed
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """Everything STATS_REPLY says (spec §2.3), as of ``now``: a new dict of plain JSON values,
+        never mutated afterwards, so another thread may read one it was handed (the metrics
+        endpoint). Walks the clients, channels, grants and deliveries once: nothing is counted
+        per handoff beyond the integers in :class:`Stats`."""
+        s = self.stats
+        started = self.started if self.started is not None else now
+        uptime = max(0.0, now - started)
+        by_producer: dict[bytes, int] = {}
+        events_of: dict[bytes, int] = {}
+        in_flight: dict[str, int] = {}
+        events = 0
+        clients = self.clients
+        for d in self.deliveries.values():
+            by_producer[d.producer] = by_producer.get(d.producer, 0) + 1
+            if d.event_pending:
+                events += 1
+                events_of[d.producer] = events_of.get(d.producer, 0) + 1
+                events_of[d.consumer] = events_of.get(d.consumer, 0) + 1
+            holder = clients.get(d.consumer)
+            if holder is not None:
+                in_flight[holder.channel] = in_flight.get(holder.channel, 0) + 1
+        grants_of: dict[str, int] = {}
+        for g in self.grants.values():
+            grants_of[g.channel] = grants_of.get(g.channel, 0) + 1
+        listed: list[dict[str, Any]] = []
+        producers = 0
+        for c in clients.values():
+            producers += c.role == "producer"
+            if len(listed) < MAX_STATS_CLIENTS:
+                listed.append({
+                    "id": c.label, "name": c.name, "role": c.role, "channel": c.channel, "pid": c.endpoint.pid,
+                    "device": c.endpoint.identity.spec, "credits": c.credits,
+                    "outstanding": c.held if c.role == "consumer" else by_producer.get(c.rid, 0),
+                    "events_outstanding": events_of.get(c.rid, 0), "lease": c.lease is not None,
+                    "state": "unresponsive" if c.unresponsive else "alive",
+                    "silent_s": round(max(0.0, now - c.last_seen), 3)})
+        channels: list[dict[str, Any]] = []
+        queued = 0
+        for name, ch in self.channels.items():
+            queued += len(ch.requests)
+            if len(channels) < MAX_STATS_CHANNELS:
+                channels.append({
+                    "name": name, "producers": len(ch.producers), "consumers": ch.members - len(ch.producers),
+                    "queued": len(ch.requests), "ready": sum(clients[p].credits for p in ch.producers),
+                    "grants": grants_of.get(name, 0), "in_flight": in_flight.get(name, 0)})
+        counts = (s.handoffs, s.releases, s.messages_in, s.messages_out)
+        # The recent window: the oldest sample at most STATS_WINDOW_S old (the start counts as a
+        # sample of zeros); with none that recent (no tick for a while), the newest there is.
+        samples = [(started, 0, 0, 0, 0), *self._samples]
+        base = next((x for x in samples if now - x[0] <= STATS_WINDOW_S), samples[-1])
+        span = max(0.0, now - base[0])
+        names = ("handoffs", "releases", "messages_in", "messages_out")
+        return {
+            "broker": {"version": __version__, "protocol": PROTOCOL_VERSION, "pid": self.pid, "session": self.session,
+                       "uptime_s": round(uptime, 3)},
+            "gauges": {"clients": len(clients), "producers": producers, "consumers": len(clients) - producers,
+                       "channels": len(self.channels), "queued": queued, "grants": len(self.grants),
+                       "outstanding": len(self.deliveries), "events_outstanding": events,
+                       "orphans": len(self.orphans), "unresponsive": s.unresponsive},
+            "totals": {"handoffs": s.handoffs, "releases": s.releases, "rejected": s.rejected,
+                       "messages_in": s.messages_in, "messages_out": s.messages_out, "wire_in": s.wire_in,
+                       "wire_out": s.wire_out, "errors": s.errors, "consumers_lost": s.consumers_lost,
+                       "producers_lost": s.producers_lost, "undeliverable": s.undeliverable,
+                       "dropped_full": s.dropped_full, "limits_refused": s.limits_refused},
+            "rates": {"life": {k: round(n / uptime, 3) if uptime > 0 else 0.0 for k, n in zip(names, counts,
+                                                                                                strict=True)},
+                      "window": {k: round((n - b) / span, 3) if span > 0 else 0.0
+                                 for k, n, b in zip(names, counts, base[1:], strict=True)},
+                      "window_s": round(span, 3)},
+            "errors_by_code": {code: self.errors_by_code.get(code, 0) for code in sorted(ERROR_CODES)},
+            "shm": {"segments": s.segments, "cleaned": s.segments_cleaned, "sweeps": s.sweeps},
+            "clients": listed, "clients_truncated": len(clients) - len(listed),
+            "channels": channels, "channels_truncated": len(self.channels) - len(channels),
+        }
 
     # --- leaving ---------------------------------------------------------------------------
     def _producer_gone(self, ds: list[Delivery]) -> None:

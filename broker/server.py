@@ -23,6 +23,7 @@ import signal
 import stat
 import time
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -41,15 +42,22 @@ log = logging.getLogger("hurray.broker")
 HWM = 16 * MAX_CREDITS + 1024  # per peer: every credit's DELIVER/RELEASED and then some
 LIVENESS_PERIOD_S = 0.2  # how often a same-host client's lease is probed
 SWEEP_PERIOD_S = 30.0  # stale segments and leases of dead processes
+STATS_CACHE_S = 0.25  # a STATS_REPLY may be this old: a flood of STATS costs one snapshot per period
 
 
 class Broker:
     """Bind ``endpoint`` and serve. ``group``: share the socket (and its directory) with the group."""
 
     def __init__(self, endpoint: str, *, timeout_s: float = 3.0, heartbeat_s: float = 0.5, group: bool = False,
-                 ctx: zmq.Context | None = None):
+                 ctx: zmq.Context | None = None, publish_every_s: float | None = None):
         self.endpoint = endpoint
-        self.core = BrokerCore(host=host_id(), timeout_s=timeout_s, heartbeat_s=heartbeat_s)
+        self.core = BrokerCore(host=host_id(), timeout_s=timeout_s, heartbeat_s=heartbeat_s,
+                               started=time.monotonic(), pid=os.getpid(), stats_cache_s=STATS_CACHE_S)
+        # publish_every_s: how often the loop publishes core.snapshot() as ``published`` for
+        # readers in other threads (the metrics endpoint, broker/metrics.py); None: never.
+        self.publish_every_s = publish_every_s
+        self.published: dict[str, Any] | None = None
+        self._last_publish = 0.0
         self.session = self.core.session
         self.ctx = ctx or zmq.Context.instance()
         self._lock: EndpointLock | None = None
@@ -70,7 +78,6 @@ class Broker:
         self._last_clean = 0.0
         self._verdicts: dict[bytes, tuple[float, bool | None]] = {}
         self._pending: dict[bytes, list[Message]] = {}  # outgoing, per peer, until the drain round ends
-        self.messages_sent = 0
         self.messages_received = 0
         self._ns = liveness.pid_namespace()
         self._clean()
@@ -78,6 +85,10 @@ class Broker:
     @property
     def stats(self):  # noqa: ANN201 - the core's Stats
         return self.core.stats
+
+    @property
+    def messages_sent(self) -> int:
+        return self.core.stats.wire_out
 
     @property
     def clients(self) -> dict[bytes, Client]:
@@ -139,7 +150,7 @@ class Broker:
                         for m in group:
                             self._queue(self.core.undeliverable(rid, m, why))
                     else:
-                        self.messages_sent += 1
+                        self.core.stats.wire_out += 1
 
     def _apply(self, outs: list[Out]) -> None:
         self._queue(outs)
@@ -152,6 +163,7 @@ class Broker:
         except OSError as e:
             log.warning(json.dumps({"event": "stale_sweep_failed", "error": str(e)}))
             return
+        self.core.note_sweep(len(shm.list_segments()), len(removed))
         if removed:
             log.info(json.dumps({"event": "stale_segments_removed", "count": len(removed)}))
 
@@ -203,8 +215,20 @@ class Broker:
                     self._apply(self.core.tick(now, self._alive))
                 if now - self._last_clean >= SWEEP_PERIOD_S:
                     self._clean()
+                if self.publish_every_s is not None and now - self._last_publish >= self.publish_every_s:
+                    self.publish(now)
         finally:
             self.shutdown("broker stopping")
+
+    def publish(self, now: float | None = None) -> None:
+        """Hand other threads a fresh stats snapshot. Why publish instead of locking: the
+        snapshot walks the core's dicts, which only this thread may touch while it serves, and
+        a lock taken by a scrape would stall the loop for as long as the scrape holds it. So the
+        loop builds a new dict (never mutated afterwards) and rebinds one attribute, which is
+        atomic; a reader takes the reference once and sees one consistent snapshot, at most
+        ``publish_every_s`` old."""
+        self._last_publish = time.monotonic() if now is None else now
+        self.published = self.core.snapshot(self._last_publish)
 
     def handle(self, parts: list[bytes]) -> None:
         """One received message (routing id first). Never raises for anything a client sent."""

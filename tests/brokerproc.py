@@ -11,8 +11,10 @@ from pathlib import Path
 
 
 class BrokerProcess:
-    def __init__(self, endpoint: str, timeout: float = 2.0, log_level: str = "warning"):
+    def __init__(self, endpoint: str, timeout: float = 2.0, log_level: str = "warning",
+                 extra_args: list[str] | None = None):
         self.endpoint = endpoint
+        self.extra_args = extra_args or []  # more hurray-broker options, e.g. --metrics-port
         self.timeout = timeout
         self.log_level = log_level
         self.proc: subprocess.Popen | None = None
@@ -26,7 +28,7 @@ class BrokerProcess:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="hurray-broker-", suffix=".log")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "hurray_ipc.broker", "--endpoint", self.endpoint, "--timeout", str(self.timeout),
-             "--heartbeat", "0.2", "--log-level", self.log_level],
+             "--heartbeat", "0.2", "--log-level", self.log_level, *self.extra_args],
             stderr=self.log, text=True)
         deadline = time.monotonic() + 20
         while not path.exists():

@@ -17,7 +17,7 @@ from hurray_ipc import __version__
 ROOT = Path(__file__).resolve().parents[1]
 CLIS = {"hurray-broker": "hurray_ipc.broker", "hurray-caps": "hurray_ipc.cli.caps",
         "hurray-inspect": "hurray_ipc.cli.inspect", "hurray-stress": "hurray_ipc.cli.stress",
-        "hurray-bench": "hurray_ipc.cli.bench"}
+        "hurray-bench": "hurray_ipc.cli.bench", "hurray-top": "hurray_ipc.cli.top"}
 
 
 def run(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -39,6 +39,9 @@ def test_version(prog):
     ("hurray_ipc.cli.caps", ["--device", "cpu", "--broker", "localhost:5555"], "is not a ZeroMQ endpoint"),
     ("hurray_ipc.cli.stress", ["--mode", "bogus"], "unknown sync mode 'bogus'"),
     ("hurray_ipc.cli.stress", ["--producers", "0"], "0 is not a positive integer"),
+    ("hurray_ipc.cli.top", ["--interval", "0"], "0 is not a positive number of seconds"),
+    ("hurray_ipc.cli.top", ["--endpoint", "broker.sock"], "is not a ZeroMQ endpoint"),
+    ("hurray_ipc.broker", ["--metrics-port", "70000"], "70000 is not a port number"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(module, args, says):
     r = run(module, *args)

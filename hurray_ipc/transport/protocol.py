@@ -22,6 +22,9 @@ from typing import Any
 
 PROTOCOL_VERSION = 2
 MAX_HEADER_BYTES = 64 * 1024
+# STATS_REPLY alone may be larger (spec §2.3): at most 1000 clients and 1000 channels, each with
+# names of up to 128 / 256 characters that JSON may escape to 12 bytes each: about 8.2 MB at worst.
+MAX_STATS_REPLY_BYTES = 16 * 1024 * 1024
 BLOB_SIZE = 64
 MAX_BATCH = 64        # entries in one binary hot-verb message
 TOKEN_BYTES = 24      # a delivery token: the broker session (8 bytes) and 16 random bytes
@@ -34,6 +37,7 @@ PAYLOAD: dict[str, tuple[str, ...]] = {
     "HELLO": (),
     "PING": (),
     "CAPS": (),
+    "STATS": (),
     "REQUEST": (),
     "READY": (),
     "BYE": (),
@@ -41,6 +45,7 @@ PAYLOAD: dict[str, tuple[str, ...]] = {
     "WELCOME": (),
     "PONG": (),
     "CAPS_REPLY": (),
+    "STATS_REPLY": (),
     "PRODUCER_GONE": (),
     "ERROR": (),
     "SHUTDOWN": (),
@@ -60,9 +65,10 @@ PAYLOAD: dict[str, tuple[str, ...]] = {
 # (kind 2) of RELEASE and RELEASED messages; in a decoded Message they keep their own verb.
 HOT_VERBS = frozenset(["HANDOFF", "RELEASE", "EVENT_RELEASE", "DELIVER", "GRANT", "ACCEPTED", "RELEASED",
                        "EVENT_RELEASED"])
-CLIENT_VERBS = frozenset(["HELLO", "PING", "CAPS", "REQUEST", "READY", "HANDOFF", "RELEASE", "EVENT_RELEASE", "BYE"])
-BROKER_VERBS = frozenset(["WELCOME", "PONG", "CAPS_REPLY", "GRANT", "DELIVER", "ACCEPTED", "RELEASED",
-                          "EVENT_RELEASED", "PRODUCER_GONE", "ERROR", "SHUTDOWN"])
+CLIENT_VERBS = frozenset(["HELLO", "PING", "CAPS", "STATS", "REQUEST", "READY", "HANDOFF", "RELEASE",
+                          "EVENT_RELEASE", "BYE"])
+BROKER_VERBS = frozenset(["WELCOME", "PONG", "CAPS_REPLY", "STATS_REPLY", "GRANT", "DELIVER", "ACCEPTED",
+                          "RELEASED", "EVENT_RELEASED", "PRODUCER_GONE", "ERROR", "SHUTDOWN"])
 LINK_RECEIVER_VERBS = frozenset(["LINK_HELLO", "CREDIT", "LINK_PING", "REJECT"])  # what a sending bridge accepts
 LINK_SENDER_VERBS = frozenset(["LINK_WELCOME", "LINK_PONG", "TENSOR_DESCRIPTOR", "TENSOR_DATA", "TENSOR_DATA_END",
                                "REJECT"])  # what a receiving bridge accepts
@@ -168,8 +174,9 @@ def decode_all(parts: Sequence[Any], *, allowed: frozenset[str] | None = None, v
     if verb not in PAYLOAD or (allowed is not None and verb not in allowed):
         raise ProtocolError("unknown_verb", f"{verb[:32]!r} is not a verb this side accepts")
     raw = bytes(parts[1])
-    if len(raw) > MAX_HEADER_BYTES:
-        raise ProtocolError("bad_header", f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
+    limit = MAX_STATS_REPLY_BYTES if verb == "STATS_REPLY" else MAX_HEADER_BYTES
+    if len(raw) > limit:
+        raise ProtocolError("bad_header", f"header of {len(raw)} bytes exceeds {limit}")
     header = _json_object(raw, f"{verb} header")
     names = PAYLOAD[verb]
     required = sum(1 for n in names if not n.endswith("?"))

@@ -1,0 +1,117 @@
+"""The broker's numbers in Prometheus text format (``hurray-broker --metrics-port N``).
+
+The same numbers as STATS_REPLY (docs/spec/ipc-protocol.md §2.3), read at scrape time by a custom
+collector from the snapshot the broker loop publishes (``Broker.publish``): the scrape runs in
+prometheus-client's HTTP thread and never touches the core, whose state only the loop's thread
+may walk. Needs the optional extra ``hurray-ipc[metrics]`` (prometheus-client); importing this
+module without it raises ImportError, which ``hurray-broker`` turns into one line and exit 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+
+Snapshot = Callable[[], "dict[str, Any] | None"]
+
+# STATS_REPLY "gauges" key -> (metric name, help)
+_GAUGES = {
+    "clients": ("hurray_broker_clients", "Registered clients"),
+    "producers": ("hurray_broker_producers", "Registered producers"),
+    "consumers": ("hurray_broker_consumers", "Registered consumers"),
+    "channels": ("hurray_broker_channels", "Channels with a registered client"),
+    "queued": ("hurray_broker_queued_credits", "Consumer credits waiting for a producer's grant"),
+    "grants": ("hurray_broker_grants", "Grants issued and not yet used by a HANDOFF"),
+    "outstanding": ("hurray_broker_outstanding_handoffs", "Handoffs delivered and not yet released"),
+    "events_outstanding": ("hurray_broker_outstanding_events", "SYNC_EVENT events not yet released"),
+    "orphans": ("hurray_broker_orphans", "Handoffs a re-registered producer listed that no consumer claimed yet"),
+    "unresponsive": ("hurray_broker_unresponsive_clients", "Clients silent past the timeout whose process lives"),
+}
+# STATS_REPLY "totals" key -> (counter name without _total, help)
+_COUNTERS = {
+    "handoffs": ("hurray_broker_handoffs", "Handoffs delivered to a consumer"),
+    "releases": ("hurray_broker_releases", "Handoffs released back to their producer"),
+    "rejected": ("hurray_broker_rejected", "Handoffs refused"),
+    "messages_in": ("hurray_broker_messages_in", "Messages received (each entry of a batch counts one)"),
+    "messages_out": ("hurray_broker_messages_out", "Messages sent (each entry of a batch counts one)"),
+    "wire_in": ("hurray_broker_wire_messages_in", "ZeroMQ messages received"),
+    "wire_out": ("hurray_broker_wire_messages_out", "ZeroMQ messages sent"),
+    "consumers_lost": ("hurray_broker_consumers_lost", "Consumers that died or timed out"),
+    "producers_lost": ("hurray_broker_producers_lost", "Producers that died or timed out"),
+    "undeliverable": ("hurray_broker_undeliverable", "Sends to a disconnected peer"),
+    "dropped_full": ("hurray_broker_dropped_full", "Sends refused because the peer's queue was full"),
+    "limits_refused": ("hurray_broker_limits_refused", "Messages refused by a limit"),
+}
+_CHANNEL = ("producers", "consumers", "queued", "ready", "grants", "in_flight")
+_CLIENT = ("credits", "outstanding", "events_outstanding", "silent_s")
+
+
+class StatsCollector:
+    """A prometheus-client collector over the latest published snapshot (``snapshot()``)."""
+
+    def __init__(self, snapshot: Snapshot):
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.snapshot()  # one reference, read once: one consistent snapshot per scrape
+        if snap is None:
+            return
+        b = snap["broker"]
+        yield InfoMetricFamily("hurray_broker", "The broker's version, protocol and session",
+                               value={"version": str(b["version"]), "protocol": str(b["protocol"]),
+                                      "session": str(b["session"]), "pid": str(b["pid"])})
+        yield GaugeMetricFamily("hurray_broker_uptime_seconds", "Seconds since the broker started",
+                                value=b["uptime_s"])
+        for key, (name, doc) in _GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=snap["gauges"][key])
+        for key, (name, doc) in _COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=snap["totals"][key])
+        errors = CounterMetricFamily("hurray_broker_errors", "ERROR messages sent, by code", labels=["code"])
+        for code, n in snap["errors_by_code"].items():
+            errors.add_metric([code], n)
+        yield errors
+        rates = GaugeMetricFamily("hurray_broker_rate_per_second", "Per-second rates over the broker's life and "
+                                  "over the recent window (about 10 s)", labels=["counter", "window"])
+        for window in ("life", "window"):
+            for key, value in snap["rates"][window].items():
+                rates.add_metric([key, "life" if window == "life" else "recent"], value)
+        yield rates
+        shm = snap["shm"]
+        yield GaugeMetricFamily("hurray_broker_shm_segments", "This uid's hurray shared-memory segments at the "
+                                "last sweep", value=shm["segments"])
+        yield CounterMetricFamily("hurray_broker_shm_segments_cleaned", "Stale segments the sweeps removed",
+                                  value=shm["cleaned"])
+        yield CounterMetricFamily("hurray_broker_shm_sweeps", "Stale-segment sweeps", value=shm["sweeps"])
+        truncated = GaugeMetricFamily("hurray_broker_listed_truncated", "Clients / channels left out of the lists",
+                                      labels=["list"])
+        truncated.add_metric(["clients"], snap["clients_truncated"])
+        truncated.add_metric(["channels"], snap["channels_truncated"])
+        yield truncated
+        per_channel = {k: GaugeMetricFamily(f"hurray_channel_{k}", f"Per channel: {k}", labels=["channel"])
+                       for k in _CHANNEL}
+        for ch in snap["channels"]:
+            for k in _CHANNEL:
+                per_channel[k].add_metric([ch["name"]], ch[k])
+        yield from per_channel.values()
+        labels = ["id", "name", "role", "channel"]
+        per_client = {k: GaugeMetricFamily(f"hurray_client_{'silent_seconds' if k == 'silent_s' else k}",
+                                           f"Per client: {k}", labels=labels) for k in _CLIENT}
+        unresponsive = GaugeMetricFamily("hurray_client_unresponsive", "Per client: 1 when unresponsive",
+                                         labels=labels)
+        for c in snap["clients"]:
+            values = [c["id"], c["name"], c["role"], c["channel"]]
+            for k in _CLIENT:
+                per_client[k].add_metric(values, c[k])
+            unresponsive.add_metric(values, 1 if c["state"] == "unresponsive" else 0)
+        yield from per_client.values()
+        yield unresponsive
+
+
+def serve_metrics(snapshot: Snapshot, port: int, addr: str = "127.0.0.1") -> None:
+    """Serve /metrics on ``addr:port`` from a daemon thread (OSError when it cannot bind)."""
+    registry = CollectorRegistry()
+    registry.register(StatsCollector(snapshot))
+    start_http_server(port, addr=addr, registry=registry)
