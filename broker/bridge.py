@@ -24,6 +24,7 @@ encrypted; plaintext needs ``--insecure``.
 from __future__ import annotations
 
 import argparse
+import bisect
 import itertools
 import json
 import logging
@@ -44,7 +45,15 @@ from hurray_ipc.client.endpoint import default_endpoint
 from hurray_ipc.contract.sync import check_network_handle
 from hurray_ipc.devices import CudaDevice, open_device
 from hurray_ipc.format.handle import BufferHandle, HandleError, SyncMode
-from hurray_ipc.transport.protocol import LINK_RECEIVER_VERBS, LINK_SENDER_VERBS, Message, ProtocolError, decode
+from hurray_ipc.interop import dlpack
+from hurray_ipc.transport.protocol import (
+    LINK_RECEIVER_VERBS,
+    LINK_SENDER_VERBS,
+    Message,
+    ProtocolError,
+    check_meta,
+    decode,
+)
 
 log = logging.getLogger("hurray.bridge")
 
@@ -241,6 +250,49 @@ class BridgeOut:
             self.ctx.term()
 
 
+class Coverage:
+    """Which bytes of ``[0, size)`` a transfer has received: each TENSOR_DATA frame must land on
+    bytes not yet covered, and the transfer is complete only when every byte is (a byte count
+    alone would take two frames on the same half as the whole buffer)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.bytes = 0
+        self._runs: list[list[int]] = []  # sorted, disjoint, non-adjacent [start, end) runs
+
+    def add(self, off: int, n: int) -> bool:
+        """Cover ``[off, off + n)``; False (nothing changes) if it is outside or overlaps."""
+        end = off + n
+        if off < 0 or end > self.size:
+            return False
+        i = bisect.bisect_right(self._runs, [off, float("inf")])
+        if (i > 0 and self._runs[i - 1][1] > off) or (i < len(self._runs) and self._runs[i][0] < end):
+            return False
+        if n == 0:
+            return True
+        if i > 0 and self._runs[i - 1][1] == off:  # join the run before
+            i -= 1
+            self._runs[i][1] = end
+        else:
+            self._runs.insert(i, [off, end])
+        if i + 1 < len(self._runs) and self._runs[i + 1][0] == self._runs[i][1]:  # and the one after
+            self._runs[i][1] = self._runs.pop(i + 1)[1]
+        self.bytes += n
+        return True
+
+    @property
+    def complete(self) -> bool:
+        return self.bytes == self.size
+
+    def first_gap(self) -> str:
+        start = 0
+        for a, b in self._runs:
+            if a > start:
+                return f"[{start}, {a})"
+            start = b
+        return f"[{start}, {self.size})"
+
+
 class BridgeIn:
     """Host B: receives transfers and hands each, once complete, to local consumers of ``channel``."""
 
@@ -273,12 +325,15 @@ class BridgeIn:
         self._send("REJECT", {"transfer_id": tid, "reason": reason, "message": message})
         self._send("CREDIT", {"n": 1})  # the refused transfer used up its credit
 
-    def _discard(self, why: str) -> None:
+    def _discard(self, why: str, reject: str | None = None) -> None:
+        """Drop the partial transfer; with ``reject``, also tell the sender (REJECT + its credit)."""
         if self.partial is not None:
-            self.partial["buf"].close()
+            p, self.partial = self.partial, None
+            p["buf"].close()
             self.stats["discarded"] += 1
-            log.warning(json.dumps({"event": "partial_discarded", "transfer_id": self.partial["tid"], "why": why}))
-            self.partial = None
+            log.warning(json.dumps({"event": "partial_discarded", "transfer_id": p["tid"], "why": why}))
+            if reject is not None:
+                self._reject(p["tid"], reject, why)
 
     def _handle(self, parts: list[zmq.Frame]) -> None:
         try:
@@ -296,35 +351,45 @@ class BridgeIn:
             self.linked = False  # the sender does not know us (restarted): say hello again
             self.last_hello = 0.0
         elif msg.verb == "TENSOR_DESCRIPTOR":
-            self._discard("a new descriptor arrived before TENSOR_DATA_END")
+            self._discard("a new descriptor arrived before TENSOR_DATA_END", reject="superseded")
             tid = h.get("transfer_id")
             try:
                 handle = check_network_handle(BufferHandle.decode(msg.frames["handle"]))
             except HandleError as e:
                 return self._reject(tid, e.reason, str(e))
+            if h.get("total_bytes") != handle.size:
+                return self._reject(tid, "size_mismatch", f"total_bytes {h.get('total_bytes')!r} is not the "
+                                    f"handle's size {handle.size}")
             if handle.size > self.max_bytes:
                 return self._reject(tid, "too_large", f"{handle.size} bytes exceed this receiver's {self.max_bytes}")
-            self.partial = {"tid": tid, "handle": handle, "meta": h.get("meta") or {}, "got": 0,
+            meta = h.get("meta") or None
+            try:
+                check_meta(meta, handle.size)
+            except ProtocolError as e:
+                return self._reject(tid, "bad_meta", str(e))
+            self.partial = {"tid": tid, "handle": handle, "meta": meta or {}, "covered": Coverage(handle.size),
                             "buf": self.cpu.allocate(handle.size)}
         elif msg.verb == "TENSOR_DATA":
             p = self.partial
             if p is None or h.get("transfer_id") != p["tid"]:
                 return  # data of a transfer we discarded or refused
             off, data = h.get("byte_offset_in_buffer"), msg.frames["data"]
-            if not isinstance(off, int) or off < 0 or off + len(data) > p["handle"].size:
-                self._discard(f"TENSOR_DATA at {off!r}+{len(data)} outside the buffer")
-                return self._reject(p and h.get("transfer_id"), "bad_offset", "data frame outside the buffer")
+            if not isinstance(off, int) or isinstance(off, bool) or not p["covered"].add(off, len(data)):
+                return self._discard(f"TENSOR_DATA at {off!r}+{len(data)} is outside the buffer or overlaps bytes "
+                                     "already received", reject="bad_offset")
             p["buf"].host_view()[off:off + len(data)] = data
-            p["got"] += len(data)
         elif msg.verb == "TENSOR_DATA_END":
             p = self.partial
             if p is None or h.get("transfer_id") != p["tid"]:
                 return
+            size = p["handle"].size
+            if h.get("total_bytes") != size:
+                return self._discard(f"TENSOR_DATA_END total_bytes {h.get('total_bytes')!r} is not the "
+                                     f"descriptor's {size}", reject="size_mismatch")
+            if not p["covered"].complete:
+                return self._discard(f"bytes {p['covered'].first_gap()} never arrived (got {p['covered'].bytes} "
+                                     f"of {size})", reject="incomplete")
             self.partial = None
-            if p["got"] != p["handle"].size:
-                p["buf"].close()
-                self.stats["discarded"] += 1
-                return self._reject(p["tid"], "incomplete", f"got {p['got']} of {p['handle'].size} bytes")
             self._deliver(p)
 
     def _deliver(self, p: dict[str, Any]) -> None:
@@ -339,9 +404,15 @@ class BridgeIn:
             stream.synchronize()  # visible before the handle leaves: PRODUCER_SYNCED
             buf.close()
             buf = dev
-        meta = p["meta"].get("user")
+        m = p["meta"]
+        array: dict[str, Any] = {}
+        if "typestr" in m:  # checked at the descriptor: the array arrives as it left
+            dl = m.get("dl_dtype")
+            array = {"shape": tuple(m["shape"]), "dtype": dlpack.EXTRA_BY_CODE[dl[0]][0] if dl else m["typestr"],
+                     "readonly": bool(m.get("readonly", False))}
         try:
-            self.producer.send(buf, SyncMode.PRODUCER_SYNCED, on_release=lambda _ticket: buf.close(), meta=meta)
+            self.producer.send(buf, SyncMode.PRODUCER_SYNCED, on_release=lambda _ticket: buf.close(),
+                               meta=m.get("user"), **array)
             self.stats["delivered"] += 1
         except (BrokerUnavailable, TimeoutError) as e:
             # The local broker is gone: this buffer cannot be handed on. Drop it (loudly) and keep

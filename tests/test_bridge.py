@@ -239,7 +239,10 @@ def test_interchange_vectors(two_brokers):
             if "reject_reason" in t:
                 assert recv(s, "REJECT")[1]["reason"] == t["reject_reason"], t["name"]
         got = c.result()
-        assert got == [t["delivered_hex"] for t in deliveries]
+        assert [g["hex"] for g in got] == [t["delivered_hex"] for t in deliveries]
+        for g, t in zip(got, deliveries, strict=True):
+            if "delivered_meta" in t:
+                assert {"typestr": g["typestr"], "shape": g["shape"]} == t["delivered_meta"], t["name"]
     finally:
         stop(inn)
         s.close()
@@ -252,7 +255,8 @@ def _collect(endpoint, n):
     with Consumer(endpoint, "v", "cpu") as c:
         for _ in range(n):
             h = c.receive(timeout=30)
-            out.append(bytes(h.buffer.host_view()).hex())
+            out.append({"hex": bytes(h.buffer.host_view()).hex(), "typestr": h.buffer.typestr,
+                        "shape": list(h.buffer.shape)})
             h.release()
     return out
 
@@ -298,3 +302,15 @@ def test_broker_bridge_needs_keys_or_insecure(tmp_path):
     r = subprocess.run([sys.executable, "-m", "hurray_ipc.broker", "--endpoint", f"ipc://{tmp_path}/x.sock",
                         "--export", "e=tcp://127.0.0.1:1"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--bridge-insecure" in r.stderr
+
+
+def test_coverage_counts_bytes_once_and_names_the_gap():
+    from hurray_ipc.broker.bridge import Coverage
+
+    c = Coverage(64)
+    assert c.add(32, 32) and c.add(0, 16)
+    assert not c.add(0, 32), "overlaps [0, 16)"
+    assert not c.add(60, 8), "outside [0, 64)"
+    assert not c.complete and c.first_gap() == "[16, 32)" and c.bytes == 48
+    assert c.add(16, 16) and c.complete and c._runs == [[0, 64]]
+    assert Coverage(0).complete
