@@ -70,6 +70,11 @@ class Worker:
     result: Any = None
     queue: Any = None
 
+    def count(self, i: int) -> int:
+        """Counter ``i``, read without the array's lock: a worker SIGKILLed inside its _bump holds
+        that lock for ever, and taking it here hung the whole run. The worker is the only writer."""
+        return int(self.counters.get_obj()[i])
+
 
 @dataclass
 class StressSummary:
@@ -172,7 +177,7 @@ class Runner:
             self._spawn("consumer")
         else:
             self.summary.producers_killed += 1
-            left = w.share - w.counters[workload.P_SENT]
+            left = w.share - w.count(workload.P_SENT)
             if left > 0 or self.cfg.duration:
                 self._spawn("producer", max(left, 0) if not self.cfg.duration else 1 << 40)
 
@@ -185,7 +190,7 @@ class Runner:
         self.summary.broker_restarts += 1
 
     def _sum(self, role: str, i: int) -> int:
-        return sum(w.counters[i] for w in self.workers if w.role == role)
+        return sum(w.count(i) for w in self.workers if w.role == role)
 
     # --- the run ---------------------------------------------------------------------------
     def run(self) -> StressSummary:
@@ -269,7 +274,7 @@ class Runner:
         s.released_twice = self._sum("producer", workload.P_DOUBLE)
         s.consumer_gone_releases = self._sum("producer", workload.P_CONSUMER_GONE)
         # Lost: handed off by a producer that lived to the end, and never released back to it.
-        s.lost = sum(w.counters[workload.P_SENT] - w.counters[workload.P_RELEASED]
+        s.lost = sum(w.count(workload.P_SENT) - w.count(workload.P_RELEASED)
                      for w in self.workers if w.role == "producer" and not w.killed)
 
 
