@@ -3,6 +3,8 @@ double releases, zero leaked segments and events. Larger runs: hurray-stress --c
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from hurray_ipc.cli.stress import Runner, StressConfig, render
@@ -38,3 +40,21 @@ def test_stress_skip_wait_fails_at_any_delay(delay_ms):
     s = Runner(StressConfig(producers=1, consumers=1, count=10, size=4096, device="emulated", emu_delay_ms=delay_ms,
                             progress=False, inject="skip-wait")).run()
     assert s.races == s.handoffs == 10 and not s.ok, render(s)
+
+
+@pytest.mark.timeout(90)  # with a clock per worker (the old code) this run went past 90 s
+def test_duration_is_the_wall_time_of_the_whole_run_with_kills():
+    """--duration is one deadline: a replacement for a killed producer does not start the clock
+    again, so the run ends within the duration plus a bounded drain (generous bound: a deadline,
+    not a speed goal)."""
+    # 5 s: four spawned workers start within it even on 2 busy cores (at 3 s some runs sent nothing).
+    # seed 21: producers killed at about 1.3, 1.7 and 3.7 s.
+    cfg = StressConfig(producers=2, consumers=2, duration=5.0, size=16 << 10, device="cpu",
+                       kill_consumers=1.0, kill_producers=1.0, seed=21, progress=False)
+    t0 = time.monotonic()
+    s = Runner(cfg).run()
+    wall = time.monotonic() - t0
+    assert wall < 5.0 + 15, f"{wall:.1f} s for --duration 5\n{render(s)}"
+    assert s.errors == [] and s.corrupt == 0 and s.lost == 0 and s.released_twice == 0, render(s)
+    assert s.segments_left == 0 and s.events_left == 0 and s.verified > 0, render(s)
+    assert s.producers_killed > 0, render(s)

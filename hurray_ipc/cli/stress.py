@@ -31,6 +31,11 @@ from .. import workload
 from ..devices import shm
 from .common import add_version, positive_int, sync_mode
 
+# After the deadline of a --duration run: producers send nothing new and wait for their releases,
+# consumers stop after this many seconds without a buffer. The run ends within duration plus that,
+# plus the drain; nothing is killed or restarted after the deadline.
+IDLE_STOP_MIN = 3.0
+
 
 def parse_size(text: str) -> int:
     t = text.strip().upper().removesuffix("B").removesuffix("I")
@@ -46,7 +51,7 @@ class StressConfig:
     producers: int = 2
     consumers: int = 2
     count: int = 200  # handoffs in total (split over producers)
-    duration: float | None = None  # or: run this long
+    duration: float | None = None  # or: run this long, in all (one deadline, replacements included)
     size: int = 64 << 10
     mode: str | None = None
     device: str = "emulated"  # cpu | emulated | cuda
@@ -131,6 +136,7 @@ class Runner:
             self.spec, self.env = "cuda:0", {"HURRAY_CUDA": "real"}
         else:
             raise ValueError(f"device {cfg.device!r}: expected cpu, emulated or cuda")
+        self.deadline: float | None = None  # time.time() at which a --duration run stops sending
         self.workers: list[Worker] = []
         self.broker: subprocess.Popen | None = None
         self.summary = StressSummary(asdict(cfg))
@@ -152,11 +158,12 @@ class Runner:
         common = dict(endpoint=self.endpoint, channel="stress", device=self.spec, env=self.env, counters=counters,
                       broker_grace=4 * self.cfg.timeout + 10)
         if role == "producer":
-            kw = dict(common, count=share, size=self.cfg.size, mode=self.cfg.mode, duration=self.cfg.duration,
+            kw = dict(common, count=share, size=self.cfg.size, mode=self.cfg.mode, deadline=self.deadline,
                       timeout=30.0, inject=self.cfg.inject if self.cfg.inject in workload.PRODUCER_INJECTIONS else None)
             fn: Callable[..., dict[str, Any]] = workload.run_producer
         else:
-            kw = dict(common, count=None, idle_stop=max(3.0, 2 * self.cfg.timeout), keep_seen=False, timeout=30.0,
+            kw = dict(common, count=None, idle_stop=max(IDLE_STOP_MIN, 2 * self.cfg.timeout), keep_seen=False,
+                      timeout=30.0,
                       inject=self.cfg.inject if self.cfg.inject in workload.CONSUMER_INJECTIONS else None)
             fn = workload.run_consumer
         p, q = workload.spawn(fn, **kw)
@@ -178,8 +185,11 @@ class Runner:
         else:
             self.summary.producers_killed += 1
             left = w.share - w.count(workload.P_SENT)
-            if left > 0 or self.cfg.duration:
-                self._spawn("producer", max(left, 0) if not self.cfg.duration else 1 << 40)
+            if self.deadline is not None:  # the replacement keeps the run's deadline
+                if time.time() < self.deadline:
+                    self._spawn("producer", 1 << 40)
+            elif left > 0:
+                self._spawn("producer", left)
 
     def _restart_broker(self) -> None:
         assert self.broker is not None
@@ -197,6 +207,9 @@ class Runner:
         cfg = self.cfg
         before = set(shm.list_segments())
         t0 = time.monotonic()
+        # One deadline for the whole run; every producer, replacements too, stops sending at it.
+        self.deadline = None if cfg.duration is None else time.time() + cfg.duration
+        end = None if cfg.duration is None else t0 + cfg.duration
         self.start_broker()
         time.sleep(0.3)
         self.summary.broker_rss_kib_start = _rss(self.broker.pid)  # type: ignore[union-attr]
@@ -216,11 +229,12 @@ class Runner:
         while any(w.role == "producer" and not w.killed and w.proc.is_alive() for w in self.workers):
             time.sleep(tick)
             now = time.monotonic()
-            if self.rng.random() < cfg.kill_consumers * tick:
+            live = end is None or now < end  # past the deadline: no kills or restarts; the workers drain
+            if live and self.rng.random() < cfg.kill_consumers * tick:
                 self._kill("consumer")
-            if self.rng.random() < cfg.kill_producers * tick:
+            if live and self.rng.random() < cfg.kill_producers * tick:
                 self._kill("producer")
-            if restarts_at and now >= restarts_at[0]:
+            if live and restarts_at and now >= restarts_at[0]:
                 restarts_at.pop(0)
                 self._restart_broker()
             if bar is not None:
@@ -303,7 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--consumers", type=positive_int, default=d.consumers, help="default: %(default)s")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--count", type=positive_int, default=d.count, help="handoffs in total (default: %(default)s)")
-    g.add_argument("--duration", type=float, help="seconds to run instead of a count")
+    g.add_argument("--duration", type=float, metavar="SECONDS",
+                   help="instead of a count: the wall time of the whole run. One deadline from the start, "
+                        "which replacement workers keep; after it nothing is killed or restarted, in-flight "
+                        f"handoffs drain and consumers stop after {max(IDLE_STOP_MIN, 2 * d.timeout):g} s idle, "
+                        "so the run ends a few seconds after SECONDS")
     p.add_argument("--size", type=parse_size, default=d.size, help="bytes per buffer (64K, 1M ...)")
     p.add_argument("--mode", type=sync_mode, help="preferred sync mode (default: cheapest valid)")
     p.add_argument("--device", choices=["cpu", "emulated", "cuda"], default=d.device)
