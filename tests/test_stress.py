@@ -3,6 +3,9 @@ double releases, zero leaked segments and events. Larger runs: hurray-stress --c
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -58,3 +61,16 @@ def test_duration_is_the_wall_time_of_the_whole_run_with_kills():
     assert s.errors == [] and s.corrupt == 0 and s.lost == 0 and s.released_twice == 0, render(s)
     assert s.segments_left == 0 and s.events_left == 0 and s.verified > 0, render(s)
     assert s.producers_killed > 0, render(s)
+
+
+def cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """hurray-stress with stderr a pipe (not a terminal), as in CI logs."""
+    e = {k: v for k, v in os.environ.items() if k != "HURRAY_CUDA"} | env
+    return subprocess.run([sys.executable, "-m", "hurray_ipc.cli.stress", "--producers", "1", "--consumers", "1",
+                           "--count", "20", "--size", "4K", *args], capture_output=True, text=True, timeout=90, env=e)
+
+
+def test_no_progress_frames_when_stderr_is_not_a_terminal():
+    r = cli("--device", "cpu")
+    assert r.returncode == 0 and r.stdout.strip().endswith("PASS"), (r.stdout, r.stderr)
+    assert "\r" not in r.stderr and "handoff" not in r.stderr, repr(r.stderr)

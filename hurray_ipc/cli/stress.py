@@ -61,7 +61,7 @@ class StressConfig:
     seed: int = 1
     emu_delay_ms: float = 1.0
     timeout: float = 2.0  # broker's client timeout
-    progress: bool = True
+    progress: bool | None = None  # None: a progress bar when stderr is a terminal
     inject: str | None = None  # fault injection (workload.INJECTIONS): the run must FAIL
 
 
@@ -219,7 +219,7 @@ class Runner:
         for n in per:
             self._spawn("producer", n if not cfg.duration else 1 << 40)
         bar = None
-        if cfg.progress:
+        if cfg.progress if cfg.progress is not None else sys.stderr.isatty():
             from tqdm import tqdm
 
             bar = tqdm(total=None if cfg.duration else cfg.count, unit="handoff", file=sys.stderr, leave=False)
@@ -336,11 +336,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inject-skip-wait", action="store_const", dest="inject", const="skip-wait",
                    help="the same as --inject skip-wait")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction,
+                   help="a live progress bar on stderr (default: only when stderr is a terminal and "
+                        "without --json)")
     a = p.parse_args(argv)
+    progress = a.progress if a.progress is not None else (sys.stderr.isatty() and not a.json)
     cfg = StressConfig(a.producers, a.consumers, a.count, a.duration, a.size, a.mode, a.device, a.kill_consumers,
                        a.kill_producers, a.broker_restarts, a.seed, a.emu_delay_ms,
-                       progress=not a.no_progress and not a.json, inject=a.inject)
+                       progress=progress, inject=a.inject)
     s = Runner(cfg).run()
     print(json.dumps({**asdict(s), "ok": s.ok}) if a.json else render(s))
     return 0 if s.ok else 1
