@@ -10,7 +10,10 @@ import time
 
 import pytest
 
+from hurray_ipc import workload
+from hurray_ipc.cli import stress
 from hurray_ipc.cli.stress import Runner, StressConfig, render
+from hurray_ipc.devices.backend.real import RealRuntime
 
 pytestmark = pytest.mark.stress
 
@@ -26,7 +29,7 @@ def check(cfg: StressConfig):
 
 
 def test_stress_emulated_cuda_with_kills_and_broker_restart():
-    s = check(StressConfig(producers=2, consumers=2, count=300, size=64 << 10, device="emulated",
+    s = check(StressConfig(producers=2, consumers=2, count=300, size=64 << 10, device="cuda:0", emulated=True,
                            kill_consumers=1.0, kill_producers=0.4, broker_restarts=1, seed=11, progress=False))
     assert s.broker_restarts == 1 and s.consumers_killed + s.producers_killed > 0
 
@@ -40,8 +43,8 @@ def test_stress_cpu_with_consumer_kills():
 @pytest.mark.parametrize("delay_ms", [0.0, 100.0])
 def test_stress_skip_wait_fails_at_any_delay(delay_ms):
     """The stress checks can fail: a run whose consumers skip the wait fails on every handoff."""
-    s = Runner(StressConfig(producers=1, consumers=1, count=10, size=4096, device="emulated", emu_delay_ms=delay_ms,
-                            progress=False, inject="skip-wait")).run()
+    s = Runner(StressConfig(producers=1, consumers=1, count=10, size=4096, device="cuda:0", emulated=True,
+                            emu_delay_ms=delay_ms, progress=False, inject="skip-wait")).run()
     assert s.races == s.handoffs == 10 and not s.ok, render(s)
 
 
@@ -74,3 +77,28 @@ def test_no_progress_frames_when_stderr_is_not_a_terminal():
     r = cli("--device", "cpu")
     assert r.returncode == 0 and r.stdout.strip().endswith("PASS"), (r.stdout, r.stderr)
     assert "\r" not in r.stderr and "handoff" not in r.stderr, repr(r.stderr)
+
+
+def test_cuda_device_on_the_emulation_runs():
+    r = cli("--device", "cuda:0", HURRAY_CUDA="emulated")
+    assert r.returncode == 0 and r.stdout.strip().endswith("PASS"), (r.stdout, r.stderr)
+
+
+def test_cuda_device_without_cuda_is_one_line_exit_2_and_starts_nothing(monkeypatch, capsys):
+    monkeypatch.delenv("HURRAY_CUDA", raising=False)
+    try:
+        why = RealRuntime().probe()
+    except Exception as e:  # noqa: BLE001 - no usable cuda-python: CUDA is unavailable, as wanted here
+        why = f"{e}"
+    if why is None:
+        pytest.skip("this machine has a CUDA device")
+
+    def started(*a, **kw):
+        raise AssertionError("a broker or worker was started")
+
+    monkeypatch.setattr(workload, "spawn", started)
+    monkeypatch.setattr(Runner, "start_broker", started)
+    assert stress.main(["--device", "cuda:0"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "HURRAY_CUDA=emulated" in err, err
+    assert "CUDA unavailable" in err and "Traceback" not in err, err

@@ -1,13 +1,22 @@
 """hurray-stress: N producers x M consumers over one broker, with SIGKILLs and broker restarts.
 
-    hurray-stress --producers 2 --consumers 2 --count 400 --size 64K --device emulated \\
-                  --kill-consumers 0.5 --kill-producers 0.2 --broker-restarts 1
+    HURRAY_CUDA=emulated hurray-stress --producers 2 --consumers 2 --count 400 --size 64K \\
+        --device cuda:0 --kill-consumers 0.5 --kill-producers 0.2 --broker-restarts 1
+    hurray-stress --device cpu --duration 60 --kill-consumers 0.5 --kill-producers 0.2
 
 Every buffer carries a checksum written on the producer's stream and checked on the consumer's
 (after the sync rule), so a synchronisation bug shows as corruption. Killed workers are replaced.
 At the end: handoffs, checksums verified, corrupt, lost, released twice, shared-memory segments
 and events left behind, broker RSS at start and end (table, or --json). Exit 1 if anything is
-corrupt, lost, released twice or leaked. Defaults are CI-sized; raise --count/--duration for soak runs.
+corrupt, lost, released twice or leaked; exit 2 on a usage or device error (e.g. "CUDA unavailable"),
+before any worker starts. Defaults are CI-sized; raise --count/--duration for soak runs.
+
+--device takes cpu or cuda:N, as the other Hurray tools do. HURRAY_CUDA=emulated (the environment
+variable every Hurray tool honours) runs cuda:N on the cross-process CUDA emulation, which also
+checks every handoff for races; --emu-delay-ms sets its operation time. --duration is the wall time
+of the whole run: one deadline, kept by replacement workers too; after it, in-flight handoffs drain
+and consumers stop once idle, a few seconds of grace. A progress bar goes to stderr only when it is
+a terminal (--progress / --no-progress override); the summary goes to stdout.
 """
 
 from __future__ import annotations
@@ -23,13 +32,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from .. import workload
-from ..devices import shm
-from .common import add_version, positive_int, sync_mode
+from ..devices import DeviceError, backend_name, parse_spec, shm
+from .common import add_version, cuda_hint, device, positive_int, sync_mode
 
 # After the deadline of a --duration run: producers send nothing new and wait for their releases,
 # consumers stop after this many seconds without a buffer. The run ends within duration plus that,
@@ -54,7 +63,8 @@ class StressConfig:
     duration: float | None = None  # or: run this long, in all (one deadline, replacements included)
     size: int = 64 << 10
     mode: str | None = None
-    device: str = "emulated"  # cpu | emulated | cuda
+    device: str = "cpu"  # cpu | cuda:N
+    emulated: bool = False  # cuda:N on the CUDA emulation (HURRAY_CUDA=emulated for the workers)
     kill_consumers: float = 0.0  # SIGKILLs per second
     kill_producers: float = 0.0
     broker_restarts: int = 0
@@ -108,6 +118,35 @@ class StressSummary:
                     or self.events_left or self.errors) and self.verified > 0
 
 
+def check_device(cfg: StressConfig) -> dict[str, str]:
+    """The environment the workers need for ``cfg.device``, or DeviceError (one line) when that device
+    cannot run here: checked in this process, before the broker or any worker starts."""
+    kind, ordinal = parse_spec(cfg.device)
+    if kind == "cpu":
+        return {}
+    where = f"--device {cfg.device}"
+    if cfg.emulated:
+        from ..devices.backend.emulated import EmulationConfig
+
+        emu = replace(EmulationConfig.from_env(), op_delay_s=cfg.emu_delay_ms / 1000)
+        if ordinal >= emu.devices:
+            raise DeviceError(where, f"the CUDA emulation has {emu.devices} device(s) (HURRAY_EMU_DEVICES)")
+        return emu.to_env()
+    try:
+        from ..devices.backend.real import RealRuntime
+
+        rt = RealRuntime()
+        why = rt.probe()
+        n = rt.device_count() if why is None else 0
+    except Exception as e:  # noqa: BLE001 - a missing or broken CUDA install is "unavailable", said in one line
+        why = f"{e}"
+    if why is not None:
+        raise DeviceError(where, f"CUDA unavailable: {why}")
+    if ordinal >= n:
+        raise DeviceError(where, f"cuda:{ordinal} does not exist ({n} device(s))")
+    return {"HURRAY_CUDA": "real"}
+
+
 def _rss(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -122,20 +161,10 @@ def _rss(pid: int) -> int:
 class Runner:
     def __init__(self, cfg: StressConfig):
         self.cfg = cfg
+        self.spec, self.env = cfg.device, check_device(cfg)  # before anything starts
         self.tmp = Path(tempfile.mkdtemp(prefix="hurray-stress-"))
         self.endpoint = f"ipc://{self.tmp}/broker.sock"
         self.rng = random.Random(cfg.seed)
-        if cfg.device == "cpu":
-            self.spec, self.env = "cpu", {}
-        elif cfg.device == "emulated":
-            from ..devices.backend.emulated import EmulationConfig
-
-            self.spec = "cuda:0"
-            self.env = EmulationConfig(devices=1, op_delay_s=cfg.emu_delay_ms / 1000).to_env()
-        elif cfg.device == "cuda":
-            self.spec, self.env = "cuda:0", {"HURRAY_CUDA": "real"}
-        else:
-            raise ValueError(f"device {cfg.device!r}: expected cpu, emulated or cuda")
         self.deadline: float | None = None  # time.time() at which a --duration run stops sending
         self.workers: list[Worker] = []
         self.broker: subprocess.Popen | None = None
@@ -313,38 +342,50 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_version(p)
     d = StressConfig()
-    p.add_argument("--producers", type=positive_int, default=d.producers, help="default: %(default)s")
-    p.add_argument("--consumers", type=positive_int, default=d.consumers, help="default: %(default)s")
+    p.add_argument("--producers", type=positive_int, default=d.producers, help="producer processes")
+    p.add_argument("--consumers", type=positive_int, default=d.consumers, help="consumer processes")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--count", type=positive_int, default=d.count, help="handoffs in total (default: %(default)s)")
+    g.add_argument("--count", type=positive_int, default=d.count, help="handoffs in total")
     g.add_argument("--duration", type=float, metavar="SECONDS",
                    help="instead of a count: the wall time of the whole run. One deadline from the start, "
                         "which replacement workers keep; after it nothing is killed or restarted, in-flight "
                         f"handoffs drain and consumers stop after {max(IDLE_STOP_MIN, 2 * d.timeout):g} s idle, "
                         "so the run ends a few seconds after SECONDS")
-    p.add_argument("--size", type=parse_size, default=d.size, help="bytes per buffer (64K, 1M ...)")
-    p.add_argument("--mode", type=sync_mode, help="preferred sync mode (default: cheapest valid)")
-    p.add_argument("--device", choices=["cpu", "emulated", "cuda"], default=d.device)
-    p.add_argument("--kill-consumers", type=float, default=0.0, help="SIGKILLs of consumers per second")
-    p.add_argument("--kill-producers", type=float, default=0.0, help="SIGKILLs of producers per second")
-    p.add_argument("--broker-restarts", type=int, default=0, help="SIGKILL and restart the broker this often")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--emu-delay-ms", type=float, default=d.emu_delay_ms, help="emulated op duration")
+    p.add_argument("--size", type=parse_size, default=d.size, help="bytes per buffer (4096, 64K, 1M ...)")
+    p.add_argument("--mode", type=sync_mode, help="preferred sync mode (default: the cheapest valid one)")
+    p.add_argument("--device", type=device, default=d.device,
+                   help="cpu or cuda:N; cuda:N runs on the CUDA emulation when HURRAY_CUDA=emulated is set")
+    p.add_argument("--kill-consumers", type=float, default=d.kill_consumers, metavar="RATE",
+                   help="SIGKILLs of consumers per second")
+    p.add_argument("--kill-producers", type=float, default=d.kill_producers, metavar="RATE",
+                   help="SIGKILLs of producers per second")
+    p.add_argument("--broker-restarts", type=int, default=d.broker_restarts, metavar="K",
+                   help="SIGKILL and restart the broker K times, spread over the run")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the kill schedule")
+    p.add_argument("--emu-delay-ms", type=float, default=d.emu_delay_ms,
+                   help="duration of an emulated CUDA operation (HURRAY_CUDA=emulated only)")
     p.add_argument("--inject", choices=sorted(workload.INJECTIONS), metavar="FAULT",
-                   help="break one sync rule, to prove the checks catch it (the run must FAIL): "
+                   help="break one sync rule, to prove the checks catch it (the run must FAIL; needs "
+                        "HURRAY_CUDA=emulated and --device cuda:N): "
                         + "; ".join(f"{k}: {v}" for k, v in workload.INJECTIONS.items()))
     p.add_argument("--inject-skip-wait", action="store_const", dest="inject", const="skip-wait",
                    help="the same as --inject skip-wait")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction,
                    help="a live progress bar on stderr (default: only when stderr is a terminal and "
                         "without --json)")
     a = p.parse_args(argv)
     progress = a.progress if a.progress is not None else (sys.stderr.isatty() and not a.json)
-    cfg = StressConfig(a.producers, a.consumers, a.count, a.duration, a.size, a.mode, a.device, a.kill_consumers,
-                       a.kill_producers, a.broker_restarts, a.seed, a.emu_delay_ms,
-                       progress=progress, inject=a.inject)
-    s = Runner(cfg).run()
+    try:
+        emulated = backend_name() == "emulated"
+        cfg = StressConfig(a.producers, a.consumers, a.count, a.duration, a.size, a.mode, a.device, emulated,
+                           a.kill_consumers, a.kill_producers, a.broker_restarts, a.seed, a.emu_delay_ms,
+                           progress=progress, inject=a.inject)
+        runner = Runner(cfg)  # checks the device before the broker or any worker starts
+    except DeviceError as e:
+        print(f"hurray-stress: {cuda_hint(str(e))}", file=sys.stderr)
+        return 2
+    s = runner.run()
     print(json.dumps({**asdict(s), "ok": s.ok}) if a.json else render(s))
     return 0 if s.ok else 1
 
