@@ -336,10 +336,17 @@ def render(s: StressSummary) -> str:
     return "\n".join(out)
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and "(default: X)" after every option that has a default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:  # nothing to show: off unless given
+            return action.help
+        return super()._get_help_string(action)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="hurray-stress", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(prog="hurray-stress", description=__doc__, formatter_class=_HelpFormatter)
     add_version(p)
     d = StressConfig()
     p.add_argument("--producers", type=positive_int, default=d.producers, help="producer processes")
