@@ -132,8 +132,12 @@ def _bump(counters: Any, i: int, n: int = 1) -> None:
 def run_producer(endpoint: str, channel: str, device: str, count: int, size: int, *, mode: str | None = None,
                  tag: int | None = None, pool: int = 4, duration: float | None = None, timeout: float = 30.0,
                  env: dict[str, str] | None = None, counters: Any = None, broker_grace: float = 15.0,
-                 inject: str | None = None) -> dict[str, Any]:
+                 inject: str | None = None, deadline: float | None = None) -> dict[str, Any]:
     """Send ``count`` checksummed buffers (or until ``duration``); wait for their releases.
+
+    ``deadline``: a wall-clock time (``time.time()``) after which no buffer is sent, whenever this
+    process started: the stress runner's one deadline, so that a replacement for a killed producer
+    does not start the clock again. Read once at start and turned into a monotonic end.
 
     Survives a broker outage of up to ``broker_grace`` seconds: a send refused because the broker
     went away moves on to the next buffer (the refused one comes back through its release).
@@ -160,6 +164,9 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
             free: list[Buffer] = [p.allocate(size) for _ in range(pool)]
             host: list[Any] = [None] * pool
             end = None if duration is None else time.monotonic() + duration
+            if deadline is not None:
+                until = time.monotonic() + (deadline - time.time())
+                end = until if end is None else min(end, until)
             outage: float | None = None
 
             def back(t: Any, buf: Buffer) -> None:

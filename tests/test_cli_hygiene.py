@@ -84,3 +84,10 @@ def test_python_m_hurray_ipc_broker_is_the_broker() -> None:
     r = subprocess.run([sys.executable, "-m", "hurray_ipc.broker", "--help"], capture_output=True, text=True,
                        timeout=60, cwd="/")
     assert r.returncode == 0 and "--endpoint" in r.stdout, r.stderr
+
+
+def test_stress_help_shows_defaults_and_the_duration_rule():
+    r = run("hurray_ipc.cli.stress", "--help")
+    text = " ".join(r.stdout.split())
+    assert r.returncode == 0 and "--count COUNT handoffs in total (default: 200)" in text, r.stdout
+    assert "(default: cpu)" in text and "(default: 0.0)" in text and "wall time of the whole run" in text, r.stdout

@@ -3,9 +3,17 @@ double releases, zero leaked segments and events. Larger runs: hurray-stress --c
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 
+from hurray_ipc import workload
+from hurray_ipc.cli import stress
 from hurray_ipc.cli.stress import Runner, StressConfig, render
+from hurray_ipc.devices.backend.real import RealRuntime
 
 pytestmark = pytest.mark.stress
 
@@ -21,7 +29,7 @@ def check(cfg: StressConfig):
 
 
 def test_stress_emulated_cuda_with_kills_and_broker_restart():
-    s = check(StressConfig(producers=2, consumers=2, count=300, size=64 << 10, device="emulated",
+    s = check(StressConfig(producers=2, consumers=2, count=300, size=64 << 10, device="cuda:0", emulated=True,
                            kill_consumers=1.0, kill_producers=0.4, broker_restarts=1, seed=11, progress=False))
     assert s.broker_restarts == 1 and s.consumers_killed + s.producers_killed > 0
 
@@ -35,6 +43,62 @@ def test_stress_cpu_with_consumer_kills():
 @pytest.mark.parametrize("delay_ms", [0.0, 100.0])
 def test_stress_skip_wait_fails_at_any_delay(delay_ms):
     """The stress checks can fail: a run whose consumers skip the wait fails on every handoff."""
-    s = Runner(StressConfig(producers=1, consumers=1, count=10, size=4096, device="emulated", emu_delay_ms=delay_ms,
-                            progress=False, inject="skip-wait")).run()
+    s = Runner(StressConfig(producers=1, consumers=1, count=10, size=4096, device="cuda:0", emulated=True,
+                            emu_delay_ms=delay_ms, progress=False, inject="skip-wait")).run()
     assert s.races == s.handoffs == 10 and not s.ok, render(s)
+
+
+@pytest.mark.timeout(90)  # with a clock per worker (the old code) this run went past 90 s
+def test_duration_is_the_wall_time_of_the_whole_run_with_kills():
+    """--duration is one deadline: a replacement for a killed producer does not start the clock
+    again, so the run ends within the duration plus a bounded drain (generous bound: a deadline,
+    not a speed goal)."""
+    # 5 s: four spawned workers start within it even on 2 busy cores (at 3 s some runs sent nothing).
+    # seed 21: producers killed at about 1.3, 1.7 and 3.7 s.
+    cfg = StressConfig(producers=2, consumers=2, duration=5.0, size=16 << 10, device="cpu",
+                       kill_consumers=1.0, kill_producers=1.0, seed=21, progress=False)
+    t0 = time.monotonic()
+    s = Runner(cfg).run()
+    wall = time.monotonic() - t0
+    assert wall < 5.0 + 15, f"{wall:.1f} s for --duration 5\n{render(s)}"
+    assert s.errors == [] and s.corrupt == 0 and s.lost == 0 and s.released_twice == 0, render(s)
+    assert s.segments_left == 0 and s.events_left == 0 and s.verified > 0, render(s)
+    assert s.producers_killed > 0, render(s)
+
+
+def cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """hurray-stress with stderr a pipe (not a terminal), as in CI logs."""
+    e = {k: v for k, v in os.environ.items() if k != "HURRAY_CUDA"} | env
+    return subprocess.run([sys.executable, "-m", "hurray_ipc.cli.stress", "--producers", "1", "--consumers", "1",
+                           "--count", "20", "--size", "4K", *args], capture_output=True, text=True, timeout=90, env=e)
+
+
+def test_no_progress_frames_when_stderr_is_not_a_terminal():
+    r = cli("--device", "cpu")
+    assert r.returncode == 0 and r.stdout.strip().endswith("PASS"), (r.stdout, r.stderr)
+    assert "\r" not in r.stderr and "handoff" not in r.stderr, repr(r.stderr)
+
+
+def test_cuda_device_on_the_emulation_runs():
+    r = cli("--device", "cuda:0", HURRAY_CUDA="emulated")
+    assert r.returncode == 0 and r.stdout.strip().endswith("PASS"), (r.stdout, r.stderr)
+
+
+def test_cuda_device_without_cuda_is_one_line_exit_2_and_starts_nothing(monkeypatch, capsys):
+    monkeypatch.delenv("HURRAY_CUDA", raising=False)
+    try:
+        why = RealRuntime().probe()
+    except Exception as e:  # noqa: BLE001 - no usable cuda-python: CUDA is unavailable, as wanted here
+        why = f"{e}"
+    if why is None:
+        pytest.skip("this machine has a CUDA device")
+
+    def started(*a, **kw):
+        raise AssertionError("a broker or worker was started")
+
+    monkeypatch.setattr(workload, "spawn", started)
+    monkeypatch.setattr(Runner, "start_broker", started)
+    assert stress.main(["--device", "cuda:0"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "HURRAY_CUDA=emulated" in err, err
+    assert "CUDA unavailable" in err and "Traceback" not in err, err

@@ -1,13 +1,22 @@
 """hurray-stress: N producers x M consumers over one broker, with SIGKILLs and broker restarts.
 
-    hurray-stress --producers 2 --consumers 2 --count 400 --size 64K --device emulated \\
-                  --kill-consumers 0.5 --kill-producers 0.2 --broker-restarts 1
+    HURRAY_CUDA=emulated hurray-stress --producers 2 --consumers 2 --count 400 --size 64K \\
+        --device cuda:0 --kill-consumers 0.5 --kill-producers 0.2 --broker-restarts 1
+    hurray-stress --device cpu --duration 60 --kill-consumers 0.5 --kill-producers 0.2
 
 Every buffer carries a checksum written on the producer's stream and checked on the consumer's
 (after the sync rule), so a synchronisation bug shows as corruption. Killed workers are replaced.
 At the end: handoffs, checksums verified, corrupt, lost, released twice, shared-memory segments
 and events left behind, broker RSS at start and end (table, or --json). Exit 1 if anything is
-corrupt, lost, released twice or leaked. Defaults are CI-sized; raise --count/--duration for soak runs.
+corrupt, lost, released twice or leaked; exit 2 on a usage or device error (e.g. "CUDA unavailable"),
+before any worker starts. Defaults are CI-sized; raise --count/--duration for soak runs.
+
+--device takes cpu or cuda:N, as the other Hurray tools do. HURRAY_CUDA=emulated (the environment
+variable every Hurray tool honours) runs cuda:N on the cross-process CUDA emulation, which also
+checks every handoff for races; --emu-delay-ms sets its operation time. --duration is the wall time
+of the whole run: one deadline, kept by replacement workers too; after it, in-flight handoffs drain
+and consumers stop once idle, a few seconds of grace. A progress bar goes to stderr only when it is
+a terminal (--progress / --no-progress override); the summary goes to stdout.
 """
 
 from __future__ import annotations
@@ -23,13 +32,18 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from .. import workload
-from ..devices import shm
-from .common import add_version, positive_int, sync_mode
+from ..devices import DeviceError, backend_name, parse_spec, shm
+from .common import add_version, cuda_hint, device, positive_int, sync_mode
+
+# After the deadline of a --duration run: producers send nothing new and wait for their releases,
+# consumers stop after this many seconds without a buffer. The run ends within duration plus that,
+# plus the drain; nothing is killed or restarted after the deadline.
+IDLE_STOP_MIN = 3.0
 
 
 def parse_size(text: str) -> int:
@@ -46,17 +60,18 @@ class StressConfig:
     producers: int = 2
     consumers: int = 2
     count: int = 200  # handoffs in total (split over producers)
-    duration: float | None = None  # or: run this long
+    duration: float | None = None  # or: run this long, in all (one deadline, replacements included)
     size: int = 64 << 10
     mode: str | None = None
-    device: str = "emulated"  # cpu | emulated | cuda
+    device: str = "cpu"  # cpu | cuda:N
+    emulated: bool = False  # cuda:N on the CUDA emulation (HURRAY_CUDA=emulated for the workers)
     kill_consumers: float = 0.0  # SIGKILLs per second
     kill_producers: float = 0.0
     broker_restarts: int = 0
     seed: int = 1
     emu_delay_ms: float = 1.0
     timeout: float = 2.0  # broker's client timeout
-    progress: bool = True
+    progress: bool | None = None  # None: a progress bar when stderr is a terminal
     inject: str | None = None  # fault injection (workload.INJECTIONS): the run must FAIL
 
 
@@ -69,6 +84,11 @@ class Worker:
     killed: bool = False
     result: Any = None
     queue: Any = None
+
+    def count(self, i: int) -> int:
+        """Counter ``i``, read without the array's lock: a worker SIGKILLed inside its _bump holds
+        that lock for ever, and taking it here hung the whole run. The worker is the only writer."""
+        return int(self.counters.get_obj()[i])
 
 
 @dataclass
@@ -98,6 +118,35 @@ class StressSummary:
                     or self.events_left or self.errors) and self.verified > 0
 
 
+def check_device(cfg: StressConfig) -> dict[str, str]:
+    """The environment the workers need for ``cfg.device``, or DeviceError (one line) when that device
+    cannot run here: checked in this process, before the broker or any worker starts."""
+    kind, ordinal = parse_spec(cfg.device)
+    if kind == "cpu":
+        return {}
+    where = f"--device {cfg.device}"
+    if cfg.emulated:
+        from ..devices.backend.emulated import EmulationConfig
+
+        emu = replace(EmulationConfig.from_env(), op_delay_s=cfg.emu_delay_ms / 1000)
+        if ordinal >= emu.devices:
+            raise DeviceError(where, f"the CUDA emulation has {emu.devices} device(s) (HURRAY_EMU_DEVICES)")
+        return emu.to_env()
+    try:
+        from ..devices.backend.real import RealRuntime
+
+        rt = RealRuntime()
+        why = rt.probe()
+        n = rt.device_count() if why is None else 0
+    except Exception as e:  # noqa: BLE001 - a missing or broken CUDA install is "unavailable", said in one line
+        why = f"{e}"
+    if why is not None:
+        raise DeviceError(where, f"CUDA unavailable: {why}")
+    if ordinal >= n:
+        raise DeviceError(where, f"cuda:{ordinal} does not exist ({n} device(s))")
+    return {"HURRAY_CUDA": "real"}
+
+
 def _rss(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -112,20 +161,11 @@ def _rss(pid: int) -> int:
 class Runner:
     def __init__(self, cfg: StressConfig):
         self.cfg = cfg
+        self.spec, self.env = cfg.device, check_device(cfg)  # before anything starts
         self.tmp = Path(tempfile.mkdtemp(prefix="hurray-stress-"))
         self.endpoint = f"ipc://{self.tmp}/broker.sock"
         self.rng = random.Random(cfg.seed)
-        if cfg.device == "cpu":
-            self.spec, self.env = "cpu", {}
-        elif cfg.device == "emulated":
-            from ..devices.backend.emulated import EmulationConfig
-
-            self.spec = "cuda:0"
-            self.env = EmulationConfig(devices=1, op_delay_s=cfg.emu_delay_ms / 1000).to_env()
-        elif cfg.device == "cuda":
-            self.spec, self.env = "cuda:0", {"HURRAY_CUDA": "real"}
-        else:
-            raise ValueError(f"device {cfg.device!r}: expected cpu, emulated or cuda")
+        self.deadline: float | None = None  # time.time() at which a --duration run stops sending
         self.workers: list[Worker] = []
         self.broker: subprocess.Popen | None = None
         self.summary = StressSummary(asdict(cfg))
@@ -147,11 +187,12 @@ class Runner:
         common = dict(endpoint=self.endpoint, channel="stress", device=self.spec, env=self.env, counters=counters,
                       broker_grace=4 * self.cfg.timeout + 10)
         if role == "producer":
-            kw = dict(common, count=share, size=self.cfg.size, mode=self.cfg.mode, duration=self.cfg.duration,
+            kw = dict(common, count=share, size=self.cfg.size, mode=self.cfg.mode, deadline=self.deadline,
                       timeout=30.0, inject=self.cfg.inject if self.cfg.inject in workload.PRODUCER_INJECTIONS else None)
             fn: Callable[..., dict[str, Any]] = workload.run_producer
         else:
-            kw = dict(common, count=None, idle_stop=max(3.0, 2 * self.cfg.timeout), keep_seen=False, timeout=30.0,
+            kw = dict(common, count=None, idle_stop=max(IDLE_STOP_MIN, 2 * self.cfg.timeout), keep_seen=False,
+                      timeout=30.0,
                       inject=self.cfg.inject if self.cfg.inject in workload.CONSUMER_INJECTIONS else None)
             fn = workload.run_consumer
         p, q = workload.spawn(fn, **kw)
@@ -172,9 +213,12 @@ class Runner:
             self._spawn("consumer")
         else:
             self.summary.producers_killed += 1
-            left = w.share - w.counters[workload.P_SENT]
-            if left > 0 or self.cfg.duration:
-                self._spawn("producer", max(left, 0) if not self.cfg.duration else 1 << 40)
+            left = w.share - w.count(workload.P_SENT)
+            if self.deadline is not None:  # the replacement keeps the run's deadline
+                if time.time() < self.deadline:
+                    self._spawn("producer", 1 << 40)
+            elif left > 0:
+                self._spawn("producer", left)
 
     def _restart_broker(self) -> None:
         assert self.broker is not None
@@ -185,13 +229,16 @@ class Runner:
         self.summary.broker_restarts += 1
 
     def _sum(self, role: str, i: int) -> int:
-        return sum(w.counters[i] for w in self.workers if w.role == role)
+        return sum(w.count(i) for w in self.workers if w.role == role)
 
     # --- the run ---------------------------------------------------------------------------
     def run(self) -> StressSummary:
         cfg = self.cfg
         before = set(shm.list_segments())
         t0 = time.monotonic()
+        # One deadline for the whole run; every producer, replacements too, stops sending at it.
+        self.deadline = None if cfg.duration is None else time.time() + cfg.duration
+        end = None if cfg.duration is None else t0 + cfg.duration
         self.start_broker()
         time.sleep(0.3)
         self.summary.broker_rss_kib_start = _rss(self.broker.pid)  # type: ignore[union-attr]
@@ -201,7 +248,7 @@ class Runner:
         for n in per:
             self._spawn("producer", n if not cfg.duration else 1 << 40)
         bar = None
-        if cfg.progress:
+        if cfg.progress if cfg.progress is not None else sys.stderr.isatty():
             from tqdm import tqdm
 
             bar = tqdm(total=None if cfg.duration else cfg.count, unit="handoff", file=sys.stderr, leave=False)
@@ -211,11 +258,12 @@ class Runner:
         while any(w.role == "producer" and not w.killed and w.proc.is_alive() for w in self.workers):
             time.sleep(tick)
             now = time.monotonic()
-            if self.rng.random() < cfg.kill_consumers * tick:
+            live = end is None or now < end  # past the deadline: no kills or restarts; the workers drain
+            if live and self.rng.random() < cfg.kill_consumers * tick:
                 self._kill("consumer")
-            if self.rng.random() < cfg.kill_producers * tick:
+            if live and self.rng.random() < cfg.kill_producers * tick:
                 self._kill("producer")
-            if restarts_at and now >= restarts_at[0]:
+            if live and restarts_at and now >= restarts_at[0]:
                 restarts_at.pop(0)
                 self._restart_broker()
             if bar is not None:
@@ -269,7 +317,7 @@ class Runner:
         s.released_twice = self._sum("producer", workload.P_DOUBLE)
         s.consumer_gone_releases = self._sum("producer", workload.P_CONSUMER_GONE)
         # Lost: handed off by a producer that lived to the end, and never released back to it.
-        s.lost = sum(w.counters[workload.P_SENT] - w.counters[workload.P_RELEASED]
+        s.lost = sum(w.count(workload.P_SENT) - w.count(workload.P_RELEASED)
                      for w in self.workers if w.role == "producer" and not w.killed)
 
 
@@ -288,37 +336,63 @@ def render(s: StressSummary) -> str:
     return "\n".join(out)
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and "(default: X)" after every option that has a default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:  # nothing to show: off unless given
+            return action.help
+        return super()._get_help_string(action)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="hurray-stress", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(prog="hurray-stress", description=__doc__, formatter_class=_HelpFormatter)
     add_version(p)
     d = StressConfig()
-    p.add_argument("--producers", type=positive_int, default=d.producers, help="default: %(default)s")
-    p.add_argument("--consumers", type=positive_int, default=d.consumers, help="default: %(default)s")
+    p.add_argument("--producers", type=positive_int, default=d.producers, help="producer processes")
+    p.add_argument("--consumers", type=positive_int, default=d.consumers, help="consumer processes")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--count", type=positive_int, default=d.count, help="handoffs in total (default: %(default)s)")
-    g.add_argument("--duration", type=float, help="seconds to run instead of a count")
-    p.add_argument("--size", type=parse_size, default=d.size, help="bytes per buffer (64K, 1M ...)")
-    p.add_argument("--mode", type=sync_mode, help="preferred sync mode (default: cheapest valid)")
-    p.add_argument("--device", choices=["cpu", "emulated", "cuda"], default=d.device)
-    p.add_argument("--kill-consumers", type=float, default=0.0, help="SIGKILLs of consumers per second")
-    p.add_argument("--kill-producers", type=float, default=0.0, help="SIGKILLs of producers per second")
-    p.add_argument("--broker-restarts", type=int, default=0, help="SIGKILL and restart the broker this often")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--emu-delay-ms", type=float, default=d.emu_delay_ms, help="emulated op duration")
+    g.add_argument("--count", type=positive_int, default=d.count, help="handoffs in total")
+    g.add_argument("--duration", type=float, metavar="SECONDS",
+                   help="instead of a count: the wall time of the whole run. One deadline from the start, "
+                        "which replacement workers keep; after it nothing is killed or restarted, in-flight "
+                        f"handoffs drain and consumers stop after {max(IDLE_STOP_MIN, 2 * d.timeout):g} s idle, "
+                        "so the run ends a few seconds after SECONDS")
+    p.add_argument("--size", type=parse_size, default=d.size, help="bytes per buffer (4096, 64K, 1M ...)")
+    p.add_argument("--mode", type=sync_mode, help="preferred sync mode (default: the cheapest valid one)")
+    p.add_argument("--device", type=device, default=d.device,
+                   help="cpu or cuda:N; cuda:N runs on the CUDA emulation when HURRAY_CUDA=emulated is set")
+    p.add_argument("--kill-consumers", type=float, default=d.kill_consumers, metavar="RATE",
+                   help="SIGKILLs of consumers per second")
+    p.add_argument("--kill-producers", type=float, default=d.kill_producers, metavar="RATE",
+                   help="SIGKILLs of producers per second")
+    p.add_argument("--broker-restarts", type=int, default=d.broker_restarts, metavar="K",
+                   help="SIGKILL and restart the broker K times, spread over the run")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the kill schedule")
+    p.add_argument("--emu-delay-ms", type=float, default=d.emu_delay_ms,
+                   help="duration of an emulated CUDA operation (HURRAY_CUDA=emulated only)")
     p.add_argument("--inject", choices=sorted(workload.INJECTIONS), metavar="FAULT",
-                   help="break one sync rule, to prove the checks catch it (the run must FAIL): "
+                   help="break one sync rule, to prove the checks catch it (the run must FAIL; needs "
+                        "HURRAY_CUDA=emulated and --device cuda:N): "
                         + "; ".join(f"{k}: {v}" for k, v in workload.INJECTIONS.items()))
     p.add_argument("--inject-skip-wait", action="store_const", dest="inject", const="skip-wait",
                    help="the same as --inject skip-wait")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction,
+                   help="a live progress bar on stderr (default: only when stderr is a terminal and "
+                        "without --json)")
     a = p.parse_args(argv)
-    cfg = StressConfig(a.producers, a.consumers, a.count, a.duration, a.size, a.mode, a.device, a.kill_consumers,
-                       a.kill_producers, a.broker_restarts, a.seed, a.emu_delay_ms,
-                       progress=not a.no_progress and not a.json, inject=a.inject)
-    s = Runner(cfg).run()
+    progress = a.progress if a.progress is not None else (sys.stderr.isatty() and not a.json)
+    try:
+        emulated = backend_name() == "emulated"
+        cfg = StressConfig(a.producers, a.consumers, a.count, a.duration, a.size, a.mode, a.device, emulated,
+                           a.kill_consumers, a.kill_producers, a.broker_restarts, a.seed, a.emu_delay_ms,
+                           progress=progress, inject=a.inject)
+        runner = Runner(cfg)  # checks the device before the broker or any worker starts
+    except DeviceError as e:
+        print(f"hurray-stress: {cuda_hint(str(e))}", file=sys.stderr)
+        return 2
+    s = runner.run()
     print(json.dumps({**asdict(s), "ok": s.ok}) if a.json else render(s))
     return 0 if s.ok else 1
 
