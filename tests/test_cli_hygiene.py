@@ -5,6 +5,7 @@ missing; the library refuses an endpoint without a scheme with the same words.""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -67,8 +68,11 @@ def test_library_refuses_an_endpoint_without_a_scheme():
 def test_wheel_installs_only_hurray_ipc_and_builds_quietly(tmp_path: Path) -> None:
     """The broker/ folder ships as hurray_ipc.broker (nothing generic at the top of site-packages),
     and building the wheel prints no setuptools deprecation warning (SPDX license string)."""
+    src = tmp_path / "src"  # a copy: building in place would leave build/ in the checkout
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", "build", "results", "*.egg-info",
+                                                             "__pycache__", ".whl"))
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                        "--disable-pip-version-check", "-w", str(tmp_path), str(ROOT)],
+                        "--disable-pip-version-check", "-w", str(tmp_path), str(src)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "Deprecat" not in r.stderr + r.stdout, r.stderr
