@@ -15,9 +15,12 @@ producer on its local broker: it reassembles TENSOR_DATA frames straight into on
 buffer (a buffer never has to fit in memory twice), never hands it on before TENSOR_DATA_END, and
 hands it on as SYNC_PRODUCER_SYNCED (copied to its GPU first with ``--device cuda:N``).
 
-Flow control is by credit: the receiver grants one transfer at a time per CREDIT, and sends the
-next CREDIT once the previous buffer was handed to a local consumer. Within a transfer, TCP
-backpressure and a bounded send queue (HWM) bound memory. Traffic is CurveZMQ-authenticated and
+Flow control is by credit: the receiver grants one transfer per CREDIT{n: 1} (WINDOW ahead at
+link set-up), and sends the next CREDIT once a buffer was handed to a local consumer. The sender
+queues a transfer's frames and goes on to the next without waiting for the socket to drain (at
+most MAX_IN_FLIGHT queued, each released once ZeroMQ is done with its zero-copy frames), so the
+link does not idle between transfers. Within a transfer, TCP backpressure and a bounded send
+queue (HWM) bound memory. Traffic is CurveZMQ-authenticated and
 encrypted; plaintext needs ``--insecure``.
 """
 
@@ -32,6 +35,7 @@ import os
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +66,7 @@ CHUNK = 1 << 20
 SEND_HWM = 16  # chunks queued per peer: with CHUNK, at most 16 MiB in flight per transfer
 MAX_TENSOR = 1 << 40
 WINDOW = 2  # transfers a receiver grants ahead
+MAX_IN_FLIGHT = 4  # transfers a sender has queued and not yet released (bounds the handoffs it holds)
 
 
 
@@ -132,6 +137,8 @@ class BridgeOut:
         self.peers: dict[bytes, dict[str, Any]] = {}
         self.ids = itertools.count(1)
         self.stats = {"sent": 0, "rejected": 0, "aborted": 0}
+        # (handoff, trackers, transfer_id, peer, deadline, queued): sent, not yet released
+        self.in_flight: deque[tuple[Any, list[zmq.MessageTracker], int, bytes, float, bool]] = deque()
         self.running = False
 
     def _reply(self, rid: bytes, msg: Message) -> None:
@@ -172,15 +179,16 @@ class BridgeOut:
             log.warning(json.dumps({"event": "peer_rejected", **detail}))
 
     def _transfer(self, rid: bytes, h: Any) -> None:
-        """Stream one handoff; release it exactly once, whatever happens to the link."""
+        """Queue one handoff's frames on the socket. It is released exactly once, by :meth:`_reap`,
+        when ZeroMQ is done with every zero-copy frame, or here at once if queuing failed."""
         tid = next(self.ids)
+        trackers: list[zmq.MessageTracker] = []
         try:
             handle = check_network_handle(h.handle)  # a CPU consumer only ever gets 0x00; check anyway
             view = h.buffer.host_view()
             self.sock.send_multipart([rid, *Message("TENSOR_DESCRIPTOR", {"transfer_id": tid, "meta": h.meta,
                                                                           "total_bytes": handle.size},
                                                     {"handle": handle.encode()}).encode()])
-            trackers = []
             for off in range(0, handle.size, self.chunk):
                 head = [b"TENSOR_DATA", json.dumps({"transfer_id": tid, "byte_offset_in_buffer": off}).encode()]
                 # copy=False: the chunk goes from the mapped buffer to the socket without a copy;
@@ -193,16 +201,38 @@ class BridgeOut:
                 trackers.append(tracker)
             end = Message("TENSOR_DATA_END", {"transfer_id": tid, "total_bytes": handle.size})
             self.sock.send_multipart([rid, *end.encode()])
-            deadline = time.monotonic() + self.timeout_s * 4
-            for t in trackers:
-                t.wait(max(0.0, deadline - time.monotonic()))
-            self.stats["sent"] += 1
-        except (zmq.ZMQError, zmq.NotDone, HandleError) as e:
-            self.stats["aborted"] += 1
-            self.peers.pop(rid, None)
-            log.warning(json.dumps({"event": "transfer_aborted", "transfer_id": tid, "error": str(e)}))
-        finally:
-            h.release()
+            queued = True
+        except (zmq.ZMQError, HandleError) as e:
+            self._abort(rid, tid, e)
+            queued = False
+        # Not waited for here: the next transfer's frames queue behind these at once, so the link
+        # never drains between transfers (at most MAX_IN_FLIGHT are queued, see serve()).
+        self.in_flight.append((h, trackers, tid, rid, time.monotonic() + self.timeout_s * 4, queued))
+
+    def _abort(self, rid: bytes, tid: int, e: Exception) -> None:
+        self.stats["aborted"] += 1
+        self.peers.pop(rid, None)
+        log.warning(json.dumps({"event": "transfer_aborted", "transfer_id": tid, "error": str(e)}))
+
+    def _reap(self, block: bool = False) -> None:
+        """Release every queued transfer ZeroMQ is done with, oldest first, each exactly once.
+        ``block``: wait for them (closing). Past its deadline (a peer that stopped reading) a
+        transfer is released anyway and counted aborted."""
+        while self.in_flight:
+            h, trackers, tid, rid, deadline, queued = self.in_flight[0]
+            pending = [t for t in trackers if not t.done]
+            if pending and not block and time.monotonic() < deadline:
+                return  # the oldest is still being sent; the later ones queue behind it
+            self.in_flight.popleft()
+            try:
+                for t in pending:
+                    t.wait(max(0.0, deadline - time.monotonic()))
+                if queued:
+                    self.stats["sent"] += 1
+            except zmq.NotDone as e:
+                self._abort(rid, tid, e)
+            finally:
+                h.release()
 
     def serve(self, stop: threading.Event | None = None) -> None:
         stop = stop or threading.Event()
@@ -223,10 +253,12 @@ class BridgeOut:
                         self.local, self.channel, "cpu", prefetch=0, name=f"bridge-out:{self.channel}"
                     )
                 elif not self.peers and self.consumer is not None:
+                    self._reap(block=True)  # release what was queued to the peers now gone, then leave
                     self.consumer.close()
                     self.consumer = None
+                self._reap()
                 ready = [r for r, p in self.peers.items() if p["credits"] > 0]
-                if not ready or self.consumer is None:
+                if not ready or self.consumer is None or len(self.in_flight) >= MAX_IN_FLIGHT:
                     continue
                 try:
                     h = self.consumer.receive(timeout=0.05)
@@ -242,6 +274,7 @@ class BridgeOut:
     def close(self) -> None:
         if self.running:
             self.running = False
+            self._reap(block=True)  # every handoff taken is released once, before the consumer goes
             if self.consumer is not None:
                 self.consumer.close()
             self.sock.close(linger=0)
