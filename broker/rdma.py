@@ -300,6 +300,9 @@ class RdmaEngine:
                     self._forget(agent)
                 except RdmaError as e:
                     errors.append(e)
+            # Drop the agent: its UCX worker goes with it, so a peer still holding an offer of ours
+            # gets a disconnect error instead of writing into memory we no longer own.
+            self._agent = None
             if errors:
                 raise errors[0]
 
