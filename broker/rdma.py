@@ -427,13 +427,15 @@ class RdmaEngine:
             raise RdmaError(f"offer names agent {offer.agent} but its metadata is agent {name}")
         self._remotes.setdefault(name, set()).add(digest)
 
-    def write(self, local: Registration, offer: dict[str, Any] | Offer, notif: bytes = b"") -> Transfer:
-        """Post a NIXL WRITE of all of ``local`` to the start of the offered region. The caller MUST
-        have retired its writes to ``local`` (ADR-018 §6). ``notif`` reaches the peer's agent with the
-        data. Returns the posted :class:`Transfer`; RdmaError names NIXL's state or error."""
+    def write(self, local: Registration, offer: dict[str, Any] | Offer, notif: bytes = b"", *,
+              offset: int = 0) -> Transfer:
+        """Post a NIXL WRITE of all of ``local`` to ``offset`` bytes into the offered region. The
+        caller MUST have retired its writes to ``local`` (ADR-018 §6). ``notif`` reaches the peer's
+        agent with the data. Returns the posted :class:`Transfer`; RdmaError names NIXL's state or
+        error."""
         o = offer if isinstance(offer, Offer) else Offer.from_wire(offer)
-        if local.kind not in KINDS or local.size > o.size:
-            raise RdmaError(f"write of {local.size} bytes does not fit the offered {o.size}")
+        if offset < 0 or offset + local.size > o.size:
+            raise RdmaError(f"write of {local.size} bytes at offset {offset} does not fit the offered {o.size}")
         with self._lock:
             self._live()
             if local.released or self._regs.get(local.key) is not local:
@@ -442,7 +444,7 @@ class RdmaEngine:
             dst_addr, _, dst_dev = o.descs[0]
             try:
                 src = self._agent.get_xfer_descs([(local.ptr, local.size, local.device)], local.kind)
-                dst = self._agent.get_xfer_descs([(dst_addr, local.size, dst_dev)], o.kind)
+                dst = self._agent.get_xfer_descs([(dst_addr + offset, local.size, dst_dev)], o.kind)
                 if src is None or dst is None:
                     raise RdmaError(f"write to {o.agent}: NIXL built no transfer descriptor list")
                 handle = self._agent.initialize_xfer("WRITE", src, dst, o.agent, bytes(notif), [BACKEND])

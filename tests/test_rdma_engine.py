@@ -119,6 +119,19 @@ def test_write_to_spawned_process(remote):
     assert get(out) == {"left": 0, "remotes": 0}
 
 
+def test_write_at_offsets(pair):
+    """Two writes into halves of one offered region (RDMA_READY ranges), both DONE before reading."""
+    tx, rx = pair
+    src, dst = payload(2 * MiB), np.zeros(2 * MiB, np.uint8)
+    offer = rx.expose(rx.register_array(dst))
+    halves = [tx.register(int(src.ctypes.data) + i * MiB, MiB, "DRAM") for i in range(2)]
+    transfers = [tx.write(h, offer, offset=i * MiB) for i, h in enumerate(halves)]
+    for t in transfers:
+        t.wait(timeout=30)
+        t.release()
+    assert sha(dst) == sha(src)
+
+
 def test_registration_cache(pair):
     tx, _ = pair
     a = np.zeros(MiB, np.uint8)
@@ -262,6 +275,12 @@ def test_offer_validation(pair):
     local = tx.register_array(np.zeros(2 * MiB, np.uint8))
     with pytest.raises(RdmaError, match="does not fit"):
         tx.write(local, offer)
+    half = tx.register(int(local.ptr), MiB // 2, "DRAM")
+    with pytest.raises(RdmaError, match="does not fit"):
+        tx.write(half, offer, offset=MiB // 2 + 1)
+    with pytest.raises(RdmaError, match="does not fit"):
+        tx.write(half, offer, offset=-1)
+    tx.release(half)
 
     def bad(**changes):
         h = dict(offer["header"], **changes)
