@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import logging
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import threading
 import time
 import uuid
@@ -68,9 +70,21 @@ def _import_nixl() -> ModuleType:
             errors.append(f"{name}: {e}")
             continue
         if hasattr(mod, "nixl_agent"):
+            _quiet_nixl_logging()
             return mod
         errors.append(f"{name}: no nixl_agent")
     raise ImportError("NIXL is not installed (pip install --no-deps nixl-cu12): " + "; ".join(errors))
+
+
+def _quiet_nixl_logging() -> None:
+    """NIXL's Python logger prints INFO lines (one per agent) on stdout, which is a CLI's output: keep
+    warnings and errors only, on stderr. NIXL_LOG_LEVEL, when set, still decides the level."""
+    logger = logging.getLogger("nixl")
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        logger.setLevel(logging.WARNING)
+    for h in logger.handlers:
+        if isinstance(h, logging.StreamHandler) and h.stream is sys.stdout:
+            h.setStream(sys.stderr)
 
 
 @dataclass(frozen=True)
@@ -560,7 +574,6 @@ def bench(size: int = 64 << 20, rounds: int = 7, timeout: float = 60.0) -> dict[
 
 if __name__ == "__main__":
     import json
-    import sys
 
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 64 << 20
     r = int(sys.argv[2]) if len(sys.argv) > 2 else 7
