@@ -16,6 +16,10 @@ if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
     # maps broker/ to hurray_ipc.broker); real warnings still show.
     PYTHONWARNINGS="ignore:Editable installation" \
         "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[$extras]"
+    # NIXL for broker/rdma.py and its tests: --no-deps, because nixl-cu12 declares torch (a CUDA
+    # build) that it imports only for typing. Tolerant: without it the RDMA tests skip, naming why.
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "nixl-cu12>=1.0" \
+        >/dev/null 2>&1 || echo "scripts: nixl-cu12 not installed; the RDMA tests will skip" >&2
     touch "$stamp"
 fi
 export PATH="$VENV/bin:$PATH"
