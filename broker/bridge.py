@@ -59,6 +59,8 @@ from hurray_ipc.transport.protocol import (
     decode,
 )
 
+from .rdma import RdmaEngine, RdmaError, Registration, Transfer, nixl_available
+
 log = logging.getLogger("hurray.bridge")
 
 INTERCHANGE_VERSION = 1
@@ -67,6 +69,23 @@ SEND_HWM = 16  # chunks queued per peer: with CHUNK, at most 16 MiB in flight pe
 MAX_TENSOR = 1 << 40
 WINDOW = 2  # transfers a receiver grants ahead
 MAX_IN_FLIGHT = 4  # transfers a sender has queued and not yet released (bounds the handoffs it holds)
+PLANES = ("nixl", "zmq")  # data planes, in this bridge's order of preference (interchange.md R1)
+
+
+def open_engine(rdma: bool, role: str, channel: str) -> RdmaEngine | None:
+    """The NIXL engine when asked for (--rdma) and usable; None (the zmq plane only) otherwise,
+    saying why in the log."""
+    if not rdma:
+        return None
+    reason = nixl_available()
+    if reason is None:
+        try:
+            return RdmaEngine(f"bridge-{role}-{channel}")
+        except RdmaError as e:
+            reason = str(e)
+    log.warning(json.dumps({"event": "rdma_unavailable", "reason": reason, "data_planes": ["zmq"]}))
+    return None
+
 
 
 
@@ -111,7 +130,7 @@ class BridgeOut:
     """Host A: a CPU consumer of ``channel`` on the local broker, streaming each buffer to peers."""
 
     def __init__(self, channel: str, listen: str, *, endpoint: str | None = None, curve: Curve | None = None,
-                 timeout_s: float = 3.0, chunk: int = CHUNK):
+                 timeout_s: float = 3.0, chunk: int = CHUNK, rdma: bool = False):
         self.channel, self.chunk, self.timeout_s = channel, chunk, timeout_s
         self.ctx = zmq.Context()
         self.auth = None
@@ -139,6 +158,10 @@ class BridgeOut:
         self.stats = {"sent": 0, "rejected": 0, "aborted": 0}
         # (handoff, trackers, transfer_id, peer, deadline, queued): sent, not yet released
         self.in_flight: deque[tuple[Any, list[zmq.MessageTracker], int, bytes, float, bool]] = deque()
+        self.engine = open_engine(rdma, "out", channel)
+        self.planes = PLANES if self.engine is not None else ("zmq",)
+        self.rdma: dict[tuple[bytes, int], RdmaSend] = {}  # NIXL transfers: descriptor sent, not yet ended
+        self.kept: list[RdmaSend] = []  # NIXL refused to cancel: kept until the agent is closed (R4.1)
         self.running = False
 
     def _reply(self, rid: bytes, msg: Message) -> None:
@@ -162,8 +185,14 @@ class BridgeOut:
                 self._reply(rid, Message("REJECT", {"reason": "link_hello", "message":
                                                     f"this bridge serves channel {self.channel!r}, interchange v1"}))
                 return
-            self.peers[rid] = {"credits": 0, "seen": now}
-            self._reply(rid, Message("LINK_WELCOME", {"protocol": INTERCHANGE_VERSION}))
+            offered = msg.header.get("data_planes", ["zmq"])
+            if not isinstance(offered, list) or not all(isinstance(x, str) for x in offered):
+                offered = ["zmq"]
+            plane = next((x for x in offered if x in self.planes), "zmq")
+            self._forget_peer(rid)
+            self.peers[rid] = {"credits": 0, "seen": now, "plane": plane}
+            log.info(json.dumps({"event": "linked", "data_plane": plane, "offered": offered[:8]}))
+            self._reply(rid, Message("LINK_WELCOME", {"protocol": INTERCHANGE_VERSION, "data_plane": plane}))
         elif peer is None:
             self._reply(rid, Message("REJECT", {"reason": "not_linked", "message": "send LINK_HELLO first"}))
         elif msg.verb == "CREDIT":
@@ -177,6 +206,98 @@ class BridgeOut:
             self.stats["rejected"] += 1
             detail = {k: msg.header.get(k) for k in ("transfer_id", "reason", "message")}
             log.warning(json.dumps({"event": "peer_rejected", **detail}))
+            s = self.rdma.get((rid, msg.header.get("transfer_id")))  # type: ignore[arg-type]
+            if s is not None:
+                self._end_rdma(s, None)  # the receiver gave up on it: NIXL must let go first
+        elif msg.verb == "RDMA_REGISTER":
+            peer["seen"] = now
+            self._post_rdma(rid, msg)
+
+    def _transfer_rdma(self, rid: bytes, h: Any) -> None:
+        """The NIXL plane: send the descriptor; the WRITE is posted when the receiver's RDMA_REGISTER
+        arrives (:meth:`_post_rdma`), and TENSOR_DATA_END follows its observed completion."""
+        tid = next(self.ids)
+        try:
+            handle = check_network_handle(h.handle)
+            self.sock.send_multipart([rid, *Message("TENSOR_DESCRIPTOR", {"transfer_id": tid, "meta": h.meta,
+                                                                          "total_bytes": handle.size},
+                                                    {"handle": handle.encode()}).encode()])
+        except (zmq.ZMQError, HandleError) as e:
+            self._abort(rid, tid, e)
+            h.release()
+            return
+        self.rdma[(rid, tid)] = RdmaSend(h, rid, tid, handle.size, time.monotonic() + self.timeout_s * 4)
+
+    def _post_rdma(self, rid: bytes, msg: Message) -> None:
+        """RDMA_REGISTER: register the source (its writes retired: the sending bridge is a CPU
+        consumer, its buffers arrive PRODUCER_SYNCED or host-staged) and post the WRITE."""
+        tid = msg.header.get("transfer_id")
+        s = self.rdma.get((rid, tid))  # type: ignore[arg-type]
+        if s is None or s.xfer is not None or self.engine is None:
+            self._reply(rid, Message("REJECT", {"transfer_id": tid, "reason": "unexpected",
+                                                "message": "no transfer of this link waits for RDMA_REGISTER"}))
+            return
+        offer = {"header": {k: v for k, v in msg.header.items() if k != "transfer_id"},
+                 "frames": [bytes(msg.frames["metadata"])]}
+        try:
+            s.reg = self.engine.register(s.h.buffer.ptr, s.size, "DRAM", owner=s.h.buffer)
+            s.xfer = self.engine.write(s.reg, offer, notif=str(tid).encode())
+        except RdmaError as e:
+            self._end_rdma(s, "bad_offer" if "bad offer" in str(e) else "rdma_failed", str(e))
+
+    def _poll_rdma(self) -> None:
+        """Each posted WRITE whose completion NIXL reports (DONE) is announced (RDMA_READY) and
+        only then ended (TENSOR_DATA_END, ADR-018 §6); ERR or the deadline end it with a REJECT."""
+        now = time.monotonic()
+        for s in list(self.rdma.values()):
+            try:
+                if s.xfer is not None and s.xfer.poll():
+                    self._reply(s.rid, Message("RDMA_READY", {"transfer_id": s.tid, "byte_offset_in_buffer": 0,
+                                                              "length": s.size}))
+                    self._reply(s.rid, Message("TENSOR_DATA_END", {"transfer_id": s.tid, "total_bytes": s.size}))
+                    self.stats["sent"] += 1
+                    self._end_rdma(s, None)
+                elif now > s.deadline:
+                    self._end_rdma(s, "rdma_timeout", f"no completion within {self.timeout_s * 4:g} s")
+            except RdmaError as e:
+                self._end_rdma(s, "rdma_failed", str(e))
+
+    def _end_rdma(self, s: RdmaSend, reason: str | None, message: str = "") -> None:
+        """Finish a NIXL transfer exactly once: cancel/free the request, then (only if NIXL let go
+        of the source) release the registration and the handoff; with ``reason``, REJECT it."""
+        if self.rdma.pop((s.rid, s.tid), None) is None:
+            return
+        try:
+            if s.xfer is not None:
+                s.xfer.release()
+        except RdmaError as e:
+            log.warning(json.dumps({"event": "rdma_not_cancelled", "transfer_id": s.tid, "error": str(e)}))
+            self.kept.append(s)  # NIXL may still read it: keep buffer and registration (R4.1)
+            return
+        finally:
+            if reason is not None:
+                self.stats["aborted"] += 1
+                log.warning(json.dumps({"event": "transfer_aborted", "transfer_id": s.tid, "reason": reason,
+                                        "error": message}))
+        if reason is not None:
+            self._reply(s.rid, Message("REJECT", {"transfer_id": s.tid, "reason": reason, "message": message}))
+        if s.reg is not None and self.engine is not None:
+            self.engine.release(s.reg)
+        s.h.release()
+
+    def _forget_peer(self, rid: bytes) -> None:
+        """A peer gone or linking again: end its NIXL transfers (each released once) and forget its
+        agent (a restarted receiver comes back under a new name, R4.4)."""
+        gone = [s for s in self.rdma.values() if s.rid == rid]
+        agents = {s.xfer.peer for s in gone if s.xfer is not None}
+        for s in gone:
+            self._end_rdma(s, "link_lost", "the link was lost or set up again")
+        for agent in agents:
+            if self.engine is not None:
+                try:
+                    self.engine.forget(agent)
+                except RdmaError as e:
+                    log.warning(json.dumps({"event": "rdma_forget_failed", "agent": agent, "error": str(e)}))
 
     def _transfer(self, rid: bytes, h: Any) -> None:
         """Queue one handoff's frames on the socket. It is released exactly once, by :meth:`_reap`,
@@ -248,6 +369,9 @@ class BridgeOut:
                 now = time.monotonic()
                 for rid in [r for r, p in self.peers.items() if now - p["seen"] > self.timeout_s]:
                     del self.peers[rid]
+                    self._forget_peer(rid)
+                if self.rdma:
+                    self._poll_rdma()
                 if self.peers and self.consumer is None:
                     self.consumer = Consumer(
                         self.local, self.channel, "cpu", prefetch=0, name=f"bridge-out:{self.channel}"
@@ -257,8 +381,11 @@ class BridgeOut:
                     self.consumer.close()
                     self.consumer = None
                 self._reap()
-                ready = [r for r, p in self.peers.items() if p["credits"] > 0]
-                if not ready or self.consumer is None or len(self.in_flight) >= MAX_IN_FLIGHT:
+                # On the NIXL plane one transfer at a time per peer: its receiver holds one partial
+                # transfer (a new descriptor supersedes it, interchange.md §3 receiver rule 4).
+                busy = {s.rid for s in self.rdma.values()}
+                ready = [r for r, p in self.peers.items() if p["credits"] > 0 and r not in busy]
+                if not ready or self.consumer is None or len(self.in_flight) + len(self.rdma) >= MAX_IN_FLIGHT:
                     continue
                 try:
                     h = self.consumer.receive(timeout=0.05)
@@ -267,7 +394,10 @@ class BridgeOut:
                 rid = min(ready, key=lambda r: self.peers[r].get("last", 0))
                 self.peers[rid]["credits"] -= 1
                 self.peers[rid]["last"] = now
-                self._transfer(rid, h)
+                if self.peers[rid]["plane"] == "nixl" and h.handle.size > 0:
+                    self._transfer_rdma(rid, h)
+                else:
+                    self._transfer(rid, h)
         finally:
             self.close()
 
@@ -275,12 +405,31 @@ class BridgeOut:
         if self.running:
             self.running = False
             self._reap(block=True)  # every handoff taken is released once, before the consumer goes
+            for rid in {s.rid for s in self.rdma.values()}:
+                self._forget_peer(rid)
+            if self.engine is not None:
+                self.engine.close()  # NIXL lets go of every source: the kept ones may go now
+            for s in self.kept:
+                s.h.release()
             if self.consumer is not None:
                 self.consumer.close()
             self.sock.close(linger=0)
             if self.auth is not None:
                 self.auth.stop()
             self.ctx.term()
+
+
+@dataclass
+class RdmaSend:
+    """A NIXL transfer on the sending side, from its TENSOR_DESCRIPTOR to its end."""
+
+    h: Any  # the local handoff: released exactly once, when NIXL no longer reads it
+    rid: bytes
+    tid: int
+    size: int
+    deadline: float
+    reg: Registration | None = None
+    xfer: Transfer | None = None
 
 
 class Coverage:
@@ -330,7 +479,7 @@ class BridgeIn:
     """Host B: receives transfers and hands each, once complete, to local consumers of ``channel``."""
 
     def __init__(self, channel: str, connect: str, *, endpoint: str | None = None, curve: Curve | None = None,
-                 device: str = "cpu", timeout_s: float = 3.0, max_bytes: int = MAX_TENSOR):
+                 device: str = "cpu", timeout_s: float = 3.0, max_bytes: int = MAX_TENSOR, rdma: bool = False):
         self.channel, self.timeout_s, self.max_bytes = channel, timeout_s, max_bytes
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -347,10 +496,13 @@ class BridgeIn:
         self.last_rx = 0.0
         self.last_hello = 0.0
         self.stats = {"delivered": 0, "rejected": 0, "discarded": 0}
+        self.engine = open_engine(rdma, "in", channel)
+        self.planes = PLANES if self.engine is not None else ("zmq",)
+        self.plane = "zmq"
         self.running = False
 
-    def _send(self, verb: str, header: dict[str, Any]) -> None:
-        self.sock.send_multipart(Message(verb, header).encode())
+    def _send(self, verb: str, header: dict[str, Any], frames: dict[str, Any] | None = None) -> None:
+        self.sock.send_multipart(Message(verb, header, frames or {}).encode())
 
     def _reject(self, tid: Any, reason: str, message: str) -> None:
         self.stats["rejected"] += 1
@@ -358,10 +510,26 @@ class BridgeIn:
         self._send("REJECT", {"transfer_id": tid, "reason": reason, "message": message})
         self._send("CREDIT", {"n": 1})  # the refused transfer used up its credit
 
-    def _discard(self, why: str, reject: str | None = None) -> None:
-        """Drop the partial transfer; with ``reject``, also tell the sender (REJECT + its credit)."""
+    def _reset_engine(self) -> None:
+        """Close the NIXL agent (which disconnects the peer: its writes into our memory fail from
+        now on) and open a new one, under a new name the sender learns from the next offer."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = open_engine(True, "in", self.channel)
+            if self.engine is None:
+                self.planes = ("zmq",)
+                self.linked = False  # link again, offering zmq only
+                self.last_hello = 0.0
+
+    def _discard(self, why: str, reject: str | None = None, sender_let_go: bool = False) -> None:
+        """Drop the partial transfer; with ``reject``, also tell the sender (REJECT + its credit).
+        ``sender_let_go``: the sender said it ended the transfer (its NIXL no longer writes)."""
         if self.partial is not None:
             p, self.partial = self.partial, None
+            if p.get("reg") is not None and not sender_let_go:
+                self._reset_engine()  # the peer may still write into it until our agent is closed (R4.3)
+            elif p.get("reg") is not None and self.engine is not None:
+                self.engine.release(p["reg"])
             p["buf"].close()
             self.stats["discarded"] += 1
             log.warning(json.dumps({"event": "partial_discarded", "transfer_id": p["tid"], "why": why}))
@@ -377,10 +545,24 @@ class BridgeIn:
         self.last_rx = time.monotonic()
         h = msg.header
         if msg.verb == "LINK_WELCOME":
+            plane = h.get("data_plane", "zmq")
+            if plane not in self.planes:
+                log.warning(json.dumps({"event": "bad_data_plane", "data_plane": str(plane)[:32]}))
+                self.last_hello = 0.0  # a plane we did not offer: say hello again
+                return
+            self.plane = plane
+            log.info(json.dumps({"event": "linked", "data_plane": plane}))
             self.linked = True
             # Two in flight: the next transfer streams while this one is handed on locally.
             self._send("CREDIT", {"n": WINDOW})
         elif msg.verb == "REJECT":
+            p = self.partial
+            if p is not None and h.get("transfer_id") == p["tid"]:
+                # The sender ended this transfer (rdma_failed / rdma_timeout): its NIXL request is
+                # released, so the destination may go; the credit comes back.
+                self._discard(f"the sender rejected it: {h.get('reason')}", sender_let_go=True)
+                self._send("CREDIT", {"n": 1})
+                return
             self.linked = False  # the sender does not know us (restarted): say hello again
             self.last_hello = 0.0
         elif msg.verb == "TENSOR_DESCRIPTOR":
@@ -402,6 +584,17 @@ class BridgeIn:
                 return self._reject(tid, "bad_meta", str(e))
             self.partial = {"tid": tid, "handle": handle, "meta": meta or {}, "covered": Coverage(handle.size),
                             "buf": self.cpu.allocate(handle.size)}
+            if self.plane == "nixl" and handle.size > 0:
+                self._offer(self.partial)
+        elif msg.verb == "RDMA_READY":
+            p = self.partial
+            if p is None or h.get("transfer_id") != p["tid"]:
+                return
+            off, n = h.get("byte_offset_in_buffer"), h.get("length")
+            ok = type(off) is int and type(n) is int and n > 0  # JSON integers, not booleans
+            if p.get("reg") is None or not ok or not p["covered"].add(off, n):
+                return self._discard(f"RDMA_READY {off!r}+{n!r} is outside the buffer, overlaps, or is for a "
+                                     "transfer without an offer", reject="bad_offset")
         elif msg.verb == "TENSOR_DATA":
             p = self.partial
             if p is None or h.get("transfer_id") != p["tid"]:
@@ -423,7 +616,20 @@ class BridgeIn:
                 return self._discard(f"bytes {p['covered'].first_gap()} never arrived (got {p['covered'].bytes} "
                                      f"of {size})", reject="incomplete")
             self.partial = None
+            if p.get("reg") is not None and self.engine is not None:
+                self.engine.release(p["reg"])  # the sender observed its writes complete (R3.5)
             self._deliver(p)
+
+    def _offer(self, p: dict[str, Any]) -> None:
+        """Register the destination with NIXL and offer it (RDMA_REGISTER, R3.2)."""
+        if self.engine is None:
+            return
+        try:
+            p["reg"] = self.engine.register(p["buf"].ptr, p["handle"].size, "DRAM", owner=p["buf"])
+            offer = self.engine.expose(p["reg"])
+        except RdmaError as e:
+            return self._discard(f"could not offer the destination: {e}", reject="rdma_failed")
+        self._send("RDMA_REGISTER", {"transfer_id": p["tid"], **offer["header"]}, {"metadata": offer["frames"][0]})
 
     def _deliver(self, p: dict[str, Any]) -> None:
         """Only now, after TENSOR_DATA_END, may anyone read the buffer: hand it on, PRODUCER_SYNCED."""
@@ -463,7 +669,8 @@ class BridgeIn:
             while not stop.is_set():
                 now = time.monotonic()
                 if not self.linked and now - self.last_hello > 0.5:
-                    self._send("LINK_HELLO", {"protocol": INTERCHANGE_VERSION, "channel": self.channel})
+                    self._send("LINK_HELLO", {"protocol": INTERCHANGE_VERSION, "channel": self.channel,
+                                              "data_planes": list(self.planes)})
                     self.last_hello = now
                 elif self.linked and now - self.last_rx > self.timeout_s / 3:
                     self._send("LINK_PING", {})
@@ -484,6 +691,8 @@ class BridgeIn:
         if self.running:
             self.running = False
             self._discard("closing")
+            if self.engine is not None:
+                self.engine.close()
             self.producer.close()
             self.sock.close(linger=0)
             self.ctx.term()
@@ -502,6 +711,9 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--insecure", action="store_true", help="plaintext TCP (no CurveZMQ)")
         s.add_argument("--timeout", type=float, default=3.0)
         s.add_argument("--duration", type=float, default=None)
+        s.add_argument("--rdma", action="store_true",
+                       help="offer NIXL (UCX) as the data plane; its bytes do not ride CurveZMQ, so use it only "
+                            "on a trusted fabric (interchange.md R1.5); without nixl the link stays on zmq")
     o, i = sub.choices["out"], sub.choices["in"]
     o.add_argument("--listen", required=True)
     o.add_argument("--server-key", help="server secret certificate (keygen: server.key_secret)")
@@ -519,11 +731,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.cmd == "out":
             curve = None if a.insecure else Curve.server(a.server_key or "", a.clients or "")
-            bridge: Any = BridgeOut(a.channel, a.listen, endpoint=a.endpoint, curve=curve, timeout_s=a.timeout)
+            bridge: Any = BridgeOut(a.channel, a.listen, endpoint=a.endpoint, curve=curve, timeout_s=a.timeout,
+                                    rdma=a.rdma)
         else:
             curve = None if a.insecure else Curve.client(a.client_key or "", a.server_public or "")
             bridge = BridgeIn(
-                a.channel, a.connect, endpoint=a.endpoint, curve=curve, device=a.device, timeout_s=a.timeout
+                a.channel, a.connect, endpoint=a.endpoint, curve=curve, device=a.device, timeout_s=a.timeout,
+                rdma=a.rdma,
             )
     except (OSError, ValueError) as e:
         print(f"bridge: {e} (CurveZMQ keys are required unless --insecure)", file=sys.stderr)

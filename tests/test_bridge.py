@@ -116,7 +116,7 @@ def test_receiver_rejects_non_synced_and_discards_partial(two_brokers):
     c = Proc(workload.run_consumer, endpoint=b.endpoint, channel="x", device="cpu", count=1, env={}, timeout=30)
     try:
         rid, hello = recv(s, "LINK_HELLO")
-        assert hello == {"protocol": 1, "channel": "x"}
+        assert hello == {"protocol": 1, "channel": "x", "data_planes": ["zmq"]}  # no --rdma: zmq only
         send(s, rid, "LINK_WELCOME", {"protocol": 1})
         recv(s, "CREDIT")
         # 1. a descriptor declaring SYNC_EVENT is refused, with the reason
@@ -314,3 +314,67 @@ def test_coverage_counts_bytes_once_and_names_the_gap():
     assert not c.complete and c.first_gap() == "[16, 32)" and c.bytes == 48
     assert c.add(16, 16) and c.complete and c._runs == [[0, 64]]
     assert Coverage(0).complete
+
+
+# --- the NIXL data plane (interchange.md, RDMA data plane) --------------------------------------------
+def _nixl_reason() -> str | None:
+    from hurray_ipc.broker.rdma import nixl_available
+
+    return nixl_available()
+
+
+NEEDS_NIXL = pytest.mark.skipif(_nixl_reason() is not None, reason=f"NIXL unusable: {_nixl_reason()}")
+
+
+def _bridged_pair(a, b, url, out_args, in_args, n=6, size=(3 << 20) + 12345):
+    out = bridge("out", "--channel", "r", "--endpoint", a.endpoint, "--listen", url, "--insecure", *out_args)
+    inn = bridge("in", "--channel", "r", "--endpoint", b.endpoint, "--connect", url, "--insecure", *in_args)
+    try:
+        c = Proc(workload.run_consumer, endpoint=b.endpoint, channel="r", device="cpu", count=n, env={})
+        p = Proc(workload.run_producer, endpoint=a.endpoint, channel="r", device="cpu", count=n, size=size, env={})
+        pr, cr = p.result(), c.result()
+    finally:
+        out_err, in_err = stop(out), stop(inn)
+    logs = f"out: {out_err[-1500:]}\nin: {in_err[-1500:]}"
+    assert pr["error"] is None and cr["error"] is None, (pr["error"], cr["error"], logs)
+    assert cr["received"] == cr["intact"] == n and cr["corrupt"] == 0, logs
+    assert pr["sent"] == pr["released"] == n, "each handoff released to the producer exactly once"
+    return out_err, in_err
+
+
+@NEEDS_NIXL
+def test_bridged_over_nixl(two_brokers):
+    a, b = two_brokers
+    out_err, in_err = _bridged_pair(a, b, f"tcp://127.0.0.1:{free_port()}", ["--rdma"], ["--rdma"])
+    assert '"data_plane": "nixl"' in out_err and '"data_plane": "nixl"' in in_err, (out_err[-800:], in_err[-800:])
+
+
+@NEEDS_NIXL
+@pytest.mark.parametrize("side", ["out", "in"])
+def test_a_bridge_without_nixl_still_links_over_zmq(two_brokers, side):
+    a, b = two_brokers
+    rdma = {"out": (["--rdma"], []), "in": ([], ["--rdma"])}[side]
+    out_err, in_err = _bridged_pair(a, b, f"tcp://127.0.0.1:{free_port()}", *rdma, n=3)
+    assert '"data_plane": "zmq"' in out_err and '"data_plane": "zmq"' in in_err, (out_err[-800:], in_err[-800:])
+
+
+@NEEDS_NIXL
+def test_nixl_link_cut_mid_transfer_releases_once(two_brokers):
+    a, b = two_brokers
+    url = f"tcp://127.0.0.1:{free_port()}"
+    out = bridge("out", "--channel", "y", "--endpoint", a.endpoint, "--listen", url, "--insecure", "--rdma")
+    inn = bridge("in", "--channel", "y", "--endpoint", b.endpoint, "--connect", url, "--insecure", "--rdma")
+    try:
+        counters = SPAWN.Array("q", workload.COUNTERS)
+        p = Proc(workload.run_producer, endpoint=a.endpoint, channel="y", device="cpu", count=1, size=256 << 20,
+                 env={}, pool=1, counters=counters)
+        deadline = time.monotonic() + 60
+        while counters[workload.P_SENT] < 1:  # the bridge has the handoff: the transfer is under way
+            assert time.monotonic() < deadline, "the handoff never reached the bridge"
+            time.sleep(0.01)
+        inn.kill()  # cut the link mid-transfer (or just after): either way one release, in bounded time
+        pr = p.result(timeout=120)
+        assert pr["error"] is None, pr["error"]
+        assert pr["sent"] == pr["released"] == 1, "released back to the producer exactly once"
+    finally:
+        stop(out), stop(inn)

@@ -59,6 +59,8 @@ PAYLOAD: dict[str, tuple[str, ...]] = {
     "TENSOR_DATA": ("data",),
     "TENSOR_DATA_END": (),
     "REJECT": (),
+    "RDMA_REGISTER": ("metadata",),  # interchange.md, RDMA data plane: B offers its destination
+    "RDMA_READY": (),  # A observed a NIXL WRITE complete
 }
 # Binary hot verbs (spec §2.2): a fixed little-endian batch header of 1..MAX_BATCH fixed-size
 # entries, each entry followed by its own frames. EVENT_RELEASE and EVENT_RELEASED are entries
@@ -69,9 +71,10 @@ CLIENT_VERBS = frozenset(["HELLO", "PING", "CAPS", "STATS", "REQUEST", "READY", 
                           "EVENT_RELEASE", "BYE"])
 BROKER_VERBS = frozenset(["WELCOME", "PONG", "CAPS_REPLY", "STATS_REPLY", "GRANT", "DELIVER", "ACCEPTED",
                           "RELEASED", "EVENT_RELEASED", "PRODUCER_GONE", "ERROR", "SHUTDOWN"])
-LINK_RECEIVER_VERBS = frozenset(["LINK_HELLO", "CREDIT", "LINK_PING", "REJECT"])  # what a sending bridge accepts
+# what a sending bridge accepts
+LINK_RECEIVER_VERBS = frozenset(["LINK_HELLO", "CREDIT", "LINK_PING", "REJECT", "RDMA_REGISTER"])
 LINK_SENDER_VERBS = frozenset(["LINK_WELCOME", "LINK_PONG", "TENSOR_DESCRIPTOR", "TENSOR_DATA", "TENSOR_DATA_END",
-                               "REJECT"])  # what a receiving bridge accepts
+                               "REJECT", "RDMA_READY"])  # what a receiving bridge accepts
 
 # Error codes a broker sends in ERROR.code.
 ERROR_CODES = frozenset({
