@@ -432,6 +432,69 @@ class RdmaSend:
     xfer: Transfer | None = None
 
 
+class DestinationPool:
+    """The host buffers a receiving bridge reassembles transfers into, reused. A fresh shared-memory
+    segment per transfer costs its creation, a page fault per page on first write and (NIXL plane)
+    a registration; reused, a buffer costs none of them again. A buffer comes back when the local
+    consumer released it (or its transfer was dropped); at most ``keep`` idle ones per size are
+    kept, the others freed. A NIXL registration lives as long as its buffer."""
+
+    def __init__(self, cpu: Any, keep: int = WINDOW + 1):
+        self.cpu, self.keep = cpu, keep
+        self._idle: dict[int, list[Any]] = {}
+        self._regs: dict[int, tuple[RdmaEngine, Registration]] = {}  # id(buffer) -> its registration
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> Any:
+        with self._lock:
+            idle = self._idle.get(size)
+            if idle:
+                return idle.pop()
+        return self.cpu.allocate(size)
+
+    def give(self, buf: Any) -> None:
+        """``buf`` is no one's any more (released by its consumer, or its transfer dropped)."""
+        with self._lock:
+            idle = self._idle.setdefault(buf.size, [])
+            if len(idle) < self.keep:
+                idle.append(buf)
+                return
+        self._free(buf)
+
+    def registration(self, engine: RdmaEngine, buf: Any) -> Registration:
+        """``buf``'s registration with ``engine``, made on first use."""
+        with self._lock:
+            known = self._regs.get(id(buf))
+        if known is not None and known[0] is engine and not known[1].released:
+            return known[1]
+        reg = engine.register(buf.ptr, buf.size, "DRAM", owner=buf)
+        with self._lock:
+            self._regs[id(buf)] = (engine, reg)
+        return reg
+
+    def forget_engine(self) -> None:
+        """The engine was closed (which released its registrations): forget them."""
+        with self._lock:
+            self._regs.clear()
+
+    def _free(self, buf: Any) -> None:
+        with self._lock:
+            known = self._regs.pop(id(buf), None)
+        if known is not None and not known[0].closed:
+            try:
+                known[0].release(known[1])
+            except RdmaError as e:
+                log.warning(json.dumps({"event": "rdma_release_failed", "error": str(e)}))
+        buf.close()
+
+    def close(self) -> None:
+        with self._lock:
+            bufs = [b for idle in self._idle.values() for b in idle]
+            self._idle.clear()
+        for b in bufs:
+            self._free(b)
+
+
 class Coverage:
     """Which bytes of ``[0, size)`` a transfer has received: each TENSOR_DATA frame must land on
     bytes not yet covered, and the transfer is complete only when every byte is (a byte count
@@ -499,6 +562,7 @@ class BridgeIn:
         self.engine = open_engine(rdma, "in", channel)
         self.planes = PLANES if self.engine is not None else ("zmq",)
         self.plane = "zmq"
+        self.pool = DestinationPool(self.cpu)
         self.running = False
 
     def _send(self, verb: str, header: dict[str, Any], frames: dict[str, Any] | None = None) -> None:
@@ -515,6 +579,7 @@ class BridgeIn:
         now on) and open a new one, under a new name the sender learns from the next offer."""
         if self.engine is not None:
             self.engine.close()
+            self.pool.forget_engine()
             self.engine = open_engine(True, "in", self.channel)
             if self.engine is None:
                 self.planes = ("zmq",)
@@ -528,9 +593,7 @@ class BridgeIn:
             p, self.partial = self.partial, None
             if p.get("reg") is not None and not sender_let_go:
                 self._reset_engine()  # the peer may still write into it until our agent is closed (R4.3)
-            elif p.get("reg") is not None and self.engine is not None:
-                self.engine.release(p["reg"])
-            p["buf"].close()
+            self.pool.give(p["buf"])
             self.stats["discarded"] += 1
             log.warning(json.dumps({"event": "partial_discarded", "transfer_id": p["tid"], "why": why}))
             if reject is not None:
@@ -583,7 +646,7 @@ class BridgeIn:
             except ProtocolError as e:
                 return self._reject(tid, "bad_meta", str(e))
             self.partial = {"tid": tid, "handle": handle, "meta": meta or {}, "covered": Coverage(handle.size),
-                            "buf": self.cpu.allocate(handle.size)}
+                            "buf": self.pool.take(handle.size)}
             if self.plane == "nixl" and handle.size > 0:
                 self._offer(self.partial)
         elif msg.verb == "RDMA_READY":
@@ -616,16 +679,14 @@ class BridgeIn:
                 return self._discard(f"bytes {p['covered'].first_gap()} never arrived (got {p['covered'].bytes} "
                                      f"of {size})", reject="incomplete")
             self.partial = None
-            if p.get("reg") is not None and self.engine is not None:
-                self.engine.release(p["reg"])  # the sender observed its writes complete (R3.5)
-            self._deliver(p)
+            self._deliver(p)  # the sender observed its writes complete (R3.5); the registration stays
 
     def _offer(self, p: dict[str, Any]) -> None:
         """Register the destination with NIXL and offer it (RDMA_REGISTER, R3.2)."""
         if self.engine is None:
             return
         try:
-            p["reg"] = self.engine.register(p["buf"].ptr, p["handle"].size, "DRAM", owner=p["buf"])
+            p["reg"] = self.pool.registration(self.engine, p["buf"])
             offer = self.engine.expose(p["reg"])
         except RdmaError as e:
             return self._discard(f"could not offer the destination: {e}", reject="rdma_failed")
@@ -641,7 +702,7 @@ class BridgeIn:
             dev = self.producer.device.allocate(buf.size)
             stream.copy(dev, buf.host_view())
             stream.synchronize()  # visible before the handle leaves: PRODUCER_SYNCED
-            buf.close()
+            self.pool.give(buf)
             buf = dev
         m = p["meta"]
         array: dict[str, Any] = {}
@@ -650,14 +711,15 @@ class BridgeIn:
             array = {"shape": tuple(m["shape"]), "dtype": dlpack.EXTRA_BY_CODE[dl[0]][0] if dl else m["typestr"],
                      "readonly": bool(m.get("readonly", False))}
         try:
-            self.producer.send(buf, SyncMode.PRODUCER_SYNCED, on_release=lambda _ticket: buf.close(),
+            back = self.pool.give if buf is p["buf"] else (lambda b: b.close())  # device copies are not pooled
+            self.producer.send(buf, SyncMode.PRODUCER_SYNCED, on_release=lambda _ticket: back(buf),
                                meta=m.get("user"), **array)
             self.stats["delivered"] += 1
         except (BrokerUnavailable, TimeoutError) as e:
             # The local broker is gone: this buffer cannot be handed on. Drop it (loudly) and keep
             # the link; the session re-registers when the broker is back.
             if not self.producer.holds(buf):
-                buf.close()
+                back(buf)
             self.stats["discarded"] += 1
             log.warning(json.dumps({"event": "local_broker_unavailable", "transfer_id": p["tid"], "error": str(e)}))
         self._send("CREDIT", {"n": 1})
@@ -691,9 +753,10 @@ class BridgeIn:
         if self.running:
             self.running = False
             self._discard("closing")
+            self.producer.close()  # held buffers come back to the pool (or are freed) first
+            self.pool.close()
             if self.engine is not None:
                 self.engine.close()
-            self.producer.close()
             self.sock.close(linger=0)
             self.ctx.term()
 

@@ -10,6 +10,7 @@ are taken between rows of the same round (side by side), then their median.
 
 from __future__ import annotations
 
+import importlib
 import os
 import platform
 import random
@@ -473,6 +474,10 @@ def run_suite(sizes: list[int], n_small: int, n_large: int, progress: Callable[[
                         fns += [(f"tcp {size}", partial(bench_tcp, size, n // 4 or 2)),
                                 (f"bridge {size}", partial(bench_bridge, tmp, size, n // 4 or 2, curve=False)),
                                 (f"bridge curve {size}", partial(bench_bridge, tmp, size, n // 4 or 2, curve=True))]
+                        if _nixl_usable():
+                            fns += [(f"nixl {size}", partial(bench_nixl, size, n // 4 or 2)),
+                                    (f"bridge nixl {size}", partial(bench_bridge, tmp, size, n // 4 or 2,
+                                                                    curve=True, rdma=True))]
             rng.shuffle(fns)
             for label, fn in fns:
                 progress(f"round {rnd + 1}/{rounds}: {label}")
@@ -723,15 +728,31 @@ def _bridge_source(endpoint: str, channel: str, n: int, size: int) -> dict[str, 
     return {}
 
 
-def bench_bridge(tmp: Path, size: int, n: int, curve: bool) -> dict[str, Any]:
-    """Bridged throughput between two brokers on loopback TCP (one link, one transfer in flight)."""
+def _rdma() -> Any:
+    # broker/ installs as hurray_ipc.broker (package-dir), a mapping mypy does not follow.
+    return importlib.import_module("hurray_ipc.broker.rdma")
+
+
+def _nixl_usable() -> bool:
+    return _rdma().nixl_available() is None
+
+
+def bench_nixl(size: int, n: int) -> dict[str, Any]:
+    """Raw NIXL WRITEs (UCX) between two processes: the floor of the NIXL bridge row."""
+    r = _rdma().bench(size, max(3, n))
+    return {"name": "raw NIXL WRITE (UCX)", "size": size, "MBps": round(r["mb_s_median"])}
+
+
+def bench_bridge(tmp: Path, size: int, n: int, curve: bool, rdma: bool = False) -> dict[str, Any]:
+    """Bridged throughput between two brokers on loopback TCP (one link; ``rdma``: both bridges
+    offer NIXL, so the bytes move over it and only control messages over ZeroMQ)."""
     import socket
 
     with socket.socket() as so:
         so.bind(("127.0.0.1", 0))
         port = so.getsockname()[1]
     url = f"tcp://127.0.0.1:{port}"
-    tag = "curve" if curve else "plain"
+    tag = ("curve" if curve else "plain") + ("-rdma" if rdma else "")
     a, b = f"ipc://{tmp}/a-{tag}.sock", f"ipc://{tmp}/b-{tag}.sock"
     procs = [subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker", "--endpoint", ep, "--log-level", "error"])
              for ep in (a, b)]
@@ -742,6 +763,8 @@ def bench_bridge(tmp: Path, size: int, n: int, curve: bool) -> dict[str, Any]:
         in_sec = ["--client-key", str(tmp / "keys/client.key_secret"), "--server-public", str(tmp / "keys/server.key")]
     else:
         out_sec = in_sec = ["--insecure"]
+    if rdma:
+        out_sec, in_sec = [*out_sec, "--rdma"], [*in_sec, "--rdma"]
     try:
         while not all(Path(ep[6:]).exists() for ep in (a, b)):
             time.sleep(0.02)
@@ -755,7 +778,8 @@ def bench_bridge(tmp: Path, size: int, n: int, curve: bool) -> dict[str, Any]:
         for p in reversed(procs):
             p.terminate()
             p.wait(10)
-    return {"name": f"bridge over TCP ({'CurveZMQ' if curve else 'plaintext'})", "size": size, "MBps": sink["MBps"]}
+    how = "NIXL data plane, control over " if rdma else ""
+    return {"name": f"bridge, {how}TCP ({'CurveZMQ' if curve else 'plaintext'})", "size": size, "MBps": sink["MBps"]}
 
 
 def bench_tcp(size: int, n: int) -> dict[str, Any]:
