@@ -314,8 +314,8 @@ class RdmaEngine:
                     self._forget(agent)
                 except RdmaError as e:
                     errors.append(e)
-            # Drop the agent: its UCX worker goes with it, so a peer still holding an offer of ours
-            # gets a disconnect error instead of writing into memory we no longer own.
+            # Drop the agent: its UCX worker goes with it and peers are disconnected. They learn of
+            # it asynchronously, so this is no fence against a write racing the close (spec R4.4).
             self._agent = None
             if errors:
                 raise errors[0]
