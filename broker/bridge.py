@@ -161,7 +161,6 @@ class BridgeOut:
         self.engine = open_engine(rdma, "out", channel)
         self.planes = PLANES if self.engine is not None else ("zmq",)
         self.rdma: dict[tuple[bytes, int], RdmaSend] = {}  # NIXL transfers: descriptor sent, not yet ended
-        self.kept: list[RdmaSend] = []  # NIXL refused to cancel: kept until the agent is closed (R4.1)
         self.running = False
 
     def _reply(self, rid: bytes, msg: Message) -> None:
@@ -242,6 +241,7 @@ class BridgeOut:
         try:
             s.reg = self.engine.register(s.h.buffer.ptr, s.size, "DRAM", owner=s.h.buffer)
             s.xfer = self.engine.write(s.reg, offer, notif=str(tid).encode())
+            s.deadline = time.monotonic() + self.timeout_s  # R4.1: each WRITE bounded by the link timeout
         except RdmaError as e:
             self._end_rdma(s, "bad_offer" if "bad offer" in str(e) else "rdma_failed", str(e))
 
@@ -272,7 +272,7 @@ class BridgeOut:
                 s.xfer.release()
         except RdmaError as e:
             log.warning(json.dumps({"event": "rdma_not_cancelled", "transfer_id": s.tid, "error": str(e)}))
-            self.kept.append(s)  # NIXL may still read it: keep buffer and registration (R4.1)
+            self._give_up_rdma(s)  # NIXL may still read the source: only closing the agent ends that
             return
         finally:
             if reason is not None:
@@ -284,6 +284,25 @@ class BridgeOut:
         if s.reg is not None and self.engine is not None:
             self.engine.release(s.reg)
         s.h.release()
+
+    def _give_up_rdma(self, stuck: RdmaSend) -> None:
+        """R4.5: NIXL could not cancel a WRITE. Close the agent (its sources are released only
+        after that), end every other NIXL transfer, and drop every link: peers link again, and
+        this bridge now offers zmq only."""
+        engine, self.engine, self.planes = self.engine, None, ("zmq",)
+        others = [s for s in self.rdma.values() if s is not stuck]
+        self.rdma.clear()
+        if engine is not None:
+            try:
+                engine.close()
+            except RdmaError as e:
+                log.warning(json.dumps({"event": "rdma_close_failed", "error": str(e)}))
+        for s in [stuck, *others]:
+            self._reply(s.rid, Message("REJECT", {"transfer_id": s.tid, "reason": "rdma_failed",
+                                                  "message": "the sender closed its NIXL agent"}))
+            s.h.release()
+        self.peers.clear()
+        log.warning(json.dumps({"event": "rdma_plane_dropped", "data_planes": list(self.planes)}))
 
     def _forget_peer(self, rid: bytes) -> None:
         """A peer gone or linking again: end its NIXL transfers (each released once) and forget its
@@ -408,9 +427,7 @@ class BridgeOut:
             for rid in {s.rid for s in self.rdma.values()}:
                 self._forget_peer(rid)
             if self.engine is not None:
-                self.engine.close()  # NIXL lets go of every source: the kept ones may go now
-            for s in self.kept:
-                s.h.release()
+                self.engine.close()
             if self.consumer is not None:
                 self.consumer.close()
             self.sock.close(linger=0)
@@ -472,10 +489,12 @@ class DestinationPool:
             self._regs[id(buf)] = (engine, reg)
         return reg
 
-    def forget_engine(self) -> None:
-        """The engine was closed (which released its registrations): forget them."""
+    def deregister(self, buf: Any) -> None:
+        """Release ``buf``'s registration now (the buffer itself stays out of the pool)."""
         with self._lock:
-            self._regs.clear()
+            known = self._regs.pop(id(buf), None)
+        if known is not None and not known[0].closed:
+            known[0].release(known[1])
 
     def _free(self, buf: Any) -> None:
         with self._lock:
@@ -563,6 +582,7 @@ class BridgeIn:
         self.planes = PLANES if self.engine is not None else ("zmq",)
         self.plane = "zmq"
         self.pool = DestinationPool(self.cpu)
+        self.quarantined: deque[tuple[float, Any]] = deque()  # (reusable from, buffer), oldest first
         self.running = False
 
     def _send(self, verb: str, header: dict[str, Any], frames: dict[str, Any] | None = None) -> None:
@@ -574,17 +594,16 @@ class BridgeIn:
         self._send("REJECT", {"transfer_id": tid, "reason": reason, "message": message})
         self._send("CREDIT", {"n": 1})  # the refused transfer used up its credit
 
-    def _reset_engine(self) -> None:
-        """Close the NIXL agent (which disconnects the peer: its writes into our memory fail from
-        now on) and open a new one, under a new name the sender learns from the next offer."""
-        if self.engine is not None:
-            self.engine.close()
-            self.pool.forget_engine()
-            self.engine = open_engine(True, "in", self.channel)
-            if self.engine is None:
-                self.planes = ("zmq",)
-                self.linked = False  # link again, offering zmq only
-                self.last_hello = 0.0
+    def _quarantine(self, p: dict[str, Any]) -> None:
+        """A NIXL destination dropped without the sender's word: deregistered now, reused only
+        twice the link timeout after its offer, when every WRITE into it has ended (R4.3, R4.4):
+        neither deregistering nor closing our agent stops a peer's write on every UCX transport."""
+        self.pool.deregister(p["buf"])
+        self.quarantined.append((p["offered_at"] + 2 * self.timeout_s, p["buf"]))
+
+    def _release_quarantined(self, now: float) -> None:
+        while self.quarantined and self.quarantined[0][0] <= now:
+            self.pool.give(self.quarantined.popleft()[1])
 
     def _discard(self, why: str, reject: str | None = None, sender_let_go: bool = False) -> None:
         """Drop the partial transfer; with ``reject``, also tell the sender (REJECT + its credit).
@@ -592,8 +611,9 @@ class BridgeIn:
         if self.partial is not None:
             p, self.partial = self.partial, None
             if p.get("reg") is not None and not sender_let_go:
-                self._reset_engine()  # the peer may still write into it until our agent is closed (R4.3)
-            self.pool.give(p["buf"])
+                self._quarantine(p)
+            else:
+                self.pool.give(p["buf"])
             self.stats["discarded"] += 1
             log.warning(json.dumps({"event": "partial_discarded", "transfer_id": p["tid"], "why": why}))
             if reject is not None:
@@ -691,6 +711,7 @@ class BridgeIn:
         except RdmaError as e:
             return self._discard(f"could not offer the destination: {e}", reject="rdma_failed")
         self._send("RDMA_REGISTER", {"transfer_id": p["tid"], **offer["header"]}, {"metadata": offer["frames"][0]})
+        p["offered_at"] = time.monotonic()
 
     def _deliver(self, p: dict[str, Any]) -> None:
         """Only now, after TENSOR_DATA_END, may anyone read the buffer: hand it on, PRODUCER_SYNCED."""
@@ -736,6 +757,7 @@ class BridgeIn:
                     self.last_hello = now
                 elif self.linked and now - self.last_rx > self.timeout_s / 3:
                     self._send("LINK_PING", {})
+                self._release_quarantined(now)
                 if self.linked and now - self.last_rx > self.timeout_s:
                     self.linked = False
                     self._discard(f"no word from the sender for {self.timeout_s} s (link cut or sender gone)")
@@ -754,6 +776,9 @@ class BridgeIn:
             self.running = False
             self._discard("closing")
             self.producer.close()  # held buffers come back to the pool (or are freed) first
+            if self.quarantined:  # a peer's WRITE may still land in them: wait out their bound (R4.4)
+                time.sleep(max(0.0, self.quarantined[-1][0] - time.monotonic()))
+                self._release_quarantined(time.monotonic())
             self.pool.close()
             if self.engine is not None:
                 self.engine.close()
