@@ -147,11 +147,15 @@ def test_receiver_rejects_non_synced_and_discards_partial(two_brokers):
     assert "partial_discarded" in err and "network_sync_mode" in err
 
 
-def test_link_cut_mid_transfer_releases_once(two_brokers):
+@pytest.mark.parametrize("plane", ["zmq", "nixl"])
+def test_link_cut_mid_transfer_releases_once(two_brokers, plane):
+    if plane == "nixl" and _nixl_reason() is not None:
+        pytest.skip(f"NIXL unusable: {_nixl_reason()}")
+    rdma = ["--rdma"] if plane == "nixl" else []
     a, b = two_brokers
     url = f"tcp://127.0.0.1:{free_port()}"
-    out = bridge("out", "--channel", "y", "--endpoint", a.endpoint, "--listen", url, "--insecure")
-    inn = bridge("in", "--channel", "y", "--endpoint", b.endpoint, "--connect", url, "--insecure")
+    out = bridge("out", "--channel", "y", "--endpoint", a.endpoint, "--listen", url, "--insecure", *rdma)
+    inn = bridge("in", "--channel", "y", "--endpoint", b.endpoint, "--connect", url, "--insecure", *rdma)
     try:
         counters = SPAWN.Array("q", workload.COUNTERS)
         p = Proc(workload.run_producer, endpoint=a.endpoint, channel="y", device="cpu", count=1, size=256 << 20,
@@ -356,25 +360,3 @@ def test_a_bridge_without_nixl_still_links_over_zmq(two_brokers, side):
     rdma = {"out": (["--rdma"], []), "in": ([], ["--rdma"])}[side]
     out_err, in_err = _bridged_pair(a, b, f"tcp://127.0.0.1:{free_port()}", *rdma, n=3)
     assert '"data_plane": "zmq"' in out_err and '"data_plane": "zmq"' in in_err, (out_err[-800:], in_err[-800:])
-
-
-@NEEDS_NIXL
-def test_nixl_link_cut_mid_transfer_releases_once(two_brokers):
-    a, b = two_brokers
-    url = f"tcp://127.0.0.1:{free_port()}"
-    out = bridge("out", "--channel", "y", "--endpoint", a.endpoint, "--listen", url, "--insecure", "--rdma")
-    inn = bridge("in", "--channel", "y", "--endpoint", b.endpoint, "--connect", url, "--insecure", "--rdma")
-    try:
-        counters = SPAWN.Array("q", workload.COUNTERS)
-        p = Proc(workload.run_producer, endpoint=a.endpoint, channel="y", device="cpu", count=1, size=256 << 20,
-                 env={}, pool=1, counters=counters)
-        deadline = time.monotonic() + 60
-        while counters[workload.P_SENT] < 1:  # the bridge has the handoff: the transfer is under way
-            assert time.monotonic() < deadline, "the handoff never reached the bridge"
-            time.sleep(0.01)
-        inn.kill()  # cut the link mid-transfer (or just after): either way one release, in bounded time
-        pr = p.result(timeout=120)
-        assert pr["error"] is None, pr["error"]
-        assert pr["sent"] == pr["released"] == 1, "released back to the producer exactly once"
-    finally:
-        stop(out), stop(inn)
