@@ -199,18 +199,22 @@ def netns_pair():
         _netns("netns", "del", a), _netns("netns", "del", b)
 
 
-def test_bridge_across_network_namespaces(two_brokers, keys, netns_pair):
+@pytest.mark.parametrize("plane", ["zmq", "nixl"])
+def test_bridge_across_network_namespaces(two_brokers, keys, netns_pair, plane):
+    if plane == "nixl" and _nixl_reason() is not None:
+        pytest.skip(f"NIXL unusable: {_nixl_reason()}")
+    rdma = ["--rdma"] if plane == "nixl" else []
     a, b = two_brokers
     ns_a, ns_b = netns_pair
-    url = "tcp://10.77.0.1:5599"
+    url = f"tcp://10.77.0.1:{5599 if plane == 'zmq' else 5598}"
     out = subprocess.Popen(["ip", "netns", "exec", ns_a, sys.executable, "-m", "hurray_ipc.broker.bridge", "out",
                             "--channel", "z", "--endpoint", a.endpoint, "--listen", url,
-                            "--server-key", str(keys / "server.key_secret"), "--clients", str(keys / "clients")],
-                           stderr=subprocess.PIPE, text=True)
+                            "--server-key", str(keys / "server.key_secret"), "--clients", str(keys / "clients"),
+                            *rdma], stderr=subprocess.PIPE, text=True)
     inn = subprocess.Popen(["ip", "netns", "exec", ns_b, sys.executable, "-m", "hurray_ipc.broker.bridge", "in",
                             "--channel", "z", "--endpoint", b.endpoint, "--connect", url,
                             "--client-key", str(keys / "client.key_secret"),
-                            "--server-public", str(keys / "server.key")],
+                            "--server-public", str(keys / "server.key"), *rdma],
                            stderr=subprocess.PIPE, text=True)
     try:
         c = Proc(workload.run_consumer, endpoint=b.endpoint, channel="z", device="cpu", count=4, env={})
@@ -219,7 +223,9 @@ def test_bridge_across_network_namespaces(two_brokers, keys, netns_pair):
         assert pr["error"] is None and cr["error"] is None, (pr["error"], cr["error"])
         assert cr["intact"] == 4 and pr["released"] == 4
     finally:
-        stop(out), stop(inn)
+        out_err, in_err = stop(out), stop(inn)
+    said = f'"data_plane": "{plane}"'
+    assert said in out_err and said in in_err, (out_err[-800:], in_err[-800:])
 
 
 def test_interchange_vectors(two_brokers):
