@@ -72,6 +72,11 @@ MAX_IN_FLIGHT = 4  # transfers a sender has queued and not yet released (bounds 
 PLANES = ("nixl", "zmq")  # data planes, in this bridge's order of preference (interchange.md R1)
 
 
+def transfer_bound(timeout_s: float, total_bytes: int) -> float:
+    """interchange.md R4: T, a link timeout per started 64 MiB (both bridges compute the same)."""
+    return timeout_s * max(1, -(-total_bytes // (64 << 20)))
+
+
 def open_engine(rdma: bool, role: str, channel: str) -> RdmaEngine | None:
     """The NIXL engine when asked for (--rdma) and usable; None (the zmq plane only) otherwise,
     saying why in the log."""
@@ -225,7 +230,9 @@ class BridgeOut:
             self._abort(rid, tid, e)
             h.release()
             return
-        self.rdma[(rid, tid)] = RdmaSend(h, rid, tid, handle.size, time.monotonic() + self.timeout_s * 4)
+        # Until the offer: the receiver allocates and registers the destination (first use: faulted in).
+        bound = self.timeout_s * 4 + transfer_bound(self.timeout_s, handle.size)
+        self.rdma[(rid, tid)] = RdmaSend(h, rid, tid, handle.size, time.monotonic() + bound)
 
     def _post_rdma(self, rid: bytes, msg: Message) -> None:
         """RDMA_REGISTER: register the source (its writes retired: the sending bridge is a CPU
@@ -241,7 +248,7 @@ class BridgeOut:
         try:
             s.reg = self.engine.register(s.h.buffer.ptr, s.size, "DRAM", owner=s.h.buffer)
             s.xfer = self.engine.write(s.reg, offer, notif=str(tid).encode())
-            s.deadline = time.monotonic() + self.timeout_s  # R4.1: each WRITE bounded by the link timeout
+            s.deadline = time.monotonic() + transfer_bound(self.timeout_s, s.size)  # R4.1
         except RdmaError as e:
             self._end_rdma(s, "bad_offer" if "bad offer" in str(e) else "rdma_failed", str(e))
 
@@ -258,7 +265,8 @@ class BridgeOut:
                     self.stats["sent"] += 1
                     self._end_rdma(s, None)
                 elif now > s.deadline:
-                    self._end_rdma(s, "rdma_timeout", f"no completion within {self.timeout_s * 4:g} s")
+                    bound = transfer_bound(self.timeout_s, s.size)
+                    self._end_rdma(s, "rdma_timeout", f"no offer or no completion within {bound:g} s")
             except RdmaError as e:
                 self._end_rdma(s, "rdma_failed", str(e))
 
@@ -596,10 +604,10 @@ class BridgeIn:
 
     def _quarantine(self, p: dict[str, Any]) -> None:
         """A NIXL destination dropped without the sender's word: deregistered now, reused only
-        twice the link timeout after its offer, when every WRITE into it has ended (R4.3, R4.4):
+        2T (twice the transfer bound) after its offer, when every WRITE into it has ended (R4.3, R4.4):
         neither deregistering nor closing our agent stops a peer's write on every UCX transport."""
         self.pool.deregister(p["buf"])
-        self.quarantined.append((p["offered_at"] + 2 * self.timeout_s, p["buf"]))
+        self.quarantined.append((p["offered_at"] + 2 * transfer_bound(self.timeout_s, p["handle"].size), p["buf"]))
 
     def _release_quarantined(self, now: float) -> None:
         while self.quarantined and self.quarantined[0][0] <= now:

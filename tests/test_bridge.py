@@ -366,3 +366,10 @@ def test_a_bridge_without_nixl_still_links_over_zmq(two_brokers, side):
     rdma = {"out": (["--rdma"], []), "in": ([], ["--rdma"])}[side]
     out_err, in_err = _bridged_pair(a, b, f"tcp://127.0.0.1:{free_port()}", *rdma, n=3)
     assert '"data_plane": "zmq"' in out_err and '"data_plane": "zmq"' in in_err, (out_err[-800:], in_err[-800:])
+
+
+def test_transfer_bound_is_a_link_timeout_per_started_64_mib():
+    from hurray_ipc.broker.bridge import transfer_bound
+
+    mib = 1 << 20
+    assert [transfer_bound(3.0, n) for n in (0, 1, 64 * mib, 64 * mib + 1, 1 << 30)] == [3.0, 3.0, 3.0, 6.0, 48.0]
