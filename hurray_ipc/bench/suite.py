@@ -586,6 +586,14 @@ def targets(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if ratios:
             add(f"{large} B handoff p50 within 1.2x of {small} B", round(statistics.median(ratios), 2),
                 lambda v: v <= 1.2)
+    mbps: Callable[[dict[str, Any]], float] = lambda r: r["MBps"]  # noqa: E731
+    tcp, nixl = "raw pyzmq PUSH/PULL over TCP (plaintext)", "raw NIXL WRITE (UCX)"
+    for size in sorted({r["size"] for r in raw if r["name"] == tcp and "skipped" not in r}):
+        add(f"bridge over zmq >= 0.8x raw pyzmq TCP ({size} B, plaintext)",
+            _side_by_side(raw, "bridge, TCP (plaintext)", size, tcp, mbps), lambda v: v >= 0.8)
+        add(f"bridge over NIXL >= 0.8x raw NIXL ({size} B)",
+            _side_by_side(raw, "bridge, NIXL data plane, control over TCP (CurveZMQ)", size, nixl, mbps),
+            lambda v: v >= 0.8)
     for r in raw:
         if r["name"].startswith("host-staged") and "ratio" in r:
             add(f"host-staged copy >= 0.8x memcpy ({r['size']} B)", r["ratio"], lambda v: v >= 0.8)
