@@ -70,6 +70,7 @@ MAX_TENSOR = 1 << 40
 WINDOW = 2  # transfers a receiver grants ahead
 MAX_IN_FLIGHT = 4  # transfers a sender has queued and not yet released (bounds the handoffs it holds)
 PLANES = ("nixl", "zmq")  # data planes, in this bridge's order of preference (interchange.md R1)
+SENDER_ENDED = ("rdma_failed", "rdma_timeout", "link_lost")  # a sender's REJECTs that end a transfer (R4.6)
 
 
 def transfer_bound(timeout_s: float, total_bytes: int) -> float:
@@ -192,8 +193,8 @@ class BridgeOut:
             offered = msg.header.get("data_planes", ["zmq"])
             if not isinstance(offered, list) or not all(isinstance(x, str) for x in offered):
                 offered = ["zmq"]
+            self._forget_peer(rid)  # first: it may drop the NIXL plane (R4.5)
             plane = next((x for x in offered if x in self.planes), "zmq")
-            self._forget_peer(rid)
             self.peers[rid] = {"credits": 0, "seen": now, "plane": plane}
             log.info(json.dumps({"event": "linked", "data_plane": plane, "offered": offered[:8]}))
             self._reply(rid, Message("LINK_WELCOME", {"protocol": INTERCHANGE_VERSION, "data_plane": plane}))
@@ -210,7 +211,8 @@ class BridgeOut:
             self.stats["rejected"] += 1
             detail = {k: msg.header.get(k) for k in ("transfer_id", "reason", "message")}
             log.warning(json.dumps({"event": "peer_rejected", **detail}))
-            s = self.rdma.get((rid, msg.header.get("transfer_id")))  # type: ignore[arg-type]
+            tid = msg.header.get("transfer_id")
+            s = self.rdma.get((rid, tid)) if type(tid) is int else None
             if s is not None:
                 self._end_rdma(s, None)  # the receiver gave up on it: NIXL must let go first
         elif msg.verb == "RDMA_REGISTER":
@@ -238,7 +240,10 @@ class BridgeOut:
         """RDMA_REGISTER: register the source (its writes retired: the sending bridge is a CPU
         consumer, its buffers arrive PRODUCER_SYNCED or host-staged) and post the WRITE."""
         tid = msg.header.get("transfer_id")
-        s = self.rdma.get((rid, tid))  # type: ignore[arg-type]
+        s = self.rdma.get((rid, tid)) if type(tid) is int else None
+        if s is not None and s.xfer is None and self.engine is None:  # the NIXL plane was dropped (R4.5)
+            self._end_rdma(s, "rdma_failed", "this bridge closed its NIXL agent")
+            return
         if s is None or s.xfer is not None or self.engine is None:
             self._reply(rid, Message("REJECT", {"transfer_id": tid, "reason": "unexpected",
                                                 "message": "no transfer of this link waits for RDMA_REGISTER"}))
@@ -287,11 +292,15 @@ class BridgeOut:
                 self.stats["aborted"] += 1
                 log.warning(json.dumps({"event": "transfer_aborted", "transfer_id": s.tid, "reason": reason,
                                         "error": message}))
-        if reason is not None:
-            self._reply(s.rid, Message("REJECT", {"transfer_id": s.tid, "reason": reason, "message": message}))
-        if s.reg is not None and self.engine is not None:
-            self.engine.release(s.reg)
-        s.h.release()
+        try:
+            if reason is not None:
+                self._reply(s.rid, Message("REJECT", {"transfer_id": s.tid, "reason": reason, "message": message}))
+            if s.reg is not None and self.engine is not None:
+                self.engine.release(s.reg)
+        except RdmaError as e:
+            log.warning(json.dumps({"event": "rdma_release_failed", "transfer_id": s.tid, "error": str(e)}))
+        finally:
+            s.h.release()
 
     def _give_up_rdma(self, stuck: RdmaSend) -> None:
         """R4.5: NIXL could not cancel a WRITE. Close the agent (its sources are released only
@@ -306,8 +315,9 @@ class BridgeOut:
             except RdmaError as e:
                 log.warning(json.dumps({"event": "rdma_close_failed", "error": str(e)}))
         for s in [stuck, *others]:
-            self._reply(s.rid, Message("REJECT", {"transfer_id": s.tid, "reason": "rdma_failed",
-                                                  "message": "the sender closed its NIXL agent"}))
+            # No REJECT: it would tell the receiver that nothing writes its destination any more,
+            # and a closed agent is no fence (R4.4). The receiver supersedes or times out the
+            # partial transfer instead, which quarantines the destination.
             s.h.release()
         self.peers.clear()
         log.warning(json.dumps({"event": "rdma_plane_dropped", "data_planes": list(self.planes)}))
@@ -390,9 +400,13 @@ class BridgeOut:
                 if self.sock.poll(20):
                     while True:
                         try:
-                            self._handle(self.sock.recv_multipart(zmq.NOBLOCK))
+                            parts = self.sock.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
+                        try:
+                            self._handle(parts)
+                        except Exception:  # noqa: BLE001 - one peer's message must not end the bridge
+                            log.exception("handling a link message failed; the bridge goes on")
                 now = time.monotonic()
                 for rid in [r for r, p in self.peers.items() if now - p["seen"] > self.timeout_s]:
                     del self.peers[rid]
@@ -607,7 +621,9 @@ class BridgeIn:
         2T (twice the transfer bound) after its offer, when every WRITE into it has ended (R4.3, R4.4):
         neither deregistering nor closing our agent stops a peer's write on every UCX transport."""
         self.pool.deregister(p["buf"])
-        self.quarantined.append((p["offered_at"] + 2 * transfer_bound(self.timeout_s, p["handle"].size), p["buf"]))
+        # 2T, plus a link timeout for the offer's way to the sender (it counts T from reading it)
+        until = p["offered_at"] + 2 * transfer_bound(self.timeout_s, p["handle"].size) + self.timeout_s
+        self.quarantined.append((until, p["buf"]))
 
     def _release_quarantined(self, now: float) -> None:
         while self.quarantined and self.quarantined[0][0] <= now:
@@ -618,7 +634,7 @@ class BridgeIn:
         ``sender_let_go``: the sender said it ended the transfer (its NIXL no longer writes)."""
         if self.partial is not None:
             p, self.partial = self.partial, None
-            if p.get("reg") is not None and not sender_let_go:
+            if "offered_at" in p and not sender_let_go:
                 self._quarantine(p)
             else:
                 self.pool.give(p["buf"])
@@ -648,11 +664,15 @@ class BridgeIn:
             self._send("CREDIT", {"n": WINDOW})
         elif msg.verb == "REJECT":
             p = self.partial
-            if p is not None and h.get("transfer_id") == p["tid"]:
-                # The sender ended this transfer (rdma_failed / rdma_timeout): its NIXL request is
-                # released, so the destination may go; the credit comes back.
-                self._discard(f"the sender rejected it: {h.get('reason')}", sender_let_go=True)
-                self._send("CREDIT", {"n": 1})
+            if "transfer_id" in h:
+                if p is not None and h.get("transfer_id") == p["tid"] and h.get("reason") in SENDER_ENDED:
+                    # The sender ended this transfer: its NIXL request is released (R4.1), so the
+                    # destination may go at once (R4.6); the credit comes back.
+                    self._discard(f"the sender rejected it: {h.get('reason')}", sender_let_go=True)
+                    self._send("CREDIT", {"n": 1})
+                else:
+                    log.warning(json.dumps({"event": "peer_rejected", "transfer_id": str(h.get("transfer_id"))[:32],
+                                            "reason": str(h.get("reason"))[:64]}))
                 return
             self.linked = False  # the sender does not know us (restarted): say hello again
             self.last_hello = 0.0
@@ -773,9 +793,13 @@ class BridgeIn:
                     while True:
                         try:
                             # copy=False: each data chunk is copied once, socket to shared memory
-                            self._handle(self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
+                        try:
+                            self._handle(frames)
+                        except Exception:  # noqa: BLE001 - one bad message must not end the bridge
+                            log.exception("handling a link message failed; the bridge goes on")
         finally:
             self.close()
 
@@ -784,9 +808,10 @@ class BridgeIn:
             self.running = False
             self._discard("closing")
             self.producer.close()  # held buffers come back to the pool (or are freed) first
-            if self.quarantined:  # a peer's WRITE may still land in them: wait out their bound (R4.4)
-                time.sleep(max(0.0, self.quarantined[-1][0] - time.monotonic()))
-                self._release_quarantined(time.monotonic())
+            self._release_quarantined(time.monotonic())
+            if self.quarantined:  # a peer's WRITE may still land in them (R4.4): never freed, left to exit
+                log.warning(json.dumps({"event": "quarantined_at_close", "buffers": len(self.quarantined)}))
+                self.quarantined.clear()
             self.pool.close()
             if self.engine is not None:
                 self.engine.close()

@@ -393,3 +393,25 @@ def test_array_meta_vectors(case):
     with pytest.raises(ProtocolError) as e:
         check_meta(case["meta"], case["size"])
     assert (e.value.code, e.value.extra.get("field")) == (case["code"], case["field"])
+
+
+def test_a_waker_whose_loop_closed_does_not_stop_the_pump_thread(pair):
+    """areceive's waker calls call_soon_threadsafe, which raises once its loop closed; the pump
+    thread must go on (heartbeats, deferred releases) instead of dying with it."""
+    _, c = pair
+    called = threading.Event()
+
+    def closed_loop_waker() -> None:
+        called.set()
+        raise RuntimeError("Event loop is closed")
+
+    c.session.wakers.append(closed_loop_waker)
+    try:
+        assert called.wait(10), "the pump thread received nothing (PONGs come every heartbeat)"
+        c.session.wakers.remove(closed_loop_waker)
+        called.clear()
+        c.session.wakers.append(called.set)
+        assert called.wait(10) and c.session._bg.is_alive(), "the pump thread died"
+    finally:
+        if called.set in c.session.wakers:
+            c.session.wakers.remove(called.set)

@@ -373,3 +373,36 @@ def test_transfer_bound_is_a_link_timeout_per_started_64_mib():
 
     mib = 1 << 20
     assert [transfer_bound(3.0, n) for n in (0, 1, 64 * mib, 64 * mib + 1, 1 << 30)] == [3.0, 3.0, 3.0, 6.0, 48.0]
+
+
+def test_a_malformed_transfer_id_does_not_end_the_sending_bridge(two_brokers):
+    a, _ = two_brokers
+    url = f"tcp://127.0.0.1:{free_port()}"
+    out = bridge("out", "--channel", "m", "--endpoint", a.endpoint, "--listen", url, "--insecure")
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(url)
+
+    def say(verb, header, *frames):
+        s.send_multipart([verb.encode(), json.dumps(header).encode(), *frames])
+
+    def expect(verb):
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if s.poll(100):
+                parts = s.recv_multipart()
+                if parts[0] == verb.encode():
+                    return json.loads(parts[1])
+        raise AssertionError(f"no {verb}")
+
+    try:
+        say("LINK_HELLO", {"protocol": 1, "channel": "m"})
+        expect("LINK_WELCOME")
+        say("REJECT", {"transfer_id": [1], "reason": "x", "message": "x"})
+        say("RDMA_REGISTER", {"transfer_id": {"a": 1}}, b"metadata")
+        say("LINK_PING", {})
+        expect("LINK_PONG")  # still serving
+        assert out.poll() is None
+    finally:
+        s.close()
+        stop(out)

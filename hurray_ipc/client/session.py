@@ -289,7 +289,10 @@ class Session:
                 run_callbacks(callbacks)
                 if received != self.messages_received:
                     for wake in list(self.wakers):
-                        wake()
+                        try:
+                            wake()
+                        except RuntimeError:  # its event loop closed meanwhile: nobody waits there
+                            pass
             time.sleep(idle)
 
     def close(self) -> None:
