@@ -174,7 +174,7 @@ class BridgeOut:
             self.sock.send_multipart([rid, *msg.encode()])
         except zmq.ZMQError as e:
             log.warning(json.dumps({"event": "peer_unreachable", "error": str(e)}))
-            self.peers.pop(rid, None)
+            self._drop_peer(rid)
 
     def _handle(self, parts: list[bytes]) -> None:
         rid = parts[0]
@@ -254,6 +254,9 @@ class BridgeOut:
             s.reg = self.engine.register(s.h.buffer.ptr, s.size, "DRAM", owner=s.h.buffer)
             s.xfer = self.engine.write(s.reg, offer, notif=str(tid).encode())
             s.deadline = time.monotonic() + transfer_bound(self.timeout_s, s.size)  # R4.1
+            peer = self.peers.get(rid)
+            if peer is not None:
+                peer.setdefault("agents", set()).add(s.xfer.peer)
         except RdmaError as e:
             self._end_rdma(s, "bad_offer" if "bad offer" in str(e) else "rdma_failed", str(e))
 
@@ -322,17 +325,26 @@ class BridgeOut:
         self.peers.clear()
         log.warning(json.dumps({"event": "rdma_plane_dropped", "data_planes": list(self.planes)}))
 
-    def _forget_peer(self, rid: bytes) -> None:
-        """A peer gone or linking again: end its NIXL transfers (each released once) and forget its
-        agent (a restarted receiver comes back under a new name, R4.4)."""
+    def _drop_peer(self, rid: bytes) -> None:
+        """A peer gone (silent, unreachable, its transfer aborted): forget it and its NIXL agents.
+        Popped first, so a REJECT that fails on the way cannot come back here."""
+        peer = self.peers.pop(rid, None)
+        if peer is not None:
+            self._forget_peer(rid, peer)
+
+    def _forget_peer(self, rid: bytes, peer: dict[str, Any] | None = None) -> None:
+        """A peer gone or linking again: end its NIXL transfers (each released once) and forget every
+        agent it offered from (a restarted receiver comes back under a new name, R4.7)."""
+        peer = peer if peer is not None else self.peers.get(rid, {})
         gone = [s for s in self.rdma.values() if s.rid == rid]
-        agents = {s.xfer.peer for s in gone if s.xfer is not None}
+        agents = {s.xfer.peer for s in gone if s.xfer is not None} | set(peer.get("agents", ()))
         for s in gone:
             self._end_rdma(s, "link_lost", "the link was lost or set up again")
         for agent in agents:
             if self.engine is not None:
                 try:
                     self.engine.forget(agent)
+                    log.info(json.dumps({"event": "rdma_peer_forgotten", "agent": agent}))
                 except RdmaError as e:
                     log.warning(json.dumps({"event": "rdma_forget_failed", "agent": agent, "error": str(e)}))
 
@@ -369,7 +381,7 @@ class BridgeOut:
 
     def _abort(self, rid: bytes, tid: int, e: Exception) -> None:
         self.stats["aborted"] += 1
-        self.peers.pop(rid, None)
+        self._drop_peer(rid)
         log.warning(json.dumps({"event": "transfer_aborted", "transfer_id": tid, "error": str(e)}))
 
     def _reap(self, block: bool = False) -> None:
@@ -409,8 +421,7 @@ class BridgeOut:
                             log.exception("handling a link message failed; the bridge goes on")
                 now = time.monotonic()
                 for rid in [r for r, p in self.peers.items() if now - p["seen"] > self.timeout_s]:
-                    del self.peers[rid]
-                    self._forget_peer(rid)
+                    self._drop_peer(rid)
                 if self.rdma:
                     self._poll_rdma()
                 if self.peers and self.consumer is None:
