@@ -219,15 +219,20 @@ class BridgeOut:
             peer["seen"] = now
             self._post_rdma(rid, msg)
 
+    def _describe(self, rid: bytes, tid: int, h: Any) -> BufferHandle:
+        """Send a transfer's TENSOR_DESCRIPTOR (both data planes); its checked handle."""
+        handle = check_network_handle(h.handle)  # a CPU consumer only ever gets 0x00; check anyway
+        self.sock.send_multipart([rid, *Message("TENSOR_DESCRIPTOR", {"transfer_id": tid, "meta": h.meta,
+                                                                      "total_bytes": handle.size},
+                                                {"handle": handle.encode()}).encode()])
+        return handle
+
     def _transfer_rdma(self, rid: bytes, h: Any) -> None:
         """The NIXL plane: send the descriptor; the WRITE is posted when the receiver's RDMA_REGISTER
         arrives (:meth:`_post_rdma`), and TENSOR_DATA_END follows its observed completion."""
         tid = next(self.ids)
         try:
-            handle = check_network_handle(h.handle)
-            self.sock.send_multipart([rid, *Message("TENSOR_DESCRIPTOR", {"transfer_id": tid, "meta": h.meta,
-                                                                          "total_bytes": handle.size},
-                                                    {"handle": handle.encode()}).encode()])
+            handle = self._describe(rid, tid, h)
         except (zmq.ZMQError, HandleError) as e:
             self._abort(rid, tid, e)
             h.release()
@@ -354,11 +359,8 @@ class BridgeOut:
         tid = next(self.ids)
         trackers: list[zmq.MessageTracker] = []
         try:
-            handle = check_network_handle(h.handle)  # a CPU consumer only ever gets 0x00; check anyway
             view = h.buffer.host_view()
-            self.sock.send_multipart([rid, *Message("TENSOR_DESCRIPTOR", {"transfer_id": tid, "meta": h.meta,
-                                                                          "total_bytes": handle.size},
-                                                    {"handle": handle.encode()}).encode()])
+            handle = self._describe(rid, tid, h)
             for off in range(0, handle.size, self.chunk):
                 head = [b"TENSOR_DATA", json.dumps({"transfer_id": tid, "byte_offset_in_buffer": off}).encode()]
                 # copy=False: the chunk goes from the mapped buffer to the socket without a copy;

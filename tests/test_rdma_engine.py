@@ -11,6 +11,7 @@ import hashlib
 import os
 import signal
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -47,11 +48,12 @@ def pair():
         yield tx, rx
 
 
-@pytest.fixture
-def remote(request):
-    """A receiver process of ``request.param`` bytes: (offer message, out queue, cmd queue, process)."""
+@contextmanager
+def receiver_process(size: int):
+    """A receiver process of ``size`` bytes: (offer message, out queue, cmd queue, process); ended
+    (woken if stopped, told to exit, killed if it does not) on leaving."""
     out, cmd = SPAWN.Queue(), SPAWN.Queue()
-    p = SPAWN.Process(target=receiver, args=(request.param, out, cmd), daemon=True)
+    p = SPAWN.Process(target=receiver, args=(size, out, cmd), daemon=True)
     p.start()
     try:
         yield get(out), out, cmd, p
@@ -63,6 +65,13 @@ def remote(request):
         if p.is_alive():
             p.kill()
             p.join(timeout=5)
+
+
+@pytest.fixture
+def remote(request):
+    """A receiver process of ``request.param`` bytes (see receiver_process)."""
+    with receiver_process(request.param) as r:
+        yield r
 
 
 def test_available_and_info():
@@ -241,19 +250,8 @@ def tcp_remote(monkeypatch):
     shared memory, a TCP write needs the receiver's process to progress, so stopping it holds the
     transfer in flight for as long as the test wants."""
     monkeypatch.setenv("UCX_TLS", "tcp")
-    out, cmd = SPAWN.Queue(), SPAWN.Queue()
-    p = SPAWN.Process(target=receiver, args=(64 * MiB, out, cmd), daemon=True)
-    p.start()
-    try:
-        yield get(out), out, cmd, p
-    finally:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGCONT)
-            cmd.put("exit")
-            p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5)
+    with receiver_process(64 * MiB) as r:
+        yield r
 
 
 def test_transfer_timeout_is_an_error(tcp_remote):
