@@ -15,12 +15,14 @@ producer on its local broker: it reassembles TENSOR_DATA frames straight into on
 buffer (a buffer never has to fit in memory twice), never hands it on before TENSOR_DATA_END, and
 hands it on as SYNC_PRODUCER_SYNCED (copied to its GPU first with ``--device cuda:N``).
 
-Flow control is by credit: the receiver grants one transfer per CREDIT{n: 1} (WINDOW ahead at
-link set-up), and sends the next CREDIT once a buffer was handed to a local consumer. The sender
-queues a transfer's frames and goes on to the next without waiting for the socket to drain (at
-most MAX_IN_FLIGHT queued, each released once ZeroMQ is done with its zero-copy frames), so the
-link does not idle between transfers. Within a transfer, TCP backpressure and a bounded send
-queue (HWM) bound memory. Traffic is CurveZMQ-authenticated and
+Flow control is by credit: the receiver grants one transfer per CREDIT{n: 1} (its window, WINDOW
+by default, at link set-up), and sends the next CREDIT once a buffer was handed to a local
+consumer. It holds up to its window of partial transfers, each in its own buffer, and hands them
+on in descriptor order. The sender queues a transfer's frames and goes on to the next without
+waiting for the socket to drain (at most MAX_IN_FLIGHT queued, each released once ZeroMQ is done
+with its zero-copy frames), so the link does not idle between transfers; on the NIXL plane it keeps
+up to the receiver's window of WRITEs in flight. Within a transfer, TCP backpressure and a bounded
+send queue (HWM) bound memory. Traffic is CurveZMQ-authenticated and
 encrypted; plaintext needs ``--insecure``.
 """
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import collections
 import itertools
 import json
 import logging
@@ -67,7 +70,8 @@ INTERCHANGE_VERSION = 1
 CHUNK = 1 << 20
 SEND_HWM = 16  # chunks queued per peer: with CHUNK, at most 16 MiB in flight per transfer
 MAX_TENSOR = 1 << 40
-WINDOW = 2  # transfers a receiver grants ahead
+WINDOW = 4  # transfers a receiver grants ahead and holds unended at once (LINK_HELLO "window")
+MAX_WINDOW = 64
 MAX_IN_FLIGHT = 4  # transfers a sender has queued and not yet released (bounds the handoffs it holds)
 PLANES = ("nixl", "zmq")  # data planes, in this bridge's order of preference (interchange.md R1)
 SENDER_ENDED = ("rdma_failed", "rdma_timeout", "link_lost")  # a sender's REJECTs that end a transfer (R4.6)
@@ -193,10 +197,13 @@ class BridgeOut:
             offered = msg.header.get("data_planes", ["zmq"])
             if not isinstance(offered, list) or not all(isinstance(x, str) for x in offered):
                 offered = ["zmq"]
+            window = msg.header.get("window", 1)  # absent: a receiver holding one transfer at a time
+            if type(window) is not int or not 1 <= window <= MAX_WINDOW:
+                window = 1
             self._forget_peer(rid)  # first: it may drop the NIXL plane (R4.5)
             plane = next((x for x in offered if x in self.planes), "zmq")
-            self.peers[rid] = {"credits": 0, "seen": now, "plane": plane}
-            log.info(json.dumps({"event": "linked", "data_plane": plane, "offered": offered[:8]}))
+            self.peers[rid] = {"credits": 0, "seen": now, "plane": plane, "window": window}
+            log.info(json.dumps({"event": "linked", "data_plane": plane, "offered": offered[:8], "window": window}))
             self._reply(rid, Message("LINK_WELCOME", {"protocol": INTERCHANGE_VERSION, "data_plane": plane}))
         elif peer is None:
             self._reply(rid, Message("REJECT", {"reason": "not_linked", "message": "send LINK_HELLO first"}))
@@ -435,10 +442,11 @@ class BridgeOut:
                     self.consumer.close()
                     self.consumer = None
                 self._reap()
-                # On the NIXL plane one transfer at a time per peer: its receiver holds one partial
-                # transfer (a new descriptor supersedes it, interchange.md §3 receiver rule 4).
-                busy = {s.rid for s in self.rdma.values()}
-                ready = [r for r, p in self.peers.items() if p["credits"] > 0 and r not in busy]
+                # On the NIXL plane at most the receiver's window of unended transfers per peer: one more
+                # would supersede its oldest (interchange.md §3 receiver rule 4). On the zmq plane the
+                # frames of one transfer all precede the next descriptor, so one is unended at a time.
+                unended = collections.Counter(s.rid for s in self.rdma.values())
+                ready = [r for r, p in self.peers.items() if p["credits"] > 0 and unended[r] < p["window"]]
                 if not ready or self.consumer is None or len(self.in_flight) + len(self.rdma) >= MAX_IN_FLIGHT:
                     continue
                 try:
@@ -596,8 +604,11 @@ class BridgeIn:
     """Host B: receives transfers and hands each, once complete, to local consumers of ``channel``."""
 
     def __init__(self, channel: str, connect: str, *, endpoint: str | None = None, curve: Curve | None = None,
-                 device: str = "cpu", timeout_s: float = 3.0, max_bytes: int = MAX_TENSOR, rdma: bool = False):
-        self.channel, self.timeout_s, self.max_bytes = channel, timeout_s, max_bytes
+                 device: str = "cpu", timeout_s: float = 3.0, max_bytes: int = MAX_TENSOR, rdma: bool = False,
+                 window: int = WINDOW):
+        if not 1 <= window <= MAX_WINDOW:
+            raise ValueError(f"window {window} is outside 1-{MAX_WINDOW}")
+        self.channel, self.timeout_s, self.max_bytes, self.window = channel, timeout_s, max_bytes, window
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         if curve is not None:
@@ -608,7 +619,8 @@ class BridgeIn:
         self.cpu = open_device("cpu")
         self.producer = Producer(endpoint, channel, device, name=f"bridge-in:{channel}")
         self.gpu = self.producer.gpu
-        self.partial: dict[str, Any] | None = None
+        # transfer_id -> partial transfer, in descriptor order; at most ``window`` (interchange.md §3 receiver 4)
+        self.partials: dict[int, dict[str, Any]] = {}
         self.linked = False
         self.last_rx = 0.0
         self.last_hello = 0.0
@@ -616,7 +628,7 @@ class BridgeIn:
         self.engine = open_engine(rdma, "in", channel)
         self.planes = PLANES if self.engine is not None else ("zmq",)
         self.plane = "zmq"
-        self.pool = DestinationPool(self.cpu)
+        self.pool = DestinationPool(self.cpu, keep=window + 1)
         self.quarantined: deque[tuple[float, Any]] = deque()  # (reusable from, buffer), oldest first
         self.running = False
 
@@ -642,19 +654,32 @@ class BridgeIn:
         while self.quarantined and self.quarantined[0][0] <= now:
             self.pool.give(self.quarantined.popleft()[1])
 
-    def _discard(self, why: str, reject: str | None = None, sender_let_go: bool = False) -> None:
-        """Drop the partial transfer; with ``reject``, also tell the sender (REJECT + its credit).
+    def _discard(self, p: dict[str, Any], why: str, reject: str | None = None, sender_let_go: bool = False) -> None:
+        """Drop partial transfer ``p``; with ``reject``, also tell the sender (REJECT + its credit).
         ``sender_let_go``: the sender said it ended the transfer (its NIXL no longer writes)."""
-        if self.partial is not None:
-            p, self.partial = self.partial, None
-            if "offered_at" in p and not sender_let_go:
-                self._quarantine(p)
-            else:
-                self.pool.give(p["buf"])
-            self.stats["discarded"] += 1
-            log.warning(json.dumps({"event": "partial_discarded", "transfer_id": p["tid"], "why": why}))
-            if reject is not None:
-                self._reject(p["tid"], reject, why)
+        if self.partials.pop(p["tid"], None) is None:
+            return
+        if "offered_at" in p and not sender_let_go:
+            self._quarantine(p)
+        else:
+            self.pool.give(p["buf"])
+        self.stats["discarded"] += 1
+        log.warning(json.dumps({"event": "partial_discarded", "transfer_id": p["tid"], "why": why}))
+        if reject is not None:
+            self._reject(p["tid"], reject, why)
+
+    def _discard_unended(self, why: str) -> None:
+        """Drop every transfer still waiting for its TENSOR_DATA_END, without a message (the link is
+        gone or new); those that ended are handed on, in order."""
+        for p in [p for p in self.partials.values() if not p.get("ended")]:
+            self._discard(p, why)
+        self._hand_on()
+
+    def _held(self, h: dict[str, Any]) -> dict[str, Any] | None:
+        """The unended partial transfer ``h["transfer_id"]`` names, if any."""
+        tid = h.get("transfer_id")
+        p = self.partials.get(tid) if type(tid) is int else None
+        return None if p is None or p.get("ended") else p
 
     def _handle(self, parts: list[zmq.Frame]) -> None:
         try:
@@ -670,19 +695,22 @@ class BridgeIn:
                 log.warning(json.dumps({"event": "bad_data_plane", "data_plane": str(plane)[:32]}))
                 self.last_hello = 0.0  # a plane we did not offer: say hello again
                 return
+            # A new link: the sender knows none of our unended transfers (its ids may start again).
+            self._discard_unended("the link was set up again")
             self.plane = plane
-            log.info(json.dumps({"event": "linked", "data_plane": plane}))
+            log.info(json.dumps({"event": "linked", "data_plane": plane, "window": self.window}))
             self.linked = True
-            # Two in flight: the next transfer streams while this one is handed on locally.
-            self._send("CREDIT", {"n": WINDOW})
+            # ``window`` ahead: the next transfers stream while one is handed on locally.
+            self._send("CREDIT", {"n": self.window})
         elif msg.verb == "REJECT":
-            p = self.partial
             if "transfer_id" in h:
-                if p is not None and h.get("transfer_id") == p["tid"] and h.get("reason") in SENDER_ENDED:
+                p = self._held(h)
+                if p is not None and h.get("reason") in SENDER_ENDED:
                     # The sender ended this transfer: its NIXL request is released (R4.1), so the
                     # destination may go at once (R4.6); the credit comes back.
-                    self._discard(f"the sender rejected it: {h.get('reason')}", sender_let_go=True)
+                    self._discard(p, f"the sender rejected it: {h.get('reason')}", sender_let_go=True)
                     self._send("CREDIT", {"n": 1})
+                    self._hand_on()
                 else:
                     log.warning(json.dumps({"event": "peer_rejected", "transfer_id": str(h.get("transfer_id"))[:32],
                                             "reason": str(h.get("reason"))[:64]}))
@@ -690,57 +718,86 @@ class BridgeIn:
             self.linked = False  # the sender does not know us (restarted): say hello again
             self.last_hello = 0.0
         elif msg.verb == "TENSOR_DESCRIPTOR":
-            self._discard("a new descriptor arrived before TENSOR_DATA_END", reject="superseded")
-            tid = h.get("transfer_id")
-            try:
-                handle = check_network_handle(BufferHandle.decode(msg.frames["handle"]))
-            except HandleError as e:
-                return self._reject(tid, e.reason, str(e))
-            if h.get("total_bytes") != handle.size:
-                return self._reject(tid, "size_mismatch", f"total_bytes {h.get('total_bytes')!r} is not the "
-                                    f"handle's size {handle.size}")
-            if handle.size > self.max_bytes:
-                return self._reject(tid, "too_large", f"{handle.size} bytes exceed this receiver's {self.max_bytes}")
-            meta = h.get("meta") or None
-            try:
-                check_meta(meta, handle.size)
-            except ProtocolError as e:
-                return self._reject(tid, "bad_meta", str(e))
-            self.partial = {"tid": tid, "handle": handle, "meta": meta or {}, "covered": Coverage(handle.size),
-                            "buf": self.pool.take(handle.size)}
-            if self.plane == "nixl" and handle.size > 0:
-                self._offer(self.partial)
+            self._describe(h, msg.frames["handle"])
+            self._hand_on()  # a superseded transfer may have been the one the others waited for
         elif msg.verb == "RDMA_READY":
-            p = self.partial
-            if p is None or h.get("transfer_id") != p["tid"]:
+            p = self._held(h)
+            if p is None:
                 return
             off, n = h.get("byte_offset_in_buffer"), h.get("length")
             ok = type(off) is int and type(n) is int and n > 0  # JSON integers, not booleans
             if p.get("reg") is None or not ok or not p["covered"].add(off, n):
-                return self._discard(f"RDMA_READY {off!r}+{n!r} is outside the buffer, overlaps, or is for a "
-                                     "transfer without an offer", reject="bad_offset")
+                self._discard(p, f"RDMA_READY {off!r}+{n!r} is outside the buffer, overlaps, or is for a "
+                              "transfer without an offer", reject="bad_offset")
+                self._hand_on()
         elif msg.verb == "TENSOR_DATA":
-            p = self.partial
-            if p is None or h.get("transfer_id") != p["tid"]:
+            p = self._held(h)
+            if p is None:
                 return  # data of a transfer we discarded or refused
             off, data = h.get("byte_offset_in_buffer"), msg.frames["data"]
             if not isinstance(off, int) or isinstance(off, bool) or not p["covered"].add(off, len(data)):
-                return self._discard(f"TENSOR_DATA at {off!r}+{len(data)} is outside the buffer or overlaps bytes "
-                                     "already received", reject="bad_offset")
+                self._discard(p, f"TENSOR_DATA at {off!r}+{len(data)} is outside the buffer or overlaps bytes "
+                              "already received", reject="bad_offset")
+                self._hand_on()
+                return
             p["buf"].host_view()[off:off + len(data)] = data
         elif msg.verb == "TENSOR_DATA_END":
-            p = self.partial
-            if p is None or h.get("transfer_id") != p["tid"]:
+            p = self._held(h)
+            if p is None:
                 return
             size = p["handle"].size
             if h.get("total_bytes") != size:
-                return self._discard(f"TENSOR_DATA_END total_bytes {h.get('total_bytes')!r} is not the "
-                                     f"descriptor's {size}", reject="size_mismatch")
-            if not p["covered"].complete:
-                return self._discard(f"bytes {p['covered'].first_gap()} never arrived (got {p['covered'].bytes} "
-                                     f"of {size})", reject="incomplete")
-            self.partial = None
-            self._deliver(p)  # the sender observed its writes complete (R3.5); the registration stays
+                self._discard(p, f"TENSOR_DATA_END total_bytes {h.get('total_bytes')!r} is not the "
+                              f"descriptor's {size}", reject="size_mismatch")
+            elif not p["covered"].complete:
+                self._discard(p, f"bytes {p['covered'].first_gap()} never arrived (got {p['covered'].bytes} "
+                              f"of {size})", reject="incomplete")
+            else:
+                p["ended"] = True  # the sender observed its writes complete (R3.5); the registration stays
+            self._hand_on()
+
+    def _describe(self, h: dict[str, Any], raw_handle: Any) -> None:
+        """A TENSOR_DESCRIPTOR: supersede what it displaces (§3 receiver rule 4), check it (rule 1),
+        and hold it as a new partial transfer (on the NIXL plane: offer its destination)."""
+        tid = h.get("transfer_id")
+        if type(tid) is not int:
+            return self._reject(tid, "bad_transfer_id", f"transfer_id {str(tid)[:32]!r} is not an integer")
+        same = self.partials.get(tid)
+        if same is not None:
+            self._discard(same, f"a new descriptor with its transfer_id {tid} arrived", reject="superseded")
+        elif len(self.partials) >= self.window:
+            # The oldest: it is unended (ended ones ahead of every unended one were handed on).
+            self._discard(next(iter(self.partials.values())),
+                          f"a new descriptor arrived while {self.window} transfers were held (window)",
+                          reject="superseded")
+        try:
+            handle = check_network_handle(BufferHandle.decode(raw_handle))
+        except HandleError as e:
+            return self._reject(tid, e.reason, str(e))
+        if h.get("total_bytes") != handle.size:
+            return self._reject(tid, "size_mismatch", f"total_bytes {h.get('total_bytes')!r} is not the "
+                                f"handle's size {handle.size}")
+        if handle.size > self.max_bytes:
+            return self._reject(tid, "too_large", f"{handle.size} bytes exceed this receiver's {self.max_bytes}")
+        meta = h.get("meta") or None
+        try:
+            check_meta(meta, handle.size)
+        except ProtocolError as e:
+            return self._reject(tid, "bad_meta", str(e))
+        p = {"tid": tid, "handle": handle, "meta": meta or {}, "covered": Coverage(handle.size),
+             "buf": self.pool.take(handle.size)}
+        self.partials[tid] = p
+        if self.plane == "nixl" and handle.size > 0:
+            self._offer(p)
+
+    def _hand_on(self) -> None:
+        """Hand on every ended transfer no earlier transfer still waits before: in descriptor order."""
+        while self.partials:
+            p = next(iter(self.partials.values()))
+            if not p.get("ended"):
+                return
+            del self.partials[p["tid"]]
+            self._deliver(p)
 
     def _offer(self, p: dict[str, Any]) -> None:
         """Register the destination with NIXL and offer it (RDMA_REGISTER, R3.2)."""
@@ -750,7 +807,7 @@ class BridgeIn:
             p["reg"] = self.pool.registration(self.engine, p["buf"])
             offer = self.engine.expose(p["reg"])
         except RdmaError as e:
-            return self._discard(f"could not offer the destination: {e}", reject="rdma_failed")
+            return self._discard(p, f"could not offer the destination: {e}", reject="rdma_failed")
         self._send("RDMA_REGISTER", {"transfer_id": p["tid"], **offer["header"]}, {"metadata": offer["frames"][0]})
         p["offered_at"] = time.monotonic()
 
@@ -794,14 +851,14 @@ class BridgeIn:
                 now = time.monotonic()
                 if not self.linked and now - self.last_hello > 0.5:
                     self._send("LINK_HELLO", {"protocol": INTERCHANGE_VERSION, "channel": self.channel,
-                                              "data_planes": list(self.planes)})
+                                              "data_planes": list(self.planes), "window": self.window})
                     self.last_hello = now
                 elif self.linked and now - self.last_rx > self.timeout_s / 3:
                     self._send("LINK_PING", {})
                 self._release_quarantined(now)
                 if self.linked and now - self.last_rx > self.timeout_s:
                     self.linked = False
-                    self._discard(f"no word from the sender for {self.timeout_s} s (link cut or sender gone)")
+                    self._discard_unended(f"no word from the sender for {self.timeout_s} s (link cut or sender gone)")
                 if self.sock.poll(50):
                     while True:
                         try:
@@ -819,7 +876,8 @@ class BridgeIn:
     def close(self) -> None:
         if self.running:
             self.running = False
-            self._discard("closing")
+            for p in list(self.partials.values()):
+                self._discard(p, "closing")
             self.producer.close()  # held buffers come back to the pool (or are freed) first
             self._release_quarantined(time.monotonic())
             if self.quarantined:  # a peer's WRITE may still land in them (R4.4): never freed, left to exit
@@ -856,6 +914,8 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--client-key", help="client secret certificate (keygen: client.key_secret)")
     i.add_argument("--server-public", help="the server's public certificate (keygen: server.key)")
     i.add_argument("--device", default="cpu", help="hand buffers on as cpu or cuda:N")
+    i.add_argument("--window", type=int, default=WINDOW,
+                   help=f"transfers granted ahead and held at once (1-{MAX_WINDOW}); memory: window x buffer size")
     a = ap.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(message)s")
     if a.cmd == "keygen":
@@ -871,7 +931,7 @@ def main(argv: list[str] | None = None) -> int:
             curve = None if a.insecure else Curve.client(a.client_key or "", a.server_public or "")
             bridge = BridgeIn(
                 a.channel, a.connect, endpoint=a.endpoint, curve=curve, device=a.device, timeout_s=a.timeout,
-                rdma=a.rdma,
+                rdma=a.rdma, window=a.window,
             )
     except (OSError, ValueError) as e:
         print(f"bridge: {e} (CurveZMQ keys are required unless --insecure)", file=sys.stderr)

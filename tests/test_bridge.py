@@ -116,7 +116,7 @@ def test_receiver_rejects_non_synced_and_discards_partial(two_brokers):
     c = Proc(workload.run_consumer, endpoint=b.endpoint, channel="x", device="cpu", count=1, env={}, timeout=30)
     try:
         rid, hello = recv(s, "LINK_HELLO")
-        assert hello == {"protocol": 1, "channel": "x", "data_planes": ["zmq"]}  # no --rdma: zmq only
+        assert hello == {"protocol": 1, "channel": "x", "data_planes": ["zmq"], "window": 4}  # no --rdma: zmq only
         send(s, rid, "LINK_WELCOME", {"protocol": 1})
         recv(s, "CREDIT")
         # 1. a descriptor declaring SYNC_EVENT is refused, with the reason
@@ -236,11 +236,13 @@ def test_interchange_vectors(two_brokers):
     _, b = two_brokers
     url = f"tcp://127.0.0.1:{free_port()}"
     s = raw_sender(url)
-    inn = bridge("in", "--channel", "v", "--endpoint", b.endpoint, "--connect", url, "--insecure")
-    deliveries = [t for t in vec["transfers"] if "delivered_hex" in t]
+    inn = bridge("in", "--channel", "v", "--endpoint", b.endpoint, "--connect", url, "--insecure",
+                 "--window", str(vec["window"]))
+    deliveries = [(t, d) for t in vec["transfers"] for d in _listed(t.get("delivered_hex", []))]
     c = Proc(_collect, endpoint=b.endpoint, n=len(deliveries))
     try:
-        rid, _ = recv(s, "LINK_HELLO")
+        rid, hello = recv(s, "LINK_HELLO")
+        assert hello["window"] == vec["window"]
         send(s, rid, "LINK_WELCOME", {"protocol": 1})
         for t in vec["transfers"]:
             recv(s, "CREDIT")
@@ -249,13 +251,17 @@ def test_interchange_vectors(two_brokers):
             if "reject_reason" in t:
                 assert recv(s, "REJECT")[1]["reason"] == t["reject_reason"], t["name"]
         got = c.result()
-        assert [g["hex"] for g in got] == [t["delivered_hex"] for t in deliveries]
-        for g, t in zip(got, deliveries, strict=True):
+        assert [g["hex"] for g in got] == [d for _, d in deliveries]
+        for g, (t, _) in zip(got, deliveries, strict=True):
             if "delivered_meta" in t:
                 assert {"typestr": g["typestr"], "shape": g["shape"]} == t["delivered_meta"], t["name"]
     finally:
         stop(inn)
         s.close()
+
+
+def _listed(x):
+    return x if isinstance(x, list) else [x]
 
 
 def _collect(endpoint, n):
@@ -403,6 +409,82 @@ def test_a_malformed_transfer_id_does_not_end_the_sending_bridge(two_brokers):
         say("LINK_PING", {})
         expect("LINK_PONG")  # still serving
         assert out.poll() is None
+    finally:
+        s.close()
+        stop(out)
+
+
+def test_a_new_link_discards_unended_transfers_without_a_message(two_brokers):
+    """§3 receiver rule 4: after a second LINK_WELCOME the sender's transfer_ids may start again, so an
+    unended transfer of the old link is discarded silently, not answered as superseded."""
+    _, b = two_brokers
+    url = f"tcp://127.0.0.1:{free_port()}"
+    s = raw_sender(url)
+    inn = bridge("in", "--channel", "w", "--endpoint", b.endpoint, "--connect", url, "--insecure")
+    c = Proc(workload.run_consumer, endpoint=b.endpoint, channel="w", device="cpu", count=1, env={}, timeout=30)
+    data = workload.pattern(5, 0, 4096).tobytes()
+    handle = struct.pack("<QIBB2s", 4096, 64, 0, 0, b"\0\0")
+    try:
+        rid, _ = recv(s, "LINK_HELLO")
+        send(s, rid, "LINK_WELCOME", {"protocol": 1})
+        recv(s, "CREDIT")
+        send(s, rid, "TENSOR_DESCRIPTOR", {"transfer_id": 1, "total_bytes": 4096}, handle)
+        send(s, rid, "TENSOR_DATA", {"transfer_id": 1, "byte_offset_in_buffer": 0}, data[:2048])
+        send(s, rid, "LINK_WELCOME", {"protocol": 1})  # a restarted sender: ids start again
+        send(s, rid, "TENSOR_DESCRIPTOR", {"transfer_id": 1, "total_bytes": 4096}, handle)
+        send(s, rid, "TENSOR_DATA", {"transfer_id": 1, "byte_offset_in_buffer": 0}, data)
+        send(s, rid, "TENSOR_DATA_END", {"transfer_id": 1, "total_bytes": 4096})
+        cr = c.result()
+        assert cr["error"] is None and cr["received"] == cr["intact"] == 1, cr
+        # What the receiver said after the second welcome: its window's CREDIT, then the delivery's.
+        said = []
+        while said.count("CREDIT") < 2:
+            assert s.poll(10000), f"the receiver fell silent after {said}"
+            verb = s.recv_multipart()[1].decode()
+            if verb != "LINK_PING":
+                said.append(verb)
+        assert "REJECT" not in said, said
+    finally:
+        err = stop(inn)
+        s.close()
+    assert "the link was set up again" in err
+
+
+@NEEDS_NIXL
+def test_nixl_plane_keeps_a_window_of_transfers_in_flight(two_brokers):
+    """Issue 13: several NIXL transfers per link at once. A receiver with window 2 is sent two
+    descriptors before it answered either (a sender holding one transfer at a time never sends
+    the second); each then ends by the receiver's REJECT and is released to its producer once."""
+    a, _ = two_brokers
+    url = f"tcp://127.0.0.1:{free_port()}"
+    out = bridge("out", "--channel", "n", "--endpoint", a.endpoint, "--listen", url, "--insecure", "--rdma")
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(url)
+
+    def say(verb, header):
+        s.send_multipart([verb.encode(), json.dumps(header).encode()])
+
+    def expect(verb):
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if s.poll(100):
+                parts = s.recv_multipart()
+                if parts[0] == verb.encode():
+                    return json.loads(parts[1])
+        raise AssertionError(f"no {verb}")
+
+    p = Proc(workload.run_producer, endpoint=a.endpoint, channel="n", device="cpu", count=2, size=1 << 20, env={},
+             timeout=60)
+    try:
+        say("LINK_HELLO", {"protocol": 1, "channel": "n", "data_planes": ["nixl", "zmq"], "window": 2})
+        assert expect("LINK_WELCOME")["data_plane"] == "nixl"
+        say("CREDIT", {"n": 2})
+        first, second = expect("TENSOR_DESCRIPTOR"), expect("TENSOR_DESCRIPTOR")
+        for d in (first, second):
+            say("REJECT", {"transfer_id": d["transfer_id"], "reason": "too_large", "message": "test"})
+        pr = p.result()
+        assert pr["error"] is None and pr["sent"] == pr["released"] == 2, pr
     finally:
         s.close()
         stop(out)

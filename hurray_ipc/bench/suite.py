@@ -472,6 +472,7 @@ def run_suite(sizes: list[int], n_small: int, n_large: int, progress: Callable[[
                     fns.append((f"staging {size}", partial(bench_staging, size, max(5, n // 4), emu)))
                     if size >= 64 << 20:  # the cross-machine rows, for big buffers only
                         fns += [(f"tcp {size}", partial(bench_tcp, size, n // 4 or 2)),
+                                (f"tcp curve {size}", partial(bench_tcp, size, n // 4 or 2, curve=True)),
                                 (f"bridge {size}", partial(bench_bridge, tmp, size, n // 4 or 2, curve=False)),
                                 (f"bridge curve {size}", partial(bench_bridge, tmp, size, n // 4 or 2, curve=True))]
                         if _nixl_usable():
@@ -591,6 +592,9 @@ def targets(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for size in sorted({r["size"] for r in raw if r["name"] == tcp and "skipped" not in r}):
         add(f"bridge over zmq >= 0.8x raw pyzmq TCP ({size} B, plaintext)",
             _side_by_side(raw, "bridge, TCP (plaintext)", size, tcp, mbps), lambda v: v >= 0.8)
+        add(f"bridge over zmq >= 0.8x raw pyzmq TCP ({size} B, both CurveZMQ)",
+            _side_by_side(raw, "bridge, TCP (CurveZMQ)", size, "raw pyzmq PUSH/PULL over TCP (CurveZMQ)", mbps),
+            lambda v: v >= 0.8)
         add(f"bridge over NIXL >= 0.8x raw NIXL ({size} B)",
             _side_by_side(raw, "bridge, NIXL data plane, control over TCP (CurveZMQ)", size, nixl, mbps),
             lambda v: v >= 0.8)
@@ -672,10 +676,13 @@ def plot(res: dict[str, Any], path: Path) -> str | None:
 
 # --- cross-machine bridge vs raw pyzmq TCP (loopback) --------------------------------------------
 
-def _tcp_sink(url: str, n: int) -> dict[str, Any]:
+def _tcp_sink(url: str, n: int, keys: tuple[bytes, bytes] | None = None) -> dict[str, Any]:
     import zmq
 
     s = zmq.Context.instance().socket(zmq.PULL)
+    if keys is not None:  # CurveZMQ server, as the sending bridge is
+        s.curve_server = True
+        s.curve_publickey, s.curve_secretkey = keys
     s.bind(url)
     s.recv(copy=False)  # warm-up
     t0 = time.perf_counter()
@@ -687,10 +694,13 @@ def _tcp_sink(url: str, n: int) -> dict[str, Any]:
     return {"MBps": round(total / dt / 1e6)}
 
 
-def _tcp_source(url: str, n: int, size: int) -> dict[str, Any]:
+def _tcp_source(url: str, n: int, size: int, server_public: bytes | None = None) -> dict[str, Any]:
     import zmq
 
     s = zmq.Context.instance().socket(zmq.PUSH)
+    if server_public is not None:
+        s.curve_serverkey = server_public
+        s.curve_publickey, s.curve_secretkey = zmq.curve_keypair()
     s.setsockopt(zmq.SNDHWM, 4)
     s.connect(url)
     buf = np.ones(size, np.uint8)
@@ -719,11 +729,14 @@ def _bridge_sink(endpoint: str, channel: str, n: int) -> dict[str, Any]:
     return {"MBps": round(total / dt / 1e6)}
 
 
+BRIDGE_BUFFERS = 4  # the source's buffers in the bridge rows: the receiving bridge's default window
+
+
 def _bridge_source(endpoint: str, channel: str, n: int, size: int) -> dict[str, Any]:
     from ..client import Producer
 
     with Producer(endpoint, channel, "cpu") as p:
-        bufs = [p.allocate(size) for _ in range(2)]
+        bufs = [p.allocate(size) for _ in range(BRIDGE_BUFFERS)]
         free = list(bufs)
         for _ in range(n + 1):
             while not free:
@@ -790,12 +803,19 @@ def bench_bridge(tmp: Path, size: int, n: int, curve: bool, rdma: bool = False) 
     return {"name": f"bridge, {how}TCP ({'CurveZMQ' if curve else 'plaintext'})", "size": size, "MBps": sink["MBps"]}
 
 
-def bench_tcp(size: int, n: int) -> dict[str, Any]:
+def bench_tcp(size: int, n: int, curve: bool = False) -> dict[str, Any]:
+    """Raw pyzmq PUSH/PULL over loopback TCP, one buffer sent zero-copy again and again: the floor
+    of the bridge rows (``curve``: both ends CurveZMQ, the floor of the CurveZMQ bridge)."""
     import socket
+
+    import zmq
 
     with socket.socket() as so:
         so.bind(("127.0.0.1", 0))
         port = so.getsockname()[1]
     url = f"tcp://127.0.0.1:{port}"
-    sink, _ = _pair((_tcp_sink, {"url": url, "n": n}), (_tcp_source, {"url": url, "n": n, "size": size}))
-    return {"name": "raw pyzmq PUSH/PULL over TCP (plaintext)", "size": size, "MBps": sink["MBps"]}
+    public, secret = zmq.curve_keypair() if curve else (None, None)
+    sink, _ = _pair((_tcp_sink, {"url": url, "n": n, "keys": (public, secret) if curve else None}),
+                    (_tcp_source, {"url": url, "n": n, "size": size, "server_public": public}))
+    return {"name": f"raw pyzmq PUSH/PULL over TCP ({'CurveZMQ' if curve else 'plaintext'})", "size": size,
+            "MBps": sink["MBps"]}
