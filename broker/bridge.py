@@ -74,6 +74,9 @@ WINDOW = 4  # transfers a receiver grants ahead and holds unended at once (LINK_
 MAX_WINDOW = 64
 MAX_IN_FLIGHT = 4  # transfers a sender has queued and not yet released (bounds the handoffs it holds)
 PLANES = ("nixl", "zmq")  # data planes, in this bridge's order of preference (interchange.md R1)
+POLL_RDMA_S = 0.001  # how often a sending bridge looks at posted NIXL WRITEs
+POLL_QUEUED_S = 0.005  # ... at queued zmq frames (their trackers have no descriptor either)
+POLL_IDLE_S = 0.05
 SENDER_ENDED = ("rdma_failed", "rdma_timeout", "link_lost")  # a sender's REJECTs that end a transfer (R4.6)
 
 
@@ -90,7 +93,7 @@ def open_engine(rdma: bool, role: str, channel: str) -> RdmaEngine | None:
     reason = nixl_available()
     if reason is None:
         try:
-            return RdmaEngine(f"bridge-{role}-{channel}")
+            return RdmaEngine(f"bridge-{role}-{channel}", progress_thread=False)
         except RdmaError as e:
             reason = str(e)
     log.warning(json.dumps({"event": "rdma_unavailable", "reason": reason, "data_planes": ["zmq"]}))
@@ -414,20 +417,26 @@ class BridgeOut:
                 h.release()
 
     def serve(self, stop: threading.Event | None = None) -> None:
+        """Serve until ``stop`` is set. One thread does everything; it sleeps only in one poll, on
+        the link socket, the local consumer's socket (while a handoff could be taken) and a pipe its
+        pump thread writes to when it dispatched something, so neither a link message nor a handoff
+        waits for a timer. NIXL completions have no descriptor to wait on: while a WRITE is posted
+        the poll returns every POLL_RDMA_S to look (interchange.md R3.4)."""
         stop = stop or threading.Event()
         self.running = True
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
+
+        def wake() -> None:  # the consumer's pump thread dispatched a message (a handoff, perhaps)
+            try:
+                os.write(wake_w, b"w")
+            except BlockingIOError:  # the pipe is full: a wake-up is pending anyway
+                pass
+
         try:
             while not stop.is_set():
-                if self.sock.poll(20):
-                    while True:
-                        try:
-                            parts = self.sock.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        try:
-                            self._handle(parts)
-                        except Exception:  # noqa: BLE001 - one peer's message must not end the bridge
-                            log.exception("handling a link message failed; the bridge goes on")
+                self._drain_link()
                 now = time.monotonic()
                 for rid in [r for r, p in self.peers.items() if now - p["seen"] > self.timeout_s]:
                     self._drop_peer(rid)
@@ -437,31 +446,68 @@ class BridgeOut:
                     self.consumer = Consumer(
                         self.local, self.channel, "cpu", prefetch=0, name=f"bridge-out:{self.channel}"
                     )
+                    self.consumer.session.wakers.append(wake)
                 elif not self.peers and self.consumer is not None:
                     self._reap(block=True)  # release what was queued to the peers now gone, then leave
                     self.consumer.close()
                     self.consumer = None
                 self._reap()
-                # On the NIXL plane at most the receiver's window of unended transfers per peer: one more
-                # would supersede its oldest (interchange.md §3 receiver rule 4). On the zmq plane the
-                # frames of one transfer all precede the next descriptor, so one is unended at a time.
-                unended = collections.Counter(s.rid for s in self.rdma.values())
-                ready = [r for r, p in self.peers.items() if p["credits"] > 0 and unended[r] < p["window"]]
-                if not ready or self.consumer is None or len(self.in_flight) + len(self.rdma) >= MAX_IN_FLIGHT:
-                    continue
-                try:
-                    h = self.consumer.receive(timeout=0.05)
-                except (TimeoutError, BrokerUnavailable):
-                    continue
-                rid = min(ready, key=lambda r: self.peers[r].get("last", 0))
-                self.peers[rid]["credits"] -= 1
-                self.peers[rid]["last"] = now
-                if self.peers[rid]["plane"] == "nixl" and h.handle.size > 0:
-                    self._transfer_rdma(rid, h)
-                else:
-                    self._transfer(rid, h)
+                taking = self._take_handoffs(now)
+                poller = zmq.Poller()
+                poller.register(self.sock, zmq.POLLIN)
+                poller.register(wake_r, zmq.POLLIN)
+                if taking and self.consumer is not None:
+                    poller.register(self.consumer.session.fd, zmq.POLLIN)
+                posted = any(x.xfer is not None for x in self.rdma.values())
+                wait = POLL_RDMA_S if posted else POLL_QUEUED_S if self.in_flight else POLL_IDLE_S
+                if poller.poll(int(wait * 1000)):
+                    try:
+                        while os.read(wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
         finally:
             self.close()
+            os.close(wake_r)
+            os.close(wake_w)
+
+    def _drain_link(self) -> None:
+        while True:
+            try:
+                parts = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._handle(parts)
+            except Exception:  # noqa: BLE001 - one peer's message must not end the bridge
+                log.exception("handling a link message failed; the bridge goes on")
+
+    def _take_handoffs(self, now: float) -> bool:
+        """Start a transfer for every handoff the local broker has for us while a peer has credit
+        (and room in its window) and fewer than MAX_IN_FLIGHT are under way. True when it stopped
+        only because no handoff was there (so the caller waits for one)."""
+        while self.consumer is not None and len(self.in_flight) + len(self.rdma) < MAX_IN_FLIGHT:
+            # On the NIXL plane at most the receiver's window of unended transfers per peer: one more
+            # would supersede its oldest (interchange.md §3 receiver rule 4). On the zmq plane the
+            # frames of one transfer all precede the next descriptor, so one is unended at a time.
+            unended = collections.Counter(s.rid for s in self.rdma.values())
+            ready = [r for r, p in self.peers.items() if p["credits"] > 0 and unended[r] < p["window"]]
+            if not ready:
+                return False
+            try:
+                h = self.consumer.receive(timeout=0)
+            except TimeoutError:
+                return True
+            except BrokerUnavailable:
+                return False  # the session says hello again on its own; nothing to wait on meanwhile
+            rid = min(ready, key=lambda r: self.peers[r].get("last", 0))
+            self.peers[rid]["credits"] -= 1
+            self.peers[rid]["last"] = now
+            if self.peers[rid]["plane"] == "nixl" and h.handle.size > 0:
+                self._transfer_rdma(rid, h)
+            else:
+                self._transfer(rid, h)
+        return False
 
     def close(self) -> None:
         if self.running:
@@ -624,6 +670,7 @@ class BridgeIn:
         self.linked = False
         self.last_rx = 0.0
         self.last_hello = 0.0
+        self.last_ping = 0.0
         self.stats = {"delivered": 0, "rejected": 0, "discarded": 0}
         self.engine = open_engine(rdma, "in", channel)
         self.planes = PLANES if self.engine is not None else ("zmq",)
@@ -853,13 +900,21 @@ class BridgeIn:
                     self._send("LINK_HELLO", {"protocol": INTERCHANGE_VERSION, "channel": self.channel,
                                               "data_planes": list(self.planes), "window": self.window})
                     self.last_hello = now
-                elif self.linked and now - self.last_rx > self.timeout_s / 3:
+                elif self.linked and now - max(self.last_rx, self.last_ping) > self.timeout_s / 3:
                     self._send("LINK_PING", {})
+                    self.last_ping = now
                 self._release_quarantined(now)
                 if self.linked and now - self.last_rx > self.timeout_s:
                     self.linked = False
                     self._discard_unended(f"no word from the sender for {self.timeout_s} s (link cut or sender gone)")
-                if self.sock.poll(50):
+                offered = self.engine is not None and any("offered_at" in p and not p.get("ended")
+                                                          for p in self.partials.values())
+                if offered and self.engine is not None:
+                    try:
+                        self.engine.progress()  # UCX may need us for a WRITE into an offered region to land
+                    except RdmaError as e:  # the sender's REJECT or the link timeout ends the transfer
+                        log.warning(json.dumps({"event": "rdma_progress_failed", "error": str(e)}))
+                if self.sock.poll(int((POLL_RDMA_S if offered else POLL_IDLE_S) * 1000)):
                     while True:
                         try:
                             # copy=False: each data chunk is copied once, socket to shared memory

@@ -262,9 +262,15 @@ class Transfer:
 
 class RdmaEngine:
     """One NIXL agent with the UCX backend. ``name`` is a prefix: the agent's name (``.name``) gets a
-    random suffix, so two bridges never collide in a peer's table of remote agents."""
+    random suffix, so two bridges never collide in a peer's table of remote agents.
 
-    def __init__(self, name: str = "hurray") -> None:
+    ``progress_thread``: NIXL's own progress thread, which polls UCX without pause (a whole core
+    per agent, idle or not, measured). Without it (what the bridges use), UCX makes progress only
+    inside calls into this engine: a sender's :meth:`Transfer.poll` / :meth:`Transfer.wait`, and a
+    receiver's :meth:`progress`, which it MUST call every millisecond or so while it has a region
+    offered (some UCX transports, TCP among them, need the target to progress for a WRITE to land)."""
+
+    def __init__(self, name: str = "hurray", *, progress_thread: bool = True) -> None:
         reason = nixl_available()
         if reason is not None:
             raise RdmaError(reason)
@@ -272,7 +278,8 @@ class RdmaEngine:
         self.name = f"{name}-{uuid.uuid4().hex[:12]}"
         self._lock = threading.RLock()
         try:
-            self._agent = self._nixl.nixl_agent(self.name, self._nixl.nixl_agent_config(backends=[BACKEND]))
+            config = self._nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=[BACKEND])
+            self._agent = self._nixl.nixl_agent(self.name, config)
         except Exception as e:  # noqa: BLE001 - re-raised as RdmaError
             raise _nixl_error(f"NIXL agent {self.name} did not start", e) from e
         if BACKEND not in self._agent.backends:
@@ -409,6 +416,10 @@ class RdmaEngine:
                 raise _nixl_error(f"metadata of {reg!r}", e) from e
         return Offer(self.name, reg.kind, ((reg.ptr, reg.size, reg.device),), bytes(md)).to_wire()
 
+    def progress(self) -> int:
+        """Let UCX make progress (see the class notes) and drop the notifications it delivered; how many."""
+        return sum(len(v) for v in self.notifications().values())
+
     def notifications(self) -> dict[str, list[bytes]]:
         """Notifications NIXL delivered since the last call: {sender agent: [notif, ...]}. Not an
         ordering signal for the bridge (TENSOR_DATA_END is); useful for tests and diagnostics."""
@@ -525,33 +536,47 @@ class RdmaEngine:
 # -- micro-benchmark ----------------------------------------------------------------------------------
 
 
-def _bench_receiver(size: int, offers: Any, done: Any) -> None:
-    """Spawned: register a destination, send its offer, stay until told to go; report the checksum."""
-    with RdmaEngine("bench-rx") as eng:
+def _bench_receiver(size: int, offers: Any, done: Any, progress_thread: bool) -> None:
+    """Spawned: register a destination, send its offer, stay until told to go (making progress every
+    millisecond, as a receiving bridge does, where NIXL has no progress thread); report the checksum."""
+    import queue
+
+    with RdmaEngine("bench-rx", progress_thread=progress_thread) as eng:
         dst = np.zeros(size, np.uint8)
         reg = eng.register_array(dst)
         offers.put(eng.expose(reg))
-        done.get(timeout=300)
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                done.get(timeout=0.001)
+                break
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the bench's sender never said it was done") from None
+                if not progress_thread:
+                    eng.progress()
         offers.put(int(dst[:: 4096].astype(np.uint64).sum()))
         eng.release(reg)
 
 
-def bench(size: int = 64 << 20, rounds: int = 7, timeout: float = 60.0) -> dict[str, Any]:
+def bench(size: int = 64 << 20, rounds: int = 7, timeout: float = 60.0, *,
+          progress_thread: bool = False) -> dict[str, Any]:
     """Raw NIXL WRITE throughput from this process into a spawned one: ``rounds`` writes of ``size``
     bytes, each timed from post to DONE observed by the sender. Returns the median and every round
-    in MB/s (10^6 bytes per second), and whether the last write arrived intact (sampled checksum)."""
+    in MB/s (10^6 bytes per second), and whether the last write arrived intact (sampled checksum).
+    ``progress_thread``: NIXL's (see :class:`RdmaEngine`); off by default, as in the bridges."""
     reason = nixl_available()
     if reason is not None:
         raise RdmaError(reason)
     ctx = mp.get_context("spawn")
     offers, done = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=_bench_receiver, args=(size, offers, done), daemon=True)
+    p = ctx.Process(target=_bench_receiver, args=(size, offers, done, progress_thread), daemon=True)
     p.start()
     try:
         offer = offers.get(timeout=timeout)
         src = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
         rates = []
-        with RdmaEngine("bench-tx") as eng:
+        with RdmaEngine("bench-tx", progress_thread=progress_thread) as eng:
             reg = eng.register_array(src)
             for _ in range(rounds + 1):  # the first round connects and warms up: not counted
                 t0 = time.perf_counter()
@@ -569,7 +594,7 @@ def bench(size: int = 64 << 20, rounds: int = 7, timeout: float = 60.0) -> dict[
     measured = rates[1:]
     return {"size": size, "rounds": rounds, "mb_s_median": statistics.median(measured),
             "mb_s": measured, "intact": intact, "warmup_mb_s": rates[0],
-            "ucx_tls": os.environ.get("UCX_TLS", "(UCX default)")}
+            "ucx_tls": os.environ.get("UCX_TLS", "(UCX default)"), "progress_thread": progress_thread}
 
 
 if __name__ == "__main__":

@@ -366,6 +366,17 @@ def test_bridged_over_nixl(two_brokers):
 
 
 @NEEDS_NIXL
+def test_bridged_over_nixl_on_ucx_tcp(two_brokers, monkeypatch):
+    """NIXL runs without its progress thread in a bridge (it spins a core per agent): on UCX's TCP
+    transport a WRITE lands only while the receiving bridge makes progress, which it must do
+    while it has a region offered (RdmaEngine.progress)."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    a, b = two_brokers
+    out_err, in_err = _bridged_pair(a, b, f"tcp://127.0.0.1:{free_port()}", ["--rdma"], ["--rdma"], n=3)
+    assert '"data_plane": "nixl"' in in_err and "transfer_aborted" not in out_err, out_err[-800:]
+
+
+@NEEDS_NIXL
 @pytest.mark.parametrize("side", ["out", "in"])
 def test_a_bridge_without_nixl_still_links_over_zmq(two_brokers, side):
     a, b = two_brokers
