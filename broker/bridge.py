@@ -62,7 +62,7 @@ from hurray_ipc.transport.protocol import (
     decode,
 )
 
-from .rdma import RdmaEngine, RdmaError, Registration, Transfer, nixl_available
+from .rdma import RdmaEngine, RdmaError, Registration, Transfer, nixl_available, nixl_info
 
 log = logging.getLogger("hurray.bridge")
 
@@ -74,6 +74,9 @@ WINDOW = 4  # transfers a receiver grants ahead and holds unended at once (LINK_
 MAX_WINDOW = 64
 MAX_IN_FLIGHT = 4  # transfers a sender has queued and not yet released (bounds the handoffs it holds)
 PLANES = ("nixl", "zmq")  # data planes, in this bridge's order of preference (interchange.md R1)
+# A sending bridge is a CPU consumer of its broker: GPU buffers reach it host-staged (the producer
+# host-waited the copy), so its NIXL WRITEs always read host memory (LINK_WELCOME gpu_source).
+GPU_SOURCE = "host-staged"
 POLL_RDMA_S = 0.001  # how often a sending bridge looks at posted NIXL WRITEs
 POLL_QUEUED_S = 0.005  # ... at queued zmq frames (their trackers have no descriptor either)
 POLL_IDLE_S = 0.05
@@ -206,8 +209,11 @@ class BridgeOut:
             self._forget_peer(rid)  # first: it may drop the NIXL plane (R4.5)
             plane = next((x for x in offered if x in self.planes), "zmq")
             self.peers[rid] = {"credits": 0, "seen": now, "plane": plane, "window": window}
-            log.info(json.dumps({"event": "linked", "data_plane": plane, "offered": offered[:8], "window": window}))
-            self._reply(rid, Message("LINK_WELCOME", {"protocol": INTERCHANGE_VERSION, "data_plane": plane}))
+            log.info(json.dumps({"event": "linked", "data_plane": plane, "offered": offered[:8], "window": window,
+                                 "gpu_source": GPU_SOURCE,
+                                 "peer_gpu_destination": str(msg.header.get("gpu_destination"))[:32]}))
+            self._reply(rid, Message("LINK_WELCOME", {"protocol": INTERCHANGE_VERSION, "data_plane": plane,
+                                                      "gpu_source": GPU_SOURCE}))
         elif peer is None:
             self._reply(rid, Message("REJECT", {"reason": "not_linked", "message": "send LINK_HELLO first"}))
         elif msg.verb == "CREDIT":
@@ -539,14 +545,15 @@ class RdmaSend:
 
 
 class DestinationPool:
-    """The host buffers a receiving bridge reassembles transfers into, reused. A fresh shared-memory
-    segment per transfer costs its creation, a page fault per page on first write and (NIXL plane)
-    a registration; reused, a buffer costs none of them again. A buffer comes back when the local
-    consumer released it (or its transfer was dropped); at most ``keep`` idle ones per size are
-    kept, the others freed. A NIXL registration lives as long as its buffer."""
+    """The buffers of one device a receiving bridge reassembles transfers into, reused. A fresh
+    allocation per transfer costs its creation, a page fault per page on first write and (NIXL
+    plane) a registration; reused, a buffer costs none of them again. A buffer comes back when the
+    local consumer released it (or its transfer was dropped); at most ``keep`` idle ones per size
+    are kept, the others freed. A NIXL registration lives as long as its buffer, as memory ``kind``
+    ("DRAM", or "VRAM" of GPU ``nixl_device``)."""
 
-    def __init__(self, cpu: Any, keep: int = WINDOW + 1):
-        self.cpu, self.keep = cpu, keep
+    def __init__(self, device: Any, keep: int = WINDOW + 1, kind: str = "DRAM", nixl_device: int = 0):
+        self.device, self.keep, self.kind, self.nixl_device = device, keep, kind, nixl_device
         self._idle: dict[int, list[Any]] = {}
         self._regs: dict[int, tuple[RdmaEngine, Registration]] = {}  # id(buffer) -> its registration
         self._lock = threading.Lock()
@@ -556,7 +563,7 @@ class DestinationPool:
             idle = self._idle.get(size)
             if idle:
                 return idle.pop()
-        return self.cpu.allocate(size)
+        return self.device.allocate(size)
 
     def give(self, buf: Any) -> None:
         """``buf`` is no one's any more (released by its consumer, or its transfer dropped)."""
@@ -573,7 +580,7 @@ class DestinationPool:
             known = self._regs.get(id(buf))
         if known is not None and known[0] is engine and not known[1].released:
             return known[1]
-        reg = engine.register(buf.ptr, buf.size, "DRAM", owner=buf)
+        reg = engine.register(buf.ptr, buf.size, self.kind, self.nixl_device, owner=buf)
         with self._lock:
             self._regs[id(buf)] = (engine, reg)
         return reg
@@ -676,8 +683,35 @@ class BridgeIn:
         self.planes = PLANES if self.engine is not None else ("zmq",)
         self.plane = "zmq"
         self.pool = DestinationPool(self.cpu, keep=window + 1)
-        self.quarantined: deque[tuple[float, Any]] = deque()  # (reusable from, buffer), oldest first
+        self.device_pool = self._device_destinations(window)  # NIXL plane into GPU memory, where it can
+        # (reusable from, buffer, its pool), oldest first
+        self.quarantined: deque[tuple[float, Any, DestinationPool]] = deque()
         self.running = False
+
+    @property
+    def gpu_destination(self) -> str | None:
+        """Where a GPU receiver's NIXL transfers land: "device" (GPUDirect, no host staging) or
+        "host-staged" (host memory, then copied to the GPU); None on a CPU receiver."""
+        if not isinstance(self.producer.device, CudaDevice):
+            return None
+        return "device" if self.device_pool is not None else "host-staged"
+
+    def _device_destinations(self, window: int) -> DestinationPool | None:
+        """A pool of GPU destinations for the NIXL plane (R5), or None (host-staged), saying why in the log."""
+        dev = self.producer.device
+        if self.engine is None or not isinstance(dev, CudaDevice):
+            return None
+        why = dev.rdma_write_ordering()  # R5.2: the receiver can order the NIC's writes before its kernels
+        if why is None and not dev.identity.emulated and not nixl_info().gpudirect:
+            why = "NIXL's UCX backend takes no VRAM regions (R5.3)"
+        pool = None
+        if why is None:
+            # An emulated GPU's memory is host memory: NIXL writes it as DRAM, the rest is the same.
+            kind = "DRAM" if dev.identity.emulated else "VRAM"
+            pool = DestinationPool(dev, keep=window + 1, kind=kind, nixl_device=0 if kind == "DRAM" else dev.ordinal)
+        log.info(json.dumps({"event": "gpu_destination", "device": dev.identity.spec,
+                             "path": "host-staged" if pool is None else "device", "why": why}))
+        return pool
 
     def _send(self, verb: str, header: dict[str, Any], frames: dict[str, Any] | None = None) -> None:
         self.sock.send_multipart(Message(verb, header, frames or {}).encode())
@@ -692,14 +726,15 @@ class BridgeIn:
         """A NIXL destination dropped without the sender's word: deregistered now, reused only
         2T (twice the transfer bound) after its offer, when every WRITE into it has ended (R4.3, R4.4):
         neither deregistering nor closing our agent stops a peer's write on every UCX transport."""
-        self.pool.deregister(p["buf"])
+        p["pool"].deregister(p["buf"])
         # 2T, plus a link timeout for the offer's way to the sender (it counts T from reading it)
         until = p["offered_at"] + 2 * transfer_bound(self.timeout_s, p["handle"].size) + self.timeout_s
-        self.quarantined.append((until, p["buf"]))
+        self.quarantined.append((until, p["buf"], p["pool"]))
 
     def _release_quarantined(self, now: float) -> None:
         while self.quarantined and self.quarantined[0][0] <= now:
-            self.pool.give(self.quarantined.popleft()[1])
+            _, buf, pool = self.quarantined.popleft()
+            pool.give(buf)
 
     def _discard(self, p: dict[str, Any], why: str, reject: str | None = None, sender_let_go: bool = False) -> None:
         """Drop partial transfer ``p``; with ``reject``, also tell the sender (REJECT + its credit).
@@ -709,7 +744,7 @@ class BridgeIn:
         if "offered_at" in p and not sender_let_go:
             self._quarantine(p)
         else:
-            self.pool.give(p["buf"])
+            p["pool"].give(p["buf"])
         self.stats["discarded"] += 1
         log.warning(json.dumps({"event": "partial_discarded", "transfer_id": p["tid"], "why": why}))
         if reject is not None:
@@ -745,7 +780,9 @@ class BridgeIn:
             # A new link: the sender knows none of our unended transfers (its ids may start again).
             self._discard_unended("the link was set up again")
             self.plane = plane
-            log.info(json.dumps({"event": "linked", "data_plane": plane, "window": self.window}))
+            log.info(json.dumps({"event": "linked", "data_plane": plane, "window": self.window,
+                                 "gpu_destination": self.gpu_destination if plane == "nixl" else None,
+                                 "peer_gpu_source": str(h.get("gpu_source"))[:32]}))
             self.linked = True
             # ``window`` ahead: the next transfers stream while one is handed on locally.
             self._send("CREDIT", {"n": self.window})
@@ -831,10 +868,12 @@ class BridgeIn:
             check_meta(meta, handle.size)
         except ProtocolError as e:
             return self._reject(tid, "bad_meta", str(e))
+        nixl = self.plane == "nixl" and handle.size > 0
+        pool = self.device_pool if nixl and self.device_pool is not None else self.pool
         p = {"tid": tid, "handle": handle, "meta": meta or {}, "covered": Coverage(handle.size),
-             "buf": self.pool.take(handle.size)}
+             "buf": pool.take(handle.size), "pool": pool}
         self.partials[tid] = p
-        if self.plane == "nixl" and handle.size > 0:
+        if nixl:
             self._offer(p)
 
     def _hand_on(self) -> None:
@@ -851,8 +890,10 @@ class BridgeIn:
         if self.engine is None:
             return
         try:
-            p["reg"] = self.pool.registration(self.engine, p["buf"])
+            p["reg"] = p["pool"].registration(self.engine, p["buf"])
             offer = self.engine.expose(p["reg"])
+            if p["pool"] is self.device_pool:
+                p["pool"].device.rdma_expose(p["buf"])  # nothing on the GPU reads it before the flush
         except RdmaError as e:
             return self._discard(p, f"could not offer the destination: {e}", reject="rdma_failed")
         self._send("RDMA_REGISTER", {"transfer_id": p["tid"], **offer["header"]}, {"metadata": offer["frames"][0]})
@@ -860,8 +901,12 @@ class BridgeIn:
 
     def _deliver(self, p: dict[str, Any]) -> None:
         """Only now, after TENSOR_DATA_END, may anyone read the buffer: hand it on, PRODUCER_SYNCED."""
-        buf = p["buf"]
-        if isinstance(self.producer.device, CudaDevice):
+        buf, back = p["buf"], p["pool"].give
+        if p["pool"] is self.device_pool:
+            # R5.2, the receiver's half of ADR-018 §6: the sender saw its WRITE complete, which does
+            # not order the NIC's writes into our GPU before the consumers' kernels. This does.
+            p["pool"].device.flush_rdma_writes()
+        elif isinstance(self.producer.device, CudaDevice):
             stream = self.producer.stream
             if stream is None:  # Producer gives every CUDA device a stream; never expected
                 raise RuntimeError(f"bridge producer on {self.producer.device.identity} has no CUDA stream")
@@ -869,7 +914,7 @@ class BridgeIn:
             stream.copy(dev, buf.host_view())
             stream.synchronize()  # visible before the handle leaves: PRODUCER_SYNCED
             self.pool.give(buf)
-            buf = dev
+            buf, back = dev, (lambda b: b.close())  # device copies are not pooled
         m = p["meta"]
         array: dict[str, Any] = {}
         if "typestr" in m:  # checked at the descriptor: the array arrives as it left
@@ -877,7 +922,6 @@ class BridgeIn:
             array = {"shape": tuple(m["shape"]), "dtype": dlpack.EXTRA_BY_CODE[dl[0]][0] if dl else m["typestr"],
                      "readonly": bool(m.get("readonly", False))}
         try:
-            back = self.pool.give if buf is p["buf"] else (lambda b: b.close())  # device copies are not pooled
             self.producer.send(buf, SyncMode.PRODUCER_SYNCED, on_release=lambda _ticket: back(buf),
                                meta=m.get("user"), **array)
             self.stats["delivered"] += 1
@@ -898,7 +942,9 @@ class BridgeIn:
                 now = time.monotonic()
                 if not self.linked and now - self.last_hello > 0.5:
                     self._send("LINK_HELLO", {"protocol": INTERCHANGE_VERSION, "channel": self.channel,
-                                              "data_planes": list(self.planes), "window": self.window})
+                                              "data_planes": list(self.planes), "window": self.window,
+                                              **({"gpu_destination": self.gpu_destination}
+                                                 if self.gpu_destination else {})})
                     self.last_hello = now
                 elif self.linked and now - max(self.last_rx, self.last_ping) > self.timeout_s / 3:
                     self._send("LINK_PING", {})
@@ -939,6 +985,8 @@ class BridgeIn:
                 log.warning(json.dumps({"event": "quarantined_at_close", "buffers": len(self.quarantined)}))
                 self.quarantined.clear()
             self.pool.close()
+            if self.device_pool is not None:
+                self.device_pool.close()
             if self.engine is not None:
                 self.engine.close()
             self.sock.close(linger=0)

@@ -377,6 +377,31 @@ def test_bridged_over_nixl_on_ucx_tcp(two_brokers, monkeypatch):
 
 
 @NEEDS_NIXL
+def test_nixl_writes_into_receiver_gpu_and_flushes_before_handing_on(two_brokers):
+    """R5 on the emulated GPU: with --device cuda:0 on the NIXL plane the receiving bridge offers GPU
+    memory (no host staging), and makes the NIC's writes visible to its GPU (the flush of R5.2)
+    before the buffer is handed on: the emulation's race check fails a consumer's read of memory
+    offered to a NIC with no flush since."""
+    a, b = two_brokers
+    url = f"tcp://127.0.0.1:{free_port()}"
+    env = emu_config().to_env()
+    out = bridge("out", "--channel", "v", "--endpoint", a.endpoint, "--listen", url, "--insecure", "--rdma")
+    inn = bridge("in", "--channel", "v", "--endpoint", b.endpoint, "--connect", url, "--insecure", "--rdma",
+                 "--device", "cuda:0", env=env)
+    try:
+        c = Proc(workload.run_consumer, endpoint=b.endpoint, channel="v", device="cuda:0", count=4, env=env)
+        p = Proc(workload.run_producer, endpoint=a.endpoint, channel="v", device="cpu", count=4, size=1 << 20, env={})
+        pr, cr = p.result(), c.result()
+    finally:
+        out_err, in_err = stop(out), stop(inn)
+    assert pr["error"] is None and cr["error"] is None, (pr["error"], cr["error"], in_err[-1500:])
+    assert cr["races"] == 0, "a read of NIC-written memory before the flush"
+    assert cr["intact"] == 4 and cr["modes"] == {"SYNC_PRODUCER_SYNCED": 4} and cr["staged"] == 0
+    assert '"path": "device"' in in_err and '"gpu_destination": "device"' in in_err, in_err[-1500:]
+    assert '"peer_gpu_destination": "device"' in out_err and '"gpu_source": "host-staged"' in out_err
+
+
+@NEEDS_NIXL
 @pytest.mark.parametrize("side", ["out", "in"])
 def test_a_bridge_without_nixl_still_links_over_zmq(two_brokers, side):
     a, b = two_brokers

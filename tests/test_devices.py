@@ -479,3 +479,35 @@ def test_real_cuda_capabilities_match_a_real_export():
         assert len(dev.export_memory(buf).blob) == 64
         buf.close()
     dev.close()
+
+
+@pytest.mark.races_expected
+@pytest.mark.parametrize("delay", [0.0, 0.002])
+def test_reading_nic_written_memory_needs_a_flush(delay):
+    """interchange.md R5.2 in the emulation: memory offered to a NIC (rdma_expose) may be read on the
+    device, here and through an import, only after flush_rdma_writes; the flush covers the device."""
+    from hurray_ipc.devices.errors import RaceError
+
+    exp = CudaDevice(0, runtime=EmulatedRuntime(emu_config(op_delay_s=delay)))
+    imp = CudaDevice(0, runtime=EmulatedRuntime(emu_config(op_delay_s=delay)))
+    assert exp.rdma_write_ordering() is None
+    buf, host = exp.allocate(4096), np.zeros(4096, np.uint8)
+    stream, other = exp.create_stream(), imp.create_stream()
+    try:
+        exp.rdma_expose(buf)
+        seen = imp.import_memory(exp.export_memory(buf))
+        for dev_stream, src in ((stream, buf), (other, seen)):
+            with pytest.raises(RaceError, match="GPUDirect"):
+                dev_stream.copy(host, src)
+        exp.flush_rdma_writes()
+        for dev_stream, src in ((stream, buf), (other, seen)):
+            dev_stream.copy(host, src)
+            dev_stream.synchronize()
+        imp.order_send("read"), exp.order_receive("read")  # the importer's read, before the free
+        seen.close()
+        # exactly the two reads before the flush, each where it happened, and nothing else
+        assert [len(d.rt.races) for d in (exp, imp)] == [1, 1], (exp.rt.races, imp.rt.races)
+        assert all("GPUDirect" in r for d in (exp, imp) for r in d.rt.races)
+    finally:
+        stream.close(), other.close()
+        buf.close()

@@ -303,6 +303,22 @@ class CudaDevice(Device):
     def order_forget(self, key: str) -> None:
         self.rt.hb_forget(key)
 
+    # --- GPUDirect RDMA destinations (interchange.md R5) ----------------------------------------
+    def rdma_write_ordering(self) -> str | None:
+        """Why NIC writes into this device's memory cannot be made visible to it (None: they can)."""
+        return self.rt.rdma_write_ordering(self.ordinal)
+
+    def rdma_expose(self, buf: Buffer) -> None:
+        """``buf`` is about to be offered to a NIC for writes: nothing on the device may read it
+        until :meth:`flush_rdma_writes` after those writes (the emulation checks it)."""
+        self.rt.rdma_expose(buf.ptr)
+
+    def flush_rdma_writes(self) -> None:
+        """Block until every NIC write into this device's memory so far is visible to the device:
+        the receiver's half of ADR-018 §6's GPUDirect ordering, done before a buffer is handed on."""
+        self.activate()
+        self.rt.flush_rdma_writes()
+
     def host_register_supported(self) -> bool:
         """cudaDevAttrHostRegisterSupported: whether :meth:`host_register` can page-lock here."""
         return self.rt.host_register_support(self.ordinal)

@@ -15,6 +15,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+from ..errors import DeviceError
+
 IPC_HANDLE_SIZE = 64
 EMULATED_MAGIC = b"HRYEMU"  # every emulated IPC blob starts with it; the real backend refuses them
 
@@ -142,6 +144,23 @@ class Runtime(ABC):
 
     @abstractmethod
     def ipc_open_event_handle(self, blob: bytes) -> Any: ...
+
+    # --- GPUDirect RDMA: inbound NIC writes into device memory (interchange.md R5) ----------------
+    # A NIC writing device memory (NIXL WRITE into a VRAM region) is not ordered before the
+    # device's later kernels by anything the sender does: the receiver makes the writes visible
+    # (cudaDeviceFlushGPUDirectRDMAWrites) before anything on the device reads them.
+    def rdma_write_ordering(self, ordinal: int) -> str | None:
+        """Why inbound NIC writes to ``ordinal``'s memory cannot be made visible to its kernels here
+        (None: they can, the device orders them or :meth:`flush_rdma_writes` does)."""
+        return "this runtime has no GPUDirect RDMA"
+
+    def rdma_expose(self, ptr: int) -> None:
+        """``ptr``'s allocation is about to be offered to a NIC for writes."""
+
+    def flush_rdma_writes(self) -> None:
+        """Block until every NIC write to the current device's memory issued so far is visible to
+        the device (a no-op where the device orders them itself)."""
+        raise DeviceError("cudaDeviceFlushGPUDirectRDMAWrites", "this runtime has no GPUDirect RDMA")
 
     # --- happens-before annotations ---------------------------------------------------------------
     # A message between two processes orders the receiver's later host program after the

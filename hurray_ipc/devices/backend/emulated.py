@@ -57,6 +57,9 @@ HEADER = 64 << 10  # per allocation: magic, size, device, then the shadow memory
 EVENT_SEGMENT = 16 << 10  # per event: the counters, then the clock of its latest record
 # Both keep their race-check state marshalled at _STATE, its length a u32 at _STATE_LEN.
 _STATE_LEN, _STATE = 32, 64
+# An allocation's u8 at _NIC: 1 while it is offered for NIC (GPUDirect RDMA) writes and no
+# cudaDeviceFlushGPUDirectRDMAWrites of its device followed; in the header, so importers see it.
+_NIC = 24
 _MEM_MAGIC = EMULATED_MAGIC + b"M1"
 _EVT_MAGIC = EMULATED_MAGIC + b"E1"
 _BLOB = struct.Struct("<8sIIQ40s")  # magic, device ordinal, pid of exporter, size, segment name
@@ -514,6 +517,33 @@ class EmulatedRuntime(Runtime):
     def _drop(a: _Alloc) -> None:
         a.seg.close()
 
+    def rdma_write_ordering(self, ordinal: int) -> str | None:
+        self._check_ordinal("cudaDeviceGetAttribute", ordinal)
+        return None  # emulated memory is host memory: a NIC (NIXL over UCX) writes it as DRAM
+
+    def rdma_expose(self, ptr: int) -> None:
+        a = self._find(ptr)
+        if a is None:
+            raise DeviceError("rdma_expose", f"0x{ptr:x} is not emulated device memory", code="cudaErrorInvalidValue")
+        a.seg.map[_NIC] = 1
+
+    def flush_rdma_writes(self) -> None:
+        dev = self._device()
+        with self._lock:
+            allocs = [a for a in self._allocs.values() if a.device == dev]
+        for a in allocs:
+            a.seg.map[_NIC] = 0
+
+    def _nic_check(self, a: _Alloc, call: str) -> None:
+        """The race check's rule for NIC writes: no device read of memory a NIC may have written
+        before a flush of its device made the writes visible (interchange.md R5)."""
+        if self.checking and a.seg.map[_NIC]:
+            why = (f"reads {a.seg.name}, offered for GPUDirect RDMA writes with no "
+                   "cudaDeviceFlushGPUDirectRDMAWrites of its device since (interchange.md R5)")
+            with self._hb:
+                self.races.append(why)
+            raise RaceError(call, why)
+
     def mem_range(self, ptr: int) -> tuple[int, int]:
         a = self._find(ptr)
         if a is None:
@@ -654,6 +684,8 @@ class EmulatedRuntime(Runtime):
             else:
                 ctypes.memmove(dst, src, nbytes)
 
+        if s is not None:
+            self._nic_check(s, "cudaMemcpyAsync")
         with self._hb:
             if self.checking and (d is not None or s is not None):
                 clock = self._tick(st)

@@ -105,6 +105,25 @@ class RealRuntime(Runtime):
     def unsupported_reason(self, ordinal: int, capability: str) -> str | None:
         return self._ipc_probe(ordinal).get(capability)
 
+    def rdma_write_ordering(self, ordinal: int) -> str | None:
+        owner = int(self.rt.cudaGPUDirectRDMAWritesOrdering.cudaGPUDirectRDMAWritesOrderingOwner)
+        host = int(self.rt.cudaFlushGPUDirectRDMAWritesOptions.cudaFlushGPUDirectRDMAWritesOptionHost)
+        if self._attr("cudaDevAttrGPUDirectRDMAWritesOrdering", ordinal) >= owner:
+            return None
+        if self._attr("cudaDevAttrGPUDirectRDMAFlushWritesOptions", ordinal) & host:
+            return None
+        return ("the device neither orders GPUDirect RDMA writes (cudaDevAttrGPUDirectRDMAWritesOrdering) nor "
+                "supports cudaDeviceFlushGPUDirectRDMAWrites (cudaDevAttrGPUDirectRDMAFlushWritesOptions)")
+
+    def flush_rdma_writes(self) -> None:
+        ordinal = int(_check("cudaGetDevice", self.rt.cudaGetDevice()))
+        owner = self.rt.cudaGPUDirectRDMAWritesOrdering.cudaGPUDirectRDMAWritesOrderingOwner
+        if self._attr("cudaDevAttrGPUDirectRDMAWritesOrdering", ordinal) >= int(owner):
+            return  # ordered by the device for its own context: the flush would be a no-op
+        _check("cudaDeviceFlushGPUDirectRDMAWrites", self.rt.cudaDeviceFlushGPUDirectRDMAWrites(
+            self.rt.cudaFlushGPUDirectRDMAWritesTarget.cudaFlushGPUDirectRDMAWritesTargetCurrentDevice,
+            self.rt.cudaFlushGPUDirectRDMAWritesScope.cudaFlushGPUDirectRDMAWritesToOwner))
+
     def host_register_support(self, ordinal: int) -> bool:
         return self._attr("cudaDevAttrHostRegisterSupported", ordinal) == 1
 
