@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
+import dataclasses
 import itertools
 import json
 import logging
@@ -39,6 +40,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +52,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from hurray_ipc.client import BrokerUnavailable, Consumer, Producer
 from hurray_ipc.client.endpoint import default_endpoint
 from hurray_ipc.contract.sync import check_network_handle
-from hurray_ipc.devices import CudaDevice, open_device
+from hurray_ipc.devices import CudaDevice, DeviceError, open_device
 from hurray_ipc.format.handle import BufferHandle, HandleError, SyncMode
 from hurray_ipc.interop import dlpack
 from hurray_ipc.transport.protocol import (
@@ -74,9 +76,6 @@ WINDOW = 4  # transfers a receiver grants ahead and holds unended at once (LINK_
 MAX_WINDOW = 64
 MAX_IN_FLIGHT = 4  # transfers a sender has queued and not yet released (bounds the handoffs it holds)
 PLANES = ("nixl", "zmq")  # data planes, in this bridge's order of preference (interchange.md R1)
-# A sending bridge is a CPU consumer of its broker: GPU buffers reach it host-staged (the producer
-# host-waited the copy), so its NIXL WRITEs always read host memory (LINK_WELCOME gpu_source).
-GPU_SOURCE = "host-staged"
 POLL_RDMA_S = 0.001  # how often a sending bridge looks at posted NIXL WRITEs
 POLL_QUEUED_S = 0.005  # ... at queued zmq frames (their trackers have no descriptor either)
 POLL_IDLE_S = 0.05
@@ -146,8 +145,8 @@ class BridgeOut:
     """Host A: a CPU consumer of ``channel`` on the local broker, streaming each buffer to peers."""
 
     def __init__(self, channel: str, listen: str, *, endpoint: str | None = None, curve: Curve | None = None,
-                 timeout_s: float = 3.0, chunk: int = CHUNK, rdma: bool = False):
-        self.channel, self.chunk, self.timeout_s = channel, chunk, timeout_s
+                 timeout_s: float = 3.0, chunk: int = CHUNK, rdma: bool = False, device: str = "cpu"):
+        self.channel, self.chunk, self.timeout_s, self.device = channel, chunk, timeout_s, device
         self.ctx = zmq.Context()
         self.auth = None
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -172,12 +171,25 @@ class BridgeOut:
         self.peers: dict[bytes, dict[str, Any]] = {}
         self.ids = itertools.count(1)
         self.stats = {"sent": 0, "rejected": 0, "aborted": 0}
-        # (handoff, trackers, transfer_id, peer, deadline, queued): sent, not yet released
-        self.in_flight: deque[tuple[Any, list[zmq.MessageTracker], int, bytes, float, bool]] = deque()
+        # (source, trackers, transfer_id, peer, deadline, queued): sent, not yet given back
+        self.in_flight: deque[tuple[Source, list[zmq.MessageTracker], int, bytes, float, bool]] = deque()
+        # GPU buffers this bridge stages to host itself (``device`` cuda:N, where the NIC cannot read them)
+        self.staging = DestinationPool(open_device("cpu"), keep=MAX_IN_FLIGHT)
         self.engine = open_engine(rdma, "out", channel)
         self.planes = PLANES if self.engine is not None else ("zmq",)
         self.rdma: dict[tuple[bytes, int], RdmaSend] = {}  # NIXL transfers: descriptor sent, not yet ended
         self.running = False
+
+    @property
+    def gpu_source(self) -> str:
+        """What this bridge's NIXL WRITEs read for GPU buffers (LINK_WELCOME, informational):
+        "device" (GPU memory in place: ``device`` cuda:N and NIXL takes VRAM) or "host-staged" (a
+        CPU consumer gets GPU buffers host-staged by the producer; a GPU one stages them itself)."""
+        if self.device == "cpu" or self.engine is None:
+            return "host-staged"
+        dev = open_device(self.device)
+        direct = isinstance(dev, CudaDevice) and (dev.identity.emulated or nixl_info().gpudirect)
+        return "device" if direct else "host-staged"
 
     def _reply(self, rid: bytes, msg: Message) -> None:
         try:
@@ -210,10 +222,10 @@ class BridgeOut:
             plane = next((x for x in offered if x in self.planes), "zmq")
             self.peers[rid] = {"credits": 0, "seen": now, "plane": plane, "window": window}
             log.info(json.dumps({"event": "linked", "data_plane": plane, "offered": offered[:8], "window": window,
-                                 "gpu_source": GPU_SOURCE,
+                                 "gpu_source": self.gpu_source,
                                  "peer_gpu_destination": str(msg.header.get("gpu_destination"))[:32]}))
             self._reply(rid, Message("LINK_WELCOME", {"protocol": INTERCHANGE_VERSION, "data_plane": plane,
-                                                      "gpu_source": GPU_SOURCE}))
+                                                      "gpu_source": self.gpu_source}))
         elif peer is None:
             self._reply(rid, Message("REJECT", {"reason": "not_linked", "message": "send LINK_HELLO first"}))
         elif msg.verb == "CREDIT":
@@ -235,27 +247,72 @@ class BridgeOut:
             peer["seen"] = now
             self._post_rdma(rid, msg)
 
-    def _describe(self, rid: bytes, tid: int, h: Any) -> BufferHandle:
-        """Send a transfer's TENSOR_DESCRIPTOR (both data planes); its checked handle."""
-        handle = check_network_handle(h.handle)  # a CPU consumer only ever gets 0x00; check anyway
-        self.sock.send_multipart([rid, *Message("TENSOR_DESCRIPTOR", {"transfer_id": tid, "meta": h.meta,
+    def _describe(self, rid: bytes, tid: int, src: Source) -> None:
+        """Send a transfer's TENSOR_DESCRIPTOR (both data planes)."""
+        handle = check_network_handle(src.handle)
+        self.sock.send_multipart([rid, *Message("TENSOR_DESCRIPTOR", {"transfer_id": tid, "meta": src.meta,
                                                                       "total_bytes": handle.size},
                                                 {"handle": handle.encode()}).encode()])
-        return handle
+
+    def _source(self, h: Any, nic: bool) -> Source:
+        """What a transfer of handoff ``h`` reads, every write to it retired (ADR-018 §6), and how it
+        is given back. Host memory is read in place. GPU memory (``device`` cuda:N) is read in place
+        by the NIC (``nic``) where NIXL takes it (VRAM; an emulated GPU's memory is host memory),
+        else copied to a host buffer here (host-waited) and the handoff released at once."""
+        buf = h.buffer.device_buffer
+        handle = dataclasses.replace(h.handle, sync_mode=SyncMode.PRODUCER_SYNCED)  # true once retired
+        dev = buf.device
+        if not isinstance(dev, CudaDevice):
+            # a host buffer: the producer host-waited its writes (PRODUCER_SYNCED or host-staged)
+            return Source(handle, h.meta, buf.ptr, "DRAM", 0, h.buffer, buf.host_view(), h.release)
+        consumer = self.consumer
+        if consumer is None or consumer.stream is None:
+            raise RuntimeError(f"bridge consumer on {self.device} has no CUDA stream")
+        h.wait()  # the consumer's stream after the producer's writes...
+        consumer.stream.synchronize()  # ...and the host after the stream: the writes retired
+        if nic and (dev.identity.emulated or nixl_info().gpudirect):
+            dev.rdma_source(buf)
+            kind, ordinal = ("DRAM", 0) if dev.identity.emulated else ("VRAM", dev.ordinal)
+            return Source(handle, h.meta, buf.ptr, kind, ordinal, h.buffer, None, h.release)
+        host = self.staging.take(buf.size)
+        try:
+            consumer.stream.copy(host, buf)
+            consumer.stream.synchronize()
+        except BaseException:
+            self.staging.give(host)
+            raise
+        h.release()
+        return Source(handle, h.meta, host.ptr, "DRAM", 0, host, host.host_view(), lambda: self.staging.give(host))
+
+    def _start(self, rid: bytes, h: Any, nic: bool) -> Source | None:
+        """The source of a new transfer to ``rid``, or None when it cannot be read (the handoff is
+        released, the peer's credit given back, the reason logged)."""
+        try:
+            return self._source(h, nic)
+        except (DeviceError, RdmaError, RuntimeError) as e:
+            self.peers[rid]["credits"] += 1
+            self.stats["aborted"] += 1
+            log.warning(json.dumps({"event": "source_unreadable", "error": str(e)}))
+            if not h.released:
+                h.release()
+            return None
 
     def _transfer_rdma(self, rid: bytes, h: Any) -> None:
         """The NIXL plane: send the descriptor; the WRITE is posted when the receiver's RDMA_REGISTER
         arrives (:meth:`_post_rdma`), and TENSOR_DATA_END follows its observed completion."""
+        src = self._start(rid, h, nic=True)
+        if src is None:
+            return
         tid = next(self.ids)
         try:
-            handle = self._describe(rid, tid, h)
+            self._describe(rid, tid, src)
         except (zmq.ZMQError, HandleError) as e:
             self._abort(rid, tid, e)
-            h.release()
+            src.done()
             return
         # Until the offer: the receiver allocates and registers the destination (first use: faulted in).
-        bound = self.timeout_s * 4 + transfer_bound(self.timeout_s, handle.size)
-        self.rdma[(rid, tid)] = RdmaSend(h, rid, tid, handle.size, time.monotonic() + bound)
+        bound = self.timeout_s * 4 + transfer_bound(self.timeout_s, src.handle.size)
+        self.rdma[(rid, tid)] = RdmaSend(src, rid, tid, src.handle.size, time.monotonic() + bound)
 
     def _post_rdma(self, rid: bytes, msg: Message) -> None:
         """RDMA_REGISTER: register the source (its writes retired: the sending bridge is a CPU
@@ -272,7 +329,7 @@ class BridgeOut:
         offer = {"header": {k: v for k, v in msg.header.items() if k != "transfer_id"},
                  "frames": [bytes(msg.frames["metadata"])]}
         try:
-            s.reg = self.engine.register(s.h.buffer.ptr, s.size, "DRAM", owner=s.h.buffer)
+            s.reg = self.engine.register(s.src.ptr, s.size, s.src.kind, s.src.nixl_device, owner=s.src.owner)
             s.xfer = self.engine.write(s.reg, offer, notif=str(tid).encode())
             s.deadline = time.monotonic() + transfer_bound(self.timeout_s, s.size)  # R4.1
             peer = self.peers.get(rid)
@@ -324,7 +381,7 @@ class BridgeOut:
         except RdmaError as e:
             log.warning(json.dumps({"event": "rdma_release_failed", "transfer_id": s.tid, "error": str(e)}))
         finally:
-            s.h.release()
+            s.src.done()
 
     def _give_up_rdma(self, stuck: RdmaSend) -> None:
         """R4.5: NIXL could not cancel a WRITE. Close the agent (its sources are released only
@@ -342,7 +399,7 @@ class BridgeOut:
             # No REJECT: it would tell the receiver that nothing writes its destination any more,
             # and a closed agent is no fence (R4.4). The receiver supersedes or times out the
             # partial transfer instead, which quarantines the destination.
-            s.h.release()
+            s.src.done()
         self.peers.clear()
         log.warning(json.dumps({"event": "rdma_plane_dropped", "data_planes": list(self.planes)}))
 
@@ -372,12 +429,17 @@ class BridgeOut:
     def _transfer(self, rid: bytes, h: Any) -> None:
         """Queue one handoff's frames on the socket. It is released exactly once, by :meth:`_reap`,
         when ZeroMQ is done with every zero-copy frame, or here at once if queuing failed."""
+        src = self._start(rid, h, nic=False)
+        if src is None:
+            return
         tid = next(self.ids)
         trackers: list[zmq.MessageTracker] = []
+        view, size = src.view, src.handle.size
         try:
-            view = h.buffer.host_view()
-            handle = self._describe(rid, tid, h)
-            for off in range(0, handle.size, self.chunk):
+            if view is None:  # _source(nic=False) always gives host bytes
+                raise RuntimeError("a zmq-plane source without host bytes")
+            self._describe(rid, tid, src)
+            for off in range(0, size, self.chunk):
                 head = [b"TENSOR_DATA", json.dumps({"transfer_id": tid, "byte_offset_in_buffer": off}).encode()]
                 # copy=False: the chunk goes from the mapped buffer to the socket without a copy;
                 # its tracker says when ZeroMQ is done with it, so the release can follow safely.
@@ -387,7 +449,7 @@ class BridgeOut:
                 if tracker is None:  # pyzmq returns a tracker for every track=True send
                     raise RuntimeError("pyzmq returned no MessageTracker for a tracked send")
                 trackers.append(tracker)
-            end = Message("TENSOR_DATA_END", {"transfer_id": tid, "total_bytes": handle.size})
+            end = Message("TENSOR_DATA_END", {"transfer_id": tid, "total_bytes": size})
             self.sock.send_multipart([rid, *end.encode()])
             queued = True
         except (zmq.ZMQError, HandleError) as e:
@@ -395,7 +457,7 @@ class BridgeOut:
             queued = False
         # Not waited for here: the next transfer's frames queue behind these at once, so the link
         # never drains between transfers (at most MAX_IN_FLIGHT are queued, see serve()).
-        self.in_flight.append((h, trackers, tid, rid, time.monotonic() + self.timeout_s * 4, queued))
+        self.in_flight.append((src, trackers, tid, rid, time.monotonic() + self.timeout_s * 4, queued))
 
     def _abort(self, rid: bytes, tid: int, e: Exception) -> None:
         self.stats["aborted"] += 1
@@ -407,7 +469,7 @@ class BridgeOut:
         ``block``: wait for them (closing). Past its deadline (a peer that stopped reading) a
         transfer is released anyway and counted aborted."""
         while self.in_flight:
-            h, trackers, tid, rid, deadline, queued = self.in_flight[0]
+            src, trackers, tid, rid, deadline, queued = self.in_flight[0]
             pending = [t for t in trackers if not t.done]
             if pending and not block and time.monotonic() < deadline:
                 return  # the oldest is still being sent; the later ones queue behind it
@@ -420,7 +482,7 @@ class BridgeOut:
             except zmq.NotDone as e:
                 self._abort(rid, tid, e)
             finally:
-                h.release()
+                src.done()
 
     def serve(self, stop: threading.Event | None = None) -> None:
         """Serve until ``stop`` is set. One thread does everything; it sleeps only in one poll, on
@@ -450,7 +512,7 @@ class BridgeOut:
                     self._poll_rdma()
                 if self.peers and self.consumer is None:
                     self.consumer = Consumer(
-                        self.local, self.channel, "cpu", prefetch=0, name=f"bridge-out:{self.channel}"
+                        self.local, self.channel, self.device, prefetch=0, name=f"bridge-out:{self.channel}"
                     )
                     self.consumer.session.wakers.append(wake)
                 elif not self.peers and self.consumer is not None:
@@ -525,6 +587,7 @@ class BridgeOut:
                 self.engine.close()
             if self.consumer is not None:
                 self.consumer.close()
+            self.staging.close()
             self.sock.close(linger=0)
             if self.auth is not None:
                 self.auth.stop()
@@ -532,10 +595,27 @@ class BridgeOut:
 
 
 @dataclass
+class Source:
+    """What one transfer of a sending bridge reads: ``ptr`` in NIXL memory ``kind`` (and GPU
+    ``nixl_device``), every write to it retired; ``view`` its bytes where the host can read them.
+    ``done`` gives it back (releases the handoff, or returns a staging buffer), exactly once, when
+    neither ZeroMQ nor NIXL reads it any more."""
+
+    handle: BufferHandle  # as the descriptor declares it: SYNC_PRODUCER_SYNCED
+    meta: dict[str, Any]
+    ptr: int
+    kind: str
+    nixl_device: int
+    owner: Any  # kept alive by a NIXL registration of it
+    view: memoryview | None
+    done: Callable[[], None]
+
+
+@dataclass
 class RdmaSend:
     """A NIXL transfer on the sending side, from its TENSOR_DESCRIPTOR to its end."""
 
-    h: Any  # the local handoff: released exactly once, when NIXL no longer reads it
+    src: Source  # given back exactly once, when NIXL no longer reads it
     rid: bytes
     tid: int
     size: int
@@ -1011,6 +1091,9 @@ def main(argv: list[str] | None = None) -> int:
                             "on a trusted fabric (interchange.md R1.5); without nixl the link stays on zmq")
     o, i = sub.choices["out"], sub.choices["in"]
     o.add_argument("--listen", required=True)
+    o.add_argument("--device", default="cpu",
+                   help="take buffers as cpu (GPU ones host-staged by their producer) or cuda:N (GPU memory: read "
+                        "in place by NIXL where it takes VRAM, else copied to host here)")
     o.add_argument("--server-key", help="server secret certificate (keygen: server.key_secret)")
     o.add_argument("--clients", help="directory of authorised client public certificates")
     i.add_argument("--connect", required=True)
@@ -1029,7 +1112,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "out":
             curve = None if a.insecure else Curve.server(a.server_key or "", a.clients or "")
             bridge: Any = BridgeOut(a.channel, a.listen, endpoint=a.endpoint, curve=curve, timeout_s=a.timeout,
-                                    rdma=a.rdma)
+                                    rdma=a.rdma, device=a.device)
         else:
             curve = None if a.insecure else Curve.client(a.client_key or "", a.server_public or "")
             bridge = BridgeIn(
@@ -1038,6 +1121,9 @@ def main(argv: list[str] | None = None) -> int:
             )
     except (OSError, ValueError) as e:
         print(f"bridge: {e} (CurveZMQ keys are required unless --insecure)", file=sys.stderr)
+        return 2
+    except DeviceError as e:
+        print(f"bridge: --device {a.device}: {e}", file=sys.stderr)
         return 2
     stop = threading.Event()
     import signal

@@ -401,6 +401,36 @@ def test_nixl_writes_into_receiver_gpu_and_flushes_before_handing_on(two_brokers
     assert '"peer_gpu_destination": "device"' in out_err and '"gpu_source": "host-staged"' in out_err
 
 
+@pytest.mark.parametrize("plane", ["zmq", "nixl"])
+def test_sending_bridge_on_the_gpu_reads_retired_device_memory(two_brokers, plane):
+    """out --device cuda:0: GPU buffers come to the sending bridge by IPC (EVENT), not host-staged
+    by the producer. On the NIXL plane the NIC reads them in place, only after the bridge host-waited
+    the producer's writes (the emulation checks the NIC's read as a host read: without the wait it
+    is a race and the transfer is refused); on the zmq plane the bridge stages them to host itself."""
+    if plane == "nixl" and _nixl_reason() is not None:
+        pytest.skip(f"NIXL unusable: {_nixl_reason()}")
+    rdma = ["--rdma"] if plane == "nixl" else []
+    a, b = two_brokers
+    url = f"tcp://127.0.0.1:{free_port()}"
+    env = emu_config().to_env()
+    out = bridge("out", "--channel", "s", "--endpoint", a.endpoint, "--listen", url, "--insecure", "--device",
+                 "cuda:0", *rdma, env=env)
+    inn = bridge("in", "--channel", "s", "--endpoint", b.endpoint, "--connect", url, "--insecure", *rdma)
+    try:
+        c = Proc(workload.run_consumer, endpoint=b.endpoint, channel="s", device="cpu", count=4, env={}, timeout=40)
+        p = Proc(workload.run_producer, endpoint=a.endpoint, channel="s", device="cuda:0", count=4, size=1 << 20,
+                 env=env, timeout=40)
+        pr, cr = p.result(), c.result()
+    finally:
+        out_err, in_err = stop(out), stop(inn)
+    assert pr["error"] is None and cr["error"] is None, (pr["error"], cr["error"], out_err[-1500:], in_err[-800:])
+    assert pr["staged"] == 0 and pr["races"] == 0, pr
+    assert pr["sent"] == pr["released"] == 4 and cr["received"] == cr["intact"] == 4, (pr, cr)
+    assert "source_unreadable" not in out_err, out_err[-1500:]
+    want = "device" if plane == "nixl" else "host-staged"
+    assert f'"gpu_source": "{want}"' in out_err, out_err[-1500:]
+
+
 @NEEDS_NIXL
 @pytest.mark.parametrize("side", ["out", "in"])
 def test_a_bridge_without_nixl_still_links_over_zmq(two_brokers, side):

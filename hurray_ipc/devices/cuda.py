@@ -313,6 +313,11 @@ class CudaDevice(Device):
         until :meth:`flush_rdma_writes` after those writes (the emulation checks it)."""
         self.rt.rdma_expose(buf.ptr)
 
+    def rdma_source(self, buf: Buffer) -> None:
+        """A NIC is about to read ``buf`` (a NIXL WRITE's source): the caller host-waited its writes
+        (ADR-018 §6); the emulation checks that it did."""
+        self.rt.rdma_source(buf.ptr, buf.size)
+
     def flush_rdma_writes(self) -> None:
         """Block until every NIC write into this device's memory so far is visible to the device:
         the receiver's half of ADR-018 §6's GPUDirect ordering, done before a buffer is handed on."""

@@ -157,6 +157,10 @@ class Runtime(ABC):
     def rdma_expose(self, ptr: int) -> None:
         """``ptr``'s allocation is about to be offered to a NIC for writes."""
 
+    def rdma_source(self, ptr: int, nbytes: int) -> None:
+        """A NIC is about to read ``[ptr, ptr + nbytes)`` of device memory (a NIXL WRITE's source):
+        the writes to it must have retired, as for a host read (ADR-018 §6). Real CUDA: nothing to do."""
+
     def flush_rdma_writes(self) -> None:
         """Block until every NIC write to the current device's memory issued so far is visible to
         the device (a no-op where the device orders them itself)."""

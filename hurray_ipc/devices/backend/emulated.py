@@ -378,12 +378,15 @@ class EmulatedRuntime(Runtime):
             more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
             raise RaceError(call, found[0] + more, code="emulated race")
 
-    def _host_access(self, a: _Alloc, call: str) -> None:
-        """A host operation on a whole allocation (cudaFree): checked like a write."""
+    def _host_access(self, a: _Alloc, call: str, ptr: int | None = None, nbytes: int | None = None,
+                     is_write: bool = True) -> None:
+        """A host operation on an allocation: the whole of it as a write (cudaFree), or a range."""
         with self._hb:
             self._host_count += 1
             self._host_clock[self._host] = self._host_count
-            self._check(a, a.base, max(a.size, 1), True, self._host, dict(self._host_clock), "host", call)
+            lo = a.base if ptr is None else ptr
+            n = max(a.size, 1) if nbytes is None else nbytes
+            self._check(a, lo, n, is_write, self._host, dict(self._host_clock), "host", call)
 
     # --- happens-before edges carried by messages between processes ----------------------------
     def _mail(self, key: str) -> str:
@@ -526,6 +529,15 @@ class EmulatedRuntime(Runtime):
         if a is None:
             raise DeviceError("rdma_expose", f"0x{ptr:x} is not emulated device memory", code="cudaErrorInvalidValue")
         a.seg.map[_NIC] = 1
+
+    def rdma_source(self, ptr: int, nbytes: int) -> None:
+        a = self._find(ptr)
+        if a is None or ptr + nbytes > a.base + a.size:
+            raise DeviceError("rdma_source", f"[0x{ptr:x}, +{nbytes}) is not emulated device memory",
+                              code="cudaErrorInvalidValue")
+        if self.checking:  # the NIC reads with the host's knowledge: checked as a host read, raised now
+            self._host_access(a, "NIXL WRITE source read", ptr, nbytes, is_write=False)
+            self._raise_races("NIXL WRITE source read")
 
     def flush_rdma_writes(self) -> None:
         dev = self._device()
