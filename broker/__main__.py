@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="CHANNEL=tcp://HOST:PORT",
                    help="bridge: receive this channel from a remote broker's --export (repeatable)")
     p.add_argument("--import-device", type=device, default="cpu", help="hand imported buffers on as cpu or cuda:N")
+    p.add_argument("--export-device", type=device, default="cpu",
+                   help="take exported buffers as cpu (GPU ones host-staged by their producer) or cuda:N")
+    p.add_argument("--bridge-rdma", action="store_true",
+                   help="offer NIXL (UCX) as the bridges' data plane (trusted fabrics only: interchange.md R1)")
     p.add_argument("--bridge-keys", metavar="DIR",
                    help="CurveZMQ keys as written by 'python -m hurray_ipc.broker.bridge keygen'")
     p.add_argument("--bridge-insecure", action="store_true", help="bridge over plaintext TCP")
@@ -130,11 +134,13 @@ def _bridges(a: argparse.Namespace, endpoint: str) -> list[BridgeOut | BridgeIn]
             raise ValueError(f"bridge {spec!r}: expected CHANNEL=tcp://ADDRESS:PORT")
         if make == "out":
             curve = Curve.server(str(keys / "server.key_secret"), str(keys / "clients")) if keys else None
-            out.append(BridgeOut(channel, url, endpoint=endpoint, curve=curve, timeout_s=a.timeout))
+            out.append(BridgeOut(channel, url, endpoint=endpoint, curve=curve, timeout_s=a.timeout,
+                                 rdma=a.bridge_rdma, device=a.export_device))
         else:
             curve = Curve.client(str(keys / "client.key_secret"), str(keys / "server.key")) if keys else None
             out.append(
-                BridgeIn(channel, url, endpoint=endpoint, curve=curve, device=a.import_device, timeout_s=a.timeout)
+                BridgeIn(channel, url, endpoint=endpoint, curve=curve, device=a.import_device, timeout_s=a.timeout,
+                         rdma=a.bridge_rdma)
             )
     return out
 

@@ -295,14 +295,21 @@ def test_bridge_copies_to_receiver_gpu(two_brokers):
         stop(out), stop(inn)
 
 
-def test_brokers_bridge_channels_themselves(tmp_path, keys):
-    """hurray-broker --export / --import: the brokers run the bridge, no separate process."""
+@pytest.mark.parametrize("plane", ["zmq", "nixl"])
+def test_brokers_bridge_channels_themselves(tmp_path, keys, plane):
+    """hurray-broker --export / --import: the brokers run the bridge, no separate process
+    (--bridge-rdma: on the NIXL plane)."""
+    if plane == "nixl" and _nixl_reason() is not None:
+        pytest.skip(f"NIXL unusable: {_nixl_reason()}")
+    rdma = ["--bridge-rdma"] if plane == "nixl" else []
     url = f"tcp://127.0.0.1:{free_port()}"
     a_ep, b_ep = f"ipc://{tmp_path}/ea.sock", f"ipc://{tmp_path}/eb.sock"
     procs = [subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker", "--endpoint", a_ep, "--log-level", "warning",
-                               "--export", f"e={url}", "--bridge-keys", str(keys)], stderr=subprocess.PIPE, text=True),
-             subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker", "--endpoint", b_ep, "--log-level", "warning",
-                               "--import", f"e={url}", "--bridge-keys", str(keys)], stderr=subprocess.PIPE, text=True)]
+                               "--export", f"e={url}", "--bridge-keys", str(keys), *rdma], stderr=subprocess.PIPE,
+                              text=True),
+             subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker", "--endpoint", b_ep, "--log-level", "info",
+                               "--import", f"e={url}", "--bridge-keys", str(keys), *rdma], stderr=subprocess.PIPE,
+                              text=True)]
     try:
         c = Proc(workload.run_consumer, endpoint=b_ep, channel="e", device="cpu", count=3, env={})
         p = Proc(workload.run_producer, endpoint=a_ep, channel="e", device="cpu", count=3, size=1 << 20, env={})
@@ -312,6 +319,7 @@ def test_brokers_bridge_channels_themselves(tmp_path, keys):
     finally:
         errs = [stop(x) for x in procs]
     assert all(x.returncode == 0 for x in procs), errs
+    assert f'"data_plane": "{plane}"' in errs[1], errs[1][-1500:]
 
 
 def test_broker_bridge_needs_keys_or_insecure(tmp_path):
@@ -429,6 +437,39 @@ def test_sending_bridge_on_the_gpu_reads_retired_device_memory(two_brokers, plan
     assert "source_unreadable" not in out_err, out_err[-1500:]
     want = "device" if plane == "nixl" else "host-staged"
     assert f'"gpu_source": "{want}"' in out_err, out_err[-1500:]
+
+
+@pytest.mark.gpu
+@NEEDS_NIXL
+def test_real_gpu_to_gpu_over_nixl(two_brokers):
+    """Real CUDA (scripts/gpu-check): a producer's GPU buffers reach a consumer's GPU through both
+    bridges on the NIXL plane, VRAM to VRAM between two processes where NIXL takes VRAM, with no
+    host staging on either side, intact and released once each."""
+    from conftest import REAL_SKIP
+    from hurray_ipc.broker.rdma import nixl_info
+
+    if REAL_SKIP:
+        pytest.skip(f"real CUDA not available here: {REAL_SKIP}")
+    a, b = two_brokers
+    url = f"tcp://127.0.0.1:{free_port()}"
+    env = {"HURRAY_CUDA": "real"}
+    out = bridge("out", "--channel", "g2g", "--endpoint", a.endpoint, "--listen", url, "--insecure", "--rdma",
+                 "--device", "cuda:0", env=env)
+    inn = bridge("in", "--channel", "g2g", "--endpoint", b.endpoint, "--connect", url, "--insecure", "--rdma",
+                 "--device", "cuda:0", env=env)
+    try:
+        c = Proc(workload.run_consumer, endpoint=b.endpoint, channel="g2g", device="cuda:0", count=4, env=env)
+        p = Proc(workload.run_producer, endpoint=a.endpoint, channel="g2g", device="cuda:0", count=4, size=64 << 20,
+                 env=env)
+        pr, cr = p.result(), c.result()
+    finally:
+        out_err, in_err = stop(out), stop(inn)
+    logs = f"out: {out_err[-1200:]}\nin: {in_err[-1200:]}"
+    assert pr["error"] is None and cr["error"] is None, (pr["error"], cr["error"], logs)
+    assert pr["sent"] == pr["released"] == 4 and cr["received"] == cr["intact"] == 4, (pr, cr, logs)
+    path = "device" if nixl_info().gpudirect else "host-staged"
+    assert f'"gpu_source": "{path}"' in out_err and f'"path": "{path}"' in in_err, logs
+    print(f"GPU to GPU over NIXL: {path} on both sides; {logs[-600:]}")
 
 
 @NEEDS_NIXL
