@@ -158,16 +158,17 @@ def test_link_cut_mid_transfer_releases_once(two_brokers, plane):
     inn = bridge("in", "--channel", "y", "--endpoint", b.endpoint, "--connect", url, "--insecure", *rdma)
     try:
         counters = SPAWN.Array("q", workload.COUNTERS)
-        p = Proc(workload.run_producer, endpoint=a.endpoint, channel="y", device="cpu", count=1, size=256 << 20,
-                 env={}, pool=1, counters=counters)
+        # several transfers in flight (the receiver's window is 4) when the link is cut
+        p = Proc(workload.run_producer, endpoint=a.endpoint, channel="y", device="cpu", count=4, size=96 << 20,
+                 env={}, pool=4, counters=counters)
         deadline = time.monotonic() + 60
-        while counters[workload.P_SENT] < 1:  # the bridge has the handoff: the transfer is under way
+        while counters[workload.P_SENT] < 4:  # the bridge took all four: transfers are under way
             assert time.monotonic() < deadline, "the handoff never reached the bridge"
             time.sleep(0.01)
         inn.kill()  # cut the link mid-transfer (or just after): either way one release, in bounded time
         pr = p.result(timeout=120)
         assert pr["error"] is None, pr["error"]
-        assert pr["sent"] == pr["released"] == 1, "released back to the producer exactly once"
+        assert pr["sent"] == pr["released"] == 4, "each released back to the producer exactly once"
     finally:
         stop(out), stop(inn)
 
