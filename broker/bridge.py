@@ -64,7 +64,7 @@ from hurray_ipc.transport.protocol import (
     decode,
 )
 
-from .rdma import RdmaEngine, RdmaError, Registration, Transfer, nixl_available, nixl_info
+from .rdma import Offer, RdmaEngine, RdmaError, Registration, Transfer, nixl_available, nixl_info
 
 log = logging.getLogger("hurray.bridge")
 
@@ -76,6 +76,7 @@ WINDOW = 4  # transfers a receiver grants ahead and holds unended at once (LINK_
 MAX_WINDOW = 64
 MAX_IN_FLIGHT = 4  # transfers a sender has queued and not yet released (bounds the handoffs it holds)
 PLANES = ("nixl", "zmq")  # data planes, in this bridge's order of preference (interchange.md R1)
+WRITE_CHUNK = 64 << 20  # bytes per NIXL WRITE (see BridgeOut._post_next_write)
 POLL_RDMA_S = 0.001  # how often a sending bridge looks at posted NIXL WRITEs
 POLL_QUEUED_S = 0.005  # ... at queued zmq frames (their trackers have no descriptor either)
 POLL_IDLE_S = 0.05
@@ -315,38 +316,76 @@ class BridgeOut:
         self.rdma[(rid, tid)] = RdmaSend(src, rid, tid, src.handle.size, time.monotonic() + bound)
 
     def _post_rdma(self, rid: bytes, msg: Message) -> None:
-        """RDMA_REGISTER: register the source (its writes retired: the sending bridge is a CPU
-        consumer, its buffers arrive PRODUCER_SYNCED or host-staged) and post the WRITE."""
+        """RDMA_REGISTER: check the offer, register the source (its writes retired, see
+        :meth:`_source`); its WRITEs are then posted by :meth:`_post_next_write`."""
         tid = msg.header.get("transfer_id")
         s = self.rdma.get((rid, tid)) if type(tid) is int else None
-        if s is not None and s.xfer is None and self.engine is None:  # the NIXL plane was dropped (R4.5)
+        if s is not None and s.offer is None and self.engine is None:  # the NIXL plane was dropped (R4.5)
             self._end_rdma(s, "rdma_failed", "this bridge closed its NIXL agent")
             return
-        if s is None or s.xfer is not None or self.engine is None:
+        if s is None or s.offer is not None or self.engine is None:
             self._reply(rid, Message("REJECT", {"transfer_id": tid, "reason": "unexpected",
                                                 "message": "no transfer of this link waits for RDMA_REGISTER"}))
             return
-        offer = {"header": {k: v for k, v in msg.header.items() if k != "transfer_id"},
-                 "frames": [bytes(msg.frames["metadata"])]}
+        wire = {"header": {k: v for k, v in msg.header.items() if k != "transfer_id"},
+                "frames": [bytes(msg.frames["metadata"])]}
         try:
+            offer = Offer.from_wire(wire)
+            if offer.size < s.size:
+                raise RdmaError(f"bad offer: {offer.size} bytes offered for a transfer of {s.size}")
             s.reg = self.engine.register(s.src.ptr, s.size, s.src.kind, s.src.nixl_device, owner=s.src.owner)
-            s.xfer = self.engine.write(s.reg, offer, notif=str(tid).encode())
-            s.deadline = time.monotonic() + transfer_bound(self.timeout_s, s.size)  # R4.1
-            peer = self.peers.get(rid)
-            if peer is not None:
-                peer.setdefault("agents", set()).add(s.xfer.peer)
         except RdmaError as e:
             self._end_rdma(s, "bad_offer" if "bad offer" in str(e) else "rdma_failed", str(e))
+            return
+        s.offer, s.offered_at = offer, time.monotonic()
+        s.deadline = s.offered_at + transfer_bound(self.timeout_s, s.size)  # R4.1 and R4.3, from the first post
+        peer = self.peers.get(rid)
+        if peer is not None:
+            peer.setdefault("agents", set()).add(offer.agent)
+
+    def _post_next_write(self) -> bool:
+        """Post one WRITE of at most WRITE_CHUNK bytes, for the oldest transfer with bytes left: a
+        post copies synchronously on UCX's shared-memory transports, so one per turn of the loop
+        keeps the link answered (a 1 GiB post would hold it for a second or more). True if one was
+        posted."""
+        for s in self.rdma.values():
+            if s.offer is None or s.reg is None or s.next_off >= s.size or self.engine is None:
+                continue
+            if time.monotonic() > s.deadline:  # R4.3: no WRITE into an offer older than T
+                bound = transfer_bound(self.timeout_s, s.size)
+                self._end_rdma(s, "rdma_timeout", f"the offer is older than {bound:g} s")
+                return False
+            n = min(WRITE_CHUNK, s.size - s.next_off)
+            last = s.next_off + n >= s.size
+            try:
+                x = self.engine.write(s.reg, s.offer, notif=str(s.tid).encode() if last else b"",
+                                      part=(s.next_off, n))
+            except RdmaError as e:
+                self._end_rdma(s, "bad_offer" if "bad offer" in str(e) else "rdma_failed", str(e))
+                return False
+            s.writes.append((x, s.next_off, n))
+            s.next_off += n
+            return True
+        return False
 
     def _poll_rdma(self) -> None:
-        """Each posted WRITE whose completion NIXL reports (DONE) is announced (RDMA_READY) and
-        only then ended (TENSOR_DATA_END, ADR-018 §6); ERR or the deadline end it with a REJECT."""
+        """Each posted WRITE whose completion NIXL reports (DONE) is announced (RDMA_READY for its
+        range); once all are, the transfer ends with TENSOR_DATA_END (R3.4-R3.5, ADR-018 §6). ERR or
+        the deadline end it with a REJECT."""
         now = time.monotonic()
         for s in list(self.rdma.values()):
             try:
-                if s.xfer is not None and s.xfer.poll():
-                    self._reply(s.rid, Message("RDMA_READY", {"transfer_id": s.tid, "byte_offset_in_buffer": 0,
-                                                              "length": s.size}))
+                for w in [w for w in s.writes if w[0].poll()]:
+                    if (s.rid, s.tid) not in self.rdma:
+                        break  # ended while we told the peer (it was dropped): its writes are released
+                    x, off, n = w
+                    s.writes.remove(w)
+                    x.release()  # DONE: NIXL reads none of it any more
+                    self._reply(s.rid, Message("RDMA_READY", {"transfer_id": s.tid, "byte_offset_in_buffer": off,
+                                                              "length": n}))
+                if (s.rid, s.tid) not in self.rdma:
+                    continue  # the peer was dropped while we told it
+                if s.offer is not None and s.next_off >= s.size and not s.writes:
                     self._reply(s.rid, Message("TENSOR_DATA_END", {"transfer_id": s.tid, "total_bytes": s.size}))
                     self.stats["sent"] += 1
                     self._end_rdma(s, None)
@@ -362,8 +401,9 @@ class BridgeOut:
         if self.rdma.pop((s.rid, s.tid), None) is None:
             return
         try:
-            if s.xfer is not None:
-                s.xfer.release()
+            while s.writes:  # NIXL cancels an in-flight one (R4.1)
+                s.writes[-1][0].release()
+                s.writes.pop()
         except RdmaError as e:
             log.warning(json.dumps({"event": "rdma_not_cancelled", "transfer_id": s.tid, "error": str(e)}))
             self._give_up_rdma(s)  # NIXL may still read the source: only closing the agent ends that
@@ -415,7 +455,7 @@ class BridgeOut:
         agent it offered from (a restarted receiver comes back under a new name, R4.7)."""
         peer = peer if peer is not None else self.peers.get(rid, {})
         gone = [s for s in self.rdma.values() if s.rid == rid]
-        agents = {s.xfer.peer for s in gone if s.xfer is not None} | set(peer.get("agents", ()))
+        agents = {s.offer.agent for s in gone if s.offer is not None} | set(peer.get("agents", ()))
         for s in gone:
             self._end_rdma(s, "link_lost", "the link was lost or set up again")
         for agent in agents:
@@ -508,8 +548,10 @@ class BridgeOut:
                 now = time.monotonic()
                 for rid in [r for r, p in self.peers.items() if now - p["seen"] > self.timeout_s]:
                     self._drop_peer(rid)
+                more = False
                 if self.rdma:
                     self._poll_rdma()
+                    more = self._post_next_write()
                 if self.peers and self.consumer is None:
                     self.consumer = Consumer(
                         self.local, self.channel, self.device, prefetch=0, name=f"bridge-out:{self.channel}"
@@ -526,8 +568,8 @@ class BridgeOut:
                 poller.register(wake_r, zmq.POLLIN)
                 if taking and self.consumer is not None:
                     poller.register(self.consumer.session.fd, zmq.POLLIN)
-                posted = any(x.xfer is not None for x in self.rdma.values())
-                wait = POLL_RDMA_S if posted else POLL_QUEUED_S if self.in_flight else POLL_IDLE_S
+                posted = any(x.writes for x in self.rdma.values())
+                wait = 0 if more else POLL_RDMA_S if posted else POLL_QUEUED_S if self.in_flight else POLL_IDLE_S
                 if poller.poll(int(wait * 1000)):
                     try:
                         while os.read(wake_r, 4096):
@@ -621,7 +663,10 @@ class RdmaSend:
     size: int
     deadline: float
     reg: Registration | None = None
-    xfer: Transfer | None = None
+    offer: Offer | None = None  # the receiver's RDMA_REGISTER, once it came
+    offered_at: float = 0.0
+    next_off: int = 0  # bytes posted so far, one WRITE_CHUNK at a time
+    writes: list[tuple[Transfer, int, int]] = dataclasses.field(default_factory=list)  # posted: (write, off, n)
 
 
 class DestinationPool:

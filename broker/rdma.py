@@ -453,14 +453,19 @@ class RdmaEngine:
         self._remotes.setdefault(name, set()).add(digest)
 
     def write(self, local: Registration, offer: dict[str, Any] | Offer, notif: bytes = b"", *,
-              offset: int = 0) -> Transfer:
-        """Post a NIXL WRITE of all of ``local`` to ``offset`` bytes into the offered region. The
+              offset: int = 0, part: tuple[int, int] | None = None) -> Transfer:
+        """Post a NIXL WRITE of all of ``local`` to ``offset`` bytes into the offered region; with
+        ``part`` = (start, length), of those bytes of ``local`` only, to ``offset + start``. The
         caller MUST have retired its writes to ``local`` (ADR-018 §6). ``notif`` reaches the peer's
         agent with the data. Returns the posted :class:`Transfer`; RdmaError names NIXL's state or
-        error."""
+        error. On UCX's shared-memory transports the post itself copies: it returns after
+        about ``length`` bytes' worth of memcpy."""
         o = offer if isinstance(offer, Offer) else Offer.from_wire(offer)
-        if offset < 0 or offset + local.size > o.size:
-            raise RdmaError(f"write of {local.size} bytes at offset {offset} does not fit the offered {o.size}")
+        start, n = part if part is not None else (0, local.size)
+        if start < 0 or n <= 0 or start + n > local.size:
+            raise RdmaError(f"part [{start}, +{n}) is outside the {local.size} registered bytes")
+        if offset < 0 or offset + start + n > o.size:
+            raise RdmaError(f"write of {n} bytes at offset {offset + start} does not fit the offered {o.size}")
         with self._lock:
             self._live()
             if local.released or self._regs.get(local.key) is not local:
@@ -468,25 +473,25 @@ class RdmaEngine:
             self._connect(o)
             dst_addr, _, dst_dev = o.descs[0]
             try:
-                src = self._agent.get_xfer_descs([(local.ptr, local.size, local.device)], local.kind)
-                dst = self._agent.get_xfer_descs([(dst_addr + offset, local.size, dst_dev)], o.kind)
+                src = self._agent.get_xfer_descs([(local.ptr + start, n, local.device)], local.kind)
+                dst = self._agent.get_xfer_descs([(dst_addr + offset + start, n, dst_dev)], o.kind)
                 if src is None or dst is None:
                     raise RdmaError(f"write to {o.agent}: NIXL built no transfer descriptor list")
                 handle = self._agent.initialize_xfer("WRITE", src, dst, o.agent, bytes(notif), [BACKEND])
             except RdmaError:
                 raise
             except Exception as e:  # noqa: BLE001 - re-raised as RdmaError
-                raise _nixl_error(f"prepare WRITE of {local.size} bytes to {o.agent}", e) from e
-            transfer = Transfer(self, handle, o.agent, local.size, "PROC")
+                raise _nixl_error(f"prepare WRITE of {n} bytes to {o.agent}", e) from e
+            transfer = Transfer(self, handle, o.agent, n, "PROC")
             self._transfers.add(transfer)
             try:
                 state = self._agent.transfer(handle)
             except Exception as e:  # noqa: BLE001 - re-raised as RdmaError
                 self._release_transfer(transfer, quiet=True)
-                raise _nixl_error(f"post WRITE of {local.size} bytes to {o.agent}", e) from e
+                raise _nixl_error(f"post WRITE of {n} bytes to {o.agent}", e) from e
             if state not in ("DONE", "PROC"):
                 self._release_transfer(transfer, quiet=True)
-                raise RdmaError(f"post WRITE of {local.size} bytes to {o.agent}: NIXL state {state}")
+                raise RdmaError(f"post WRITE of {n} bytes to {o.agent}: NIXL state {state}")
             transfer.state = state
             return transfer
 

@@ -375,6 +375,16 @@ def test_bridged_over_nixl(two_brokers):
 
 
 @NEEDS_NIXL
+def test_nixl_transfer_in_several_writes(two_brokers):
+    """A transfer over WRITE_CHUNK goes as several WRITEs, each announced by its own RDMA_READY range
+    (R2): bytes land where they belong, the last, shorter range included."""
+    from hurray_ipc.broker.bridge import WRITE_CHUNK
+
+    a, b = two_brokers
+    _bridged_pair(a, b, f"tcp://127.0.0.1:{free_port()}", ["--rdma"], ["--rdma"], n=2, size=2 * WRITE_CHUNK + 4097)
+
+
+@NEEDS_NIXL
 def test_bridged_over_nixl_on_ucx_tcp(two_brokers, monkeypatch):
     """NIXL runs without its progress thread in a bridge (it spins a core per agent): on UCX's TCP
     transport a WRITE lands only while the receiving bridge makes progress, which it must do
