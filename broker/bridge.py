@@ -496,8 +496,11 @@ class BridgeOut:
             self._abort(rid, tid, e)
             queued = False
         # Not waited for here: the next transfer's frames queue behind these at once, so the link
-        # never drains between transfers (at most MAX_IN_FLIGHT are queued, see serve()).
-        self.in_flight.append((src, trackers, tid, rid, time.monotonic() + self.timeout_s * 4, queued))
+        # never drains between transfers (at most MAX_IN_FLIGHT are queued, see serve()). Its frames
+        # leave after those queued ahead of them: the deadline counts their bytes too (R4's bound).
+        ahead = sum(q[0].handle.size for q in self.in_flight)
+        deadline = time.monotonic() + self.timeout_s + transfer_bound(self.timeout_s, ahead + size)
+        self.in_flight.append((src, trackers, tid, rid, deadline, queued))
 
     def _abort(self, rid: bytes, tid: int, e: Exception) -> None:
         self.stats["aborted"] += 1
