@@ -789,12 +789,18 @@ def bench_bridge(tmp: Path, size: int, n: int, curve: bool, rdma: bool = False) 
     try:
         while not all(Path(ep[6:]).exists() for ep in (a, b)):
             time.sleep(0.02)
-        procs.append(subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker.bridge", "out", "--channel", "bb",
-                                       "--endpoint", a, "--listen", url, *out_sec], stderr=subprocess.DEVNULL))
-        procs.append(subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker.bridge", "in", "--channel", "bb",
-                                       "--endpoint", b, "--connect", url, *in_sec], stderr=subprocess.DEVNULL))
-        src, sink = _pair((_bridge_source, {"endpoint": a, "channel": "bb", "n": n, "size": size}),
-                          (_bridge_sink, {"endpoint": b, "channel": "bb", "n": n}))
+        logs = [tmp / f"bridge-{side}-{tag}.log" for side in ("out", "in")]
+        with logs[0].open("w") as out_log, logs[1].open("w") as in_log:
+            procs.append(subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker.bridge", "out", "--channel", "bb",
+                                           "--endpoint", a, "--listen", url, *out_sec], stderr=out_log))
+            procs.append(subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker.bridge", "in", "--channel", "bb",
+                                           "--endpoint", b, "--connect", url, *in_sec], stderr=in_log))
+        try:
+            src, sink = _pair((_bridge_source, {"endpoint": a, "channel": "bb", "n": n, "size": size}),
+                              (_bridge_sink, {"endpoint": b, "channel": "bb", "n": n}))
+        except RuntimeError as e:  # a failed row says what the bridges said
+            tails = "\n".join(f"{f.name}: {f.read_text()[-1500:]}" for f in logs)
+            raise RuntimeError(f"{e}\n{tails}") from None
     finally:
         for p in reversed(procs):
             p.terminate()
