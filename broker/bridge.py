@@ -8,12 +8,14 @@
         --client-key keys/client.key_secret --server-public keys/server.key [--device cuda:0]
     python -m hurray_ipc.broker.bridge keygen keys          # server and client certificates (CurveZMQ)
 
-The sending side is a *CPU consumer* of its local broker, so every GPU buffer reaches it host-staged
-(the producer host-waited the copy): device writes are visible to host reads before the first
-TENSOR_DATA frame, and every handle it sends is SYNC_PRODUCER_SYNCED. The receiving side is a
-producer on its local broker: it reassembles TENSOR_DATA frames straight into one shared-memory
-buffer (a buffer never has to fit in memory twice), never hands it on before TENSOR_DATA_END, and
-hands it on as SYNC_PRODUCER_SYNCED (copied to its GPU first with ``--device cuda:N``).
+The sending side is a consumer of its local broker. As a CPU consumer (the default) it gets every
+GPU buffer host-staged (the producer host-waited the copy); with ``--device cuda:N`` it gets GPU
+buffers by IPC and host-waits the producer's writes itself. Either way device writes are retired
+before the first TENSOR_DATA frame or NIXL WRITE, and every handle it sends is
+SYNC_PRODUCER_SYNCED. The receiving side is a producer on its local broker: it reassembles each
+transfer straight into one buffer (a buffer never has to fit in memory twice), never hands it on
+before TENSOR_DATA_END, and hands it on as SYNC_PRODUCER_SYNCED (with ``--device cuda:N``: copied
+to its GPU first, or, on the NIXL plane where the GPU allows, written there by the NIC and flushed).
 
 Flow control is by credit: the receiver grants one transfer per CREDIT{n: 1} (its window, WINDOW
 by default, at link set-up), and sends the next CREDIT once a buffer was handed to a local
@@ -143,7 +145,8 @@ def keygen(directory: str) -> None:
 
 
 class BridgeOut:
-    """Host A: a CPU consumer of ``channel`` on the local broker, streaming each buffer to peers."""
+    """Host A: a consumer of ``channel`` on the local broker (on ``device``: cpu, or cuda:N to take
+    GPU buffers by IPC), streaming each buffer to peers."""
 
     def __init__(self, channel: str, listen: str, *, endpoint: str | None = None, curve: Curve | None = None,
                  timeout_s: float = 3.0, chunk: int = CHUNK, rdma: bool = False, device: str = "cpu"):
