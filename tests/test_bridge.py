@@ -108,6 +108,27 @@ def send(s, rid, verb, header, *frames):
     s.send_multipart([rid, verb.encode(), json.dumps(header).encode(), *frames])
 
 
+def raw_receiver(url):
+    """A hand-driven receiving peer: its DEALER socket, say(verb, header, *frames), expect(verb) -> header."""
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(url)
+
+    def say(verb, header, *frames):
+        s.send_multipart([verb.encode(), json.dumps(header).encode(), *frames])
+
+    def expect(verb, timeout=30):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if s.poll(100):
+                parts = s.recv_multipart()
+                if parts[0] == verb.encode():
+                    return json.loads(parts[1])
+        raise AssertionError(f"no {verb}")
+
+    return s, say, expect
+
+
 def test_receiver_rejects_non_synced_and_discards_partial(two_brokers):
     _, b = two_brokers
     url = f"tcp://127.0.0.1:{free_port()}"
@@ -503,22 +524,7 @@ def test_a_malformed_transfer_id_does_not_end_the_sending_bridge(two_brokers):
     a, _ = two_brokers
     url = f"tcp://127.0.0.1:{free_port()}"
     out = bridge("out", "--channel", "m", "--endpoint", a.endpoint, "--listen", url, "--insecure")
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(url)
-
-    def say(verb, header, *frames):
-        s.send_multipart([verb.encode(), json.dumps(header).encode(), *frames])
-
-    def expect(verb):
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if s.poll(100):
-                parts = s.recv_multipart()
-                if parts[0] == verb.encode():
-                    return json.loads(parts[1])
-        raise AssertionError(f"no {verb}")
-
+    s, say, expect = raw_receiver(url)
     try:
         say("LINK_HELLO", {"protocol": 1, "channel": "m"})
         expect("LINK_WELCOME")
@@ -576,22 +582,7 @@ def test_nixl_plane_keeps_a_window_of_transfers_in_flight(two_brokers):
     a, _ = two_brokers
     url = f"tcp://127.0.0.1:{free_port()}"
     out = bridge("out", "--channel", "n", "--endpoint", a.endpoint, "--listen", url, "--insecure", "--rdma")
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(url)
-
-    def say(verb, header):
-        s.send_multipart([verb.encode(), json.dumps(header).encode()])
-
-    def expect(verb):
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if s.poll(100):
-                parts = s.recv_multipart()
-                if parts[0] == verb.encode():
-                    return json.loads(parts[1])
-        raise AssertionError(f"no {verb}")
-
+    s, say, expect = raw_receiver(url)
     p = Proc(workload.run_producer, endpoint=a.endpoint, channel="n", device="cpu", count=2, size=1 << 20, env={},
              timeout=60)
     try:
