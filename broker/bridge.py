@@ -832,7 +832,10 @@ class BridgeIn:
         dev = self.producer.device
         if self.engine is None or not isinstance(dev, CudaDevice):
             return None
-        why = dev.rdma_write_ordering()  # R5.2: the receiver can order the NIC's writes before its kernels
+        try:
+            why = dev.rdma_write_ordering()  # R5.2: the receiver can order the NIC's writes before its kernels
+        except DeviceError as e:  # a driver that cannot say: host-staged
+            why = str(e)
         if why is None and not dev.identity.emulated and not nixl_info().gpudirect:
             why = "NIXL's UCX backend takes no VRAM regions (R5.3)"
         pool = None
