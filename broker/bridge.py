@@ -34,6 +34,7 @@ import argparse
 import bisect
 import collections
 import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -65,6 +66,7 @@ from hurray_ipc.transport.protocol import (
     check_meta,
     decode,
 )
+from hurray_ipc.transport.route import MAX_LINKS, MAX_PEER_CHARS, MAX_WINDOW, Link, Route
 
 from .rdma import Offer, RdmaEngine, RdmaError, Registration, Transfer, nixl_available, nixl_info
 
@@ -75,7 +77,6 @@ CHUNK = 1 << 20
 SEND_HWM = 16  # chunks queued per peer: with CHUNK, at most 16 MiB in flight per transfer
 MAX_TENSOR = 1 << 40
 WINDOW = 4  # transfers a receiver grants ahead and holds unended at once (LINK_HELLO "window")
-MAX_WINDOW = 64
 MAX_IN_FLIGHT = 4  # transfers a sender has queued and not yet released (bounds the handoffs it holds)
 PLANES = ("nixl", "zmq")  # data planes, in this bridge's order of preference (interchange.md R1)
 WRITE_CHUNK = 64 << 20  # bytes per NIXL WRITE (see BridgeOut._post_next_write)
@@ -189,11 +190,23 @@ class BridgeOut:
         """What this bridge's NIXL WRITEs read for GPU buffers (LINK_WELCOME, informational):
         "device" (GPU memory in place: ``device`` cuda:N and NIXL takes VRAM) or "host-staged" (a
         CPU consumer gets GPU buffers host-staged by the producer; a GPU one stages them itself)."""
-        if self.device == "cpu" or self.engine is None:
-            return "host-staged"
+        return "device" if self.engine is not None and self._nic_reads_gpu else "host-staged"
+
+    @functools.cached_property
+    def _nic_reads_gpu(self) -> bool:
+        if self.device == "cpu":
+            return False
         dev = open_device(self.device)
-        direct = isinstance(dev, CudaDevice) and (dev.identity.emulated or nixl_info().gpudirect)
-        return "device" if direct else "host-staged"
+        return isinstance(dev, CudaDevice) and (dev.identity.emulated or nixl_info().gpudirect)
+
+    def route(self) -> Route:
+        """What this bridge tells its broker (ROUTE, so that CAPS_REPLY names the data plane and the
+        GPU path): one link per linked peer. On the zmq plane a GPU consumer stages GPU buffers
+        itself; a CPU one gets them host-staged by their producers (``gpu`` None)."""
+        gpu = None if self.device == "cpu" else self.gpu_source
+        return Route("export", tuple(
+            Link(p["name"], p["plane"], gpu if p["plane"] == "nixl" or gpu is None else "host-staged", p["window"])
+            for p in itertools.islice(self.peers.values(), MAX_LINKS)))
 
     def _reply(self, rid: bytes, msg: Message) -> None:
         try:
@@ -202,7 +215,8 @@ class BridgeOut:
             log.warning(json.dumps({"event": "peer_unreachable", "error": str(e)}))
             self._drop_peer(rid)
 
-    def _handle(self, parts: list[bytes]) -> None:
+    def _handle(self, parts: list[bytes], address: str = "?") -> None:
+        """One link message; ``address`` is where it came from (the peer's IP address, for logs and ROUTE)."""
         rid = parts[0]
         try:
             msg = decode(parts[1:], allowed=LINK_RECEIVER_VERBS)
@@ -224,8 +238,10 @@ class BridgeOut:
                 window = 1
             self._forget_peer(rid)  # first: it may drop the NIXL plane (R4.5)
             plane = next((x for x in offered if x in self.planes), "zmq")
-            self.peers[rid] = {"credits": 0, "seen": now, "plane": plane, "window": window}
-            log.info(json.dumps({"event": "linked", "data_plane": plane, "offered": offered[:8], "window": window,
+            name = f"tcp://{address}#{rid.hex()}"[:MAX_PEER_CHARS]
+            self.peers[rid] = {"credits": 0, "seen": now, "plane": plane, "window": window, "name": name}
+            log.info(json.dumps({"event": "linked", "peer": name, "data_plane": plane, "offered": offered[:8],
+                                 "window": window,
                                  "gpu_source": self.gpu_source,
                                  "peer_gpu_destination": str(msg.header.get("gpu_destination"))[:32]}))
             self._reply(rid, Message("LINK_WELCOME", {"protocol": INTERCHANGE_VERSION, "data_plane": plane,
@@ -563,6 +579,8 @@ class BridgeOut:
                         self.local, self.channel, self.device, prefetch=0, name=f"bridge-out:{self.channel}"
                     )
                     self.consumer.session.wakers.append(wake)
+                if self.consumer is not None:
+                    self.consumer.session.set_route(self.route().to_dict())  # sent only when it changed
                 elif not self.peers and self.consumer is not None:
                     self._reap(block=True)  # release what was queued to the peers now gone, then leave
                     self.consumer.close()
@@ -590,11 +608,15 @@ class BridgeOut:
     def _drain_link(self) -> None:
         while True:
             try:
-                parts = self.sock.recv_multipart(zmq.NOBLOCK)
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             try:
-                self._handle(parts)
+                try:
+                    address = frames[0].get("Peer-Address")
+                except zmq.ZMQError:  # a transport without one (inproc)
+                    address = "?"
+                self._handle([f.bytes for f in frames], str(address))
             except Exception:  # noqa: BLE001 - one peer's message must not end the bridge
                 log.exception("handling a link message failed; the bridge goes on")
 
@@ -800,6 +822,7 @@ class BridgeIn:
             self.sock.curve_publickey, self.sock.curve_secretkey = curve.public, curve.secret
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(connect)
+        self.connect = connect
         self.cpu = open_device("cpu")
         self.producer = Producer(endpoint, channel, device, name=f"bridge-in:{channel}")
         self.gpu = self.producer.gpu
@@ -826,6 +849,20 @@ class BridgeIn:
         if not isinstance(self.producer.device, CudaDevice):
             return None
         return "device" if self.device_pool is not None else "host-staged"
+
+    def route(self) -> Route:
+        """What this bridge tells its broker (ROUTE, so that CAPS_REPLY names the data plane and the
+        GPU path): its link once linked. A GPU receiver's transfers land in GPU memory ("device")
+        only on the NIXL plane where R5 allows; otherwise in host memory ("host-staged")."""
+        if not self.linked:
+            return Route("import")
+        gpu = self.gpu_destination
+        if gpu is not None and self.plane != "nixl":
+            gpu = "host-staged"
+        return Route("import", (Link(self.connect[:MAX_PEER_CHARS], self.plane, gpu, self.window),))
+
+    def _announce(self) -> None:
+        self.producer.session.set_route(self.route().to_dict())  # sent only when it changed
 
     def _device_destinations(self, window: int) -> DestinationPool | None:
         """A pool of GPU destinations for the NIXL plane (R5), or None (host-staged), saying why in the log."""
@@ -918,6 +955,7 @@ class BridgeIn:
                                  "gpu_destination": self.gpu_destination if plane == "nixl" else None,
                                  "peer_gpu_source": str(h.get("gpu_source"))[:32]}))
             self.linked = True
+            self._announce()  # before any handoff of this link: CAPS then names its plane
             # ``window`` ahead: the next transfers stream while one is handed on locally.
             self._send("CREDIT", {"n": self.window})
         elif msg.verb == "REJECT":
@@ -1087,6 +1125,7 @@ class BridgeIn:
                 if self.linked and now - self.last_rx > self.timeout_s:
                     self.linked = False
                     self._discard_unended(f"no word from the sender for {self.timeout_s} s (link cut or sender gone)")
+                self._announce()
                 offered = self.engine is not None and any("offered_at" in p and not p.get("ended")
                                                           for p in self.partials.values())
                 if offered and self.engine is not None:

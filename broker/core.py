@@ -53,6 +53,7 @@ from hurray_ipc.transport.protocol import (
     field_of,
     is_token,
 )
+from hurray_ipc.transport.route import Route
 
 log = logging.getLogger("hurray.broker")
 MAX_CREDITS = 4096
@@ -90,6 +91,7 @@ class Client:
     # producer: the consumer endpoints its GRANTs carried (consumer rid -> the Endpoint sent)
     endpoints_sent: dict[bytes, Endpoint] = field(default_factory=dict)
     rid_text: str = ""  # the routing id as DELIVER names a producer
+    route: Route | None = None  # a bridge's last ROUTE (spec §2.4): repeated in CAPS_REPLY
 
     def __post_init__(self) -> None:
         self.rid_text = self.rid.decode(errors="replace")
@@ -333,6 +335,8 @@ class BrokerCore:
             self.on_release(client, msg)
         elif msg.verb == "EVENT_RELEASE":
             self.on_event_release(client, msg)
+        elif msg.verb == "ROUTE":
+            self.on_route(client, msg)
 
     def tick(self, now: float, alive: Alive) -> list[Out]:
         """Time passed. ``alive(client)`` judges same-host clients by their process (a lease);
@@ -721,6 +725,15 @@ class BrokerCore:
             self._send(d.producer, Message("RELEASED", {"handoff_id": d.handoff_id, "reason": reason}))
 
     # --- capability queries ----------------------------------------------------------------
+    def on_route(self, c: Client, msg: Message) -> None:
+        """ROUTE {route: object | null}: the client's route across machines (spec §2.4), replacing
+        the one it announced before; no reply. A refused one leaves the earlier route in place."""
+        if "route" not in msg.header:
+            raise ProtocolError("bad_header", "ROUTE header lacks 'route' (an object, or null to withdraw)",
+                                field="route")
+        d = msg.header["route"]
+        c.route = None if d is None else Route.parse(d, c.role)
+
     def on_caps(self, rid: bytes, msg: Message) -> None:
         """CAPS {device: endpoint, peer?: endpoint, channel?, transport?} -> CAPS_REPLY."""
         request_id = msg.header.get("request_id")
@@ -748,6 +761,8 @@ class BrokerCore:
                 if cl.channel == channel and cl.role == "consumer":
                     per.append({"consumer_id": cl.label, "name": cl.name, **pair_modes(me, cl.endpoint, t).to_dict()})
             reply["consumers"] = per
+            reply["bridges"] = [{"client_id": cl.label, "name": cl.name, "role": cl.role, **cl.route.to_dict()}
+                                for cl in self.clients.values() if cl.channel == channel and cl.route is not None]
             if per:
                 reply.update({k: per[0][k] for k in ("transport", "device_tag", "valid_sync_modes", "excluded",
                                                      "host_staged")})

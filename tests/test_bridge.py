@@ -299,6 +299,15 @@ def _collect(endpoint, n):
     return out
 
 
+def _routes(endpoint, channel):
+    """The bridges CAPS_REPLY names for ``channel`` (ipc-protocol.md §2.4): (direction, data_plane, gpu) per link."""
+    from hurray_ipc.cli.caps import broker_answer, render
+
+    d = broker_answer(endpoint, "cpu", None, channel, None, 5.0)
+    assert "bridge" in render(d) or not d["bridges"]  # hurray-caps prints them too
+    return [(b["direction"], x["data_plane"], x["gpu"]) for b in d["bridges"] for x in b["links"]]
+
+
 def test_bridge_copies_to_receiver_gpu(two_brokers):
     """--device cuda:0 on the receiving side: buffers reach B's consumers in GPU memory, synced."""
     a, b = two_brokers
@@ -432,6 +441,8 @@ def test_nixl_writes_into_receiver_gpu_and_flushes_before_handing_on(two_brokers
         c = Proc(workload.run_consumer, endpoint=b.endpoint, channel="v", device="cuda:0", count=4, env=env)
         p = Proc(workload.run_producer, endpoint=a.endpoint, channel="v", device="cpu", count=4, size=1 << 20, env={})
         pr, cr = p.result(), c.result()
+        # Each bridge announced its link before the first handoff of it (ROUTE): its broker says so.
+        routes = _routes(a.endpoint, "v"), _routes(b.endpoint, "v")
     finally:
         out_err, in_err = stop(out), stop(inn)
     assert pr["error"] is None and cr["error"] is None, (pr["error"], cr["error"], in_err[-1500:])
@@ -439,6 +450,7 @@ def test_nixl_writes_into_receiver_gpu_and_flushes_before_handing_on(two_brokers
     assert cr["intact"] == 4 and cr["modes"] == {"SYNC_PRODUCER_SYNCED": 4} and cr["staged"] == 0
     assert '"path": "device"' in in_err and '"gpu_destination": "device"' in in_err, in_err[-1500:]
     assert '"peer_gpu_destination": "device"' in out_err and '"gpu_source": "host-staged"' in out_err
+    assert routes == ([("export", "nixl", None)], [("import", "nixl", "device")])
 
 
 @pytest.mark.parametrize("plane", ["zmq", "nixl"])
@@ -461,6 +473,7 @@ def test_sending_bridge_on_the_gpu_reads_retired_device_memory(two_brokers, plan
         p = Proc(workload.run_producer, endpoint=a.endpoint, channel="s", device="cuda:0", count=4, size=1 << 20,
                  env=env, timeout=40)
         pr, cr = p.result(), c.result()
+        routes = _routes(a.endpoint, "s"), _routes(b.endpoint, "s")
     finally:
         out_err, in_err = stop(out), stop(inn)
     assert pr["error"] is None and cr["error"] is None, (pr["error"], cr["error"], out_err[-1500:], in_err[-800:])
@@ -469,6 +482,7 @@ def test_sending_bridge_on_the_gpu_reads_retired_device_memory(two_brokers, plan
     assert "source_unreadable" not in out_err, out_err[-1500:]
     want = "device" if plane == "nixl" else "host-staged"
     assert f'"gpu_source": "{want}"' in out_err, out_err[-1500:]
+    assert routes == ([("export", plane, want)], [("import", plane, None)])
 
 
 @pytest.mark.gpu

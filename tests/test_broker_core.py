@@ -14,6 +14,7 @@ import os
 import struct
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -415,6 +416,69 @@ def test_caps_lists_consumers_by_label_not_routing_id():
     (reply,) = [o.msg for o in core.receive(b"q", frames("CAPS", {"device": endpoint(9), "channel": "ch"}), 0.0)]
     (entry,) = reply.header["consumers"]
     assert entry["consumer_id"] == core.label_of(b"secret-rid") and "secret-rid" not in json.dumps(reply.header)
+
+
+def _caps_bridges(core: BrokerCore) -> list[dict]:
+    (reply,) = [o.msg for o in core.receive(b"q", frames("CAPS", {"device": endpoint(9), "channel": "ch"}), 0.0)]
+    return reply.header["bridges"]
+
+
+NIXL_LINK = {"peer": "tcp://10.0.0.2#0080000001", "data_plane": "nixl", "gpu": "device", "window": 4}
+
+
+def test_route_is_repeated_in_caps_until_replaced_withdrawn_or_the_client_goes():
+    core = _core()
+    _hello(core, b"out", "consumer", pid=6, name="bridge-out:ch")
+    _hello(core, b"in", "producer", pid=7)
+    _hello(core, b"plain", "consumer", pid=8)
+    assert _caps_bridges(core) == []
+    assert core.receive(b"out", frames("ROUTE", {"route": {"direction": "export", "links": [NIXL_LINK]}}), 0.0) == []
+    assert core.receive(b"in", frames("ROUTE", {"route": {"direction": "import", "links": [
+        {"peer": "tcp://a:1", "data_plane": "zmq"}]}}), 0.0) == []
+    assert _caps_bridges(core) == [
+        {"client_id": core.label_of(b"out"), "name": "bridge-out:ch", "role": "consumer", "direction": "export",
+         "links": [NIXL_LINK]},
+        {"client_id": core.label_of(b"in"), "name": "", "role": "producer", "direction": "import",
+         "links": [{"peer": "tcp://a:1", "data_plane": "zmq", "gpu": None, "window": None}]}]  # normalised
+    core.receive(b"out", frames("ROUTE", {"route": {"direction": "export", "links": []}}), 0.0)  # peer gone
+    core.receive(b"in", frames("ROUTE", {"route": None}), 0.0)  # withdrawn
+    assert [(b["role"], b["links"]) for b in _caps_bridges(core)] == [("consumer", [])]
+    core.client_gone(b"out", "bye")
+    assert _caps_bridges(core) == []
+
+
+@pytest.mark.parametrize(("route", "field", "value"), [
+    ({"direction": "import", "links": []}, "route.direction", "import"),  # a consumer's route is an export
+    ({"direction": "sideways", "links": []}, "route.direction", "sideways"),
+    ({"direction": "export"}, "route.links", None),
+    ({"direction": "export", "links": [NIXL_LINK] * 65}, "route.links", json.dumps([NIXL_LINK] * 65,
+                                                                               separators=(",", ":"))[:64]),
+    ({"direction": "export", "links": [NIXL_LINK, {**NIXL_LINK, "data_plane": "rdma"}]},
+     "route.links.1.data_plane", "rdma"),
+    ({"direction": "export", "links": [{**NIXL_LINK, "peer": ""}]}, "route.links.0.peer", ""),
+    ({"direction": "export", "links": [{**NIXL_LINK, "peer": "p" * 129}]}, "route.links.0.peer", "p" * 64),
+    ({"direction": "export", "links": [{**NIXL_LINK, "gpu": "vram"}]}, "route.links.0.gpu", "vram"),
+    ({"direction": "export", "links": [{**NIXL_LINK, "window": True}]}, "route.links.0.window", True),
+    ({"direction": "export", "links": [{**NIXL_LINK, "window": 65}]}, "route.links.0.window", 65),
+    ({"direction": "export", "links": ["tcp://x"]}, "route.links.0", "tcp://x"),
+    ("export", "route", "export"),
+])
+def test_bad_route_is_refused_naming_field_and_value_and_keeps_the_earlier_one(route, field, value):
+    core = _core()
+    _hello(core, b"out", "consumer", pid=6)
+    core.receive(b"out", frames("ROUTE", {"route": {"direction": "export", "links": [NIXL_LINK]}}), 0.0)
+    (err,) = _errors(core.receive(b"out", frames("ROUTE", {"route": route}), 0.0))
+    assert (err["code"], err["field"], err["value"]) == ("bad_header", field, value), err
+    assert [b["links"] for b in _caps_bridges(core)] == [[NIXL_LINK]]
+
+
+def test_route_needs_hello_and_a_route_field():
+    core = _core()
+    (err,) = _errors(core.receive(b"x", frames("ROUTE", {"route": None}), 0.0))
+    assert err["code"] == "not_registered"
+    _hello(core, b"x", "producer")
+    (err,) = _errors(core.receive(b"x", frames("ROUTE", {}), 0.0))
+    assert (err["code"], err["field"]) == ("bad_header", "route")
 
 
 def test_caps_with_unknown_transport_names_it_and_keeps_request_id():

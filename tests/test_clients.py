@@ -205,6 +205,44 @@ def test_broker_gone_then_back(tmp_path):
         b.stop()
 
 
+def _until(what, check, timeout=15.0):
+    """Poll ``check()`` until it returns something true (a condition, not a delay), or fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not (got := check()):
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.05)
+    return got
+
+
+def test_route_is_announced_again_to_a_restarted_broker(tmp_path):
+    """ROUTE (spec §2.4): a restarted broker knows no route, so the session sends it again after
+    WELCOME; CAPS on the new broker names it without the client doing anything."""
+    from hurray_ipc.cli.caps import broker_answer
+
+    b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=2.0).start()
+    p = Producer(b.endpoint, "rt", "cpu", heartbeat_s=0.2, timeout_s=1.5, name="bridge-in:rt")
+    link = {"peer": "tcp://192.0.2.1:5555", "data_plane": "nixl", "gpu": None, "window": 4}
+
+    def links():
+        try:
+            return [x["links"] for x in broker_answer(b.endpoint, "cpu", None, "rt", None, 2.0).get("bridges", [])]
+        except ConnectionError:  # the broker is not up yet
+            return None
+
+    try:
+        assert _until("registered", lambda: p.session.registered)  # so ROUTE goes now, not at WELCOME
+        p.session.set_route({"direction": "import", "links": [link]})
+        assert _until("the route reached the broker", lambda: links() == [[link]])
+        b.stop(signal.SIGKILL)
+        b.start()
+        assert _until("the route reached the restarted broker", lambda: links() == [[link]])
+        p.session.set_route(None)
+        assert _until("the route withdrawn", lambda: links() == [])
+    finally:
+        p.close()
+        b.stop()
+
+
 def test_broker_shutdown_tells_clients(tmp_path):
     b = BrokerProcess(f"ipc://{tmp_path}/b.sock").start()
     c = Consumer(b.endpoint, "sd", "cpu", heartbeat_s=0.2)

@@ -4,8 +4,10 @@
     hurray-caps --device cuda:0 --peer-device cpu --transport ipc --json
     hurray-caps --broker ipc:///run/user/1000/hurray/broker.sock --channel frames --device cuda:0
 
-With --broker the running broker answers (with --channel: for each consumer on that channel);
-without, the local devices are probed. JSON keys: valid_sync_modes, excluded, host_staged.
+With --broker the running broker answers (with --channel: for each consumer on that channel, and
+for each bridge that carries the channel across machines: its data plane and GPU path); without,
+the local devices are probed. JSON keys: valid_sync_modes, excluded, host_staged (and with
+--channel: consumers, bridges).
 Exit 0 on an answer, 2 on a usage or device error (e.g. "CUDA unavailable: ...").
 """
 
@@ -79,6 +81,14 @@ def render(d: dict[str, Any]) -> str:
     for c in d.get("consumers", []):
         modes = ", ".join(c["valid_sync_modes"]) or "host-staged"
         lines.append(f"  consumer {c.get('name') or c['consumer_id'][:8]}: {modes}")
+    for b in d.get("bridges", []):
+        who = b.get("name") or b["client_id"][:8]
+        if not b["links"]:
+            lines.append(f"  bridge {who} ({b['direction']}): no peer linked")
+        for x in b["links"]:
+            gpu = {"device": ", GPU buffers in GPU memory (no host staging)",
+                   "host-staged": ", GPU buffers host-staged"}.get(x["gpu"], "")
+            lines.append(f"  bridge {who} ({b['direction']}) {x['peer']}: {x['data_plane']} data plane{gpu}")
     return "\n".join(lines)
 
 

@@ -118,6 +118,7 @@ class Session:
         self._hello_sent = 0.0
         self.closed = False
         self.deferred: list[Callback] = []  # callbacks the owner queued outside a dispatch
+        self.route: dict[str, Any] | None = None  # announced again after every WELCOME (set_route)
         # The owner's own work to check on every pump round (e.g. deferred releases); it returns
         # True while work is pending, and the pump then polls the socket briefly to come back soon.
         self._poll = poll
@@ -153,6 +154,17 @@ class Session:
                 self.messages_sent += 1
             self.last_tx = time.monotonic()
 
+    def set_route(self, route: dict[str, Any] | None) -> None:
+        """Announce this client's route across machines (ROUTE, spec §2.4; a bridge's, see
+        transport/route.py), replacing the last one; None withdraws it. Sent now when it changed and
+        the broker knows us, and again after every WELCOME: a restarted broker knows no route."""
+        with self.lock:
+            if route == self.route:
+                return
+            self.route = route
+            if self.registered:
+                self.send(Message("ROUTE", {"route": route}))
+
     def _register(self) -> None:
         # The epoch tells this registration's GRANTs from those of an earlier one still in flight.
         self.epoch = getattr(self, "epoch", 0) + 1
@@ -179,6 +191,8 @@ class Session:
             self.registered = True
             self.shutdown_reason = None
             self.broker_session = msg.header.get("session")
+            if self.route is not None:
+                self.send(Message("ROUTE", {"route": self.route}))
             return
         if msg.verb == "PONG":
             return

@@ -40,6 +40,7 @@ PAYLOAD: dict[str, tuple[str, ...]] = {
     "STATS": (),
     "REQUEST": (),
     "READY": (),
+    "ROUTE": (),
     "BYE": (),
     # broker -> client
     "WELCOME": (),
@@ -68,7 +69,7 @@ PAYLOAD: dict[str, tuple[str, ...]] = {
 HOT_VERBS = frozenset(["HANDOFF", "RELEASE", "EVENT_RELEASE", "DELIVER", "GRANT", "ACCEPTED", "RELEASED",
                        "EVENT_RELEASED"])
 CLIENT_VERBS = frozenset(["HELLO", "PING", "CAPS", "STATS", "REQUEST", "READY", "HANDOFF", "RELEASE",
-                          "EVENT_RELEASE", "BYE"])
+                          "EVENT_RELEASE", "ROUTE", "BYE"])
 BROKER_VERBS = frozenset(["WELCOME", "PONG", "CAPS_REPLY", "STATS_REPLY", "GRANT", "DELIVER", "ACCEPTED",
                           "RELEASED", "EVENT_RELEASED", "PRODUCER_GONE", "ERROR", "SHUTDOWN"])
 # what a sending bridge accepts
