@@ -55,7 +55,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from hurray_ipc.client import BrokerUnavailable, Consumer, Producer
 from hurray_ipc.client.endpoint import default_endpoint
 from hurray_ipc.contract.sync import check_network_handle
-from hurray_ipc.devices import CudaDevice, DeviceError, open_device
+from hurray_ipc.devices import CudaDevice, DeviceError, open_device, shm
 from hurray_ipc.format.handle import BufferHandle, HandleError, SyncMode
 from hurray_ipc.interop import dlpack
 from hurray_ipc.transport.protocol import (
@@ -80,9 +80,11 @@ WINDOW = 4  # transfers a receiver grants ahead and holds unended at once (LINK_
 MAX_IN_FLIGHT = 4  # transfers a sender has queued and not yet released (bounds the handoffs it holds)
 PLANES = ("nixl", "zmq")  # data planes, in this bridge's order of preference (interchange.md R1)
 WRITE_CHUNK = 64 << 20  # bytes per NIXL WRITE (see BridgeOut._post_next_write)
+FAULT_CHUNK = 64 << 20  # bytes of a new destination faulted in per turn of the loop (BridgeIn._fault_in)
 POLL_RDMA_S = 0.001  # how often a sending bridge looks at posted NIXL WRITEs
 POLL_QUEUED_S = 0.005  # ... at queued zmq frames (their trackers have no descriptor either)
 POLL_IDLE_S = 0.05
+DRAIN_S = 0.05  # at most this long handling link messages before a receiver's loop goes round again
 SENDER_ENDED = ("rdma_failed", "rdma_timeout", "link_lost")  # a sender's REJECTs that end a transfer (R4.6)
 
 
@@ -727,6 +729,12 @@ class DestinationPool:
                 return
         self._free(buf)
 
+    def registered(self, engine: RdmaEngine, buf: Any) -> bool:
+        """Whether ``buf`` has a live registration with ``engine`` (it was offered before)."""
+        with self._lock:
+            known = self._regs.get(id(buf))
+        return known is not None and known[0] is engine and not known[1].released
+
     def registration(self, engine: RdmaEngine, buf: Any) -> Registration:
         """``buf``'s registration with ``engine``, made on first use."""
         with self._lock:
@@ -832,6 +840,7 @@ class BridgeIn:
         self.last_rx = 0.0
         self.last_hello = 0.0
         self.last_ping = 0.0
+        self.last_tx = 0.0
         self.stats = {"delivered": 0, "rejected": 0, "discarded": 0}
         self.engine = open_engine(rdma, "in", channel)
         self.planes = PLANES if self.engine is not None else ("zmq",)
@@ -886,6 +895,7 @@ class BridgeIn:
 
     def _send(self, verb: str, header: dict[str, Any], frames: dict[str, Any] | None = None) -> None:
         self.sock.send_multipart(Message(verb, header, frames or {}).encode())
+        self.last_tx = time.monotonic()
 
     def _reject(self, tid: Any, reason: str, message: str) -> None:
         self.stats["rejected"] += 1
@@ -1058,7 +1068,38 @@ class BridgeIn:
             self._deliver(p)
 
     def _offer(self, p: dict[str, Any]) -> None:
-        """Register the destination with NIXL and offer it (RDMA_REGISTER, R3.2)."""
+        """Offer the destination (RDMA_REGISTER, R3.2): at once where it was offered before, else
+        once :meth:`_fault_in` has faulted in its pages (host memory)."""
+        if self.engine is None:
+            return
+        if p["pool"].kind == "DRAM" and not p["pool"].registered(self.engine, p["buf"]):
+            p["unfaulted"] = 0  # the offset from which its pages are still to be faulted in
+            return
+        self._send_offer(p)
+
+    def _fault_in(self) -> bool:
+        """Fault in the next FAULT_CHUNK of the oldest destination waiting for it, and offer it once
+        all of it is: a page first faulted by the peer's NIXL write costs ~7x one faulted here
+        (shm.populate), and one chunk per turn of the loop keeps the link answered (1 GiB takes
+        about a second). True while destinations still wait."""
+        p = next((p for p in self.partials.values() if "unfaulted" in p), None)
+        if p is None:
+            return False
+        buf, off = p["buf"], p["unfaulted"]
+        n = min(FAULT_CHUNK, buf.size - off)
+        try:
+            shm.populate(buf.ptr + off, n)
+        except DeviceError as e:  # e.g. /dev/shm full: said now, not as the peer's failed write
+            self._discard(p, f"could not fault in the destination: {e}", reject="rdma_failed")
+            self._hand_on()
+            return True
+        p["unfaulted"] = off + n
+        if p["unfaulted"] >= buf.size:
+            del p["unfaulted"]
+            self._send_offer(p)
+        return True
+
+    def _send_offer(self, p: dict[str, Any]) -> None:
         if self.engine is None:
             return
         try:
@@ -1118,7 +1159,10 @@ class BridgeIn:
                                               **({"gpu_destination": self.gpu_destination}
                                                  if self.gpu_destination else {})})
                     self.last_hello = now
-                elif self.linked and now - max(self.last_rx, self.last_ping) > self.timeout_s / 3:
+                elif self.linked and (now - self.last_tx > self.timeout_s / 3
+                                      or now - max(self.last_rx, self.last_ping) > self.timeout_s / 3):
+                    # Sent nothing (the sender forgets a silent receiver, §4, even while it streams
+                    # to it), or heard nothing (the PONG says the sender is there).
                     self._send("LINK_PING", {})
                     self.last_ping = now
                 self._release_quarantined(now)
@@ -1133,8 +1177,11 @@ class BridgeIn:
                         self.engine.progress()  # UCX may need us for a WRITE into an offered region to land
                     except RdmaError as e:  # the sender's REJECT or the link timeout ends the transfer
                         log.warning(json.dumps({"event": "rdma_progress_failed", "error": str(e)}))
-                if self.sock.poll(int((POLL_RDMA_S if offered else POLL_IDLE_S) * 1000)):
-                    while True:
+                faulting = self._fault_in()
+                wait = 0 if faulting else POLL_RDMA_S if offered else POLL_IDLE_S
+                if self.sock.poll(int(wait * 1000)):
+                    until = time.monotonic() + DRAIN_S
+                    while time.monotonic() < until:  # then round the loop: pings, liveness, faulting in
                         try:
                             # copy=False: each data chunk is copied once, socket to shared memory
                             frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)

@@ -129,6 +129,35 @@ def raw_receiver(url):
     return s, say, expect
 
 
+def test_receiver_that_only_hears_still_speaks_every_third_of_its_timeout(two_brokers):
+    """§4: a sender forgets a receiver silent for its timeout, even while streaming to it; so a
+    receiver pings when it has sent nothing for a third of its timeout, not only when it has heard
+    nothing. Here the sender speaks every 50 ms for 4 s (a long transfer's frames would too) and
+    the receiver must never be silent for its timeout (1.5 s): before the rule it said nothing
+    after its first CREDIT."""
+    _, b = two_brokers
+    url = f"tcp://127.0.0.1:{free_port()}"
+    s = raw_sender(url)
+    inn = bridge("in", "--channel", "x", "--endpoint", b.endpoint, "--connect", url, "--insecure", "--timeout", "1.5")
+    try:
+        rid, _ = recv(s, "LINK_HELLO")
+        send(s, rid, "LINK_WELCOME", {"protocol": 1})
+        recv(s, "CREDIT")
+        heard = [time.monotonic()]
+        end = heard[0] + 4.0
+        while time.monotonic() < end:
+            send(s, rid, "LINK_PONG", {})
+            if s.poll(50):
+                s.recv_multipart()
+                heard.append(time.monotonic())
+        heard.append(time.monotonic())
+        gap = max(b - a for a, b in zip(heard, heard[1:], strict=False))
+        assert gap < 1.5, f"the receiver said nothing for {gap:.2f} s while it heard from us every 50 ms"
+    finally:
+        stop(inn)
+        s.close()
+
+
 def test_receiver_rejects_non_synced_and_discards_partial(two_brokers):
     _, b = two_brokers
     url = f"tcp://127.0.0.1:{free_port()}"

@@ -511,3 +511,31 @@ def test_reading_nic_written_memory_needs_a_flush(delay):
     finally:
         stream.close(), other.close()
         buf.close()
+
+
+def _rss_kib(address: int) -> int:
+    """Resident KiB of this process's mapping that starts at ``address`` (/proc/self/smaps)."""
+    lines = open("/proc/self/smaps").read().splitlines()
+    start = next(i for i, x in enumerate(lines) if x.startswith(f"{address:x}-"))
+    return next(int(x.split()[1]) for x in lines[start + 1:] if x.startswith("Rss:"))
+
+
+@pytest.mark.parametrize("advice", ["populate-write", "fallback"])
+def test_populate_faults_every_page_in_and_keeps_the_content(monkeypatch, advice):
+    """shm.populate (a receiving bridge's NIXL destination, before a peer writes it): every page
+    is resident afterwards, and what was written stays; also where the kernel lacks
+    MADV_POPULATE_WRITE (an advice it does not know is EINVAL: the byte-per-page fallback)."""
+    if advice == "fallback":
+        monkeypatch.setattr(shm, "_MADV_POPULATE_WRITE", 0x7FFF)
+    size = 4 << 20
+    buf = CpuDevice().allocate(size)
+    try:
+        view = buf.host_view()
+        view[:8] = b"keep me!"
+        view[size - 3:] = b"end"
+        assert _rss_kib(buf.ptr) <= 8, "a fresh segment has only the pages written"
+        shm.populate(buf.ptr, size)
+        assert _rss_kib(buf.ptr) == size // 1024
+        assert bytes(view[:8]) == b"keep me!" and bytes(view[size - 3:]) == b"end" and not any(view[8:size - 3])
+    finally:
+        buf.close()

@@ -13,6 +13,7 @@ unlinks segments that a process merely attached (CPython #82300).
 from __future__ import annotations
 
 import ctypes
+import errno
 import itertools
 import mmap
 import os
@@ -149,6 +150,33 @@ class Segment:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14; Python's mmap names it only from 3.13 on
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def populate(ptr: int, size: int) -> None:
+    """Fault in, for writing, every page of the mapped host memory [ptr, ptr+size) now, leaving its
+    content as it is. Why: a page first faulted by another process's write into this memory (a
+    NIXL WRITE over UCX's shared-memory transports faults it through the kernel on the writer's
+    side) costs about seven times a local fault (64 MiB of shared memory: ~300 ms against ~45 ms
+    here). On kernels before 5.14 each page's first byte is read and written back instead, which
+    is only safe while nobody else writes the memory."""
+    page = mmap.PAGESIZE
+    start = ptr - ptr % page
+    length = size + (ptr - start)
+    if length <= 0:
+        return
+    if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_POPULATE_WRITE) == 0:
+        return
+    err = ctypes.get_errno()
+    if err != errno.EINVAL:  # not "unknown advice": e.g. ENOMEM, a full /dev/shm, said now and not as SIGBUS
+        raise DeviceError("populate", f"faulting in {size} bytes at 0x{ptr:x}: {os.strerror(err)}")
+    import numpy as np
+
+    view = np.frombuffer(memoryview((ctypes.c_ubyte * length).from_address(start)), np.uint8)
+    view[::page] |= 0
 
 
 def unlink(name: str) -> bool:
