@@ -56,6 +56,7 @@ from hurray_ipc.client import BrokerUnavailable, Consumer, Producer
 from hurray_ipc.client.endpoint import default_endpoint
 from hurray_ipc.contract.sync import check_network_handle
 from hurray_ipc.devices import CudaDevice, DeviceError, open_device, shm
+from hurray_ipc.devices.base import Mapping
 from hurray_ipc.format.handle import BufferHandle, HandleError, SyncMode
 from hurray_ipc.interop import dlpack
 from hurray_ipc.transport.protocol import (
@@ -185,6 +186,10 @@ class BridgeOut:
         self.engine = open_engine(rdma, "out", channel)
         self.planes = PLANES if self.engine is not None else ("zmq",)
         self.rdma: dict[tuple[bytes, int], RdmaSend] = {}  # NIXL transfers: descriptor sent, not yet ended
+        # Source registrations kept between transfers, one per region of an imported mapping, each
+        # released once the mapping is unmapped (the key then lands in ``unmapped``, from any thread)
+        self.kept: dict[tuple[int, int, int], Registration] = {}
+        self.unmapped: deque[tuple[int, int, int]] = deque()
         self.running = False
 
     @property
@@ -286,7 +291,7 @@ class BridgeOut:
         dev = buf.device
         if not isinstance(dev, CudaDevice):
             # a host buffer: the producer host-waited its writes (PRODUCER_SYNCED or host-staged)
-            return Source(handle, h.meta, buf.ptr, "DRAM", 0, h.buffer, buf.host_view(), h.release)
+            return Source(handle, h.meta, buf.ptr, "DRAM", 0, h.buffer, buf.host_view(), h.release, buf.mapping)
         consumer = self.consumer
         if consumer is None or consumer.stream is None:
             raise RuntimeError(f"bridge consumer on {self.device} has no CUDA stream")
@@ -295,7 +300,7 @@ class BridgeOut:
         if nic and (dev.identity.emulated or nixl_info().gpudirect):
             dev.rdma_source(buf)
             kind, ordinal = ("DRAM", 0) if dev.identity.emulated else ("VRAM", dev.ordinal)
-            return Source(handle, h.meta, buf.ptr, kind, ordinal, h.buffer, None, h.release)
+            return Source(handle, h.meta, buf.ptr, kind, ordinal, h.buffer, None, h.release, buf.mapping)
         host = self.staging.take(buf.size)
         try:
             consumer.stream.copy(host, buf)
@@ -304,7 +309,8 @@ class BridgeOut:
             self.staging.give(host)
             raise
         h.release()
-        return Source(handle, h.meta, host.ptr, "DRAM", 0, host, host.host_view(), lambda: self.staging.give(host))
+        return Source(handle, h.meta, host.ptr, "DRAM", 0, host, host.host_view(), lambda: self.staging.give(host),
+                      pool=self.staging)
 
     def _start(self, rid: bytes, h: Any, nic: bool) -> Source | None:
         """The source of a new transfer to ``rid``, or None when it cannot be read (the handoff is
@@ -354,7 +360,9 @@ class BridgeOut:
             offer = Offer.from_wire(wire)
             if offer.size < s.size:
                 raise RdmaError(f"bad offer: {offer.size} bytes offered for a transfer of {s.size}")
+            self._forget_unmapped()  # first: a region it kept may be at these very addresses
             s.reg = self.engine.register(s.src.ptr, s.size, s.src.kind, s.src.nixl_device, owner=s.src.owner)
+            self._keep_registered(s.src)
         except RdmaError as e:
             self._end_rdma(s, "bad_offer" if "bad offer" in str(e) else "rdma_failed", str(e))
             return
@@ -363,6 +371,34 @@ class BridgeOut:
         peer = self.peers.get(rid)
         if peer is not None:
             peer.setdefault("agents", set()).add(offer.agent)
+
+    def _keep_registered(self, src: Source) -> None:
+        """Keep ``src``'s registration after its transfer (a producer sends the same buffers again
+        and again; on an RDMA NIC a registration pins memory): as long as the mapping it lies in
+        (released once that is unmapped, when the same addresses may name other memory), or the
+        staging buffer it is. Other sources are registered per transfer."""
+        if self.engine is None:
+            return
+        if src.pool is not None:
+            src.pool.registration(self.engine, src.owner)
+            return
+        if src.mapping is None:
+            return
+        key = (src.mapping.serial, src.ptr, src.handle.size)
+        if key in self.kept:
+            return
+        self.kept[key] = self.engine.register(src.ptr, src.handle.size, src.kind, src.nixl_device, owner=src.owner)
+        src.mapping.on_unmap(lambda: self.unmapped.append(key))  # deque.append: safe from another thread
+
+    def _forget_unmapped(self) -> None:
+        """Release the kept registrations of regions whose mapping was unmapped since."""
+        while self.unmapped:
+            reg = self.kept.pop(self.unmapped.popleft(), None)
+            if reg is not None and self.engine is not None:
+                try:
+                    self.engine.release(reg)
+                except RdmaError as e:
+                    log.warning(json.dumps({"event": "rdma_release_failed", "error": str(e)}))
 
     def _post_next_write(self) -> bool:
         """Post one WRITE of at most WRITE_CHUNK bytes, for the oldest transfer with bytes left: a
@@ -449,6 +485,7 @@ class BridgeOut:
         after that), end every other NIXL transfer, and drop every link: peers link again, and
         this bridge now offers zmq only."""
         engine, self.engine, self.planes = self.engine, None, ("zmq",)
+        self.kept.clear()  # closing the agent ends every registration
         others = [s for s in self.rdma.values() if s is not stuck]
         self.rdma.clear()
         if engine is not None:
@@ -588,6 +625,7 @@ class BridgeOut:
                     self.consumer.close()
                     self.consumer = None
                 self._reap()
+                self._forget_unmapped()
                 taking = self._take_handoffs(now)
                 poller = zmq.Poller()
                 poller.register(self.sock, zmq.POLLIN)
@@ -652,6 +690,9 @@ class BridgeOut:
     def close(self) -> None:
         if self.running:
             self.running = False
+            log.info(json.dumps({"event": "bridge_closed", "side": "out", **self.stats,
+                                 "nixl_registrations": self.engine.registered_total if self.engine else None,
+                                 "sources_kept": len(self.kept)}))
             self._reap(block=True)  # every handoff taken is released once, before the consumer goes
             for rid in {s.rid for s in self.rdma.values()}:
                 self._forget_peer(rid)
@@ -681,6 +722,8 @@ class Source:
     owner: Any  # kept alive by a NIXL registration of it
     view: memoryview | None
     done: Callable[[], None]
+    mapping: Mapping | None = None  # the opening it lies in (imported memory): its registration lives as long
+    pool: DestinationPool | None = None  # the pool that owns ``owner`` (a staging buffer): the same
 
 
 @dataclass
@@ -1197,6 +1240,8 @@ class BridgeIn:
     def close(self) -> None:
         if self.running:
             self.running = False
+            log.info(json.dumps({"event": "bridge_closed", "side": "in", **self.stats,
+                                 "nixl_registrations": self.engine.registered_total if self.engine else None}))
             for p in list(self.partials.values()):
                 self._discard(p, "closing")
             self.producer.close()  # held buffers come back to the pool (or are freed) first

@@ -286,6 +286,7 @@ class RdmaEngine:
         if BACKEND not in self._agent.backends:
             raise RdmaError(f"NIXL agent {self.name}: {BACKEND} backend did not start")
         self._regs: dict[tuple[int, int, str, int], Registration] = {}
+        self.registered_total = 0  # regions registered with NIXL so far (cache hits not counted)
         self._remotes: dict[str, set[bytes]] = {}  # agent name -> digests of the metadata loaded
         self._transfers: set[Transfer] = set()
         self.closed = False
@@ -375,6 +376,7 @@ class RdmaEngine:
             if descs is None:
                 raise RdmaError(f"register {kind} 0x{ptr:x}+{size}: NIXL built no descriptor list")
             reg = self._regs[key] = Registration(ptr, size, kind, device, descs, owner)
+            self.registered_total += 1
             return reg
 
     def register_array(self, arr: np.ndarray) -> Registration:

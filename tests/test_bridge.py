@@ -433,6 +433,31 @@ def test_bridged_over_nixl(two_brokers):
     assert '"data_plane": "nixl"' in out_err and '"data_plane": "nixl"' in in_err, (out_err[-800:], in_err[-800:])
 
 
+def _closed(log: str) -> dict:
+    """A bridge's closing line (its counters)."""
+    return next(json.loads(x) for x in reversed(log.splitlines()) if '"bridge_closed"' in x)
+
+
+@NEEDS_NIXL
+@pytest.mark.parametrize("import_cache", ["64", "0"])
+def test_source_registrations_live_as_long_as_the_mapping(two_brokers, monkeypatch, import_cache):
+    """The sending bridge registers each producer buffer with NIXL once and keeps it while the
+    buffer stays mapped (12 transfers from a pool of 4 buffers: 4 registrations), and lets it go
+    when the mapping goes (HURRAY_IMPORT_CACHE=0 unmaps every buffer at its release: 12
+    registrations; a registration kept past its unmap would be found again by address for the
+    next buffer mapped there, naming memory that is no longer the producer's buffer). On the
+    receiving side the destinations' registrations live with the pool (at most window + 1)."""
+    from hurray_ipc.broker.bridge import WINDOW
+
+    monkeypatch.setenv("HURRAY_IMPORT_CACHE", import_cache)  # the bridges' consumer maps the buffers
+    a, b = two_brokers
+    out_err, in_err = _bridged_pair(a, b, f"tcp://127.0.0.1:{free_port()}", ["--rdma"], ["--rdma"], n=12,
+                                    size=1 << 20)
+    out, inn = _closed(out_err), _closed(in_err)
+    assert out["sent"] == 12 and out["nixl_registrations"] == (4 if import_cache == "64" else 12), out
+    assert inn["delivered"] == 12 and inn["nixl_registrations"] <= WINDOW + 1, inn
+
+
 @NEEDS_NIXL
 def test_nixl_transfer_in_several_writes(two_brokers):
     """A transfer over WRITE_CHUNK goes as several WRITEs, each announced by its own RDMA_READY range

@@ -539,3 +539,29 @@ def test_populate_faults_every_page_in_and_keeps_the_content(monkeypatch, advice
         assert bytes(view[:8]) == b"keep me!" and bytes(view[size - 3:]) == b"end" and not any(view[8:size - 3])
     finally:
         buf.close()
+
+
+def test_a_mapping_says_once_when_it_is_unmapped():
+    """ImportCache: a Mapping's on_unmap hooks run once, when the opening is closed (evicted past
+    the cache's limit, or cleared), not at a release that leaves it open; a hook added after runs
+    at once. What a bridge's kept NIXL registration of imported memory relies on."""
+    from hurray_ipc.devices.base import ImportCache
+
+    closed: list[str] = []
+    heard: list[str] = []
+    cache = ImportCache(limit=1)
+
+    def acquire(blob: bytes) -> None:
+        cache.acquire(blob, lambda: (blob, lambda: closed.append(blob.decode())))
+        cache.mapping(blob).on_unmap(lambda: heard.append(blob.decode()))
+
+    acquire(b"a")
+    ma = cache.mapping(b"a")
+    cache.release(b"a")
+    assert heard == [] and closed == [] and not ma.unmapped, "released, still open (idle)"
+    acquire(b"b")
+    assert heard == ["a"] and closed == ["a"] and ma.unmapped, "evicted for b: its hook, then its close"
+    ma.on_unmap(lambda: heard.append("late"))
+    assert heard == ["a", "late"]
+    cache.clear()
+    assert heard == ["a", "late", "b"] and closed == ["a", "b"]

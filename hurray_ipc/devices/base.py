@@ -8,6 +8,7 @@ imported event destroys this process's opened copy only.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import threading
@@ -87,15 +88,49 @@ class MemoryExport:
     size: int
 
 
+class Mapping:
+    """One opening of an allocation in this process (an imported shared-memory segment or CUDA IPC
+    allocation). It may outlive every Buffer carved from it (:class:`ImportCache` keeps idle ones
+    open) and ends when it is unmapped; something that holds state about its addresses (a NIC's
+    memory registration) learns of that through :meth:`on_unmap`, because the same addresses may
+    name another allocation afterwards. ``serial`` tells mappings apart for the whole process."""
+
+    _serials = itertools.count(1)
+
+    def __init__(self) -> None:
+        self.serial = next(Mapping._serials)
+        self.unmapped = False
+        self._hooks: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+
+    def on_unmap(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` once, when this mapping is unmapped (at once if it already is). It runs
+        in whichever thread unmaps, under the cache's lock: it must be quick and must not block."""
+        with self._lock:
+            if not self.unmapped:
+                self._hooks.append(hook)
+                return
+        hook()
+
+    def _unmap(self) -> None:
+        with self._lock:
+            self.unmapped = True
+            hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook()
+
+
 class Buffer:
-    """A span of memory on one device. ``ptr`` is an address valid in this process only."""
+    """A span of memory on one device. ``ptr`` is an address valid in this process only.
+    ``mapping``: the opening of another process's allocation it lies in (imported buffers)."""
 
     def __init__(self, device: Device, ptr: int, size: int, *, closer: Callable[[], None] | None = None,
-                 host: memoryview | None = None, imported: bool = False):
+                 host: memoryview | None = None, imported: bool = False, mapping: Mapping | None = None):
         self.device = device
         self.ptr = ptr
         self.size = size
         self.imported = imported
+        self.mapping = mapping
         self._closer = closer
         self._host = host
 
@@ -305,7 +340,7 @@ class ImportCache:
         if limit < 0:
             raise DeviceError("ImportCache", f"the idle-mapping limit must be >= 0, got {limit}")
         self.limit = limit
-        self._entries: dict[bytes, list[Any]] = {}  # blob -> [opened, closer, refs]
+        self._entries: dict[bytes, list[Any]] = {}  # blob -> [opened, closer, refs, Mapping]
         self.opens = 0  # how many times an allocation was actually opened (tests read it)
         self.closes = 0  # how many mappings were closed (tests read it)
         self._lock = threading.Lock()
@@ -317,12 +352,17 @@ class ImportCache:
             if e is None:
                 base, closer = opener()
                 self.opens += 1
-                e = self._entries[blob] = [base, closer, 0]
+                e = self._entries[blob] = [base, closer, 0, Mapping()]
             else:  # move to the end: most recently used
                 self._entries[blob] = self._entries.pop(blob)
             e[2] += 1
             self._evict()
             return e[0]
+
+    def mapping(self, blob: bytes) -> Mapping:
+        """The Mapping of ``blob``'s opened allocation: call while holding a reference (acquire)."""
+        with self._lock:
+            return self._entries[blob][3]
 
     def release(self, blob: bytes) -> None:
         with self._lock:
@@ -337,7 +377,9 @@ class ImportCache:
             return
         idle = [k for k, e in self._entries.items() if e[2] <= 0]
         while len(self._entries) > self.limit and idle:
-            self._entries.pop(idle.pop(0))[1]()
+            e = self._entries.pop(idle.pop(0))
+            e[3]._unmap()  # before the addresses can name anything else
+            e[1]()
             self.closes += 1
 
     def __len__(self) -> int:
@@ -346,6 +388,7 @@ class ImportCache:
     def clear(self) -> None:
         with self._lock:
             entries, self._entries = self._entries, {}
-        for _base, closer, _refs in entries.values():
+        for _base, closer, _refs, mapping in entries.values():
+            mapping._unmap()
             closer()
             self.closes += 1

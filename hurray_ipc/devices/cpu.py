@@ -127,7 +127,7 @@ class CpuDevice(Device):
         # A slice of the mmap pins the mapping: a view a user keeps can never dangle.
         view = memoryview(seg.map)[exp.offset:exp.offset + exp.size]
         return Buffer(self, seg.address() + exp.offset, exp.size, closer=lambda: self._cache.release(blob),
-                      host=view, imported=True)
+                      host=view, imported=True, mapping=self._cache.mapping(blob))
 
     def buffer_at(self, ptr: int, size: int) -> Buffer:
         """A non-owning view of host memory at ``ptr`` (the caller keeps the memory alive)."""

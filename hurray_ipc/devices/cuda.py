@@ -222,7 +222,8 @@ class CudaDevice(Device):
             self._cache.release(blob)
             raise DeviceError("import_memory", f"offset {exp.offset} + size {exp.size} exceeds the allocation "
                               f"({size} bytes)")
-        return Buffer(self, base + exp.offset, exp.size, closer=lambda: self._cache.release(blob), imported=True)
+        return Buffer(self, base + exp.offset, exp.size, closer=lambda: self._cache.release(blob), imported=True,
+                      mapping=self._cache.mapping(blob))
 
     @property
     def import_cache(self) -> ImportCache:
