@@ -618,12 +618,12 @@ class BridgeOut:
                         self.local, self.channel, self.device, prefetch=0, name=f"bridge-out:{self.channel}"
                     )
                     self.consumer.session.wakers.append(wake)
-                if self.consumer is not None:
-                    self.consumer.session.set_route(self.route().to_dict())  # sent only when it changed
                 elif not self.peers and self.consumer is not None:
                     self._reap(block=True)  # release what was queued to the peers now gone, then leave
                     self.consumer.close()
                     self.consumer = None
+                if self.consumer is not None:
+                    self.consumer.session.set_route(self.route().to_dict())  # sent only when it changed
                 self._reap()
                 self._forget_unmapped()
                 taking = self._take_handoffs(now)

@@ -337,6 +337,37 @@ def _routes(endpoint, channel):
     return [(b["direction"], x["data_plane"], x["gpu"]) for b in d["bridges"] for x in b["links"]]
 
 
+def test_sending_bridge_leaves_its_broker_when_its_last_peer_goes(two_brokers):
+    """A sending bridge is a consumer of its broker only while a peer is linked (it must not hold
+    handoffs nobody can receive): its route appears in CAPS with the peer's link and goes, consumer
+    and all, once the peer falls silent past the link timeout."""
+    from hurray_ipc.cli.caps import broker_answer
+
+    a, _ = two_brokers
+    url = f"tcp://127.0.0.1:{free_port()}"
+    out = bridge("out", "--channel", "lv", "--endpoint", a.endpoint, "--listen", url, "--insecure", "--timeout", "1")
+    s, say, expect = raw_receiver(url)
+
+    def bridges():
+        return [(x["direction"], len(x["links"])) for x in broker_answer(a.endpoint, "cpu", None, "lv", None, 5.0)
+                .get("bridges", [])]
+
+    try:
+        say("LINK_HELLO", {"protocol": 1, "channel": "lv", "window": 2})
+        expect("LINK_WELCOME")
+        deadline = time.monotonic() + 20
+        while bridges() != [("export", 1)]:
+            assert time.monotonic() < deadline, f"never linked in CAPS: {bridges()}"
+            time.sleep(0.05)
+        s.close()  # the peer falls silent
+        deadline = time.monotonic() + 20
+        while bridges() != []:
+            assert time.monotonic() < deadline, f"the bridge still a consumer of its broker: {bridges()}"
+            time.sleep(0.05)
+    finally:
+        stop(out)
+
+
 def test_bridge_copies_to_receiver_gpu(two_brokers):
     """--device cuda:0 on the receiving side: buffers reach B's consumers in GPU memory, synced."""
     a, b = two_brokers
