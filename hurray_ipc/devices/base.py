@@ -323,11 +323,12 @@ class ImportCache:
     same time share one mapping (opening costs about a millisecond on CUDA, far more in some
     frameworks).
 
-    ``limit`` is how many mappings no Buffer references may stay open: beyond it the oldest idle
-    ones are closed; all are closed on ``clear``. ``limit=0`` closes a mapping when its reference
-    count reaches zero — what CUDA needs, because the exporter's cudaFree must not run before
-    our cudaIpcCloseMemHandle. The default (``HURRAY_IMPORT_CACHE``, 64) suits shared-memory
-    mappings, which stay valid after their owner unlinks them.
+    ``limit`` bounds how many mappings stay open: beyond it the oldest idle ones (no Buffer
+    references them) are closed, and held ones never are; all are closed on ``clear``.
+    ``limit=0`` closes a mapping when its reference count reaches zero — what CUDA needs, because
+    the exporter's cudaFree must not run before our cudaIpcCloseMemHandle. The default
+    (``HURRAY_IMPORT_CACHE``, 64) suits shared-memory mappings, which stay valid after their owner
+    unlinks them.
     """
 
     def __init__(self, limit: int | None = None):
