@@ -1009,8 +1009,10 @@ class BridgeIn:
                                  "peer_gpu_source": str(h.get("gpu_source"))[:32]}))
             self.linked = True
             self._announce()  # before any handoff of this link: CAPS then names its plane
-            # ``window`` ahead: the next transfers stream while one is handed on locally.
-            self._send("CREDIT", {"n": self.window})
+            # ``window`` ahead, less the ended transfers still held (each sends its CREDIT when
+            # handed on): the next transfers stream while one is handed on locally.
+            if len(self.partials) < self.window:
+                self._send("CREDIT", {"n": self.window - len(self.partials)})
         elif msg.verb == "REJECT":
             if "transfer_id" in h:
                 p = self._held(h)
@@ -1075,9 +1077,11 @@ class BridgeIn:
         if same is not None:
             self._discard(same, f"a new descriptor with its transfer_id {tid} arrived", reject="superseded")
         elif len(self.partials) >= self.window:
-            # The oldest: it is unended (ended ones ahead of every unended one were handed on).
-            self._discard(next(iter(self.partials.values())),
-                          f"a new descriptor arrived while {self.window} transfers were held (window)",
+            oldest = next((p for p in self.partials.values() if not p.get("ended")), None)
+            if oldest is None:  # all ended, waiting for a local consumer: their credits are not back
+                return self._reject(tid, "no_credit", f"{self.window} transfers wait to be handed on and "
+                                    "their credits were not returned (sender rule 3)")
+            self._discard(oldest, f"a new descriptor arrived while {self.window} transfers were held (window)",
                           reject="superseded")
         try:
             handle = check_network_handle(BufferHandle.decode(raw_handle))
@@ -1101,14 +1105,23 @@ class BridgeIn:
         if nixl:
             self._offer(p)
 
-    def _hand_on(self) -> None:
-        """Hand on every ended transfer no earlier transfer still waits before: in descriptor order."""
+    def _hand_on(self) -> bool:
+        """Hand on every ended transfer no earlier transfer still waits before, in descriptor order,
+        while a local consumer has asked: never waiting for one (the loop must go on answering the
+        link). True when an ended transfer waits for a consumer (its CREDIT goes when it is handed
+        on: that is the sender's backpressure)."""
         while self.partials:
             p = next(iter(self.partials.values()))
             if not p.get("ended"):
-                return
+                return False
+            try:
+                if not self.producer.grant_ready(0):
+                    return True
+            except BrokerUnavailable:  # the session says hello again on its own; the buffer waits
+                return True
             del self.partials[p["tid"]]
             self._deliver(p)
+        return False
 
     def _offer(self, p: dict[str, Any]) -> None:
         """Offer the destination (RDMA_REGISTER, R3.2): at once where it was offered before, else
@@ -1221,7 +1234,8 @@ class BridgeIn:
                     except RdmaError as e:  # the sender's REJECT or the link timeout ends the transfer
                         log.warning(json.dumps({"event": "rdma_progress_failed", "error": str(e)}))
                 faulting = self._fault_in()
-                wait = 0 if faulting else POLL_RDMA_S if offered else POLL_IDLE_S
+                waiting = self._hand_on()  # a local consumer may have asked since
+                wait = 0 if faulting else POLL_RDMA_S if offered else POLL_QUEUED_S if waiting else POLL_IDLE_S
                 if self.sock.poll(int(wait * 1000)):
                     until = time.monotonic() + DRAIN_S
                     while time.monotonic() < until:  # then round the loop: pings, liveness, faulting in

@@ -197,6 +197,42 @@ def test_receiver_rejects_non_synced_and_discards_partial(two_brokers):
     assert "partial_discarded" in err and "network_sync_mode" in err
 
 
+def test_a_descriptor_past_ended_transfers_waiting_for_a_consumer_is_refused_no_credit(two_brokers):
+    """§3 receiver rule 4: with its window (2) full of transfers that ended but wait for a local
+    consumer (there is none yet), a receiver refuses a third descriptor (no_credit, and a credit)
+    and discards nothing: a consumer that comes later gets both, in order. (Superseding the oldest
+    held transfer, as for unended ones, would throw a complete buffer away.) Rule 5: a new
+    LINK_WELCOME meanwhile grants the window less what is held (here nothing), and each hand-on
+    its one credit."""
+    _, b = two_brokers
+    url = f"tcp://127.0.0.1:{free_port()}"
+    s = raw_sender(url)
+    inn = bridge("in", "--channel", "v", "--endpoint", b.endpoint, "--connect", url, "--insecure", "--window", "2")
+    blobs = [workload.pattern(i, 0, 4096).tobytes() for i in (1, 2)]
+    try:
+        rid, _ = recv(s, "LINK_HELLO")
+        send(s, rid, "LINK_WELCOME", {"protocol": 1})
+        assert recv(s, "CREDIT")[1] == {"n": 2}
+        for tid, data in enumerate(blobs, 1):
+            send(s, rid, "TENSOR_DESCRIPTOR", {"transfer_id": tid, "total_bytes": 4096},
+                 struct.pack("<QIBB2s", 4096, 64, 0, 0, b"\0\0"))
+            send(s, rid, "TENSOR_DATA", {"transfer_id": tid, "byte_offset_in_buffer": 0}, data)
+            send(s, rid, "TENSOR_DATA_END", {"transfer_id": tid, "total_bytes": 4096})
+        send(s, rid, "TENSOR_DESCRIPTOR", {"transfer_id": 3, "total_bytes": 4096},
+             struct.pack("<QIBB2s", 4096, 64, 0, 0, b"\0\0"))
+        _, rej = recv(s, "REJECT")
+        assert (rej["transfer_id"], rej["reason"]) == (3, "no_credit"), rej
+        assert recv(s, "CREDIT")[1] == {"n": 1}, "the refused descriptor's credit (rule 2)"
+        # A new link set-up grants the window less the two held: nothing now, one per hand-on.
+        send(s, rid, "LINK_WELCOME", {"protocol": 1})
+        got = Proc(_collect, endpoint=b.endpoint, n=2).result()
+        assert [g["hex"] for g in got] == [x.hex() for x in blobs]
+        assert [recv(s, "CREDIT")[1] for _ in range(2)] == [{"n": 1}, {"n": 1}]
+    finally:
+        stop(inn)
+        s.close()
+
+
 @pytest.mark.parametrize("plane", ["zmq", "nixl"])
 def test_link_cut_mid_transfer_releases_once(two_brokers, plane):
     if plane == "nixl" and _nixl_reason() is not None:
@@ -221,6 +257,43 @@ def test_link_cut_mid_transfer_releases_once(two_brokers, plane):
         assert pr["sent"] == pr["released"] == 4, "each released back to the producer exactly once"
     finally:
         stop(out), stop(inn)
+
+
+@pytest.mark.parametrize("plane", ["zmq", "nixl"])
+def test_a_late_local_consumer_loses_nothing_and_keeps_the_link(two_brokers, plane):
+    """A receiving bridge never waits for a local consumer: while none asks, ended transfers wait
+    (their credits with them: the sender's backpressure) and the link stays answered. Here B has
+    no consumer for three link timeouts after the bridge took the producer's first buffers; then
+    one comes and gets every buffer, each released to the producer once, and the link was never
+    lost. (A receiver that blocked until a consumer asked fell silent: its sender dropped the link
+    and the transfers in flight.)"""
+    if plane == "nixl" and _nixl_reason() is not None:
+        pytest.skip(f"NIXL unusable: {_nixl_reason()}")
+    rdma = ["--rdma"] if plane == "nixl" else []
+    a, b = two_brokers
+    url = f"tcp://127.0.0.1:{free_port()}"
+    out = bridge("out", "--channel", "late", "--endpoint", a.endpoint, "--listen", url, "--insecure",
+                 "--timeout", "1", *rdma)
+    inn = bridge("in", "--channel", "late", "--endpoint", b.endpoint, "--connect", url, "--insecure",
+                 "--timeout", "1", *rdma)
+    try:
+        counters = SPAWN.Array("q", workload.COUNTERS)
+        p = Proc(workload.run_producer, endpoint=a.endpoint, channel="late", device="cpu", count=8, size=1 << 20,
+                 env={}, pool=8, counters=counters, timeout=60)
+        deadline = time.monotonic() + 60
+        while counters[workload.P_SENT] < 4:  # the receiver's window of transfers is under way
+            assert time.monotonic() < deadline, "the handoffs never reached the bridge"
+            time.sleep(0.01)
+        time.sleep(3.0)  # the scenario: no consumer on B for three link timeouts
+        c = Proc(workload.run_consumer, endpoint=b.endpoint, channel="late", device="cpu", count=8, env={},
+                 timeout=60)
+        pr, cr = p.result(), c.result()
+    finally:
+        out_err, in_err = stop(out), stop(inn)
+    logs = f"out: {out_err[-1500:]}\nin: {in_err[-1500:]}"
+    assert pr["error"] is None and cr["error"] is None, (pr["error"], cr["error"], logs)
+    assert cr["received"] == cr["intact"] == 8 and pr["sent"] == pr["released"] == 8, (pr, cr, logs)
+    assert in_err.count('"event": "linked"') == 1 and "transfer_aborted" not in out_err, logs
 
 
 def _netns(*cmd):
@@ -295,12 +368,29 @@ def test_interchange_vectors(two_brokers):
         rid, hello = recv(s, "LINK_HELLO")
         assert hello["window"] == vec["window"]
         send(s, rid, "LINK_WELCOME", {"protocol": 1})
+        credits = 0
+
+        def take(verb):  # the receiver's next `verb`, counting every CREDIT on the way
+            nonlocal credits
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                if s.poll(100):
+                    _, v, h = s.recv_multipart()
+                    header = json.loads(h)
+                    credits += header["n"] if v == b"CREDIT" else 0
+                    if v == verb.encode():
+                        return header
+            raise AssertionError(f"no {verb}")
+
         for t in vec["transfers"]:
-            recv(s, "CREDIT")
+            while credits < vec["window"]:  # every earlier transfer handed on or rejected
+                take("CREDIT")
             for m in t["messages"]:
+                if bytes.fromhex(m[0]) == b"TENSOR_DESCRIPTOR":
+                    credits -= 1
                 s.send_multipart([rid, *[bytes.fromhex(f) for f in m]])
             if "reject_reason" in t:
-                assert recv(s, "REJECT")[1]["reason"] == t["reject_reason"], t["name"]
+                assert take("REJECT")["reason"] == t["reject_reason"], t["name"]
         got = c.result()
         assert [g["hex"] for g in got] == [d for _, d in deliveries]
         for g, (t, _) in zip(got, deliveries, strict=True):

@@ -299,6 +299,20 @@ class Producer:
         return self.session.pull(self._grants, "READY", lambda: self.prefetch - len(self._grants) - self._ready,
                                  asked, timeout, "waiting for a consumer request")
 
+    def grant_ready(self, timeout: float = 0.0) -> bool:
+        """Whether a consumer has asked (a GRANT is held), so that the next :meth:`send` does not
+        wait for one; waits up to ``timeout`` seconds for it, asking the broker (READY) as
+        :meth:`send` would. For a caller that must not block on a consumer: a loop with other work
+        (a bridge) calls this with 0 and sends only when it returns True. Raises BrokerUnavailable
+        as :meth:`send` does."""
+        try:
+            grant = self._take_grant(timeout)
+        except TimeoutError:
+            return False
+        with self.session.lock:
+            self._grants.appendleft(grant)  # the next send takes it
+        return True
+
     def send(self, obj: Any, mode: SyncMode | None = None, *, stream: Any = None,
              timeout: float | None = None, block: bool = True,
              on_release: Callable[[Ticket], None] | None = None, meta: dict[str, Any] | None = None,
