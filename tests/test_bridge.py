@@ -290,9 +290,7 @@ def test_a_late_local_consumer_loses_nothing_and_keeps_the_link(two_brokers, pla
         pr, cr = p.result(), c.result()
     finally:
         out_err, in_err = stop(out), stop(inn)
-    logs = f"out: {out_err[-1500:]}\nin: {in_err[-1500:]}"
-    assert pr["error"] is None and cr["error"] is None, (pr["error"], cr["error"], logs)
-    assert cr["received"] == cr["intact"] == 8 and pr["sent"] == pr["released"] == 8, (pr, cr, logs)
+    logs = _all_through(pr, cr, 8, out_err, in_err)
     assert in_err.count('"event": "linked"') == 1 and "transfer_aborted" not in out_err, logs
 
 
@@ -531,6 +529,16 @@ def _nixl_reason() -> str | None:
 NEEDS_NIXL = pytest.mark.skipif(_nixl_reason() is not None, reason=f"NIXL unusable: {_nixl_reason()}")
 
 
+def _all_through(pr, cr, n, out_err, in_err):
+    """Producer and consumer ended without error, the consumer got ``n`` buffers intact and each
+    went back to the producer exactly once; the bridges' log tails (for further asserts)."""
+    logs = f"out: {out_err[-1500:]}\nin: {in_err[-1500:]}"
+    assert pr["error"] is None and cr["error"] is None, (pr["error"], cr["error"], logs)
+    assert cr["received"] == cr["intact"] == n and cr["corrupt"] == 0, (cr, logs)
+    assert pr["sent"] == pr["released"] == n, ("each handoff released to the producer exactly once", pr, logs)
+    return logs
+
+
 def _bridged_pair(a, b, url, out_args, in_args, n=6, size=(3 << 20) + 12345):
     out = bridge("out", "--channel", "r", "--endpoint", a.endpoint, "--listen", url, "--insecure", *out_args)
     inn = bridge("in", "--channel", "r", "--endpoint", b.endpoint, "--connect", url, "--insecure", *in_args)
@@ -540,10 +548,7 @@ def _bridged_pair(a, b, url, out_args, in_args, n=6, size=(3 << 20) + 12345):
         pr, cr = p.result(), c.result()
     finally:
         out_err, in_err = stop(out), stop(inn)
-    logs = f"out: {out_err[-1500:]}\nin: {in_err[-1500:]}"
-    assert pr["error"] is None and cr["error"] is None, (pr["error"], cr["error"], logs)
-    assert cr["received"] == cr["intact"] == n and cr["corrupt"] == 0, logs
-    assert pr["sent"] == pr["released"] == n, "each handoff released to the producer exactly once"
+    _all_through(pr, cr, n, out_err, in_err)
     return out_err, in_err
 
 
@@ -685,9 +690,7 @@ def test_real_gpu_to_gpu_over_nixl(two_brokers):
         pr, cr = p.result(), c.result()
     finally:
         out_err, in_err = stop(out), stop(inn)
-    logs = f"out: {out_err[-1200:]}\nin: {in_err[-1200:]}"
-    assert pr["error"] is None and cr["error"] is None, (pr["error"], cr["error"], logs)
-    assert pr["sent"] == pr["released"] == 4 and cr["received"] == cr["intact"] == 4, (pr, cr, logs)
+    logs = _all_through(pr, cr, 4, out_err, in_err)
     path = "device" if nixl_info().gpudirect else "host-staged"
     assert f'"gpu_source": "{path}"' in out_err and f'"path": "{path}"' in in_err, logs
     print(f"GPU to GPU over NIXL: {path} on both sides; {logs[-600:]}")
