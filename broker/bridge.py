@@ -52,7 +52,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from hurray_ipc.client import BrokerUnavailable, Consumer, Producer
+from hurray_ipc.client import BrokerUnavailable, Consumer, Producer, Ticket
 from hurray_ipc.client.endpoint import default_endpoint
 from hurray_ipc.contract.sync import check_network_handle
 from hurray_ipc.devices import CudaDevice, DeviceError, open_device, shm
@@ -85,6 +85,7 @@ FAULT_CHUNK = 64 << 20  # bytes of a new destination faulted in per turn of the 
 POLL_RDMA_S = 0.001  # how often a sending bridge looks at posted NIXL WRITEs
 POLL_QUEUED_S = 0.005  # ... at queued zmq frames (their trackers have no descriptor either)
 POLL_IDLE_S = 0.05
+MAX_BOUNCES = 8  # times a receiver hands one buffer on again because its consumer went before it arrived
 DRAIN_S = 0.05  # at most this long handling link messages before a receiver's loop goes round again
 SENDER_ENDED = ("rdma_failed", "rdma_timeout", "link_lost")  # a sender's REJECTs that end a transfer (R4.6)
 
@@ -879,6 +880,8 @@ class BridgeIn:
         self.gpu = self.producer.gpu
         # transfer_id -> partial transfer, in descriptor order; at most ``window`` (interchange.md §3 receiver 4)
         self.partials: dict[int, dict[str, Any]] = {}
+        # handed on, but their consumer went before they arrived: (transfer, buffer, give back), to hand on again
+        self.bounced: deque[tuple[dict[str, Any], Any, Callable[[Any], None]]] = deque()
         self.linked = False
         self.last_rx = 0.0
         self.last_hello = 0.0
@@ -1107,18 +1110,19 @@ class BridgeIn:
 
     def _hand_on(self) -> bool:
         """Hand on every ended transfer no earlier transfer still waits before, in descriptor order,
-        while a local consumer has asked: never waiting for one (the loop must go on answering the
-        link). True when an ended transfer waits for a consumer (its CREDIT goes when it is handed
-        on: that is the sender's backpressure)."""
-        while self.partials:
-            p = next(iter(self.partials.values()))
-            if not p.get("ended"):
-                return False
+        while a local consumer has asked (first any that came back, ``bounced``): never waiting for
+        one (the loop must go on answering the link). True when a buffer waits for a consumer (an
+        ended transfer's CREDIT goes when it is handed on: that is the sender's backpressure)."""
+        while self.bounced or (self.partials and next(iter(self.partials.values())).get("ended")):
             try:
                 if not self.producer.grant_ready(0):
                     return True
             except BrokerUnavailable:  # the session says hello again on its own; the buffer waits
                 return True
+            if self.bounced:  # older than any partial transfer: handed on before them
+                self._send_on(*self.bounced.popleft())
+                continue
+            p = next(iter(self.partials.values()))
             del self.partials[p["tid"]]
             self._deliver(p)
         return False
@@ -1184,15 +1188,37 @@ class BridgeIn:
             stream.synchronize()  # visible before the handle leaves: PRODUCER_SYNCED
             self.pool.give(buf)
             buf, back = dev, (lambda b: b.close())  # device copies are not pooled
+        self._send_on(p, buf, back)
+        self._send("CREDIT", {"n": 1})
+
+    def _send_on(self, p: dict[str, Any], buf: Any, back: Callable[[Any], None]) -> None:
+        """Hand ``buf`` (transfer ``p``'s bytes) to the local consumer whose grant is held, without
+        waiting for the broker's answer (the loop must go on answering the link). A handoff whose
+        consumer went before it arrived comes back (``bounced``) and is handed on again, at most
+        MAX_BOUNCES times; any other refusal gives the buffer back, loudly."""
         m = p["meta"]
         array: dict[str, Any] = {}
         if "typestr" in m:  # checked at the descriptor: the array arrives as it left
             dl = m.get("dl_dtype")
             array = {"shape": tuple(m["shape"]), "dtype": dlpack.EXTRA_BY_CODE[dl[0]][0] if dl else m["typestr"],
                      "readonly": bool(m.get("readonly", False))}
+
+        def released(ticket: Ticket) -> None:  # runs in whichever thread pumps the session
+            err = ticket.error
+            if err is not None and err.code in ("consumer_gone", "unknown_grant") and p["bounces"] < MAX_BOUNCES:
+                p["bounces"] += 1
+                log.info(json.dumps({"event": "hand_on_again", "transfer_id": p["tid"], "why": err.code}))
+                self.bounced.append((p, buf, back))  # never delivered: hand it on again
+                return
+            if err is not None:
+                self.stats["discarded"] += 1
+                log.warning(json.dumps({"event": "hand_on_refused", "transfer_id": p["tid"], "error": str(err)[:200]}))
+            back(buf)
+
+        p.setdefault("bounces", 0)
         try:
-            self.producer.send(buf, SyncMode.PRODUCER_SYNCED, on_release=lambda _ticket: back(buf),
-                               meta=m.get("user"), **array)
+            self.producer.send(buf, SyncMode.PRODUCER_SYNCED, block=False, on_release=released, meta=m.get("user"),
+                               **array)
             self.stats["delivered"] += 1
         except (BrokerUnavailable, TimeoutError) as e:
             # The local broker is gone: this buffer cannot be handed on. Drop it (loudly) and keep
@@ -1201,7 +1227,6 @@ class BridgeIn:
                 back(buf)
             self.stats["discarded"] += 1
             log.warning(json.dumps({"event": "local_broker_unavailable", "transfer_id": p["tid"], "error": str(e)}))
-        self._send("CREDIT", {"n": 1})
 
     def serve(self, stop: threading.Event | None = None) -> None:
         stop = stop or threading.Event()
@@ -1259,6 +1284,9 @@ class BridgeIn:
             for p in list(self.partials.values()):
                 self._discard(p, "closing")
             self.producer.close()  # held buffers come back to the pool (or are freed) first
+            while self.bounced:
+                _, buf, back = self.bounced.popleft()
+                back(buf)
             self._release_quarantined(time.monotonic())
             if self.quarantined:  # a peer's WRITE may still land in them (R4.4): never freed, left to exit
                 log.warning(json.dumps({"event": "quarantined_at_close", "buffers": len(self.quarantined)}))

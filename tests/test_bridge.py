@@ -129,6 +129,20 @@ def raw_receiver(url):
     return s, say, expect
 
 
+def _longest_silence(s, rid, seconds):
+    """As a hand-driven sender, speak to the receiver every 50 ms for ``seconds`` and return the
+    longest time it said nothing to us."""
+    heard = [time.monotonic()]
+    end = heard[0] + seconds
+    while time.monotonic() < end:
+        send(s, rid, "LINK_PONG", {})
+        if s.poll(50):
+            s.recv_multipart()
+            heard.append(time.monotonic())
+    heard.append(time.monotonic())
+    return max(y - x for x, y in zip(heard, heard[1:], strict=False))
+
+
 def test_receiver_that_only_hears_still_speaks_every_third_of_its_timeout(two_brokers):
     """§4: a sender forgets a receiver silent for its timeout, even while streaming to it; so a
     receiver pings when it has sent nothing for a third of its timeout, not only when it has heard
@@ -143,15 +157,7 @@ def test_receiver_that_only_hears_still_speaks_every_third_of_its_timeout(two_br
         rid, _ = recv(s, "LINK_HELLO")
         send(s, rid, "LINK_WELCOME", {"protocol": 1})
         recv(s, "CREDIT")
-        heard = [time.monotonic()]
-        end = heard[0] + 4.0
-        while time.monotonic() < end:
-            send(s, rid, "LINK_PONG", {})
-            if s.poll(50):
-                s.recv_multipart()
-                heard.append(time.monotonic())
-        heard.append(time.monotonic())
-        gap = max(b - a for a, b in zip(heard, heard[1:], strict=False))
+        gap = _longest_silence(s, rid, 4.0)
         assert gap < 1.5, f"the receiver said nothing for {gap:.2f} s while it heard from us every 50 ms"
     finally:
         stop(inn)
@@ -231,6 +237,56 @@ def test_a_descriptor_past_ended_transfers_waiting_for_a_consumer_is_refused_no_
     finally:
         stop(inn)
         s.close()
+
+
+def test_a_consumer_gone_before_its_handoff_arrived_neither_loses_it_nor_stops_the_link(two_brokers):
+    """A local consumer asks (REQUEST) and leaves (BYE) before the bridge's handoff to it arrives:
+    the broker refuses the handoff (consumer_gone). The receiving bridge hands the buffer on again
+    to the next consumer, and meanwhile goes on answering the link (a send that waited for another
+    consumer inside its loop fell silent: its sender would drop the link)."""
+    from test_vectors_refusals import _ep
+
+    _, b = two_brokers
+    url = f"tcp://127.0.0.1:{free_port()}"
+    s = raw_sender(url)
+    inn = bridge("in", "--channel", "v", "--endpoint", b.endpoint, "--connect", url, "--insecure", "--timeout", "1.5")
+    data = workload.pattern(5, 0, 4096).tobytes()
+    gone = zmq.Context.instance().socket(zmq.DEALER)
+    gone.setsockopt(zmq.LINGER, 1000)
+    try:
+        rid, _ = recv(s, "LINK_HELLO")
+        send(s, rid, "LINK_WELCOME", {"protocol": 1})
+        recv(s, "CREDIT")
+        send(s, rid, "TENSOR_DESCRIPTOR", {"transfer_id": 1, "total_bytes": 4096},
+             struct.pack("<QIBB2s", 4096, 64, 0, 0, b"\0\0"))
+        send(s, rid, "TENSOR_DATA", {"transfer_id": 1, "byte_offset_in_buffer": 0}, data)
+        send(s, rid, "TENSOR_DATA_END", {"transfer_id": 1, "total_bytes": 4096})
+        gone.connect(b.endpoint)
+
+        def ready():  # the bridge's READY the broker holds for channel v (STATS, spec §2.3)
+            gone.send_multipart([b"STATS", b"{}"])
+            assert gone.poll(5000), "no STATS_REPLY"
+            reply = json.loads(gone.recv_multipart()[1])
+            return sum(c["ready"] for c in reply["channels"] if c["name"] == "v")
+
+        deadline = time.monotonic() + 20
+        while not ready():  # the ended transfer waits and the bridge has asked for a consumer
+            assert time.monotonic() < deadline, "the bridge never asked for a consumer"
+            time.sleep(0.02)
+        # One burst, handled in order by the broker: the GRANT goes to the bridge, then the consumer is gone.
+        for verb, header in (("HELLO", {"protocol": 2, "role": "consumer", "channel": "v", "pid": os.getpid(),
+                                        "endpoint": _ep(os.getpid())}),
+                             ("REQUEST", {"credits": 1}), ("BYE", {})):
+            gone.send_multipart([verb.encode(), json.dumps(header).encode()])
+        gap = _longest_silence(s, rid, 3.0)
+        assert gap < 1.5, f"the receiver said nothing for {gap:.2f} s after its consumer went"
+        got = Proc(_collect, endpoint=b.endpoint, n=1).result()
+        assert [g["hex"] for g in got] == [data.hex()]
+    finally:
+        err = stop(inn)
+        s.close()
+        gone.close()
+    assert '"hand_on_again"' in err and "hand_on_refused" not in err, err[-1500:]
 
 
 @pytest.mark.parametrize("plane", ["zmq", "nixl"])
