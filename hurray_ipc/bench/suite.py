@@ -735,9 +735,12 @@ def _bridge_sink(endpoint: str, channel: str, n: int) -> dict[str, Any]:
 BRIDGE_BUFFERS = 4  # the source's buffers in the bridge rows: the receiving bridge's default window
 # Transfers before the clock starts: enough for every buffer of the source and of the receiving
 # bridge's pool (window + 1) to have been used once, as the raw NIXL floor's one buffer on each side
-# was (it does not count its first round). A first use costs a fresh buffer's page faults and a
-# NIXL registration (docs/benchmarks.md gives it separately).
-BRIDGE_WARMUP = 2 * BRIDGE_BUFFERS
+# was (it does not count its first round), and for the buffers that queued up behind a slow first
+# use to have been taken: timed per receive, a 1 GiB row's last first use came as late as the 7th
+# transfer and was followed by 3 receives that did not wait, which a clock started at the 8th
+# counted (28 GB/s). A first use costs a fresh buffer's page faults and a NIXL registration
+# (docs/benchmarks.md gives it separately).
+BRIDGE_WARMUP = 4 * BRIDGE_BUFFERS
 
 
 def _bridge_source(endpoint: str, channel: str, n: int, size: int) -> dict[str, Any]:
