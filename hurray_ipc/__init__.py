@@ -9,8 +9,13 @@ orders your stream after the producer, ``h.numpy()`` / ``h.torch()`` / ``h.cupy(
 ``h.buffer`` are zero-copy views, and ``h.release()`` (or ``with h:``) gives the buffer back
 once your device work on it completed. See README.md and docs/spec/.
 
+Errors: everything Hurray raises on purpose is a :class:`HurrayError`, and also the builtin a
+numpy user expects (InvalidArgument is a ValueError, UnsupportedObject a TypeError, ExportRefused
+a BufferError, HurrayTimeout a TimeoutError, EndOfStream an EOFError; see hurray_ipc.errors).
+
 Layers, each importing only those below it::
 
+    errors.py   the exception hierarchy (a leaf: imports nothing)
     format/     the 16-byte buffer handle                        (bottom)
     contract/   sync modes per transport; the handoff object
     devices/    CPU shared memory, CUDA (real or emulated backend)
@@ -30,6 +35,16 @@ from .contract import (
     choose_sync_mode,
     explain_sync_modes,
     valid_sync_modes,
+)
+from .devices.errors import DeviceError
+from .errors import (
+    ClosedError,
+    EndOfStream,
+    ExportRefused,
+    HurrayError,
+    HurrayTimeout,
+    InvalidArgument,
+    UnsupportedObject,
 )
 from .format import BufferHandle, DeviceTag, HandleError, ReservedSyncMode, SyncMode
 
@@ -56,12 +71,19 @@ __all__ = [
     "AlreadyReleasedError",
     "BrokerUnavailable",
     "BufferHandle",
+    "ClosedError",
     "Consumer",
+    "DeviceError",
     "DeviceTag",
+    "EndOfStream",
     "EndpointCapabilities",
+    "ExportRefused",
     "Handoff",
     "HandoffError",
     "HandleError",
+    "HurrayError",
+    "HurrayTimeout",
+    "InvalidArgument",
     "Producer",
     "ProducerGone",
     "ReceivedBuffer",
@@ -71,6 +93,7 @@ __all__ = [
     "SyncMode",
     "Ticket",
     "Transport",
+    "UnsupportedObject",
     "check_network_handle",
     "choose_sync_mode",
     "explain_sync_modes",

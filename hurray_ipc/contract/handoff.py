@@ -21,12 +21,13 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import HurrayError
 from ..format.handle import BufferHandle, DeviceTag, SyncMode
 
 ReleaseFn = Callable[[], None]
 
 
-class HandoffError(ValueError):
+class HandoffError(HurrayError, ValueError):
     """A handoff whose payload does not match its handle's declared sync_mode (a producer bug)."""
 
     def __init__(self, reason: str, message: str):
@@ -34,7 +35,7 @@ class HandoffError(ValueError):
         super().__init__(f"handoff rejected: {message} [{reason}]")
 
 
-class AlreadyReleasedError(RuntimeError):
+class AlreadyReleasedError(HurrayError, RuntimeError):
     """A release callback was called a second time."""
 
 

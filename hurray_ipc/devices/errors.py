@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from ..errors import HurrayError
 
-class DeviceError(RuntimeError):
+
+class DeviceError(HurrayError, RuntimeError):
     """A device or driver call failed. ``call`` names it; ``code`` is the driver's error, if any."""
 
     def __init__(self, call: str, message: str, code: object = None):

@@ -9,7 +9,8 @@ Layout, every multi-byte field little-endian::
     13     1    sync_mode   SyncMode, 0x03-0xFE reserved, 0xFF invalid
     14     2    _reserved   zero
 
-This module is the bottom of the package: it imports nothing else from it.
+This module is the bottom of the package: it imports nothing else from it but the leaf
+``hurray_ipc.errors``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
+
+from ..errors import HurrayError, InvalidArgument
 
 HANDLE_SIZE = 16
 _LAYOUT = struct.Struct("<QIBB2s")
@@ -28,7 +31,7 @@ _U64_MAX = (1 << 64) - 1
 _U32_MAX = (1 << 32) - 1
 
 
-class HandleError(ValueError):
+class HandleError(HurrayError, ValueError):
     """A buffer handle that violates the layout rules.
 
     ``reason`` is machine-readable (one of :data:`HANDLE_ERROR_REASONS`); the message names the
@@ -105,6 +108,10 @@ class SyncMode(enum.IntEnum):
     PRODUCER_SYNCED = 0x00
     EVENT = 0x01
     CONSUMER_STREAM = 0x02
+    # The spec's names (what every CLI prints), as aliases: SyncMode.SYNC_EVENT is SyncMode.EVENT.
+    SYNC_PRODUCER_SYNCED = 0x00
+    SYNC_EVENT = 0x01
+    SYNC_CONSUMER_STREAM = 0x02
 
     @property
     def wire_name(self) -> str:
@@ -129,7 +136,7 @@ class SyncMode(enum.IntEnum):
             return cls[key]
         except KeyError:
             names = ", ".join(m.wire_name for m in cls)
-            raise ValueError(f"unknown sync mode {name!r}; expected one of {names}") from None
+            raise InvalidArgument(f"unknown sync mode {name!r}; expected one of {names}", value=name) from None
 
 
 def _require_mode(value: object) -> SyncMode:

@@ -1,0 +1,67 @@
+"""Every error Hurray raises on purpose derives from :class:`HurrayError` (a leaf module: no imports).
+
+Each one also derives from the builtin a numpy or torch user already catches, so ``except
+ValueError`` keeps working for bad input and ``except HurrayError`` catches everything of ours:
+
+==========================  ==================  ===================================================
+class                       builtin             raised when
+==========================  ==================  ===================================================
+:class:`InvalidArgument`    ValueError          a value the caller gave is out of range or malformed
+:class:`UnsupportedObject`  TypeError           an object (or dtype) Hurray cannot hand off or use
+:class:`ExportRefused`      BufferError         a received buffer cannot be exported as asked
+:class:`HurrayTimeout`      TimeoutError        a bounded wait ran out (nothing was lost: see below)
+:class:`ClosedError`        RuntimeError        a call on a closed Producer or Consumer
+:class:`EndOfStream`        EOFError            every producer of the channel ended and all was received
+==========================  ==================  ===================================================
+
+Other layers add their own, each a subclass too: ``HandleError`` (ValueError, format/),
+``HandoffError`` (ValueError) and ``AlreadyReleasedError`` (RuntimeError, contract/),
+``DeviceError`` (RuntimeError, devices/), ``ProtocolError`` (ValueError, transport/),
+``BrokerUnavailable`` (ConnectionError), ``RemoteError`` and ``ProducerGone`` (RuntimeError,
+client/). All are exported from :mod:`hurray_ipc`.
+
+Messages name what was wrong, where (the call and argument) and the value, and where there is
+one, the fix. A call that raises gives back everything it took (see client/DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class HurrayError(Exception):
+    """Base class of every error Hurray raises on purpose."""
+
+
+class _Located(HurrayError):
+    """An error about one argument: ``where`` (e.g. ``"send(shape=)"``) and the ``value`` given."""
+
+    def __init__(self, message: str, *, where: str | None = None, value: Any = None):
+        self.where = where
+        self.value = value
+        super().__init__(f"{where}: {message}" if where else message)
+
+
+class InvalidArgument(_Located, ValueError):
+    """A value given by the caller is out of range or malformed."""
+
+
+class UnsupportedObject(_Located, TypeError):
+    """An object (or a dtype) that Hurray cannot hand off or use as asked."""
+
+
+class ExportRefused(_Located, BufferError):
+    """A received buffer cannot be exported the way a consumer asked (DLPack, buffer protocol)."""
+
+
+class HurrayTimeout(HurrayError, TimeoutError):
+    """A wait with a timeout ran out. The call gave back what it took before raising."""
+
+
+class ClosedError(HurrayError, RuntimeError):
+    """The Producer or Consumer was closed (or its producer ended its stream) before this call."""
+
+
+class EndOfStream(HurrayError, EOFError):
+    """Every producer of the channel ended its stream and every handoff sent before was received
+    (ipc-protocol.md §4.9). A new producer may reopen the channel."""
