@@ -92,6 +92,7 @@ class Client:
     endpoints_sent: dict[bytes, Endpoint] = field(default_factory=dict)
     rid_text: str = ""  # the routing id as DELIVER names a producer
     route: Route | None = None  # a bridge's last ROUTE (spec §2.4): repeated in CAPS_REPLY
+    ended: bool = False  # producer: it sent END (or re-registered saying so), spec §4.9
 
     def __post_init__(self) -> None:
         self.rid_text = self.rid.decode(errors="replace")
@@ -126,6 +127,7 @@ class Channel:
     requests: deque[bytes] = field(default_factory=deque)  # consumer rids, one entry per credit
     producers: OrderedDict[bytes, None] = field(default_factory=OrderedDict)  # round-robin order
     members: int = 0
+    ended: bool = False  # every registered producer ended, and none registered since (spec §4.9)
 
 
 @dataclass
@@ -337,6 +339,8 @@ class BrokerCore:
             self.on_event_release(client, msg)
         elif msg.verb == "ROUTE":
             self.on_route(client, msg)
+        elif msg.verb == "END":
+            self.on_end(client)
 
     def tick(self, now: float, alive: Alive) -> list[Out]:
         """Time passed. ``alive(client)`` judges same-host clients by their process (a lease);
@@ -422,6 +426,7 @@ class BrokerCore:
         if not 0 <= credits <= MAX_CREDITS:
             raise ProtocolError("bad_header", f"credits must be 0..{MAX_CREDITS}, got {credits}", field="credits")
         epoch = field_of(msg, "epoch", int, optional=True) or 0
+        ended = bool(field_of(msg, "ended", bool, optional=True))
         lease = field_of(msg, "lease", str, optional=True)
         if lease is not None and liveness.parse(lease) is None:
             raise ProtocolError("bad_header", f"lease {lease[:80]!r} is not a lease name", field="lease")
@@ -451,6 +456,9 @@ class BrokerCore:
         ch.members += 1
         if role == "producer":
             ch.producers[rid] = None
+            c.ended = ended
+            if ended:
+                c.credits = 0  # an ended producer asks for nothing
             self._restore_outstanding(c, outstanding, now)
         else:
             self._restore_held(c, held, now)
@@ -462,6 +470,13 @@ class BrokerCore:
                                             "timeout_ms": int(self.timeout_s * 1000)}))
         log.info(json.dumps({"event": "hello", "client": rid.decode(errors="replace"), "role": role,
                              "channel": channel, "device": endpoint.identity.spec, "pid": endpoint.pid}))
+        if role == "producer":
+            self._update_stream(channel)
+        else:
+            if ended and not ch.producers and not ch.ended:
+                ch.ended = True  # a restarted broker learns that the stream ended from its consumers
+            if ch.ended != ended:
+                self._send(rid, Message("CHANNEL_STATE", {"ended": ch.ended}))
         self._match(channel)
 
     def _limit(self, what: str) -> None:
@@ -564,6 +579,8 @@ class BrokerCore:
     def on_ready(self, c: Client, msg: Message) -> None:
         if c.role != "producer":
             raise ProtocolError("wrong_role", "READY is a producer's message")
+        if c.ended:
+            raise ProtocolError("ended", "this producer ended its stream (END): it sends no more handoffs")
         self._add_ready(c, self._credits(msg))
 
     def _add_ready(self, c: Client, n: int) -> None:
@@ -593,10 +610,44 @@ class BrokerCore:
                 grant["consumer"] = consumer.endpoint.to_dict()
             self._send(producer, Message("GRANT", grant))
 
+    # --- end of stream (spec §4.9) ------------------------------------------------------------
+    def on_end(self, c: Client) -> None:
+        """END: the producer sends no more handoffs. Its grants go back to their consumers (front
+        of the queue) and its READY credits are void; releases still reach it. Idempotent."""
+        if c.role != "producer":
+            raise ProtocolError("wrong_role", "END is a producer's message")
+        if c.ended:
+            return
+        c.ended = True
+        self._return_grants(c)
+        c.credits = 0
+        log.info(json.dumps({"event": "end", "client": c.rid_text[:32], "channel": c.channel}))
+        self._update_stream(c.channel)
+        self._match(c.channel)
+
+    def _update_stream(self, name: str) -> None:
+        """Recompute ``name``'s ended state after a producer registered or ended, and tell every
+        consumer of the channel when it changed (CHANNEL_STATE). A channel is ended when it has
+        registered producers and all of them ended; a producer that leaves without END (it died,
+        or said BYE) changes nothing, so a crash never ends a stream."""
+        ch = self.channels.get(name)
+        if ch is None or not ch.producers:
+            return
+        ended = all(self.clients[p].ended for p in ch.producers)
+        if ended == ch.ended:
+            return
+        ch.ended = ended
+        log.info(json.dumps({"event": "channel_ended" if ended else "channel_reopened", "channel": name}))
+        for c in self.clients.values():
+            if c.role == "consumer" and c.channel == name:
+                self._send(c.rid, Message("CHANNEL_STATE", {"ended": ended}))
+
     # --- handoffs --------------------------------------------------------------------------
     def on_handoff(self, c: Client, msg: Message, now: float) -> None:
         if c.role != "producer":
             raise ProtocolError("wrong_role", "HANDOFF is a producer's message")
+        if c.ended:
+            raise ProtocolError("ended", "this producer ended its stream (END): it sends no more handoffs")
         gid = field_of(msg, "grant_id", int)
         hid = field_of(msg, "handoff_id", int)
         if not 0 <= hid < 2**64:
@@ -625,10 +676,12 @@ class BrokerCore:
                                     str(e.value)[:64]) from None
             self._check_handoff(c, consumer, msg, handle)
         except ProtocolError:
-            # The consumer's request is not lost with a bad handoff: it goes back to the front.
+            # The consumer's request is not lost with a bad handoff: it goes back to the front,
+            # and is matched at once (the producer's READY may already be waiting for it).
             self._channel(g.channel).requests.appendleft(g.consumer)
             consumer.credits += 1
             self.stats.rejected += 1
+            self._match(g.channel)
             raise
         token = self.session + self._token()
         self._bind(Delivery(token, c.rid, g.consumer, hid, handle.sync_mode is SyncMode.EVENT, now))
@@ -825,7 +878,7 @@ class BrokerCore:
                     "outstanding": c.held if c.role == "consumer" else by_producer.get(c.rid, 0),
                     "events_outstanding": events_of.get(c.rid, 0), "lease": c.lease is not None,
                     "state": "unresponsive" if c.unresponsive else "alive",
-                    "silent_s": round(max(0.0, now - c.last_seen), 3)})
+                    "silent_s": round(max(0.0, now - c.last_seen), 3), "ended": c.ended})
         channels: list[dict[str, Any]] = []
         queued = 0
         for name, ch in self.channels.items():
@@ -834,7 +887,7 @@ class BrokerCore:
                 channels.append({
                     "name": name, "producers": len(ch.producers), "consumers": ch.members - len(ch.producers),
                     "queued": len(ch.requests), "ready": sum(clients[p].credits for p in ch.producers),
-                    "grants": grants_of.get(name, 0), "in_flight": in_flight.get(name, 0)})
+                    "grants": grants_of.get(name, 0), "in_flight": in_flight.get(name, 0), "ended": ch.ended})
         counts = (s.handoffs, s.releases, s.messages_in, s.messages_out)
         # The recent window: the oldest sample at most STATS_WINDOW_S old (the start counts as a
         # sample of zeros); with none that recent (no tick for a while), the newest there is.
@@ -881,16 +934,22 @@ class BrokerCore:
         ch = self._channel(c.channel)
         ch.requests = deque(r for r in ch.requests if r != c.rid)
         ch.producers.pop(c.rid, None)
+        self._return_grants(c)
+        for g in self.grants.values():
+            if g.consumer == c.rid:
+                g.consumer_gone = True
+        c.credits = 0
+
+    def _return_grants(self, producer: Client) -> None:
+        """Void ``producer``'s grants; each one's consumer gets its credit back, at the queue's front."""
+        ch = self._channel(producer.channel)
         for g in list(self.grants.values()):
-            if g.producer == c.rid:
+            if g.producer == producer.rid:
                 del self.grants[g.gid]
                 consumer = self.clients.get(g.consumer)
                 if consumer is not None and not g.consumer_gone:
                     ch.requests.appendleft(g.consumer)
                     consumer.credits += 1
-            elif g.consumer == c.rid:
-                g.consumer_gone = True
-        c.credits = 0
 
     def _forget(self, c: Client) -> None:
         """Remove ``c``'s registration (credits, grants, channel membership, process count)."""
@@ -964,5 +1023,11 @@ class BrokerCore:
             assert c.held == held.get(c.rid, 0), f"{c.rid!r}: held {c.held} != {held.get(c.rid, 0)}"
         for g in self.grants.values():
             assert g.producer in self.clients, f"grant {g.gid} of a gone producer"
+            assert not self.clients[g.producer].ended, f"grant {g.gid} held by an ended producer"
+        for name, ch in self.channels.items():  # end of stream (spec §4.9)
+            live = [p for p in ch.producers if not self.clients[p].ended]
+            assert not (ch.ended and live), f"{name}: ended, yet producers {live!r} have not"
+        for c in self.clients.values():
+            assert not (c.ended and c.credits), f"{c.rid!r}: ended with {c.credits} READY credits"
         assert sum(self.per_process.values()) == len(self.clients)
         assert self.stats.unresponsive == sum(c.unresponsive for c in self.clients.values())

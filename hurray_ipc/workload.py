@@ -108,6 +108,7 @@ class ConsumerReport:
     modes: dict[str, int] = field(default_factory=dict)
     staged: int = 0
     seen: list[tuple[int, int]] = field(default_factory=list)
+    ended: bool = False  # stopped at the end of the stream (every producer ended, §4.9)
     error: str | None = None
 
 
@@ -132,8 +133,13 @@ def _bump(counters: Any, i: int, n: int = 1) -> None:
 def run_producer(endpoint: str, channel: str, device: str, count: int, size: int, *, mode: str | None = None,
                  tag: int | None = None, pool: int = 4, duration: float | None = None, timeout: float = 30.0,
                  env: dict[str, str] | None = None, counters: Any = None, broker_grace: float = 15.0,
-                 inject: str | None = None, deadline: float | None = None) -> dict[str, Any]:
+                 inject: str | None = None, deadline: float | None = None,
+                 end_stream: bool = False) -> dict[str, Any]:
     """Send ``count`` checksummed buffers (or until ``duration``); wait for their releases.
+
+    ``end_stream``: end the channel's stream when done (ipc-protocol.md §4.9). Off by default: with
+    several producers counted in all, one that finishes before another registered would end the
+    stream for its consumers (the rule is per registered producer).
 
     ``deadline``: a wall-clock time (``time.time()``) after which no buffer is sent, whenever this
     process started: the stress runner's one deadline, so that a replacement for a killed producer
@@ -218,6 +224,7 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
             _bump(counters, P_DOUBLE, p.unknown_releases)
             for buf in free:
                 buf.close()
+            p.close(end=end_stream)
     except Exception:  # noqa: BLE001 - not swallowed: the traceback goes to the parent in rep.error
         rep.error = traceback.format_exc()
     # Counted on every exit: a race the checker raised as RaceError is still a race found.
@@ -230,7 +237,8 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
                  idle_stop: float | None = None, hold: float = 0.0, env: dict[str, str] | None = None,
                  keep_seen: bool = True, inject: str | None = None, counters: Any = None,
                  broker_grace: float = 15.0) -> dict[str, Any]:
-    """Receive up to ``count`` buffers (or until ``idle_stop`` s pass with none), checking each.
+    """Receive up to ``count`` buffers (or until ``idle_stop`` s pass with none, or until the end of
+    the stream, ipc-protocol.md §4.9), checking each.
 
     ``inject``: one of :data:`CONSUMER_INJECTIONS`: the consumer breaks the contract, which the
     emulation's race checker (and, when the timing exposes it, the checksums) must catch.
@@ -240,6 +248,7 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
         os.environ.update(env)
     from .client import BrokerUnavailable, Consumer, ProducerGone
     from .devices.errors import DeviceError, RaceError
+    from .errors import EndOfStream
 
     rep = ConsumerReport()
     try:
@@ -252,6 +261,9 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
                 try:
                     h = c.receive(timeout=idle_stop if idle_stop is not None else timeout)
                     outage = None
+                except EndOfStream:
+                    rep.ended = True
+                    break
                 except TimeoutError:
                     if idle_stop is not None:
                         break

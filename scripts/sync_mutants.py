@@ -1,8 +1,13 @@
-"""Sabotage one sync step at a time and show the suite catches each (scripts/check-sync-mutants).
+"""Sabotage one rule at a time and show the suite catches each (scripts/check-sync-mutants).
 
-Each mutant turns one step of the sync contract into a no-op in a copy of the tree; the sync tests
-then run against that copy (PYTHONPATH, so spawned workers and the broker import it too). A mutant
-that no test catches is a hole in the suite: the script exits 1.
+Each mutant turns one step of the sync contract (or of the give-back and end-of-stream rules)
+into a no-op in a copy of the tree; the tests then run against that copy (PYTHONPATH, so spawned
+workers and the broker import it too). A mutant that no test catches is a hole in the suite: the
+script exits 1.
+
+The copy is checked to be the code under test: the editable install maps ``hurray_ipc.broker`` to
+the original tree's ``broker/``, so the copy gets its own ``hurray_ipc/broker`` (a link to its
+``broker/``), and the script refuses to run when the copy's modules do not import from the copy.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ ROOT = Path(__file__).resolve().parent.parent
 TESTS = ["tests/test_races.py", "tests/test_paths.py", "tests/test_clients.py", "tests/test_devices.py",
          "tests/test_stress.py"]
 
-# name -> (file, the exact text of the step, what replaces it)
-MUTANTS: dict[str, tuple[str, str, str]] = {
+GIVE_BACK = ["tests/test_give_back.py"]
+
+# name -> (file, the exact text of the step, what replaces it[, the tests to run; default TESTS])
+MUTANTS: dict[str, tuple[str, ...]] = {
     "stream-wait": ("hurray_ipc/devices/cuda.py",
                     "        self.device.rt.stream_wait_event(self.raw, event._live())\n",
                     "        pass  # MUTANT: no stream-wait\n"),
@@ -36,7 +43,35 @@ MUTANTS: dict[str, tuple[str, str, str]] = {
     # and sends RELEASE only once those fences completed. The mutant sends it at once.
     "release-after-work": ("hurray_ipc/client/consumer.py",
                            "        self._consumer._release_after(self, fences)\n",
-                           "        self._consumer._release_after(self, [])  # MUTANT: RELEASE before the work completed\n"),
+                           "        self._consumer._release_after(self, [])  # MUTANT: early RELEASE\n"),
+    # A failed send gives back what it took (issue 21): each mutant drops one give-back.
+    "give-back-grant": ("hurray_ipc/client/producer.py",
+                        "                        self._regrant(grant)  # unused: the next send takes it\n",
+                        "                        pass  # MUTANT: the grant of a failed send is lost\n", *GIVE_BACK),
+    "give-back-prepared": ("hurray_ipc/client/producer.py",
+                           "            self._undo(out)\n            raise\n        frames = {",
+                           "            raise  # MUTANT: a failed preparation keeps slot and event\n        frames = {",
+                           *GIVE_BACK),
+    "give-back-submit": ("hurray_ipc/client/producer.py",
+                         "                    self._undo(out)\n                    self._regrant(out.grant)\n",
+                         "                    pass  # MUTANT: an unsent handoff keeps its grant and resources\n",
+                         *GIVE_BACK),
+    "whole-refusal-ids": ("hurray_ipc/transport/protocol.py",
+                          "                e.extra.setdefault(\"handoff_ids\",",
+                          "                (lambda *a: None)(\"handoff_ids\",  # MUTANT: the ERROR names no handoff\n",
+                          *GIVE_BACK),
+    "whole-refusal-regrant": ("hurray_ipc/client/producer.py",
+                              "                    self._regrant(o.grant)\n",
+                              "                    pass  # MUTANT: the unused grant of a refused message is lost\n",
+                              *GIVE_BACK),
+    "whole-refusal-ready": ("hurray_ipc/client/producer.py",
+                            "                    self._ready = max(0, self._ready - o.ready)",
+                            "                    pass  # MUTANT: the refused message's READY still counted",
+                            *GIVE_BACK),
+    "refusal-rematch": ("broker/core.py",
+                        "            self._match(g.channel)\n            raise\n",
+                        "            raise  # MUTANT: the returned credit waits for an unrelated REQUEST/READY\n",
+                        *GIVE_BACK),
 }
 
 
@@ -48,10 +83,29 @@ def make_copy(dest: Path) -> None:
         if src.is_file():
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / f)
+    # broker/ installs as hurray_ipc.broker (pyproject package-dir): give the copy the same
+    # layout, or the editable install's finder would import the original tree's broker/.
+    (dest / "hurray_ipc" / "broker").symlink_to("../broker", target_is_directory=True)
+
+
+def check_copy_is_imported(tree: Path) -> None:
+    """Every module a mutant may edit must import from ``tree`` under the suite's environment."""
+    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
+    mods = sorted({m for m, *_ in MUTANTS.values()})
+    code = ("import importlib, sys\n"
+            f"for path in {mods!r}:\n"
+            "    name = path.removesuffix('.py').replace('/', '.')\n"
+            "    name = 'hurray_ipc.' + name if name.startswith('broker.') else name\n"
+            "    print(importlib.import_module(name).__file__)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, check=True, capture_output=True,
+                         text=True).stdout.split()
+    stray = [f for f in out if not Path(f).resolve().is_relative_to(tree.resolve())]
+    if stray:
+        raise SystemExit(f"the mutated copy is not the code under test: {stray} import from outside {tree}")
 
 
 def apply(dest: Path, name: str) -> None:
-    path, old, new = MUTANTS[name]
+    path, old, new = MUTANTS[name][:3]
     text = (dest / path).read_text()
     if text.count(old) != 1:
         raise SystemExit(f"mutant {name}: the step to sabotage occurs {text.count(old)} times in {path} "
@@ -90,10 +144,14 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="hurray-mutant-") as tmp:
             tree = Path(tmp)
             make_copy(tree)
+            check_copy_is_imported(tree)
             if name is not None:
                 apply(tree, name)
+            tests = list(MUTANTS[name][3:]) if name is not None and len(MUTANTS[name]) > 3 else a.tests
+            if name is None:  # the baseline runs every file some mutant is checked against
+                tests = list(dict.fromkeys([*a.tests, *(t for m in names for t in MUTANTS[m][3:])]))
             t0 = time.monotonic()
-            failed, passed, tail, which = run_suite(tree, a.tests)
+            failed, passed, tail, which = run_suite(tree, tests)
             secs = time.monotonic() - t0
         label = name or "baseline (no mutant)"
         if name is None:

@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 from conftest import emu_config
+from hurray_ipc import InvalidArgument
 from hurray_ipc.client import Consumer, Producer, ReceivedHandoff
-from hurray_ipc.devices import CudaDevice, DeviceError, set_runtime
+from hurray_ipc.devices import CudaDevice, set_runtime
 from hurray_ipc.devices.backend.emulated import EmulatedRuntime
 from hurray_ipc.interop import dlpack
 from hurray_ipc.transport.protocol import ProtocolError, check_meta
@@ -73,7 +74,7 @@ def roundtrip(p: Producer, c: Consumer, obj: Any, **kw: Any) -> ReceivedHandoff:
 def test_zero_d_array_stays_zero_d(pair):
     p, c = pair
     with roundtrip(p, c, np.array(3.5)) as h:
-        assert h.meta["shape"] == [] and h.buffer.shape == ()
+        assert h.wire_meta["shape"] == [] and h.buffer.shape == ()
         a = h.numpy()
         assert a.shape == () and a.dtype == np.float64 and float(a) == 3.5
         b = np.from_dlpack(h.buffer)
@@ -113,7 +114,7 @@ NOT_CONTIGUOUS = "is not C-contiguous; Hurray hands memory off as it lies, on th
 
 def test_non_contiguous_host_array_is_refused_with_its_strides(pair):
     p, c = pair
-    with pytest.raises(DeviceError, match=r"strides \(32, 16\)") as e:
+    with pytest.raises(InvalidArgument, match=r"strides \(32, 16\)") as e:
         p.send(np.arange(12.0).reshape(3, 4)[:, ::2], timeout=1)
     assert NOT_CONTIGUOUS in str(e.value)
     # one-sized dimensions may have any stride: still contiguous, and sent
@@ -146,7 +147,7 @@ def emulated() -> Iterator[CudaDevice]:
 
 def test_non_contiguous_cuda_array_is_refused_by_the_same_rule(broker):
     with emulated() as dev, Producer(broker.endpoint, "gpu", dev) as p:
-        with pytest.raises(DeviceError, match=r"strides \(32, 4\)") as e:
+        with pytest.raises(InvalidArgument, match=r"strides \(32, 4\)") as e:
             p.send(StridedCai(dev), timeout=1)
         assert NOT_CONTIGUOUS in str(e.value)
 
@@ -168,7 +169,7 @@ def test_bfloat16_and_float8_reach_torch_exactly(pair):
     p, c = pair
     src = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3) / 4
     with roundtrip(p, c, src) as h:
-        assert h.meta["dl_dtype"] == [4, 16, 1] and h.buffer.typestr == "|V2"
+        assert h.wire_meta["dl_dtype"] == [4, 16, 1] and h.buffer.typestr == "|V2"
         t = h.torch()
         assert t.dtype == torch.bfloat16 and t.shape == (2, 3) and torch.equal(t, src)
         assert t.data_ptr() == h.buffer.ptr
@@ -177,7 +178,7 @@ def test_bfloat16_and_float8_reach_torch_exactly(pair):
         del t
     f8 = torch.tensor([0.5, -2.0, 448.0]).to(torch.float8_e4m3fn)
     with roundtrip(p, c, f8) as h:
-        assert h.meta["dl_dtype"] == [10, 8, 1]
+        assert h.wire_meta["dl_dtype"] == [10, 8, 1]
         t = h.torch()
         assert t.dtype == torch.float8_e4m3fn and t.float().tolist() == [0.5, -2.0, 448.0]
         del t
@@ -251,14 +252,14 @@ def test_copy_dl_device_and_stream_follow_the_standard(pair):
 def test_read_only_sources_arrive_read_only(pair):
     p, c = pair
     with roundtrip(p, c, b"\x01\x02\x03\x04") as h:
-        assert h.meta["readonly"] is True
+        assert h.wire_meta["readonly"] is True
         assert not h.numpy().flags.writeable
         assert not np.from_dlpack(h.buffer).flags.writeable  # versioned capsule: READ_ONLY flag
         with pytest.raises(BufferError, match="readonly"):
             np.from_dlpack(LegacyOnly(h.buffer))  # a legacy capsule cannot say it
         assert np.asarray(h.buffer).flags.writeable is False  # __array_interface__ data (ptr, True)
     with roundtrip(p, c, b"\x01\x02", readonly=False) as h:
-        assert "readonly" not in h.meta and h.numpy().flags.writeable
+        assert "readonly" not in h.wire_meta and h.numpy().flags.writeable
 
 
 def test_memoryview_on_the_running_python(pair):
@@ -292,7 +293,7 @@ def test_cuda_buffer_copy_and_bfloat16_capsule(broker):
 
         with roundtrip(p, c, Bf16(), stream=p.stream) as h:
             h.wait()
-            assert h.meta["dl_dtype"] == [4, 16, 1]
+            assert h.wire_meta["dl_dtype"] == [4, 16, 1]
             t = dlpack.read_capsule(h.buffer.__dlpack__(stream=c.stream.handle))
             assert (t.typestr, t.dl_dtype, t.ptr) == ("|V2", [4, 16, 1], h.buffer.ptr)
             capsule = h.buffer.__dlpack__(stream=c.stream.handle, copy=True)  # owns the copy while alive

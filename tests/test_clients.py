@@ -178,7 +178,7 @@ def test_broker_gone_then_back(tmp_path):
             c.receive(timeout=0.5)
         b.stop(signal.SIGKILL)
         t0 = time.monotonic()
-        with pytest.raises(BrokerUnavailable, match="no reply from broker"):
+        with pytest.raises(BrokerUnavailable, match="silent for .* socket file .* exists but nothing answered"):
             c.receive(timeout=10)
         assert time.monotonic() - t0 < 4.0
         b.start()

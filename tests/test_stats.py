@@ -102,7 +102,8 @@ def test_three_handoffs_one_release_leave_two_outstanding():
                                                                                         False)
     assert p["id"] == BrokerCore.label_of(b"p") and c["id"] == BrokerCore.label_of(b"c"), "labels, not routing ids"
     (ch,) = r["channels"]
-    assert ch == {"name": "ch", "producers": 1, "consumers": 1, "queued": 5, "ready": 0, "grants": 0, "in_flight": 2}
+    assert ch == {"name": "ch", "producers": 1, "consumers": 1, "queued": 5, "ready": 0, "grants": 0, "in_flight": 2,
+                  "ended": False}
     g = r["gauges"]
     assert (g["clients"], g["producers"], g["consumers"], g["channels"], g["queued"], g["grants"]) == (2, 1, 1, 1, 5, 0)
     assert r["broker"]["pid"] == 4242 and r["broker"]["protocol"] == 2 and r["broker"]["session"] == w.core.session

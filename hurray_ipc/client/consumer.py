@@ -12,7 +12,6 @@ A released buffer must not be touched again.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import importlib
 import logging
 import os
@@ -25,10 +24,19 @@ from typing import Any
 import numpy as np
 import zmq
 
-from ..contract.handoff import AlreadyReleasedError, Handoff
+from ..contract.handoff import AlreadyReleasedError, Handoff, HandoffError
 from ..devices import Device, open_device
 from ..devices.base import Buffer, MemoryExport
 from ..devices.cuda import CudaDevice, CudaEvent, CudaStream
+from ..errors import (
+    ClosedError,
+    EndOfStream,
+    ExportRefused,
+    HurrayError,
+    HurrayTimeout,
+    InvalidArgument,
+    UnsupportedObject,
+)
 from ..format.handle import BufferHandle, DeviceTag, HandleError, SyncMode
 from ..interop import dlpack
 from ..transport import inproc
@@ -39,8 +47,11 @@ from .session import BrokerUnavailable, RemoteError, Session
 log = logging.getLogger("hurray.consumer")
 
 
-class ProducerGone(RuntimeError):
+class ProducerGone(HurrayError, RuntimeError):
     """The producer of this handoff died; its memory may no longer be valid."""
+
+
+_UNSET: Any = object()  # __dlpack__ called without a stream keyword
 
 
 class ReceivedBuffer:
@@ -51,8 +62,9 @@ class ReceivedBuffer:
     Host buffers: :meth:`numpy`, :meth:`host_view`, ``__array_interface__``, and the buffer
     protocol (``memoryview(buf)``) on Python 3.12+ (``__buffer__``; a Python class cannot offer
     it earlier: use :meth:`host_view` or :meth:`numpy` there). GPU buffers:
-    ``__cuda_array_interface__`` (v3). Both: ``__dlpack__`` by the array API standard (2023.12),
-    ordered on the stream the caller names.
+    ``__cuda_array_interface__`` (v3), and without any GPU framework :meth:`copy_to_host` or
+    ``consumer.stream.copy(dst, buffer)``. Both: ``__dlpack__`` by the array API standard
+    (2023.12), ordered on the stream the caller names.
     """
 
     def __init__(self, handoff: ReceivedHandoff, buf: Buffer, typestr: str, shape: tuple[int, ...],
@@ -64,6 +76,7 @@ class ReceivedBuffer:
         self.dl_dtype = dl_dtype
         self.readonly = readonly
         self.device_tag = handoff.handle.device_tag
+        self._device_asked = False  # a DLPack consumer asked __dlpack_device__ (see __dlpack__)
 
     @property
     def ptr(self) -> int:
@@ -95,22 +108,69 @@ class ReceivedBuffer:
         """The bytes as a flat memoryview (read-only when the producer said so); host buffers."""
         self._check()
         if not self.on_host:
-            raise TypeError(f"a {self.device_tag.name} buffer has no host view; use __cuda_array_interface__, "
-                            "__dlpack__ or handoff.torch() / .cupy()")
+            raise UnsupportedObject(f"a {self.device_tag.name} buffer has no host view: copy it with "
+                                    "buffer.copy_to_host(), or use __cuda_array_interface__, __dlpack__ or "
+                                    "handoff.torch() / .cupy()", where="ReceivedBuffer.host_view()")
         v = self._buf.host_view()
         return v.toreadonly() if self.readonly else v
 
     def numpy(self) -> np.ndarray:
         """A zero-copy numpy view with the exact shape and dtype (host buffers; read-only when
-        the producer said so). A dtype numpy lacks raises TypeError naming it."""
+        the producer said so). A dtype numpy lacks raises UnsupportedObject (a TypeError) naming it;
+        a GPU buffer has no view: :meth:`copy_to_host` copies it."""
         if self.dl_dtype is not None:
-            raise TypeError(f"{self.dtype_name} has no numpy dtype; use handoff.torch(), handoff.cupy() or "
-                            "another DLPack consumer (from_dlpack), which get it exactly")
+            raise UnsupportedObject(f"{self.dtype_name} has no numpy dtype; use handoff.torch(), handoff.cupy() or "
+                                    "another DLPack consumer (from_dlpack), which get it exactly",
+                                    where="ReceivedBuffer.numpy()")
         return np.frombuffer(self.host_view(), dtype=np.dtype(self.typestr)).reshape(self.shape)
+
+    def copy_to_host(self, out: Any = None) -> np.ndarray:
+        """The bytes copied into host memory: a new numpy array of this buffer's shape and dtype (a
+        DLPack-only dtype such as bfloat16 as unsigned ints of its size), or into ``out``, any
+        writable C-contiguous buffer of exactly :attr:`nbytes` bytes (returned as a numpy array
+        over it). Needs no GPU framework.
+
+        CUDA buffers: the copy is ordered after the producer's writes, on a stream of this
+        handoff (the one already ordered, else the consumer's stream, which is then one that
+        :meth:`ReceivedHandoff.release` waits for), and the call returns once it completed (a
+        host-wait of that stream). Host buffers: a plain copy. The handoff stays yours to release."""
+        self._check()
+        itemsize = int(self.typestr[2:])
+        dt = np.dtype(self.typestr if self.dl_dtype is None else f"u{itemsize}")
+        if out is None:
+            arr = np.empty(self.shape, dtype=dt)
+        else:
+            try:
+                arr = out if isinstance(out, np.ndarray) else np.frombuffer(out, dtype=np.uint8)
+            except (TypeError, ValueError):
+                raise InvalidArgument(f"out is a {type(out).__name__}, not a writable buffer",
+                                      where="ReceivedBuffer.copy_to_host(out=)", value=type(out).__name__) from None
+            if not arr.flags.c_contiguous or not arr.flags.writeable or arr.nbytes != self.nbytes:
+                raise InvalidArgument(f"out must be writable, C-contiguous and exactly {self.nbytes} bytes; it is "
+                                      f"{arr.nbytes} bytes, contiguous={arr.flags.c_contiguous}, "
+                                      f"writable={arr.flags.writeable}", where="ReceivedBuffer.copy_to_host(out=)",
+                                      value=f"{type(out).__name__} of {arr.nbytes} bytes")
+        flat = arr.reshape(-1).view(np.uint8)
+        if self.on_host:
+            flat[:] = np.frombuffer(self._buf.host_view(), dtype=np.uint8)
+            return arr
+        s = self._handoff.ordered_stream() or self._handoff.order_onto(self._handoff._consumer.stream)
+        s.copy(flat, self._buf, self.nbytes)
+        s.synchronize()
+        return arr
+
+    def __hurray_buffer__(self, stream: Any) -> Buffer:
+        """The device-layer buffer with ``stream`` ordered after the producer's writes (device-side):
+        what ``CudaStream.copy`` takes a received buffer as (devices/base.py, ``ordered_buffer``)."""
+        self._check()
+        if not self.on_host:
+            self._handoff.order_onto(stream)
+        return self._buf
 
     def __buffer__(self, flags: int) -> memoryview:
         if self.readonly and flags & 1:  # inspect.BufferFlags.WRITABLE
-            raise BufferError("this handoff's buffer is read-only (the producer said so)")
+            raise ExportRefused("this handoff's buffer is read-only (the producer said so): ask for a read-only "
+                                "view", where="memoryview(ReceivedBuffer)")
         return self.host_view()
 
     @property
@@ -135,11 +195,15 @@ class ReceivedBuffer:
                 "strides": None, "stream": None if s is None else s.handle}
 
     def __dlpack_device__(self) -> tuple[int, int]:
+        self._device_asked = True
+        return self._dl_device()
+
+    def _dl_device(self) -> tuple[int, int]:
         if self.device_tag is DeviceTag.CUDA:
             return (dlpack.KDL_CUDA, self._buf.device.identity.ordinal)
         return (dlpack.KDL_CPU, 0)
 
-    def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None,
+    def __dlpack__(self, *, stream: Any = _UNSET, max_version: tuple[int, int] | None = None,
                    dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> Any:
         """A DLPack capsule, by the array API standard (2023.12).
 
@@ -152,23 +216,39 @@ class ReceivedBuffer:
         one, which a read-only buffer cannot have (BufferError). ``dl_device``: only this
         buffer's own device (BufferError otherwise). ``copy=True``: a private copy (host: numpy
         memory; CUDA: a new allocation, copied on the ordered stream); ``False``/``None``: the
-        buffer itself. Sends no message."""
+        buffer itself. Sends no message.
+
+        A CUDA buffer asked for without a ``stream`` keyword by a caller that never asked
+        ``__dlpack_device__`` is refused (ExportRefused, a BufferError, naming the fix): that is
+        how CPU-only consumers such as ``numpy.from_dlpack`` ask, and they cannot read device
+        memory. GPU consumers (torch, CuPy, JAX) ask where the buffer lives first and name their
+        stream. Capsules are built so that a consumer failing after taking one keeps its own
+        error (interop/dlpack.py)."""
         self._check()
-        here = self.__dlpack_device__()
+        here = self._dl_device()
         if dl_device is not None and (int(dl_device[0]), int(dl_device[1])) != here:
-            raise BufferError(f"this buffer lives on DLPack device {here} and is exported there only, "
-                              f"not to {tuple(dl_device)}")
+            raise ExportRefused(f"this buffer lives on DLPack device {here} and is exported there only, not to "
+                                f"{tuple(dl_device)}" + (": copy it with buffer.copy_to_host()"
+                                                         if int(dl_device[0]) == dlpack.KDL_CPU else ""),
+                                where="ReceivedBuffer.__dlpack__(dl_device=)", value=tuple(dl_device))
         cuda = self.device_tag is DeviceTag.CUDA
+        if cuda and stream is _UNSET and not self._device_asked:
+            raise ExportRefused(f"this buffer is in CUDA memory (cuda:{here[1]}); the caller asked for it without "
+                                "asking where it lives (__dlpack_device__) or naming a stream, as CPU-only consumers "
+                                "such as numpy.from_dlpack do, and could not read it: copy it to the host with "
+                                "buffer.copy_to_host(), or read it with a CUDA library (torch.from_dlpack, "
+                                "cupy.from_dlpack, handoff.torch())", where="ReceivedBuffer.__dlpack__()")
+        if stream is _UNSET:
+            stream = None
         no_sync = isinstance(stream, int) and not isinstance(stream, bool) and stream == -1
         if not cuda and stream is not None and not no_sync:
-            raise ValueError(f"stream={stream!r} given for a host buffer; the array API takes only None there")
+            raise InvalidArgument("a host buffer takes only None there (the array API standard)",
+                                  where="ReceivedBuffer.__dlpack__(stream=)", value=stream)
         versioned = max_version is not None and int(max_version[0]) >= 1
         dlpack.dtype_of(self.typestr, self.dl_dtype)  # BufferError for what DLPack cannot express
-        if not cuda:
-            # numpy builds host capsules: its destructor is C, so a consumer that fails after
-            # taking one keeps its own error (a ctypes destructor cannot run with it pending).
-            return dlpack.patch_dtype(self._host_array().__dlpack__(
-                max_version=max_version, copy=copy), self.dl_dtype)
+        if not cuda:  # numpy copies host memory itself when asked to
+            return dlpack.patch(self._host_array().__dlpack__(max_version=max_version, copy=copy),
+                                dl_dtype=self.dl_dtype)
         ordered = None
         if not no_sync:
             ordered = self._handoff.order_onto(1 if stream is None else stream)
@@ -179,19 +259,14 @@ class ReceivedBuffer:
 
     def _host_array(self) -> np.ndarray:
         """A numpy view of the host bytes that keeps this buffer (so its handoff) alive; a dtype
-        numpy lacks is viewed as unsigned ints of its size (``patch_dtype`` renames it)."""
+        numpy lacks is viewed as unsigned ints of its size (``dlpack.patch`` renames it)."""
         self._check()
-        raw = (ctypes.c_char * self._buf.size).from_address(self._buf.ptr)
-        raw._owner = self  # type: ignore[attr-defined]  # the view's base keeps us alive
-        dt = np.dtype(self.typestr if self.dl_dtype is None else f"u{int(self.typestr[2:])}")
-        arr = np.frombuffer(memoryview(raw), dtype=dt).reshape(self.shape)
-        if self.readonly:
-            arr.flags.writeable = False
-        return arr
+        return dlpack.host_array(self._buf.ptr, self.shape, self.typestr, self, self.dl_dtype, self.readonly)
 
     def _copy_capsule(self, here: tuple[int, int], versioned: bool, ordered: CudaStream | None) -> Any:
         if ordered is None:
-            raise BufferError("copy=True with stream=-1: the copy needs a stream ordered after the producer")
+            raise ExportRefused("copy=True with stream=-1: the copy needs a stream ordered after the producer",
+                                where="ReceivedBuffer.__dlpack__(copy=True)")
         dst = self._buf.device.allocate(self._buf.size)
         ordered.copy(dst, self._buf, self._buf.size)
         owner = _OwnedCopy(dst)
@@ -231,7 +306,11 @@ class ReceivedHandoff(Handoff):
         self.staged = bool(header.get("staged"))
         self.producer_id = str(header.get("producer_id", ""))
         self.handoff_id = int(header.get("handoff_id", 0))
-        self.meta = header.get("meta") or {}
+        #: The HANDOFF's ``meta`` object as it travelled (ipc-protocol.md §4.8: typestr, shape,
+        #: dl_dtype, readonly, user), for relays such as the bridge; :attr:`meta` is the sender's own.
+        self.wire_meta: dict[str, Any] = header.get("meta") or {}
+        #: What the producer passed as ``send(meta=)``, exactly as sent; None when it passed none.
+        self.meta: Any = self.wire_meta.get("user")
         self.producer_gone = False
         self._event = event  # in-process: the producer's CudaEvent
         self._event_blob = event_blob
@@ -256,7 +335,7 @@ class ReceivedHandoff(Handoff):
         """The bytes, without a copy (the same object while you hold it)."""
         b = self._buffer_ref() if self._buffer_ref is not None else None
         if b is None:
-            m = self.meta
+            m = self.wire_meta
             shape = tuple(int(x) for x in m.get("shape", [self.handle.size]))
             b = ReceivedBuffer(self, self._raw, str(m.get("typestr", "|u1")), shape, m.get("dl_dtype"),
                                bool(m.get("readonly", False)))
@@ -289,7 +368,7 @@ class ReceivedHandoff(Handoff):
         if self.producer_gone:
             raise ProducerGone(f"the producer of handoff {self.token[:8]} died; its buffer is no longer valid")
         if self.released:
-            raise RuntimeError("the buffer of this handoff was released; it must not be accessed")
+            raise AlreadyReleasedError("the buffer of this handoff was released; it must not be accessed")
 
     def wait(self, *streams: Any) -> None:
         """Order ``streams`` (default: the consumer's stream) after the producer's writes.
@@ -304,7 +383,8 @@ class ReceivedHandoff(Handoff):
         targets = [self._consumer.as_stream(s) for s in streams] or (
             [self._consumer.stream] if self._consumer.stream is not None else [])
         if self.handle.sync_mode is SyncMode.EVENT and not self.event_released and not targets:
-            raise ValueError("an EVENT handoff needs a stream to wait on (Consumer(stream=...) or wait(stream))")
+            raise InvalidArgument("an EVENT handoff needs a stream to wait on: Consumer(stream=...) or "
+                                  "wait(stream)", where="ReceivedHandoff.wait()")
         self._order_on(targets)
         if self.handle.sync_mode is SyncMode.EVENT and not self.event_released:
             self.release_event()
@@ -334,7 +414,8 @@ class ReceivedHandoff(Handoff):
     def _import_event(self) -> CudaEvent:
         gpu, blob = self._consumer.gpu, self._event_blob
         if gpu is None or blob is None:
-            raise RuntimeError("an EVENT handoff reached a consumer without a GPU, or without its event blob")
+            raise HandoffError("no_event", "an EVENT handoff reached a consumer without a GPU, or without its "
+                               "event blob")
         return gpu.import_event(blob)
 
     def _note(self, stream: CudaStream) -> None:
@@ -344,7 +425,8 @@ class ReceivedHandoff(Handoff):
     def _after(self, stream: CudaStream, base: CudaStream | None) -> None:
         """Make ``stream`` wait on ``base``, a stream already ordered after the producer."""
         if base is None:
-            raise RuntimeError("no stream of this handoff is ordered after the producer yet")
+            raise AlreadyReleasedError("no stream of this handoff is ordered after the producer, and its event "
+                                       "was already released: wait(stream) before release_event()")
         ev = self._consumer.gpu.create_event(interprocess=False)  # type: ignore[union-attr]
         ev.record(base)
         stream.wait(ev)
@@ -361,7 +443,8 @@ class ReceivedHandoff(Handoff):
         if mode is SyncMode.EVENT:
             if not self._waited:
                 if self._consumer.stream is None:
-                    raise ValueError("an EVENT handoff needs a stream to wait on (Consumer(stream=...))")
+                    raise InvalidArgument("an EVENT handoff needs a stream to wait on: Consumer(stream=...)",
+                                          where="ReceivedBuffer.__cuda_array_interface__")
                 self._order_on([self._consumer.stream])
             return self._waited[0]
         if mode is SyncMode.CONSUMER_STREAM:
@@ -372,7 +455,7 @@ class ReceivedHandoff(Handoff):
         """Make ``stream`` wait for the handoff, device-side only (``__dlpack__(stream=)``)."""
         s = self._consumer.as_stream(stream)
         if self.handle.sync_mode is SyncMode.EVENT and self.event_released and not self._waited:
-            raise RuntimeError("the event was released before any stream waited on it")
+            raise AlreadyReleasedError("the event was released before any stream waited on it")
         self._order_on([s])
         return s
 
@@ -476,6 +559,7 @@ class Consumer:
         self._dropped: deque[ReceivedHandoff] = deque()
         self.name = name or f"consumer-{os.getpid()}"
         self.errors: list[RemoteError] = []
+        self.ended = False  # the broker said every producer of the channel ended (CHANNEL_STATE, §4.9)
         self._releasing: list[tuple[ReceivedHandoff, list[CudaEvent]]] = []  # RELEASE owed once these complete
         self._fences: list[CudaEvent] = []  # completed fence events, recorded again by later releases
         self.session = Session(endpoint, "consumer", channel, self._hello, self._dispatch,
@@ -484,7 +568,8 @@ class Consumer:
     def as_stream(self, stream: Any) -> CudaStream:
         """``stream`` (CudaStream, ``__cuda_stream__`` object or cudaStream_t int) on our GPU."""
         if self.gpu is None:
-            raise ValueError(f"stream {stream!r} given to a consumer on {self.device.identity}, which has no streams")
+            raise InvalidArgument(f"a consumer on {self.device.identity.spec} has no streams: create it with "
+                                  "Consumer(device='cuda:N')", where="stream=", value=stream)
         return self.gpu.as_stream(stream)
 
     # --- deferred releases ------------------------------------------------------------------
@@ -544,7 +629,7 @@ class Consumer:
                 for t, h in live.items() if not h.producer_gone]
         # Credits travel in HELLO: a REQUEST sent to a broker that lost us is not lost with it.
         return {"name": self.name, "endpoint": self.endpoint_info.to_dict(), "held": held,
-                "credits": self._requested}
+                "credits": self._requested, **({"ended": True} if self.ended else {})}
 
     def _dispatch(self, msg: Message) -> list[Any]:
         h = msg.header
@@ -573,6 +658,8 @@ class Consumer:
                     ho.producer_gone = True
             for ho in [x for x in self._inbox if x.producer_gone]:
                 self._inbox.remove(ho)  # in place: a waiting receive() watches this deque
+        elif msg.verb == "CHANNEL_STATE":
+            self.ended = h.get("ended") is True
         elif msg.verb == "ERROR":
             err = RemoteError(str(h.get("code")), str(h.get("message")), h)
             if err.code not in ("unknown_token",):
@@ -634,23 +721,33 @@ class Consumer:
         return len(self._held)
 
     def receive(self, timeout: float | None = None) -> ReceivedHandoff:
-        """The next handoff (raises TimeoutError, or BrokerUnavailable if the broker is gone).
+        """The next handoff. Raises EndOfStream once every producer of the channel ended and every
+        handoff they sent was received (spec §4.9), HurrayTimeout after ``timeout`` seconds,
+        BrokerUnavailable if the broker is gone, ClosedError after :meth:`close`.
 
         Thread-safe: concurrent callers each get a different handoff."""
         def asked(n: int) -> None:
             self._requested += n
 
-        return self.session.pull(self._inbox, "REQUEST",
-                                 lambda: max(self.prefetch, 1) - len(self._inbox) - self._requested,
-                                 asked, timeout, "waiting for a handoff")
+        got = self.session.pull(self._inbox, "REQUEST",
+                                lambda: max(self.prefetch, 1) - len(self._inbox) - self._requested,
+                                asked, timeout, f"waiting for a handoff on channel {self.session.channel!r}",
+                                stop=lambda: self.ended)
+        if got is None:
+            raise EndOfStream(f"every producer of channel {self.session.channel!r} ended its stream and every "
+                              "handoff they sent was received")
+        return got
 
     def __iter__(self) -> Iterator[ReceivedHandoff]:
-        """``for handoff in consumer:`` receives until the consumer is closed (from another
-        thread) or the broker shuts down in order (SHUTDOWN); a broker that vanishes raises
-        BrokerUnavailable. Each handoff is yours to release (``with handoff:``)."""
+        """``for handoff in consumer:`` receives until the end of the stream (every producer of
+        the channel ended, §4.9), until the consumer is closed (from another thread) or the broker
+        shuts down in order (SHUTDOWN); a broker that vanishes raises BrokerUnavailable. Each
+        handoff is yours to release (``with handoff:``)."""
         while not self.session.closed:
             try:
                 yield self.receive()
+            except (EndOfStream, ClosedError):
+                return
             except BrokerUnavailable:
                 if self.session.closed or self.session.shutdown_reason is not None:
                     return
@@ -687,7 +784,7 @@ class Consumer:
                     pass
                 left = None if deadline is None else deadline - loop.time()
                 if left is not None and left <= 0:
-                    raise TimeoutError(f"timed out after {timeout} s while waiting for a handoff")
+                    raise HurrayTimeout(f"timed out after {timeout} s while waiting for a handoff")
                 # Bounded by the heartbeat: a silent broker is noticed (BrokerUnavailable) by the
                 # next attempt, as a blocking receive() notices it.
                 hb = self.session.heartbeat_s
@@ -707,6 +804,8 @@ class Consumer:
         while not self.session.closed:
             try:
                 yield await self.areceive()
+            except (EndOfStream, ClosedError):
+                return
             except BrokerUnavailable:
                 if self.session.closed or self.session.shutdown_reason is not None:
                     return

@@ -27,8 +27,9 @@ from ..devices import Device, open_device
 from ..devices.base import Buffer
 from ..devices.cpu import CpuDevice
 from ..devices.cuda import CudaDevice, CudaEvent, CudaStream
+from ..errors import ClosedError, InvalidArgument
 from ..format.handle import BufferHandle, DeviceTag, SyncMode
-from ..interop.source import Source, resolve
+from ..interop.source import Source, check_user_meta, resolve
 from ..interop.staging import StagingExhausted, StagingPool
 from ..transport import inproc
 from ..transport.pairing import Endpoint, ModeCache, PairModes, host_side
@@ -145,13 +146,35 @@ class Ticket:
 
 @dataclass
 class _Outgoing:
+    """One handoff from its preparation to its release. Everything it takes is recorded here as
+    soon as it is taken, so that a failure at any step gives all of it back (:meth:`Producer._undo`)."""
+
     ticket: Ticket
     source: Source
+    grant: dict[str, Any]
     event: CudaEvent | None = None
     slot: Buffer | None = None
     inproc_key: str | None = None
     on_release: Callable[[Ticket], None] | None = None
     resend: bool = False  # send() re-sends the source if the consumer died before delivery
+    ready: int = 0  # READY credits its HANDOFF message carried (on the batch's last entry)
+
+
+def _preferred_mode(mode: Any) -> SyncMode | None:
+    """``send(mode=)``: a SyncMode, its name ('EVENT', 'SYNC_EVENT', 'event') or None."""
+    if mode is None or isinstance(mode, SyncMode):
+        return mode
+    if isinstance(mode, str):
+        return SyncMode.from_name(mode)
+    raise InvalidArgument("a sync mode is a SyncMode or its name ('EVENT', 'SYNC_EVENT')", where="send(mode=)",
+                          value=mode)
+
+
+def _check_timeout(timeout: float | None, where: str) -> None:
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                                or not timeout >= 0):
+        raise InvalidArgument("a timeout is a number of seconds >= 0, or None to wait without end", where=where,
+                              value=timeout)
 
 
 class Producer:
@@ -198,6 +221,7 @@ class Producer:
         self._modes = ModeCache()
         self.name = name or f"producer-{os.getpid()}"
         self.unknown_releases = 0  # RELEASED for a handoff already finished: a double release
+        self.ended = False  # end() was called: no more handoffs (spec §4.9)
         self.session = Session(endpoint, "producer", channel, self._hello, self._dispatch,
                                heartbeat_s=heartbeat_s, timeout_s=timeout_s)
 
@@ -211,7 +235,10 @@ class Producer:
         # Every handoff not released is listed, accepted or not (acceptance is implicit, so we may
         # not know): one a consumer holds is claimed by it; one that never arrived comes back
         # after the timeout as RELEASED consumer_gone. None is freed before the broker says so.
+        if self.ended:
+            self._ready = 0  # an ended producer asks for nothing; its HELLO says it ended (spec §4.9)
         return {"name": self.name, "endpoint": self.endpoint_info.to_dict(), "credits": self._ready,
+                **({"ended": True} if self.ended else {}),
                 # Which consumer holds each: the broker lets only that consumer claim it again.
                 "outstanding": [{"handoff_id": h, "consumer_id": o.ticket.consumer} for h, o in self._out.items()]}
 
@@ -253,8 +280,28 @@ class Producer:
                 o.ticket.error = RemoteError(str(h.get("code")), str(h.get("message")), h)
                 keep = o.resend and o.ticket.error.code in ("consumer_gone", "unknown_grant")  # send() may re-send
                 return self._finish(int(hid), "rejected", free_source=not keep)
+            ids = h.get("handoff_ids")
+            if isinstance(ids, list) and any(isinstance(i, int) and i in self._out for i in ids):
+                # A HANDOFF message refused as a whole (spec §2.2): the broker used none of its
+                # grants, so they are still ours; each handoff fails with the broker's reason.
+                out: list[Callable[[], None]] = []
+                for i in ids:
+                    o = self._out.get(i) if isinstance(i, int) else None
+                    if o is None:
+                        continue
+                    o.ticket.error = RemoteError(str(h.get("code")), str(h.get("message")), h)
+                    self._regrant(o.grant)
+                    self._ready = max(0, self._ready - o.ready)  # its READY was not applied either
+                    out += self._finish(i, "rejected")
+                return out
             log.warning("broker error: %s: %s", h.get("code"), h.get("message"))
         return []
+
+    def _regrant(self, grant: dict[str, Any]) -> None:
+        """A grant the broker did not use goes back to the front of the queue (the next send
+        takes it); one of an earlier registration is void (the broker voided it too)."""
+        if grant.get("epoch") == self.session.epoch and not self.ended:
+            self._grants.appendleft(grant)
 
     def _finish(self, handoff_id: int, outcome: str, free_source: bool = True) -> list[Callable[[], None]]:
         o = self._out.pop(handoff_id, None)
@@ -263,12 +310,7 @@ class Producer:
             log.warning("release of handoff %s that is not outstanding", handoff_id)
             return []
         self.device.order_forget(order_key(self.session.client_id, handoff_id, "handoff"))
-        if o.event is not None:
-            self.events.release(o.event)  # type: ignore[union-attr]
-        if o.slot is not None:
-            self.staging.release(o.slot)
-        if o.inproc_key is not None:
-            inproc.drop(o.inproc_key)
+        self._undo(o)
         if free_source and o.source.cleanup is not None:
             o.source.cleanup()
         o.ticket.outcome = outcome
@@ -276,6 +318,19 @@ class Producer:
             return []  # re-sent: on_release belongs to the handoff that is delivered
         cb = o.on_release
         return [lambda: cb(o.ticket)] if cb is not None else []
+
+    def _undo(self, o: _Outgoing) -> None:
+        """Give back what one handoff took (its event, staging slot, in-process reference), at its
+        release or when it failed before it left. Its grant and its source are the callers'."""
+        if o.event is not None:
+            self.events.release(o.event)  # type: ignore[union-attr]
+            o.event = None
+        if o.slot is not None:
+            self.staging.release(o.slot)
+            o.slot = None
+        if o.inproc_key is not None:
+            inproc.drop(o.inproc_key)
+            o.inproc_key = None
 
     # --- the API ---------------------------------------------------------------------------
     @property
@@ -289,7 +344,10 @@ class Producer:
             return any(o.source.keep is obj for o in self._out.values())
 
     def allocate(self, size: int) -> Buffer:
-        """A buffer on the producer's device that hands off without a copy."""
+        """A buffer of ``size`` bytes (an int >= 0) on the producer's device that hands off without
+        a copy; yours until you send it, then the consumer's until its release."""
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise InvalidArgument("a size is an int of bytes >= 0", where="allocate(size=)", value=size)
         return self.device.allocate(size)
 
     def _take_grant(self, timeout: float | None) -> dict[str, Any]:
@@ -313,14 +371,16 @@ class Producer:
             self._grants.appendleft(grant)  # the next send takes it
         return True
 
-    def send(self, obj: Any, mode: SyncMode | None = None, *, stream: Any = None,
+    def send(self, obj: Any, mode: SyncMode | str | None = None, *, stream: Any = None,
              timeout: float | None = None, block: bool = True,
-             on_release: Callable[[Ticket], None] | None = None, meta: dict[str, Any] | None = None,
+             on_release: Callable[[Ticket], None] | None = None, meta: Any = None,
              shape: Any = None, dtype: Any = None, readonly: bool | None = None) -> Ticket:
         """Hand ``obj`` to the next consumer that asks.
 
-        ``mode``: preferred sync mode; the cheapest valid one is used where it is not valid for
-        the consumer (EVENT, then CONSUMER_STREAM, then PRODUCER_SYNCED, then a host-staged copy).
+        ``mode``: preferred sync mode for a GPU buffer (a SyncMode or its name); the cheapest
+        valid one is used where it is not valid for the consumer (EVENT, then CONSUMER_STREAM,
+        then PRODUCER_SYNCED, then a host-staged copy): ``ticket.mode`` says which. A host buffer
+        is always PRODUCER_SYNCED (ADR-018 §1): another mode for one is refused.
         ``stream``: where ``obj``'s writes were enqueued (a CudaStream, a ``__cuda_stream__``
         object or a cudaStream_t int). The producer orders the handoff after it: it host-waits it
         (PRODUCER_SYNCED, staged copies) or records the handoff's event on it (EVENT, CONSUMER_STREAM).
@@ -330,37 +390,35 @@ class Producer:
         ``obj.__dlpack__(stream=self.stream)``, so the exporter makes :attr:`stream` wait for its
         writes (its capsule is kept until the release); a device-layer Buffer was written on
         :attr:`stream`. Host objects need no stream.
-        ``block``: wait until the broker accepted the handoff (errors raise here); with
-        ``block=False`` they land on the returned ticket. ``on_release(ticket)`` runs once.
-        ``meta``: small JSON-able user metadata, delivered as ``handoff.meta["user"]``.
+        ``block``: wait until the broker accepted the handoff (a refusal raises RemoteError here);
+        with ``block=False`` it lands on the returned ticket. ``on_release(ticket)`` runs once.
+        ``timeout``: seconds to wait for a consumer (and, blocking, for the acceptance): HurrayTimeout.
+        ``meta``: your own metadata, any JSON value (dicts with str keys, lists, str, numbers,
+        bool, None), delivered exactly as sent as ``handoff.meta``; refused (InvalidArgument)
+        before anything is taken when it is not JSON or its encoding is over 64 KiB.
         ``shape``/``dtype``: how the consumer sees the bytes (e.g. for a buffer from
         :meth:`allocate`, which is otherwise plain bytes); ``dtype`` is anything ``numpy.dtype``
         takes, a torch dtype, or a name numpy lacks ('bfloat16', 'float8_e4m3fn'); shape times
-        item size must be the buffer's size exactly (ValueError otherwise, before anything is sent).
+        item size must be the buffer's size exactly (InvalidArgument otherwise).
         ``readonly``: the consumer must not write (default: True when ``obj`` is read-only,
         e.g. bytes or a non-writeable array); its array views and DLPack capsules say so.
-        A handoff whose consumer died before it arrived is re-sent to the next consumer.
+
+        A handoff whose consumer died before it arrived is re-sent to the next consumer. A send
+        that raises gives back everything it took: the consumer's grant (the next send takes
+        it), the staging slot, the event, the shared-memory copy. Raises ClosedError after
+        :meth:`close` or :meth:`end`, BrokerUnavailable when no broker answers.
         """
-        explicit = self._explicit_stream(stream)
-        src = resolve(obj, self.cpu, self.gpu, explicit, self.stream)
-        try:
-            if shape is not None or dtype is not None:
-                src.describe_as(shape, dtype)
-        except ValueError:
-            if src.cleanup is not None:
-                src.cleanup()
-            raise
-        if readonly is not None:
-            src.readonly = bool(readonly)
-        src.user = meta
+        preferred = _preferred_mode(mode)
+        _check_timeout(timeout, "send(timeout=)")
+        src = self._source(obj, stream, preferred, meta, shape, dtype, readonly)
         try:
             while True:
                 grant = self._take_grant(timeout)
                 try:
-                    prepared = self._prepare(src, grant, mode, on_release, resend=block, ack=block)
+                    prepared = self._prepare(src, grant, preferred, on_release, resend=block, ack=block)
                 except BaseException:
                     with self.session.lock:
-                        self._grants.appendleft(grant)  # unused: the next send takes it
+                        self._regrant(grant)  # unused: the next send takes it
                     raise
                 ticket = self._submit([prepared])[0]
                 if not block:
@@ -382,6 +440,40 @@ class Producer:
                 src.cleanup()
             raise
 
+    def _source(self, obj: Any, stream: Any, preferred: SyncMode | None, meta: Any, shape: Any, dtype: Any,
+                readonly: bool | None) -> Source:
+        """``obj`` as a Source with its metadata encoded, everything checked that can be checked
+        before a grant is taken; nothing is held when it raises."""
+        self._check_open("send")
+        if meta is not None:
+            check_user_meta(meta)
+        explicit = self._explicit_stream(stream)
+        src = resolve(obj, self.cpu, self.gpu, explicit, self.stream)
+        try:
+            if preferred is not None and preferred is not SyncMode.PRODUCER_SYNCED and not isinstance(
+                    src.buffer.device, CudaDevice):
+                raise InvalidArgument(f"{preferred.wire_name} is for GPU buffers; a host buffer is always "
+                                      "SYNC_PRODUCER_SYNCED (ADR-018 §1): leave mode= out", where="send(mode=)",
+                                      value=preferred.wire_name)
+            if shape is not None or dtype is not None:
+                src.describe_as(shape, dtype)
+            if readonly is not None:
+                src.readonly = bool(readonly)
+            src.user = meta
+            src.wire = src.wire_meta()
+        except BaseException:
+            if src.cleanup is not None:
+                src.cleanup()
+            raise
+        return src
+
+    def _check_open(self, what: str) -> None:
+        self.session.check_open(what)
+        if self.ended:
+            raise ClosedError(f"this producer of channel {self.session.channel!r} ended its stream (end() or "
+                              f"close()) before {what}; create a new Producer to send again")
+        self.session.check_open(what)
+
     def _explicit_stream(self, stream: Any) -> CudaStream | None:
         """``send(stream=)`` as a CudaStream of our device (None: not given)."""
         if stream is None:
@@ -397,18 +489,28 @@ class Producer:
         me = self.endpoint_info if on_gpu else host_side(self.endpoint_info)
         return consumer, self._modes.get(self.session.client_id, label, me, consumer)
 
-    def send_many(self, objs: list[Any], mode: SyncMode | None = None, *, stream: Any = None,
+    def send_many(self, objs: list[Any], mode: SyncMode | str | None = None, *, stream: Any = None,
                   timeout: float | None = None, on_release: Callable[[Ticket], None] | None = None,
-                  meta: dict[str, Any] | None = None) -> list[Ticket]:
+                  meta: Any = None) -> list[Ticket]:
         """Hand several objects over in as few messages as the grants allow: each round takes
         every grant already here (waiting only for the first), prepares that many handoffs as
         :meth:`send` would, and sends them as one HANDOFF batch (spec §4.7). Like
-        ``send(block=False)``: errors land on the tickets, ``on_release(ticket)`` runs once per
-        handoff; a handoff whose consumer died before it arrived is not re-sent."""
-        explicit = self._explicit_stream(stream)
-        srcs = [resolve(obj, self.cpu, self.gpu, explicit, self.stream) for obj in objs]
-        for src in srcs:
-            src.user = meta
+        ``send(block=False)``: errors the broker reports land on the tickets, ``on_release(ticket)``
+        runs once per handoff; a handoff whose consumer died before it arrived is not re-sent.
+        Every object is checked (and copied to shared memory where needed) before any grant is
+        taken; one that fails raises and nothing of this call is sent. A failure later (the
+        broker gone, a timeout) raises after the handoffs already sent, whose tickets stay valid."""
+        preferred = _preferred_mode(mode)
+        _check_timeout(timeout, "send_many(timeout=)")
+        srcs: list[Source] = []
+        try:
+            for obj in objs:
+                srcs.append(self._source(obj, stream, preferred, meta, None, None, None))
+        except BaseException:
+            for src in srcs:
+                if src.cleanup is not None:
+                    src.cleanup()
+            raise
         tickets: list[Ticket] = []
         done = 0
         try:
@@ -420,13 +522,14 @@ class Producer:
                 batch: list[tuple[_Outgoing, Message]] = []
                 try:
                     for src, g in zip(srcs[done:], grants, strict=False):
-                        batch.append(self._prepare(src, g, mode, on_release, resend=False, ack=False))
+                        batch.append(self._prepare(src, g, preferred, on_release, resend=False, ack=False))
                 finally:  # what was prepared goes out; grants not used stay for the next send
                     with self.session.lock:
-                        self._grants.extendleft(reversed(grants[len(batch):]))
+                        for g in reversed(grants[len(batch):]):
+                            self._regrant(g)
                     if batch:
-                        done += len(batch)
                         tickets += self._submit(batch)
+                        done += len(batch)
         except BaseException:
             for src in srcs[done:]:
                 if src.cleanup is not None:
@@ -435,56 +538,73 @@ class Producer:
         return tickets
 
     def _submit(self, batch: list[tuple[_Outgoing, Message]]) -> list[Ticket]:
-        """Register the prepared handoffs and send them as one message (the last carries the READY)."""
+        """Register the prepared handoffs and send them as one message (the last carries the
+        READY). If the message cannot be sent, nothing stays registered and each handoff gives
+        back what it took, its grant included."""
         with self.session.lock:  # the background pump reads these too
             want = self.prefetch - len(self._grants) - self._ready
             if want > 0:  # ask for the next grants on this message instead of a READY of their own
-                batch[-1][1].header["ready"] = want
+                batch[-1][1].header["ready"] = batch[-1][0].ready = want
                 self._ready += want
             for out, _msg in batch:
                 hid = out.ticket.handoff_id
                 self._out[hid] = out
                 self.device.order_send(order_key(self.session.client_id, hid, "handoff"))
-            self.session.send_batch([msg for _out, msg in batch])
+            try:
+                self.session.send_batch([msg for _out, msg in batch])
+            except BaseException:
+                if want > 0:
+                    self._ready -= want
+                for out, _msg in batch:
+                    hid = out.ticket.handoff_id
+                    del self._out[hid]
+                    self.device.order_forget(order_key(self.session.client_id, hid, "handoff"))
+                    self._undo(out)
+                    self._regrant(out.grant)
+                raise
         return [out.ticket for out, _msg in batch]
 
     def _prepare(self, src: Source, grant: dict[str, Any], preferred: SyncMode | None,
                  on_release: Callable[[Ticket], None] | None, resend: bool,
                  ack: bool) -> tuple[_Outgoing, Message]:
-        """One handoff's mode, producer obligation (ADR-018 §1) and HANDOFF entry; not yet sent."""
+        """One handoff's mode, producer obligation (ADR-018 §1) and HANDOFF entry; not yet sent.
+        What it takes (event, staging slot, in-process reference) is given back if it raises."""
         buf = src.buffer
         on_gpu = isinstance(buf.device, CudaDevice)
         consumer, pm = self._pairing(grant, on_gpu)
         hid = next(self._ids)
         out = _Outgoing(Ticket(hid, SyncMode.PRODUCER_SYNCED, False, pm.transport, grant["consumer_id"],
-                               obj=src.keep), src, on_release=on_release, resend=resend)
-        frames: dict[str, bytes] = {}
-        header: dict[str, Any] = {"grant_id": grant["grant_id"], "handoff_id": hid, "meta": src.meta(),
+                               obj=src.keep), src, grant, on_release=on_release, resend=resend)
+        meta, raw = src.wire
+        frames: dict[str, bytes] = {} if raw is None else {"meta": raw}
+        header: dict[str, Any] = {"grant_id": grant["grant_id"], "handoff_id": hid, "meta": meta,
                                   "staged": False, "inproc": pm.transport is Transport.IN_PROCESS, "ack": ack}
-        if header["meta"] == {"typestr": "|u1", "shape": [buf.size]}:
-            header["meta"] = None  # plain bytes: what a DELIVER without meta means (spec §2.2)
         inproc_obj: dict[str, Any] = {}
-        if on_gpu and pm.host_staged:
-            slot = self._stage(buf, src.stream)
-            out.slot, out.ticket.staged, header["staged"] = slot, True, True
-            handle = BufferHandle(buf.size, DEFAULT_ALIGNMENT, DeviceTag.CPU)
-            target = self.cpu.buffer_at(slot.ptr, buf.size)
-            share = slot
-        else:
-            mode = choose_sync_mode(pm.valid, preferred) if on_gpu else SyncMode.PRODUCER_SYNCED
-            assert mode is not None
-            handle = _handle(buf.size, buf.tag, mode)
-            out.ticket.mode = mode
-            target = share = buf
-            if on_gpu:
-                self._order(mode, src.stream, out, consumer, inproc_obj, frames, pm.transport)
-        if header["inproc"]:
-            inproc_obj["buffer"] = target
-            out.inproc_key = header["inproc_ref"] = inproc.put(inproc_obj)
-        else:
-            exp = share.device.export_memory(share)
-            frames["memory"] = exp.blob
-            header["offset"] = exp.offset
+        try:
+            if on_gpu and pm.host_staged:
+                slot = self._stage(buf, src.stream, out)
+                out.ticket.staged, header["staged"] = True, True
+                handle = BufferHandle(buf.size, DEFAULT_ALIGNMENT, DeviceTag.CPU)
+                target = self.cpu.buffer_at(slot.ptr, buf.size)
+                share = slot
+            else:
+                mode = choose_sync_mode(pm.valid, preferred) if on_gpu else SyncMode.PRODUCER_SYNCED
+                assert mode is not None
+                handle = _handle(buf.size, buf.tag, mode)
+                out.ticket.mode = mode
+                target = share = buf
+                if on_gpu:
+                    self._order(mode, src.stream, out, consumer, inproc_obj, frames, pm.transport)
+            if header["inproc"]:
+                inproc_obj["buffer"] = target
+                out.inproc_key = header["inproc_ref"] = inproc.put(inproc_obj)
+            else:
+                exp = share.device.export_memory(share)
+                frames["memory"] = exp.blob
+                header["offset"] = exp.offset
+        except BaseException:
+            self._undo(out)
+            raise
         frames = {"handle": handle.encode(), **frames}
         return out, Message("HANDOFF", header, frames)
 
@@ -492,27 +612,27 @@ class Producer:
                inproc_obj: dict[str, Any], frames: dict[str, bytes], transport: Transport) -> None:
         """Make the buffer's writes visible per ``mode`` (ADR-018 §1), before the handle leaves."""
         if stream is None:
-            raise ValueError("a GPU buffer needs the stream its writes were enqueued on (send(stream=...))")
+            raise InvalidArgument("a GPU buffer needs the stream its writes were enqueued on", where="send(stream=)")
         if mode is SyncMode.PRODUCER_SYNCED:
             stream.synchronize()
             return
-        ev = self.events.acquire()  # type: ignore[union-attr]
+        ev = out.event = self.events.acquire()  # type: ignore[union-attr]
         ev.record(stream)
         if mode is SyncMode.EVENT:
-            out.event = ev
             if transport is Transport.IN_PROCESS:
                 inproc_obj["event"] = ev
             else:
                 frames["event"] = ev.export()
         else:  # CONSUMER_STREAM: the consumer's stream waits; no event crosses the boundary
             inproc.stream(consumer.stream).wait(ev)  # type: ignore[arg-type]
+            out.event = None
             self.events.release(ev)  # type: ignore[union-attr]
 
-    def _stage(self, buf: Buffer, stream: CudaStream | None) -> Buffer:
-        """Copy a GPU buffer into a staging slot and host-wait the copy (host-staged fallback)."""
+    def _stage(self, buf: Buffer, stream: CudaStream | None, out: _Outgoing) -> Buffer:
+        """Copy a GPU buffer into a staging slot (``out.slot``) and host-wait the copy (host-staged fallback)."""
         while True:
             try:
-                slot = self.staging.acquire(buf.size)
+                slot = out.slot = self.staging.acquire(buf.size)
                 break
             except StagingExhausted:
                 before = self.staging.in_use
@@ -533,11 +653,42 @@ class Producer:
         """Wait until every handoff was released."""
         self.session.pump(lambda: not self._out, timeout, f"waiting for {len(self._out)} release(s)")
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Wait (bounded) for outstanding releases, then disconnect and free pooled resources."""
+    def end(self) -> None:
+        """End this producer's stream (spec §4.9): it sends nothing more on its channel. Grants it
+        holds go back to their consumers; releases of what it sent still arrive (:meth:`flush`).
+        Once every producer registered on the channel has ended, each consumer's iterator ends
+        (and ``receive()`` raises EndOfStream) after the handoffs sent before. A producer that
+        registers later reopens the channel. Idempotent; :meth:`close` calls it unless
+        ``close(end=False)``; ``send`` after it raises ClosedError."""
+        with self.session.lock:
+            if self.ended:
+                return
+            self.session.check_open("end()")
+            self.ended = True
+            self._grants.clear()
+            self._ready = 0
+            self.session.send(Message("END", {}))
+
+    def close(self, timeout: float = 5.0, *, end: bool = True) -> None:
+        """End the stream (unless ``end=False``: for a producer another one takes over from),
+        wait up to ``timeout`` seconds for outstanding releases (saying so on the log after half a
+        second), then disconnect and free pooled resources. Idempotent.
+
+        Leaving ``with Producer(...)`` normally is ``close()``; leaving it through an exception
+        (Ctrl-C above all) neither waits nor ends the stream: a producer that failed did not
+        finish, so its consumers wait for another (as for a crash, spec §4.9)."""
+        if self.session.closed:
+            return
         try:
-            if self._out and self.session.alive:
-                self.flush(timeout)
+            if end and not self.ended:
+                self.end()
+            if self._out and self.session.alive and timeout > 0:
+                try:
+                    self.flush(min(timeout, 0.5))
+                except TimeoutError:
+                    log.warning("closing: waiting up to %.1f s for %d handoff(s) to be released", timeout - 0.5,
+                                len(self._out))
+                    self.flush(max(0.0, timeout - 0.5))
         except (TimeoutError, BrokerUnavailable):
             log.warning("closing with %d handoff(s) unreleased", len(self._out))
         finally:
@@ -550,5 +701,8 @@ class Producer:
     def __enter__(self) -> Producer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # leave at once: the broker releases what is outstanding when we go
+            self.close(timeout=0.0, end=False)

@@ -26,6 +26,7 @@ from typing import Any
 
 import zmq
 
+from ..errors import ClosedError, HurrayError, HurrayTimeout
 from ..transport.liveness import process_lease
 from ..transport.protocol import (
     BROKER_VERBS,
@@ -61,11 +62,27 @@ def run_callbacks(callbacks: list[Callback]) -> None:
             log.exception("callback %r raised; contained (callback_errors=%d)", cb, callback_errors)
 
 
-class BrokerUnavailable(ConnectionError):
-    """No reply from the broker within the session's timeout (or it announced shutdown)."""
+class BrokerUnavailable(HurrayError, ConnectionError):
+    """No reply from the broker within the session's timeout (or it announced shutdown). The
+    message says whether the socket file exists, how long this call waited, how long the broker
+    has been silent, and the command that starts one. The client keeps trying: once a broker
+    answers it registers again by itself, with what it holds."""
+
+START_BROKER = "hurray-broker --daemon"
 
 
-class RemoteError(RuntimeError):
+def unavailable_hint(endpoint: str) -> str:
+    """Why nothing may answer at ``endpoint``, and what to do: for ipc:// whether the socket file exists."""
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://"):]
+        if not os.path.exists(path):
+            return f"the socket file {path} does not exist: start a broker with `{START_BROKER}`"
+        return (f"the socket file {path} exists but nothing answered: the broker may have died or be stopped; "
+                f"restart it with `{START_BROKER}`")
+    return f"is a broker listening there? start one with `{START_BROKER} --endpoint {endpoint}`"
+
+
+class RemoteError(HurrayError, RuntimeError):
     """The broker refused a message: ``code`` (protocol.ERROR_CODES) and its explanation."""
 
     def __init__(self, code: str, message: str, header: dict[str, Any] | None = None):
@@ -132,10 +149,18 @@ class Session:
         self.send_batch([msg])
 
     def send_batch(self, msgs: list[Message]) -> None:
-        """Send now, after anything queued, in as few messages as protocol.coalesce allows."""
+        """Send now, after anything queued, in as few messages as protocol.coalesce allows.
+        Raises ClosedError after :meth:`close`."""
         with self.lock:
+            self.check_open("sending")
             self._outbox.extend(msgs)
             self.flush_out()
+
+    def check_open(self, what: str) -> None:
+        """Raise ClosedError when this session was closed."""
+        if self.closed:
+            raise ClosedError(f"this {self.role} of channel {self.channel!r} was closed before {what}; "
+                              "create a new one")
 
     def queue(self, msg: Message) -> None:
         """Hold a hot message for the next :meth:`flush_out` (at the latest the next pump round,
@@ -209,22 +234,27 @@ class Session:
         out.extend(self._dispatch(msg))
 
     def pull(self, queue: deque[Any], verb: str, want: Callable[[], int], asked: Callable[[int], None],
-             timeout: float | None, what: str) -> Any:
+             timeout: float | None, what: str, stop: Callable[[], bool] | None = None) -> Any:
         """Take the next item of ``queue`` (filled by dispatch), asking the broker for ``want()``
         more with ``verb{credits}`` whenever the queue is empty and ``want()`` is positive (REQUEST /
         READY). Thread-safe: the check-and-take is one step under the lock (so two callers never
         race for one item), and the ask is re-evaluated on every pump round (so a credit that came
         back, e.g. a delivery the consumer rejected, or a second waiting thread, is asked again
-        instead of starving until the timeout)."""
+        instead of starving until the timeout). Returns None, asking nothing more, once the queue
+        is empty and ``stop()`` is true (the consumer's end of stream)."""
         got: list[Any] = []
+        stopped: list[bool] = []
 
         def take() -> bool:  # runs under the lock, inside the pump
-            if got:
+            if got or stopped:
                 return True
             if queue:
                 got.append(queue.popleft())
                 if not queue and self._outbox:
                     self.flush_out()  # e.g. releases held while more deliveries were queued
+                return True
+            if stop is not None and stop():
+                stopped.append(True)
                 return True
             n = want()
             if n > 0:
@@ -233,7 +263,7 @@ class Session:
             return False
 
         self.pump(take, timeout, what)
-        return got[0]
+        return got[0] if got else None
 
     def pump(self, until: Callable[[], bool], timeout: float | None, what: str) -> None:
         """Send heartbeats and dispatch messages until ``until()`` is true.
@@ -241,8 +271,10 @@ class Session:
         Raises TimeoutError after ``timeout`` seconds, BrokerUnavailable once the broker has been
         silent for ``timeout_s`` (or shut down) while ``until()`` is still false.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
         while True:
+            self.check_open(what)
             callbacks: list[Callback] = []
             with self.lock:
                 done = self._pump_once(until, deadline, callbacks)
@@ -253,10 +285,9 @@ class Session:
             if self.shutdown_reason and not self.registered:
                 raise BrokerUnavailable(f"broker at {self.endpoint} shut down ({self.shutdown_reason}) while {what}")
             if now - self.last_rx > self.timeout_s:
-                raise BrokerUnavailable(f"no reply from broker at {self.endpoint} for {now - self.last_rx:.1f} s "
-                                        f"while {what}")
+                raise BrokerUnavailable(self._silence(now, start, what))
             if deadline is not None and now >= deadline:
-                raise TimeoutError(f"timed out after {timeout} s while {what}")
+                raise HurrayTimeout(f"timed out after {timeout} s while {what}")
 
     def _pump_once(self, until: Callable[[], bool], deadline: float | None, out: list[Callback]) -> bool:
         if self.deferred:
@@ -281,6 +312,15 @@ class Session:
             while readable(sock):  # drain; no exception ends it
                 self._handle(recv_frames(sock, NOBLOCK), out)
         return until()
+
+    def _silence(self, now: float, start: float, what: str) -> str:
+        silent, waited = now - self.last_rx, now - start
+        if self.broker_session is None:  # never heard from one
+            return (f"no broker answered at {self.endpoint} in the {silent:.1f} s since this {self.role} connected "
+                    f"(this call waited {waited:.1f} s while {what}): {unavailable_hint(self.endpoint)}")
+        return (f"the broker at {self.endpoint} has been silent for {silent:.1f} s (timeout_s={self.timeout_s}; "
+                f"this call waited {waited:.1f} s while {what}): {unavailable_hint(self.endpoint)}; this "
+                f"{self.role} registers again by itself when a broker answers")
 
     @property
     def alive(self) -> bool:

@@ -171,6 +171,14 @@ def host_pointer(obj: Any, writable: bool) -> tuple[int, int, Any]:
     return int(arr.ctypes.data), int(arr.nbytes), arr
 
 
+def ordered_buffer(obj: Any, stream: Any) -> Any:
+    """``obj`` as one end of a copy on ``stream``. An object with ``__hurray_buffer__(stream)``
+    (a received buffer: client/consumer.py) makes ``stream`` wait, device-side, for its producer's
+    writes and gives its device-layer Buffer; anything else is returned as is."""
+    hook = getattr(type(obj), "__hurray_buffer__", None)
+    return hook(obj, stream) if hook is not None else obj
+
+
 def resolve_copy(dst: Any, src: Any, nbytes: int | None, keep: list[Any]) -> tuple[int, int, int]:
     """(dst address, src address, byte count) for a copy between Buffers, raw pointers and host
     buffers. Host objects are appended to ``keep`` (they must outlive the async copy)."""

@@ -16,6 +16,7 @@ from .base import (
     ImportCache,
     MemoryExport,
     Stream,
+    ordered_buffer,
     resolve_copy,
 )
 from .errors import DeviceError
@@ -79,7 +80,10 @@ class CudaStream(Stream):
         return self.device.rt.stream_id(self.raw)
 
     def copy(self, dst: Any, src: Any, nbytes: int | None = None) -> None:
-        """Enqueue a copy; host objects must stay alive and unchanged until synchronize."""
+        """Enqueue a copy; host objects must stay alive and unchanged until synchronize. Either
+        end may be a Buffer, a raw pointer, a host buffer (numpy, bytearray) or a received
+        buffer (``handoff.buffer``), which this stream is first ordered after (device-side)."""
+        dst, src = ordered_buffer(dst, self), ordered_buffer(src, self)
         d, s, n = resolve_copy(dst, src, nbytes, self._keep)
         self.device.activate()
         self.device.rt.memcpy_async(d, s, n, self.raw)

@@ -1,9 +1,17 @@
-"""DLPack capsules, via ctypes: the legacy ``dltensor`` (ABI v0.8) and the versioned
-``dltensor_versioned`` (DLPack 1.x) exporters, and a reader for legacy capsules we take in.
+"""DLPack capsules: the legacy ``dltensor`` (ABI v0.8) and the versioned ``dltensor_versioned``
+(DLPack 1.x) exporters, and a reader for legacy capsules we take in.
 
 ``numpy.from_dlpack``, CuPy and PyTorch ask for a versioned capsule with ``max_version=(1, 0)``
 and fall back to a legacy one. A capsule keeps its owner object alive until the consumer's
 deleter runs (or until the capsule is destroyed unconsumed).
+
+Every capsule we export is built by numpy (over a numpy array that wraps the memory and is never
+read by us) and then patched in place to the buffer's device and DLPack dtype. Why: a capsule's
+destructor and a DLPack deleter run when the consumer drops them, often while the consumer's
+own error is pending (``numpy.from_dlpack`` refusing a CUDA capsule, torch refusing a dtype, an
+array freed during exception unwinding). A ctypes callback cannot run then: CPython turns the
+consumer's clean error into "Exception ignored on calling ctypes callback" and a SystemError.
+numpy's deleter and destructor are C functions that never call Python code.
 
 dtypes: an array-interface typestr (``<f4``, ``|b1``) maps to DLPack's Int/UInt/Float/Complex/Bool
 codes; dtypes numpy lacks (bfloat16, the float8 variants) travel as their DLPack code (``dl_dtype``:
@@ -15,9 +23,13 @@ numpy does.
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
-import threading
 from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..errors import ExportRefused, UnsupportedObject
 
 KDL_CPU, KDL_CUDA, KDL_CUDA_HOST = 1, 2, 3
 DLPACK_VERSION = (1, 1)  # what versioned capsules we build declare (1.1 added the float8 codes)
@@ -69,31 +81,6 @@ _DeleterV = ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensorVersioned))
 DLManagedTensorVersioned._fields_ = [("version", DLPackVersion), ("manager_ctx", ctypes.c_void_p),
                                      ("deleter", _DeleterV), ("flags", ctypes.c_uint64), ("dl_tensor", DLTensor)]
 
-_live: dict[int, tuple[Any, ...]] = {}  # address of the managed tensor -> what it keeps alive
-_live_lock = threading.Lock()
-
-
-@_Deleter
-def _delete(ptr: Any) -> None:
-    with _live_lock:
-        _live.pop(ctypes.addressof(ptr.contents), None)
-
-
-@_DeleterV
-def _delete_versioned(ptr: Any) -> None:
-    with _live_lock:
-        _live.pop(ctypes.addressof(ptr.contents), None)
-
-
-# The destructor gets a PyObject* of a capsule being destroyed: take it as a plain pointer (a
-# py_object argument would resurrect the dying object). Limitation: a ctypes callback cannot run
-# while an error is pending, so if a consumer fails after taking one of these capsules (torch
-# refusing a dtype), its error becomes a SystemError. Host capsules are therefore numpy's (a C
-# destructor; ReceivedBuffer.__dlpack__); these serve CUDA buffers.
-_CapsuleDestructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-_PyCapsule_New = ctypes.pythonapi.PyCapsule_New
-_PyCapsule_New.restype = ctypes.py_object
-_PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 _api = ctypes.PyDLL(None)
 _PyCapsule_IsValid = _api.PyCapsule_IsValid
 _PyCapsule_IsValid.restype = ctypes.c_int
@@ -101,26 +88,7 @@ _PyCapsule_IsValid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
 _PyCapsule_GetPointer = _api.PyCapsule_GetPointer
 _PyCapsule_GetPointer.restype = ctypes.c_void_p
 _PyCapsule_GetPointer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-# PyCapsule_New keeps the name pointer: these objects live as long as the module.
-_NAME, _NAME_V = ctypes.c_char_p(b"dltensor"), ctypes.c_char_p(b"dltensor_versioned")
-
-
-def _destroy(capsule: int, name: Any) -> None:
-    # An unconsumed capsule still has its name: nobody took the tensor, so we release it. A
-    # consumed one was renamed "used_..." and its consumer calls the deleter.
-    if _PyCapsule_IsValid(capsule, name):
-        with _live_lock:
-            _live.pop(_PyCapsule_GetPointer(capsule, name), None)
-
-
-@_CapsuleDestructor
-def _capsule_destructor(capsule: int) -> None:
-    _destroy(capsule, _NAME)
-
-
-@_CapsuleDestructor
-def _capsule_destructor_versioned(capsule: int) -> None:
-    _destroy(capsule, _NAME_V)
+_NAME, _NAME_V = b"dltensor", b"dltensor_versioned"
 
 
 def dtype_of(typestr: str, dl_dtype: list[int] | tuple[int, ...] | None = None) -> DLDataType:
@@ -132,10 +100,10 @@ def dtype_of(typestr: str, dl_dtype: list[int] | tuple[int, ...] | None = None) 
         return DLDataType(int(dl_dtype[0]), int(dl_dtype[1]), int(dl_dtype[2]))
     order, kind, size = typestr[0], typestr[1], int(typestr[2:])
     if order == _NON_NATIVE and size > 1:
-        raise BufferError(f"dtype {typestr!r} is not in native byte order, which DLPack cannot express; "
-                          "read it with .numpy() (byte order kept) or send a byte-swapped copy")
+        raise ExportRefused(f"dtype {typestr!r} is not in native byte order, which DLPack cannot express; "
+                            "read it with .numpy() (byte order kept) or send a byte-swapped copy", value=typestr)
     if kind not in _KIND_CODE:
-        raise BufferError(f"dtype {typestr!r} has no DLPack equivalent")
+        raise ExportRefused(f"dtype {typestr!r} has no DLPack equivalent", value=typestr)
     return DLDataType(_KIND_CODE[kind], size * 8, 1)
 
 
@@ -144,7 +112,8 @@ def typestr_of(code: int, bits: int, lanes: int) -> tuple[str, list[int] | None]
 
     Raises ValueError for vector dtypes (lanes > 1), sub-byte widths and codes we do not know."""
     if lanes != 1 or bits % 8 or bits == 0:
-        raise ValueError(f"DLPack dtype (code {code}, bits {bits}, lanes {lanes}) is not a whole-byte scalar")
+        raise UnsupportedObject(f"DLPack dtype (code {code}, bits {bits}, lanes {lanes}) is not a whole-byte scalar",
+                                value=(code, bits, lanes))
     itemsize = bits // 8
     kind = _CODE_KIND.get(code)
     if kind is not None:
@@ -152,8 +121,8 @@ def typestr_of(code: int, bits: int, lanes: int) -> tuple[str, list[int] | None]
     extra = EXTRA_BY_CODE.get(code)
     if extra is not None and extra[1] == bits:
         return f"|V{itemsize}", [code, bits, 1]
-    raise ValueError(f"DLPack dtype code {code} with {bits} bits is not one Hurray knows (DLPack 1.1 codes "
-                     f"0-2, 4-14)")
+    raise UnsupportedObject(f"DLPack dtype code {code} with {bits} bits is not one Hurray knows (DLPack 1.1 codes "
+                            "0-2, 4-14)", value=(code, bits))
 
 
 def dtype_name(typestr: str, dl_dtype: list[int] | tuple[int, ...] | None) -> str:
@@ -163,58 +132,60 @@ def dtype_name(typestr: str, dl_dtype: list[int] | tuple[int, ...] | None) -> st
     return typestr
 
 
+def host_array(ptr: int, shape: tuple[int, ...], typestr: str, owner: Any,
+               dl_dtype: list[int] | tuple[int, ...] | None = None, read_only: bool = False) -> np.ndarray:
+    """A numpy array over the C-contiguous memory at ``ptr`` that keeps ``owner`` alive (its base
+    holds it). A dtype numpy lacks is viewed as unsigned ints of its size (``patch`` renames it).
+    For device memory the array only carries the address into a capsule: nothing here reads it."""
+    itemsize = int(typestr[2:])
+    raw = (ctypes.c_char * (itemsize * math.prod(shape))).from_address(ptr)
+    raw._owner = owner  # type: ignore[attr-defined]  # the array's base keeps the owner alive
+    arr = np.frombuffer(memoryview(raw), dtype=np.dtype(typestr if dl_dtype is None else f"u{itemsize}"))
+    arr = arr.reshape(shape)
+    if read_only:
+        arr.flags.writeable = False
+    return arr
+
+
 def make_capsule(ptr: int, shape: tuple[int, ...], typestr: str, device_type: int, device_id: int, owner: Any,
                  *, dl_dtype: list[int] | tuple[int, ...] | None = None, versioned: bool = False,
                  read_only: bool = False, copied: bool = False) -> Any:
-    """A capsule over C-contiguous memory at ``ptr``; ``owner`` lives until it is deleted.
+    """A capsule over C-contiguous memory at ``ptr`` on (``device_type``, ``device_id``);
+    ``owner`` lives until the consumer deletes the tensor (or the capsule is dropped unconsumed).
 
     ``versioned``: a DLPack 1.x ``dltensor_versioned`` capsule carrying the READ_ONLY and
     IS_COPIED flags; else a legacy ``dltensor`` one, which cannot say read-only (BufferError
     then, as numpy does: the consumer would think it may write)."""
-    dtype = dtype_of(typestr, dl_dtype)
+    dtype_of(typestr, dl_dtype)  # BufferError for what DLPack cannot express
     if read_only and not versioned:
-        raise BufferError("this buffer is read-only, which a legacy (pre-1.0) DLPack capsule cannot signal; "
-                          "ask for max_version=(1, 0) or later")
-    ndim = len(shape)
-    shape_arr = (ctypes.c_int64 * max(ndim, 1))(*shape)
-    mt: DLManagedTensor | DLManagedTensorVersioned
-    if versioned:
-        mt = DLManagedTensorVersioned()
-        mt.version = DLPackVersion(*DLPACK_VERSION)
-        mt.flags = (FLAG_READ_ONLY if read_only else 0) | (FLAG_IS_COPIED if copied else 0)
-        mt.deleter = _delete_versioned
-    else:
-        mt = DLManagedTensor()
-        mt.deleter = _delete
-    t = mt.dl_tensor
-    t.data = ptr
-    t.device = DLDevice(device_type, device_id)
-    t.ndim = ndim
-    t.dtype = dtype
-    t.shape = ctypes.cast(shape_arr, ctypes.POINTER(ctypes.c_int64))
-    t.strides = None  # C-contiguous
-    t.byte_offset = 0
-    with _live_lock:
-        _live[ctypes.addressof(mt)] = (mt, shape_arr, owner)
-    if versioned:
-        return _PyCapsule_New(ctypes.addressof(mt), _NAME_V, ctypes.cast(_capsule_destructor_versioned,
-                                                                         ctypes.c_void_p))
-    return _PyCapsule_New(ctypes.addressof(mt), _NAME, ctypes.cast(_capsule_destructor, ctypes.c_void_p))
+        raise ExportRefused("this buffer is read-only, which a legacy (pre-1.0) DLPack capsule cannot signal; "
+                            "ask for max_version=(1, 0) or later", where="__dlpack__(max_version=)")
+    arr = host_array(ptr, shape, typestr, owner, dl_dtype, read_only)
+    capsule = arr.__dlpack__(max_version=(1, 0) if versioned else None)
+    return patch(capsule, dl_dtype=dl_dtype, device=(device_type, device_id), copied=copied)
 
 
-def patch_dtype(capsule: Any, dl_dtype: list[int] | tuple[int, ...] | None) -> Any:
-    """Give a fresh, unconsumed capsule (ours or numpy's) the DLPack dtype ``dl_dtype`` in place
-    of the same-sized unsigned int it was built with (numpy lacks bfloat16 and float8)."""
-    if dl_dtype is None:
-        return capsule
+def patch(capsule: Any, *, dl_dtype: list[int] | tuple[int, ...] | None = None,
+          device: tuple[int, int] | None = None, copied: bool = False) -> Any:
+    """Patch a fresh, unconsumed capsule (numpy's) in place: the DLPack dtype ``dl_dtype`` in place
+    of the same-sized unsigned int it was built with (numpy lacks bfloat16 and float8), the
+    ``device`` the memory really lives on, and for a versioned one our DLPack version and the
+    IS_COPIED flag."""
     if _PyCapsule_IsValid(id(capsule), _NAME_V):
-        t = DLManagedTensorVersioned.from_address(_PyCapsule_GetPointer(id(capsule), _NAME_V)).dl_tensor
+        mv = DLManagedTensorVersioned.from_address(_PyCapsule_GetPointer(id(capsule), _NAME_V))
+        mv.version = DLPackVersion(*DLPACK_VERSION)
+        if copied:
+            mv.flags |= FLAG_IS_COPIED
+        t = mv.dl_tensor
     else:
         t = DLManagedTensor.from_address(_PyCapsule_GetPointer(id(capsule), _NAME)).dl_tensor
-    if t.dtype.code != _KIND_CODE["u"] or t.dtype.bits != dl_dtype[1]:
-        raise ValueError(f"capsule dtype (code {t.dtype.code}, bits {t.dtype.bits}) is not the stand-in for "
-                         f"{list(dl_dtype)}")
-    t.dtype = DLDataType(int(dl_dtype[0]), int(dl_dtype[1]), int(dl_dtype[2]))
+    if dl_dtype is not None:
+        if t.dtype.code != _KIND_CODE["u"] or t.dtype.bits != dl_dtype[1]:
+            raise ValueError(f"capsule dtype (code {t.dtype.code}, bits {t.dtype.bits}) is not the stand-in for "
+                             f"{list(dl_dtype)}")
+        t.dtype = DLDataType(int(dl_dtype[0]), int(dl_dtype[1]), int(dl_dtype[2]))
+    if device is not None:
+        t.device = DLDevice(*device)
     return capsule
 
 
@@ -236,7 +207,7 @@ def read_capsule(capsule: Any) -> CapsuleTensor:
     Raises ValueError for anything else (a used or versioned capsule, a vector dtype).
     """
     if not _PyCapsule_IsValid(id(capsule), _NAME):
-        raise ValueError(f"{capsule!r} is not an unconsumed 'dltensor' DLPack capsule")
+        raise UnsupportedObject(f"{capsule!r} is not an unconsumed 'dltensor' DLPack capsule")
     mt = DLManagedTensor.from_address(_PyCapsule_GetPointer(id(capsule), _NAME))
     t = mt.dl_tensor
     typestr, dl_dtype = typestr_of(int(t.dtype.code), int(t.dtype.bits), int(t.dtype.lanes))

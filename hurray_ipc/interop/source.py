@@ -17,6 +17,8 @@ by the caller, who then sees what it costs).
 from __future__ import annotations
 
 import ctypes
+import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +28,8 @@ import numpy as np
 from ..devices.base import Buffer
 from ..devices.cpu import CpuDevice
 from ..devices.cuda import CudaDevice, CudaStream
-from ..devices.errors import DeviceError
+from ..errors import InvalidArgument, UnsupportedObject
+from ..transport.protocol import MAX_HEADER_BYTES, MAX_HEADER_DEPTH, ProtocolError, check_meta, json_bytes
 from . import dlpack
 
 
@@ -40,9 +43,10 @@ class Source:
     keep: Any = None  # the user's object, alive until the handoff is released
     pin: Any = None  # what else must live until then (a DLPack capsule taken from ``keep``)
     cleanup: Callable[[], None] | None = None
-    user: dict[str, Any] | None = None  # the sender's own metadata
+    user: Any = None  # the sender's own metadata (send(meta=)): any JSON value but null, delivered as is
     dl_dtype: list[int] | None = None  # a dtype numpy lacks, as its DLPack [code, bits, lanes]
     readonly: bool = False  # the consumer must not write (the sender's object was read-only)
+    wire: tuple[dict[str, Any] | None, bytes | None] = (None, None)  # wire_meta(), once the source is final
 
     def meta(self) -> dict[str, Any]:
         m: dict[str, Any] = {"typestr": self.typestr, "shape": list(self.shape)}
@@ -50,9 +54,27 @@ class Source:
             m["dl_dtype"] = list(self.dl_dtype)
         if self.readonly:
             m["readonly"] = True
-        if self.user:
+        if self.user is not None:
             m["user"] = self.user
         return m
+
+    def wire_meta(self) -> tuple[dict[str, Any] | None, bytes | None]:
+        """The HANDOFF's ``meta`` (None for plain bytes without user metadata: spec §2.2) and
+        its frame, encoded once and checked against the limits the broker applies (§4.8), so
+        that a handoff the broker would refuse as a whole is refused here, before a grant is taken."""
+        m = self.meta()
+        if m == {"typestr": "|u1", "shape": [self.buffer.size]}:
+            return None, None
+        try:
+            check_meta(m, self.buffer.size)
+        except ProtocolError as e:
+            raise InvalidArgument(str(e), where="send()", value=m.get(e.extra.get("field", "meta"))) from None
+        raw = json_bytes(m)
+        if len(raw) > MAX_HEADER_BYTES:
+            raise InvalidArgument(f"the handoff's metadata encodes to {len(raw)} bytes of JSON; the protocol allows "
+                                  f"{MAX_HEADER_BYTES} (ipc-protocol.md §2.2): send large data as a buffer",
+                                  where="send(meta=)", value=f"<{len(raw)} bytes>")
+        return m, raw
 
     def describe_as(self, shape: Any = None, dtype: Any = None) -> None:
         """``send(shape=, dtype=)``: describe the bytes as ``shape`` items of ``dtype`` (defaults:
@@ -60,24 +82,78 @@ class Source:
         if dtype is not None:
             self.typestr, self.dl_dtype = parse_dtype(dtype)
         itemsize = int(self.typestr[2:])
-        if shape is None:
-            shape = self.shape if dtype is None else (self.buffer.size // itemsize,)
-        try:
-            new_shape = (int(shape),) if isinstance(shape, int) else tuple(int(d) for d in shape)
-        except (TypeError, ValueError):
-            raise ValueError(f"send(shape={shape!r}): a shape is an int or a sequence of ints") from None
-        if any(d < 0 for d in new_shape):
-            raise ValueError(f"send(shape={new_shape}): dimensions must be >= 0")
-        nbytes = itemsize * int(np.prod(new_shape, dtype=np.int64)) if new_shape else itemsize
+        new_shape = parse_shape(shape) if shape is not None else (
+            self.shape if dtype is None else (self.buffer.size // itemsize,))
+        nbytes = itemsize * math.prod(new_shape)  # Python ints: no int64 wrap-around
         if nbytes != self.buffer.size:
-            raise ValueError(f"send(shape={new_shape}, dtype={dlpack.dtype_name(self.typestr, self.dl_dtype)!r}) "
-                             f"describes {nbytes} bytes, the buffer has {self.buffer.size}")
+            raise InvalidArgument(f"shape {new_shape} of {dlpack.dtype_name(self.typestr, self.dl_dtype)} describes "
+                                  f"{nbytes} bytes, the buffer has {self.buffer.size}", where="send(shape=, dtype=)",
+                                  value=new_shape)
         self.shape = new_shape
+
+
+def parse_shape(shape: Any) -> tuple[int, ...]:
+    """``send(shape=)``: an int or a sequence of ints (numpy ints too), each >= 0; never a float,
+    a bool or a string, which would be truncated or read digit by digit."""
+    dims = (shape,) if not isinstance(shape, str | bytes) and not hasattr(shape, "__iter__") else shape
+    if isinstance(dims, str | bytes):
+        raise InvalidArgument("a shape is an int or a sequence of ints, not a string", where="send(shape=)",
+                              value=shape)
+    out = []
+    for d in dims:
+        try:
+            if isinstance(d, bool | np.bool_):
+                raise TypeError
+            n = operator.index(d)
+        except TypeError:
+            raise InvalidArgument(f"dimension {d!r} is a {type(d).__name__}, not an int", where="send(shape=)",
+                                  value=shape) from None
+        if n < 0:
+            raise InvalidArgument(f"dimension {n} is negative", where="send(shape=)", value=shape)
+        out.append(n)
+    return tuple(out)
+
+
+def check_user_meta(meta: Any, path: str = "meta") -> None:
+    """``send(meta=)`` must arrive exactly as sent: a JSON value made of dicts with str keys,
+    lists, str, int, finite float, bool and None, at most MAX_HEADER_DEPTH levels deep (ipc-protocol.md
+    §4.8). Raises InvalidArgument naming the first part that is not (e.g. ``meta['x'][2]``)."""
+    stack: list[tuple[Any, str, int]] = [(meta, path, 1)]
+    while stack:
+        v, where, depth = stack.pop()
+        if isinstance(v, dict):
+            kids = []
+            for k, x in v.items():
+                if not isinstance(k, str):
+                    raise InvalidArgument(f"{where} has the key {k!r}, a {type(k).__name__}; JSON keys are strings",
+                                          where="send(meta=)", value=k)
+                kids.append((x, f"{where}[{k!r}]"))
+        elif isinstance(v, list | tuple):
+            if isinstance(v, tuple):
+                raise InvalidArgument(f"{where} is a tuple, which would arrive as a list; send a list",
+                                      where="send(meta=)", value=v)
+            kids = [(x, f"{where}[{i}]") for i, x in enumerate(v)]
+        elif v is None or isinstance(v, str | bool | int):
+            continue
+        elif isinstance(v, float):
+            if not math.isfinite(v):
+                raise InvalidArgument(f"{where} is {v}, which JSON cannot carry", where="send(meta=)", value=v)
+            continue
+        else:
+            raise InvalidArgument(f"{where} is a {type(v).__name__}, not a JSON value (dict with str keys, list, str, "
+                                  "int, float, bool, None)", where="send(meta=)", value=v)
+        if depth + 1 > MAX_HEADER_DEPTH:  # the HANDOFF's meta object holds `user` one level down
+            raise InvalidArgument(f"{where} nests deeper than the protocol's {MAX_HEADER_DEPTH - 1} levels",
+                                  where="send(meta=)", value=f"<{type(v).__name__}>")
+        stack.extend((x, w, depth + 1) for x, w in kids)
 
 
 def parse_dtype(dtype: Any) -> tuple[str, list[int] | None]:
     """A dtype given to ``send(dtype=)`` as (typestr, dl_dtype): anything ``numpy.dtype`` takes,
     a torch dtype, or the name of a dtype numpy lacks ('bfloat16', 'float8_e4m3fn', ...)."""
+    if isinstance(dtype, bool | int | float):
+        raise InvalidArgument("a dtype is a numpy dtype, a torch dtype or a name such as 'float32'",
+                              where="send(dtype=)", value=dtype)
     name = str(getattr(dtype, "name", None) or dtype).removeprefix("torch.")
     if name in dlpack.EXTRA_DTYPES:
         code, bits = dlpack.EXTRA_DTYPES[name]
@@ -89,9 +165,10 @@ def parse_dtype(dtype: Any) -> tuple[str, list[int] | None]:
     try:
         dt = np.dtype(dtype)
     except TypeError as e:
-        raise ValueError(f"send(dtype={dtype!r}) is not a dtype: {e}") from None
+        raise InvalidArgument(f"{dtype!r} is not a dtype: {e}", where="send(dtype=)", value=dtype) from None
     if dt.kind not in "biufc" or dt.itemsize == 0 or dt.subdtype is not None or dt.names is not None:
-        raise ValueError(f"send(dtype={dtype!r}): {dt} is not a scalar number or bool dtype")
+        raise UnsupportedObject(f"{dt} is not a scalar number or bool dtype; only those travel as typed arrays",
+                                where="send(dtype=)", value=dtype)
     return dt.str, None
 
 
@@ -105,9 +182,10 @@ def _contiguous_nbytes(obj: Any, shape: tuple[int, ...], typestr: str, strides: 
         acc = itemsize
         for d, s in zip(reversed(shape), reversed(tuple(strides)), strict=True):
             if d != 1 and s != acc:  # a dimension of one may have any stride (numpy's rule too)
-                raise DeviceError("send", f"a {type(obj).__name__} of shape {shape} with strides {tuple(strides)} "
-                                  "(bytes) is not C-contiguous; Hurray hands memory off as it lies, on the host as "
-                                  "on the GPU: send a contiguous copy (numpy.ascontiguousarray(x), x.contiguous())")
+                raise InvalidArgument(f"a {type(obj).__name__} of shape {shape} with strides {tuple(strides)} (bytes) "
+                                      "is not C-contiguous; Hurray hands memory off as it lies, on the host as on the "
+                                      "GPU: send a contiguous copy (numpy.ascontiguousarray(x), x.contiguous())",
+                                      where="send()", value=tuple(strides))
             acc *= d
     return n
 
@@ -138,15 +216,16 @@ def resolve(obj: Any, cpu: CpuDevice, gpu: CudaDevice | None, stream: CudaStream
         if int(dev_type) == dlpack.KDL_CUDA:
             return _dlpack_source(obj, _need_gpu(gpu), stream or own_stream)
         if int(dev_type) not in (dlpack.KDL_CPU, dlpack.KDL_CUDA_HOST):
-            raise DeviceError("send", f"a DLPack object on device type {int(dev_type)} is not supported "
-                              "(CPU, CUDA host and CUDA memory are)")
+            raise UnsupportedObject(f"a DLPack object on device type {int(dev_type)} is not supported (CPU, CUDA "
+                                    "host and CUDA memory are)", where="send()", value=int(dev_type))
         return _host_dlpack_source(obj, cpu)
     return _host_source(obj, cpu)
 
 
 def _need_gpu(gpu: CudaDevice | None) -> CudaDevice:
     if gpu is None:
-        raise DeviceError("send", "a CUDA array was given to a producer without a CUDA device")
+        raise InvalidArgument("a CUDA array was given to a producer without a CUDA device: create it with "
+                              "Producer(device='cuda:N')", where="send()")
     return gpu
 
 
@@ -169,8 +248,9 @@ def _cai_source(obj: Any, cai: dict[str, Any], gpu: CudaDevice, stream: CudaStre
         elif cai["stream"] is None:
             stream = own_stream
         elif cai["stream"] == 0:
-            raise DeviceError("send", f"{type(obj).__name__}.__cuda_array_interface__ has stream 0, which CUDA "
-                              "Array Interface v3 forbids as ambiguous (1: legacy default, 2: per-thread)")
+            raise InvalidArgument(f"{type(obj).__name__}.__cuda_array_interface__ has stream 0, which CUDA Array "
+                                  "Interface v3 forbids as ambiguous (1: legacy default, 2: per-thread)",
+                                  where="send()", value=0)
         else:
             stream = gpu.as_stream(int(cai["stream"]))
     readonly = bool(cai["data"][1])
@@ -185,12 +265,12 @@ def _dlpack_source(obj: Any, gpu: CudaDevice, stream: CudaStream | None) -> Sour
     handoff is released: its destructor then returns the tensor to the exporter.
     """
     if stream is None:
-        raise DeviceError("send", "a CUDA DLPack object needs a stream to be ordered on")
+        raise InvalidArgument("a CUDA DLPack object needs a stream to be ordered on", where="send(stream=)")
     capsule = obj.__dlpack__(stream=stream.handle)
     t = dlpack.read_capsule(capsule)
     if t.device_type != dlpack.KDL_CUDA:
-        raise DeviceError("send", f"{type(obj).__name__}.__dlpack__ gave device type {t.device_type}, "
-                          f"though __dlpack_device__ said CUDA")
+        raise UnsupportedObject(f"{type(obj).__name__}.__dlpack__ gave device type {t.device_type}, though "
+                                "__dlpack_device__ said CUDA", where="send()", value=t.device_type)
     nbytes = _contiguous_nbytes(obj, t.shape, t.typestr, t.strides)
     return Source(gpu.buffer_at(t.ptr, nbytes), t.typestr, t.shape, stream, keep=obj, pin=capsule,
                   dl_dtype=t.dl_dtype)
@@ -213,13 +293,15 @@ def _host_source(obj: Any, cpu: CpuDevice) -> Source:
     """Host bytes, copied once into shared memory (another process can only map shared memory)."""
     try:
         arr = np.asarray(memoryview(obj)) if not isinstance(obj, np.ndarray) else obj
-    except TypeError:
-        raise DeviceError("send", f"cannot hand off a {type(obj).__name__}: it exposes neither a device buffer, "
-                          "__cuda_array_interface__, __dlpack__ nor the buffer protocol") from None
+    except (TypeError, ValueError):
+        raise UnsupportedObject(f"cannot hand off a {type(obj).__name__}: it exposes neither a device buffer, "
+                                "__cuda_array_interface__, __dlpack__ nor the buffer protocol (convert it, e.g. "
+                                "numpy.asarray(x))", where="send()", value=type(obj).__name__) from None
     if arr.dtype.kind not in "biufc" or arr.dtype.subdtype is not None:
         if arr.dtype.kind != "V" or arr.dtype.names is not None:  # raw bytes pass as |u1
-            raise DeviceError("send", f"cannot hand off a {type(obj).__name__} of dtype {arr.dtype}: only numbers "
-                              "and bools travel as typed arrays (send a view as uint8 to pass raw bytes)")
+            raise UnsupportedObject(f"cannot hand off a {type(obj).__name__} of dtype {arr.dtype}: only numbers and "
+                                    "bools travel as typed arrays (send a view as uint8 to pass raw bytes)",
+                                    where="send()", value=str(arr.dtype))
         arr = arr.view(np.uint8)
     if not arr.flags.c_contiguous:
         _contiguous_nbytes(obj, tuple(arr.shape), arr.dtype.str, arr.strides)  # raises, naming the strides
@@ -234,5 +316,5 @@ def _has_buffer(obj: Any) -> bool:
     try:
         memoryview(obj)
         return True
-    except TypeError:
+    except (TypeError, ValueError):  # ValueError: numpy's datetime64 and object arrays have no buffer format
         return False

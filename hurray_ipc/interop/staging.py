@@ -18,6 +18,7 @@ from ..devices.base import Buffer
 from ..devices.cpu import CpuDevice
 from ..devices.cuda import CudaDevice
 from ..devices.errors import DeviceError
+from ..errors import InvalidArgument
 
 log = logging.getLogger("hurray.staging")
 
@@ -61,13 +62,22 @@ class StagingPool:
         self._lock = threading.Lock()
 
     def acquire(self, nbytes: int) -> Buffer:
-        """A slot of at least ``nbytes``; raises StagingExhausted at the byte limit."""
+        """A slot of at least ``nbytes``; raises StagingExhausted at the byte limit while slots
+        are in use (a release frees room), InvalidArgument when no slot of that size can ever fit.
+        Idle slots of other sizes are freed to make room before the limit refuses."""
         cls = size_class(nbytes)
         with self._lock:
             free = self._free.setdefault(cls, [])
             if free:
                 slot = free.pop()
             else:
+                if cls > self.max_bytes:
+                    raise InvalidArgument(f"a host-staged copy of {nbytes} bytes needs a {cls}-byte slot; the staging "
+                                          f"pool holds at most {self.max_bytes} bytes (HURRAY_STAGING_BYTES)",
+                                          where="send()", value=nbytes)
+                for other in self._free.values():
+                    while other and self.total + cls > self.max_bytes:
+                        self._close_slot(other.pop())
                 if self.total + cls > self.max_bytes:
                     raise StagingExhausted(
                         "staging", f"pool at its limit ({self.total} of {self.max_bytes} bytes in slots)"
@@ -102,15 +112,22 @@ class StagingPool:
     def in_use(self) -> int:
         return len(self._busy)
 
+    def _close_slot(self, slot: Buffer) -> None:
+        """Unpin and free one idle slot (under the lock)."""
+        if id(slot) in self._pinned and self._unpin_with is not None:
+            try:
+                self._unpin_with.host_unregister(slot)
+            except DeviceError as e:
+                log.warning("staging: %s", e)
+        self._pinned.discard(id(slot))
+        self._all.remove(slot)
+        self.total -= slot.size
+        slot.close()
+
     def close(self) -> None:
         with self._lock:
-            for slot in self._all:
-                if id(slot) in self._pinned and self._unpin_with is not None:
-                    try:
-                        self._unpin_with.host_unregister(slot)
-                    except DeviceError as e:
-                        log.warning("staging: %s", e)
-                slot.close()
+            for slot in list(self._all):
+                self._close_slot(slot)
             self._all.clear()
             self._free.clear()
             self._busy.clear()

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import HurrayError
+
 PROTOCOL_VERSION = 2
 MAX_HEADER_BYTES = 64 * 1024
 # STATS_REPLY alone may be larger (spec §2.3): at most 1000 clients and 1000 channels, each with
@@ -41,6 +43,7 @@ PAYLOAD: dict[str, tuple[str, ...]] = {
     "REQUEST": (),
     "READY": (),
     "ROUTE": (),
+    "END": (),
     "BYE": (),
     # broker -> client
     "WELCOME": (),
@@ -48,6 +51,7 @@ PAYLOAD: dict[str, tuple[str, ...]] = {
     "CAPS_REPLY": (),
     "STATS_REPLY": (),
     "PRODUCER_GONE": (),
+    "CHANNEL_STATE": (),
     "ERROR": (),
     "SHUTDOWN": (),
     # the cross-machine link between two bridges (docs/spec/interchange.md)
@@ -69,9 +73,9 @@ PAYLOAD: dict[str, tuple[str, ...]] = {
 HOT_VERBS = frozenset(["HANDOFF", "RELEASE", "EVENT_RELEASE", "DELIVER", "GRANT", "ACCEPTED", "RELEASED",
                        "EVENT_RELEASED"])
 CLIENT_VERBS = frozenset(["HELLO", "PING", "CAPS", "STATS", "REQUEST", "READY", "HANDOFF", "RELEASE",
-                          "EVENT_RELEASE", "ROUTE", "BYE"])
+                          "EVENT_RELEASE", "ROUTE", "END", "BYE"])
 BROKER_VERBS = frozenset(["WELCOME", "PONG", "CAPS_REPLY", "STATS_REPLY", "GRANT", "DELIVER", "ACCEPTED",
-                          "RELEASED", "EVENT_RELEASED", "PRODUCER_GONE", "ERROR", "SHUTDOWN"])
+                          "RELEASED", "EVENT_RELEASED", "PRODUCER_GONE", "CHANNEL_STATE", "ERROR", "SHUTDOWN"])
 # what a sending bridge accepts
 LINK_RECEIVER_VERBS = frozenset(["LINK_HELLO", "CREDIT", "LINK_PING", "REJECT", "RDMA_REGISTER"])
 LINK_SENDER_VERBS = frozenset(["LINK_WELCOME", "LINK_PONG", "TENSOR_DESCRIPTOR", "TENSOR_DATA", "TENSOR_DATA_END",
@@ -94,12 +98,13 @@ ERROR_CODES = frozenset({
     "already_released",
     "consumer_gone",     # the consumer of a grant died before the handoff arrived
     "limit_exceeded",    # a per-client or broker-wide limit (clients, held deliveries): the message is refused
+    "ended",             # READY or HANDOFF from a producer that ended its stream (END, §4.9)
     "internal",          # a broker bug cost this one message; the broker and every other client carry on
 })
 MAX_HEADER_DEPTH = 16  # JSON nesting of a header (objects and arrays); our deepest is 4
 
 
-class ProtocolError(ValueError):
+class ProtocolError(HurrayError, ValueError):
     """A message that violates the protocol. ``code`` is one of ERROR_CODES."""
 
     def __init__(self, code: str, message: str, **extra: Any):
@@ -239,6 +244,16 @@ class _Layout:
         if len(head) != BATCH.size + count * self.entry.size:
             raise ProtocolError("bad_header", f"{v} header is {len(head)} bytes; {count} entries of "
                                 f"{self.entry.size} make {BATCH.size + count * self.entry.size}", field="count")
+        try:
+            return self._decode_entries(parts, allowed, head, credits, reserved)
+        except ProtocolError as e:
+            if v == "HANDOFF":  # refused as a whole: name every entry, none of whose grants was used (§2.2)
+                e.extra.setdefault("handoff_ids", [f[1] for f in self.entry.iter_unpack(memoryview(head)[BATCH.size:])])
+            raise
+
+    def _decode_entries(self, parts: Sequence[Any], allowed: frozenset[str] | None, head: bytes, credits: int,
+                        reserved: int) -> list[Message]:
+        v = self.verb
         if reserved:
             raise ProtocolError("bad_header", f"{v} batch header reserved bytes 4-7 must be zero", field="reserved")
         if credits and self.credits is None:
