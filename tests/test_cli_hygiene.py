@@ -95,3 +95,81 @@ def test_stress_help_shows_defaults_and_the_duration_rule():
     text = " ".join(r.stdout.split())
     assert r.returncode == 0 and "--count COUNT handoffs in total (default: 200)" in text, r.stdout
     assert "(default: cpu)" in text and "(default: 0.0)" in text and "wall time of the whole run" in text, r.stdout
+
+
+DRIVER_PY = ROOT / "hurray_ipc" / "devices" / "backend" / "driver.py"
+SMI_12_4 = "#!/bin/sh\necho '| NVIDIA-SMI 550.54.15   Driver Version: 550.54.15   CUDA Version: 12.4     |'\n"
+
+
+def _no_real_driver() -> None:
+    from hurray_ipc.devices.backend import driver
+
+    if driver._from_libcuda() is not None:
+        pytest.skip("this machine has an NVIDIA driver; these scenarios fake one with nvidia-smi")
+
+
+def _fake_smi(folder: Path, text: str = SMI_12_4) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "nvidia-smi").write_text(text)
+    (folder / "nvidia-smi").chmod(0o755)
+    return folder
+
+
+def test_driver_py_runs_by_path_before_anything_is_installed(tmp_path: Path) -> None:
+    """scripts/_venv.sh and scripts/gpu-check run driver.py as a file, in a bare Python."""
+    _no_real_driver()
+
+    def query(*args: str, path: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-S", str(DRIVER_PY), *args], capture_output=True, text=True,
+                              timeout=60, env={"PATH": str(path)}, cwd=tmp_path)
+
+    smi = _fake_smi(tmp_path / "bin")
+    assert query("extra", path=smi).stdout == "cuda12\n"
+    assert query("hint", path=smi).stdout == "pip install 'hurray-ipc[cuda12]'\n"
+    assert query("extra", path=tmp_path / "none").stdout == "\n"
+    r = query("major", path=smi)
+    assert r.returncode == 2 and "expected one argument, one of extra, hint; got ['major']" in r.stderr, r.stderr
+
+
+def test_venv_script_installs_what_each_script_needs_once(tmp_path: Path) -> None:
+    """scripts/_venv.sh over a fake venv whose python logs pip calls: the demo installs the base
+    package only, the tests add their extras (and cuda13 without a driver, for the enums) once,
+    nothing re-installs until pyproject.toml changes, and a driver's extra replaces another."""
+    _no_real_driver()
+    root = tmp_path / "root"
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "_venv.sh", root / "scripts")
+    (root / "hurray_ipc" / "devices" / "backend").mkdir(parents=True)
+    shutil.copy(DRIVER_PY, root / "hurray_ipc" / "devices" / "backend")
+    (root / "pyproject.toml").write_text("")
+    os.utime(root / "pyproject.toml", (1, 1))
+    log = tmp_path / "pip.log"
+    (root / ".venv" / "bin").mkdir(parents=True)
+    (root / ".venv" / "bin" / "python").write_text(
+        f'#!/bin/sh\nif [ "$1" = -m ] && [ "$2" = pip ]; then echo "$*" >>{log}; exit 0; fi\n'
+        f'exec {sys.executable} "$@"\n')
+    (root / ".venv" / "bin" / "python").chmod(0o755)
+    no_driver, driver_12 = tmp_path / "none", _fake_smi(tmp_path / "smi")
+
+    def source(script_extras: str, cuda_without_driver: str = "", path: Path = no_driver) -> list[str]:
+        log.write_text("")
+        r = subprocess.run(["bash", "-c", f"script_extras={script_extras} "
+                            f"script_cuda_without_driver={cuda_without_driver}; source scripts/_venv.sh"],
+                           capture_output=True, text=True, timeout=60, cwd=root,
+                           env={"PATH": f"{path}:/usr/bin:/bin", "HOME": str(tmp_path)})
+        assert r.returncode == 0, r.stderr
+        return [line.replace(str(root), "ROOT") for line in log.read_text().splitlines() if " -e " in line
+                or "nixl" in line]
+
+    demo, test = ("",), ("test,+nixl", "cuda13")
+    assert source(*demo) == ["-m pip install -q --disable-pip-version-check -e ROOT"]
+    assert source(*test) == ["-m pip install -q --disable-pip-version-check -e ROOT[cuda13,test]",
+                             '-m pip install -q --disable-pip-version-check --no-deps nixl-cu12>=1.0']
+    assert source(*demo) == [] and source(*test) == [], "nothing new: no install"
+    os.utime(root / "pyproject.toml")  # changed since the last install: all of it again
+    assert source(*demo) == ["-m pip install -q --disable-pip-version-check -e ROOT[cuda13,test]",
+                             '-m pip install -q --disable-pip-version-check --no-deps nixl-cu12>=1.0']
+    assert source(*demo, path=driver_12) == [
+        "-m pip install -q --disable-pip-version-check -e ROOT[cuda12,test]",
+        '-m pip install -q --disable-pip-version-check --no-deps nixl-cu12>=1.0'], "cuda12 replaces cuda13"
+    assert source(*test, path=driver_12) == [], "a driver's extra wins over the no-driver default"

@@ -18,7 +18,8 @@ Contract:
   versions and the fix; ``None`` when nothing here explains a failure.
 
 Pure standard library and no imports from the package, so the set-up scripts run this file
-directly before anything is installed (``python driver.py extra``, ``python driver.py major``).
+directly before anything is installed: ``python driver.py extra`` prints the extra (an empty line
+without one), ``python driver.py hint`` the install line.
 """
 
 from __future__ import annotations
@@ -131,17 +132,14 @@ def diagnose(driver: Version | None, bindings: Version | None) -> str | None:
 
 
 def main(argv: list[str]) -> int:
-    """``extra``: the extra for this driver (empty line without one); ``major``: the driver's CUDA
-    major version (empty line without a driver); ``hint``: :func:`install_hint`."""
-    queries = ("extra", "major", "hint")
+    """``extra``: the extra for this driver (an empty line without one); ``hint``: :func:`install_hint`."""
+    queries = ("extra", "hint")
     if len(argv) != 1 or argv[0] not in queries:
         print(f"driver.py: expected one argument, one of {', '.join(queries)}; got {argv!r}", file=sys.stderr)
         return 2
     driver = driver_cuda_version()
     if argv[0] == "extra":
         print(extra_for(driver) or "")
-    elif argv[0] == "major":
-        print(driver[0] if driver else "")
     else:
         print(install_hint(driver))
     return 0
