@@ -5,9 +5,11 @@ missing; the library refuses an endpoint without a scheme with the same words.""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
+import textwrap
 import zipfile
 from pathlib import Path
 
@@ -65,23 +67,96 @@ def test_library_refuses_an_endpoint_without_a_scheme():
         Producer(endpoint="nonsense")
 
 
-def test_wheel_installs_only_hurray_ipc_and_builds_quietly(tmp_path: Path) -> None:
-    """The broker/ folder ships as hurray_ipc.broker (nothing generic at the top of site-packages),
-    and building the wheel prints no setuptools deprecation warning (SPDX license string)."""
-    src = tmp_path / "src"  # a copy: building in place would leave build/ in the checkout
+@pytest.fixture(scope="module")
+def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The wheel, built once for this module's tests from a copy of the tree (building in place
+    would leave build/ in the checkout), and what pip printed while building it."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", "build", "results", "*.egg-info",
                                                              "__pycache__", ".whl"))
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                        "--disable-pip-version-check", "-w", str(tmp_path), str(src)],
+                        "--disable-pip-version-check", "-w", str(tmp), str(src)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "Deprecat" not in r.stderr + r.stdout, r.stderr
-    (wheel,) = tmp_path.glob("hurray_ipc-*.whl")
+    (wheel,) = tmp.glob("hurray_ipc-*.whl")
+    return wheel, r.stderr + r.stdout
+
+
+def _metadata(wheel: Path) -> str:
+    with zipfile.ZipFile(wheel) as z:
+        (name,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        return z.read(name).decode()
+
+
+def test_wheel_installs_only_hurray_ipc_and_builds_quietly(built_wheel: tuple[Path, str]) -> None:
+    """The broker/ folder ships as hurray_ipc.broker (nothing generic at the top of site-packages),
+    and building the wheel prints no setuptools deprecation warning (SPDX license string)."""
+    wheel, printed = built_wheel
+    assert "Deprecat" not in printed, printed
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"hurray_ipc"}, tops
     assert "hurray_ipc/broker/core.py" in names and "hurray_ipc/interop/dlpack.py" in names
+
+
+
+def test_wheel_metadata_keeps_cuda_in_the_cuda_extras(built_wheel: tuple[Path, str]) -> None:
+    """A CPU-only `pip install hurray-ipc` gets no CUDA package; cuda12/cuda13 pin cuda-bindings to
+    the driver's major version."""
+    meta = _metadata(built_wheel[0])
+    cuda = {}
+    for line in meta.splitlines():
+        if line.startswith("Requires-Dist:"):
+            req, _, marker = line.removeprefix("Requires-Dist:").strip().partition(";")
+            if "cuda" in re.split(r"[<>=!~\[ ]", req, maxsplit=1)[0].lower():
+                cuda[req.strip()] = marker.strip()
+    assert cuda == {"cuda-bindings<13,>=12.8": 'extra == "cuda12"',
+                    "cuda-bindings<14,>=13.0": 'extra == "cuda13"'}, cuda
+
+
+def test_wheel_ships_its_types(built_wheel: tuple[Path, str], tmp_path: Path) -> None:
+    """PEP 561: installed from the wheel (into a fresh venv, without dependencies), hurray_ipc's
+    types reach mypy: a user program that misuses Producer.send's return type is reported, one that
+    uses Producer and Consumer correctly passes."""
+    pytest.importorskip("mypy", reason="mypy is in the test extra")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = subprocess.run([str(venv / "bin" / "python"), "-c", purelib], capture_output=True, text=True,
+                          check=True, timeout=60).stdout.strip()
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
+                        "--disable-pip-version-check", "--target", site, str(built_wheel[0])],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "good.py").write_text(textwrap.dedent("""
+        from hurray_ipc import Consumer, Producer, Ticket
+
+
+        def produce(data: bytes) -> Ticket:
+            with Producer(channel="frames") as p:
+                return p.send(data)
+
+
+        def consume() -> bytes:
+            with Consumer(channel="frames") as c, c.receive(timeout=5) as h:
+                return bytes(h.numpy())
+    """))
+    (tmp_path / "bad.py").write_text(textwrap.dedent("""
+        from hurray_ipc import Producer
+
+        with Producer(channel="frames") as p:
+            n: int = p.send(b"x")
+    """))
+    (tmp_path / "mypy.ini").write_text("[mypy]\n")  # not the project's settings: a user's defaults
+    r = subprocess.run([sys.executable, "-m", "mypy", "--config-file", "mypy.ini", "--cache-dir", "cache",
+                        "--python-executable", str(venv / "bin" / "python"), "good.py", "bad.py"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.stdout.splitlines() == [
+        'bad.py:5: error: Incompatible types in assignment (expression has type "Ticket", variable has type "int")  '
+        '[assignment]',
+        "Found 1 error in 1 file (checked 2 source files)"], r.stdout + r.stderr
 
 
 def test_python_m_hurray_ipc_broker_is_the_broker() -> None:
