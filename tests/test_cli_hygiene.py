@@ -116,6 +116,44 @@ def test_wheel_metadata_keeps_cuda_in_the_cuda_extras(built_wheel: tuple[Path, s
                     "cuda-bindings<14,>=13.0": 'extra == "cuda13"'}, cuda
 
 
+
+def test_wheel_long_description_is_the_package_index_page(built_wheel: tuple[Path, str]) -> None:
+    """The package index shows docs/package-index.md: install lines per driver, the broker, and
+    nothing a wheel user cannot follow (no scripts/, nothing outside the repository)."""
+    meta = _metadata(built_wheel[0])
+    headers, _, body = meta.partition("\n\n")
+    assert "Description-Content-Type: text/markdown" in headers
+    assert body.strip() == (ROOT / "docs" / "package-index.md").read_text().strip()
+    for absent in ("scripts/", "../shared"):
+        assert absent not in body, f"the package-index description mentions {absent!r}"
+    for present in ("pip install hurray-ipc", "pip install 'hurray-ipc[cuda12]'", "pip install 'hurray-ipc[cuda13]'",
+                    "hurray-caps --install-hint", "hurray-broker --daemon", "python -m hurray_ipc demo"):
+        assert present in body, f"the package-index description lacks {present!r}"
+
+
+def test_package_index_example_runs(tmp_path: Path) -> None:
+    """The producer/consumer example of docs/package-index.md, as written, against a broker."""
+    from brokerproc import BrokerProcess
+
+    text = (ROOT / "docs" / "package-index.md").read_text()
+    blocks = {b.split("\n", 1)[0].strip("# "): b for b in re.findall(r"```python\n(.*?)```", text, re.S)}
+    assert set(blocks) == {"producer.py", "consumer.py"}, blocks.keys()
+    for name, code in blocks.items():
+        (tmp_path / name).write_text(code)
+    broker = BrokerProcess(f"ipc://{tmp_path}/b.sock").start()
+    try:
+        env = {**os.environ, "HURRAY_BROKER": broker.endpoint}
+        consumer = subprocess.Popen([sys.executable, "consumer.py"], cwd=tmp_path, env=env, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        producer = subprocess.run([sys.executable, "producer.py"], cwd=tmp_path, env=env, text=True,
+                                  capture_output=True, timeout=60)
+        out, err = consumer.communicate(timeout=60)
+    finally:
+        broker.stop()
+    assert producer.returncode == 0, producer.stderr
+    assert consumer.returncode == 0, err
+    assert out.splitlines() == [f"(480, 640) float32 {i}.0" for i in range(3)], out + err
+
 def test_wheel_ships_its_types(built_wheel: tuple[Path, str], tmp_path: Path) -> None:
     """PEP 561: installed from the wheel (into a fresh venv, without dependencies), hurray_ipc's
     types reach mypy: a user program that misuses Producer.send's return type is reported, one that
