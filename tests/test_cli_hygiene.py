@@ -286,3 +286,30 @@ def test_venv_script_installs_what_each_script_needs_once(tmp_path: Path) -> Non
         "-m pip install -q --disable-pip-version-check -e ROOT[cuda12,test]",
         '-m pip install -q --disable-pip-version-check --no-deps nixl-cu12>=1.0'], "cuda12 replaces cuda13"
     assert source(*test, path=driver_12) == [], "a driver's extra wins over the no-driver default"
+
+
+def test_python_m_hurray_ipc_says_what_it_is_and_how_to_start() -> None:
+    r = subprocess.run([sys.executable, "-m", "hurray_ipc"], capture_output=True, text=True, timeout=60, cwd="/")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"Hurray IPC {__version__}: zero-copy, race-free handoff"), r.stdout
+    for says in ("hurray-broker --daemon", "python -m hurray_ipc demo", "from hurray_ipc import Producer, Consumer",
+                 "hurray-caps --install-hint", *CLIS):
+        assert says in r.stdout, f"python -m hurray_ipc does not mention {says!r}"
+    assert run("hurray_ipc", "--help").stdout == r.stdout
+    assert run("hurray_ipc", "--version").stdout == f"hurray_ipc {__version__}\n"
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["deom"], "python -m hurray_ipc: error: unknown command 'deom'; the one command is 'demo'"),
+    (["demo", "--count", "x"], "python -m hurray_ipc demo: error: argument --count: invalid int value: 'x'"),
+])
+def test_python_m_hurray_ipc_refuses_bad_arguments(args: list[str], says: str) -> None:
+    r = run("hurray_ipc", *args)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == says, r.stderr
+
+
+def test_python_m_hurray_ipc_demo_runs_the_demo() -> None:
+    """The demo, small: every scenario intact (on the CUDA emulation without a GPU)."""
+    r = run("hurray_ipc", "demo", "--count", "2", "--size", "4096")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "all handoffs intact" in r.stdout and "in-process threads" in r.stdout, r.stdout
