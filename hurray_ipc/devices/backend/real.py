@@ -1,10 +1,11 @@
-"""The real CUDA runtime, through cuda.bindings.runtime (cuda-python).
+"""The real CUDA runtime, through cuda.bindings.runtime (the cuda-bindings package: extras cuda12/cuda13).
 
 Every cuda.bindings call returns ``(err, value...)``; :func:`_check` turns a non-success ``err``
 into a :class:`DeviceError` that names the call and the CUDA error. Nothing here caches device
 state beyond what the driver itself keeps (the current device is asked of the runtime every time:
 other libraries in the process call cudaSetDevice too), except the IPC probe results, which are
-properties of the device.
+properties of the device. Without cuda-bindings, or with bindings the driver cannot run, the
+runtime still constructs and :meth:`RealRuntime.probe` says why, with the fix (:mod:`.driver`).
 """
 
 from __future__ import annotations
