@@ -391,12 +391,17 @@ def test_cpu_and_emulated_cuda_never_import_cuda_bindings():
 
         sys.meta_path.insert(0, NoCuda())
         import hurray_ipc
-        for m in pkgutil.walk_packages(hurray_ipc.__path__, "hurray_ipc."):
-            try:
-                importlib.import_module(m.name)
-            except ImportError as e:  # optional extras (prometheus_client, matplotlib, nixl)
-                if "cuda" in str(e):
-                    raise
+        import hurray_ipc.broker  # broker/ installs as hurray_ipc.broker: not under hurray_ipc/ in a checkout
+        seen = []
+        for pkg in (hurray_ipc, hurray_ipc.broker):
+            for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+                seen.append(m.name)
+                try:
+                    importlib.import_module(m.name)
+                except ImportError as e:  # optional extras (prometheus_client, matplotlib, nixl)
+                    if "cuda" in str(e):
+                        raise
+        assert "hurray_ipc.broker.server" in seen and "hurray_ipc.devices.backend.real" in seen, seen
         from hurray_ipc.devices import CudaDevice
         from hurray_ipc.devices.backend.emulated import EmulatedRuntime, EmulationConfig
         dev = CudaDevice(0, runtime=EmulatedRuntime(EmulationConfig(devices=1)))
