@@ -25,6 +25,8 @@ Layers, each importing only those below it::
     cli/, broker/ (top; broker/ installs as hurray_ipc.broker)
 """
 
+from typing import TYPE_CHECKING
+
 from .contract import (
     AlreadyReleasedError,
     EndpointCapabilities,
@@ -50,6 +52,17 @@ from .format import BufferHandle, DeviceTag, HandleError, ReservedSyncMode, Sync
 
 __version__ = "0.1.0"
 
+if TYPE_CHECKING:  # type checkers see the client names' real types; at run time they load lazily
+    from .client import (
+        BrokerUnavailable,
+        Consumer,
+        Producer,
+        ProducerGone,
+        ReceivedBuffer,
+        ReceivedHandoff,
+        RemoteError,
+        Ticket,
+    )
 
 _CLIENT = ("Producer", "Consumer", "Ticket", "ReceivedHandoff", "ReceivedBuffer", "BrokerUnavailable",
            "ProducerGone", "RemoteError")

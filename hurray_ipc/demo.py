@@ -1,4 +1,4 @@
-"""The end-to-end demo behind ``scripts/demo``.
+"""The end-to-end demo behind ``scripts/demo`` and ``python -m hurray_ipc demo``.
 
 Starts a broker process, then producer and consumer worker processes (spawned: CUDA and ZeroMQ
 contexts do not survive fork) that hand checksummed buffers to each other in every sync mode and
@@ -114,8 +114,8 @@ def show_handles() -> None:
     print(f"(exit {inspect_cli.main([bad])})\n")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__)
     ap.add_argument("--count", type=int, default=8, help="buffers per scenario")
     ap.add_argument("--size", type=int, default=256 << 10, help="bytes per buffer")
     a = ap.parse_args(argv)

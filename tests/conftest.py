@@ -48,6 +48,36 @@ def real_cuda_reason() -> str | None:
 REAL_SKIP = real_cuda_reason()
 
 
+class _CudaError(int):
+    """A cudaError_t stand-in: an int with the enum member's name."""
+
+    def __new__(cls, value: int, name: str) -> _CudaError:
+        e = super().__new__(cls, value)
+        e.name = name
+        return e
+
+
+def fake_cuda_install(monkeypatch, driver_version, bindings_version, count_result):
+    """The real backend over injected facts: the driver's CUDA version, the installed cuda-bindings
+    version, and what cudaGetDeviceCount returns (None: cuda.bindings does not import)."""
+    from hurray_ipc.devices.backend import driver, real
+
+    monkeypatch.setattr(driver, "driver_cuda_version", lambda: driver_version)
+    monkeypatch.setattr(driver, "bindings_version", lambda: bindings_version)
+
+    def import_bindings():
+        if count_result is None:
+            raise ModuleNotFoundError("No module named 'cuda'")
+        return type("FakeRuntime", (), {"cudaGetDeviceCount": staticmethod(lambda: count_result)})(), None
+
+    monkeypatch.setattr(real, "_import_bindings", import_bindings)
+
+
+def cuda_error(value: int, name: str) -> int:
+    """A cudaError_t member as cuda.bindings returns it (an int with a name), without cuda.bindings."""
+    return _CudaError(value, name)
+
+
 def emu_config(**kw) -> EmulationConfig:
     base = dict(devices=2, op_delay_s=0.002)
     base.update(kw)

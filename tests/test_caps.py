@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from brokerproc import BrokerProcess
-from conftest import emu_config
+from conftest import cuda_error, emu_config, fake_cuda_install
 
 
 def caps(*args, env=None):
@@ -55,6 +55,49 @@ def test_real_cuda_missing_is_a_clear_error():
     rc, _, err = caps("--device", "cuda:0", "--transport", "ipc", env={"HURRAY_CUDA": "real"})
     assert rc == 2 and "CUDA unavailable" in err
 
+
+
+@pytest.mark.parametrize(("driver", "bindings", "count", "says"), [
+    ((12, 4), (13, 1), (cuda_error(35, "cudaErrorInsufficientDriver"), None),
+     "driver supports CUDA 12.4, cuda-bindings 13.1 installed (needs a CUDA 13 driver): install hurray-ipc[cuda12]"),
+    ((12, 4), None, None, "cuda-bindings is not installed (the driver supports CUDA 12.4): install hurray-ipc[cuda12]"),
+])
+def test_caps_names_a_driver_bindings_mismatch(monkeypatch, capsys, driver, bindings, count, says):
+    """hurray-caps on a GPU whose driver the installed cuda-bindings do not fit (injected): one line
+    naming both versions and the extra to install, exit 2."""
+    from hurray_ipc.cli import caps as caps_cli
+    from hurray_ipc.devices import set_runtime
+
+    fake_cuda_install(monkeypatch, driver, bindings, count)
+    monkeypatch.setenv("HURRAY_CUDA", "real")
+    set_runtime(None)
+    try:
+        rc = caps_cli.main(["--device", "cuda:0"])
+    finally:
+        set_runtime(None)
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(f"hurray-caps: CudaDevice: CUDA unavailable: {says}"), err
+
+
+@pytest.mark.parametrize(("driver", "line"), [
+    ((12, 4), "pip install 'hurray-ipc[cuda12]'"),
+    ((13, 0), "pip install 'hurray-ipc[cuda13]'"),
+    (None, "no NVIDIA driver found: pip install hurray-ipc"),
+])
+def test_install_hint_is_the_pip_line_for_the_driver(monkeypatch, capsys, driver, line):
+    from hurray_ipc.cli import caps as caps_cli
+    from hurray_ipc.devices.backend import driver as cuda_driver
+
+    monkeypatch.setattr(cuda_driver, "driver_cuda_version", lambda: driver)
+    assert caps_cli.main(["--install-hint"]) == 0
+    assert capsys.readouterr().out == line + "\n"
+
+
+def test_install_hint_needs_no_device_argument():
+    rc, out, err = caps("--install-hint")
+    assert rc == 0 and "pip install" in out, err
+    rc, _, err = caps()
+    assert rc == 2 and "the following arguments are required: --device" in err, err
 
 def test_broker_query(tmp_path):
     b = BrokerProcess(f"ipc://{tmp_path}/b.sock").start()

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
 
 import workers
-from conftest import REAL_SKIP, emu_config, run_child
+from conftest import REAL_SKIP, cuda_error, emu_config, fake_cuda_install, run_child
 from hurray_ipc.devices import CpuDevice, CudaDevice, DeviceError, MemoryExport, probe_cuda, shm
 from hurray_ipc.devices.backend.emulated import EmulatedRuntime
 from hurray_ipc.devices.backend.real import RealRuntime
@@ -280,6 +284,140 @@ def test_backend_choice_is_explicit(monkeypatch):
     assert backend.backend_name() == "real"
 
 
+# --- which CUDA fits this driver (devices/backend/driver.py) ---------------------------------
+
+def test_driver_version_from_libcuda(monkeypatch):
+    """cuDriverGetVersion's int (major*1000 + minor*10) becomes (major, minor)."""
+    import ctypes
+
+    from hurray_ipc.devices.backend import driver
+
+    proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int))
+
+    def get_version(out):
+        out[0] = 12040
+        return 0
+
+    fake = type("FakeLibcuda", (), {"cuDriverGetVersion": proto(get_version)})()
+    loaded = []
+    monkeypatch.setattr(driver.ctypes, "CDLL", lambda name: (loaded.append(name), fake)[1])
+    assert driver.driver_cuda_version() == (12, 4) and loaded == ["libcuda.so.1"]
+
+
+def test_driver_version_falls_back_to_nvidia_smi(monkeypatch, tmp_path):
+    from hurray_ipc.devices.backend import driver
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho '| NVIDIA-SMI 550.54.15   Driver Version: 550.54.15   CUDA Version: 12.4     |'\n")
+    smi.chmod(0o755)
+    monkeypatch.setattr(driver, "_from_libcuda", lambda: None)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert driver.driver_cuda_version() == (12, 4)
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert driver.driver_cuda_version() is None
+    assert driver.parse_nvidia_smi("No devices were found") is None
+
+
+@pytest.mark.parametrize(("version", "extra", "hint"), [
+    (None, None, "no NVIDIA driver found: pip install hurray-ipc"),
+    ((11, 8), None, "the NVIDIA driver supports CUDA 11.8, older than CUDA 12: pip install hurray-ipc"),
+    ((12, 0), "cuda12", "pip install 'hurray-ipc[cuda12]'"),
+    ((12, 9), "cuda12", "pip install 'hurray-ipc[cuda12]'"),
+    ((13, 0), "cuda13", "pip install 'hurray-ipc[cuda13]'"),
+    ((14, 1), "cuda13", "pip install 'hurray-ipc[cuda13]'"),  # a driver runs older CUDA majors
+])
+def test_extra_and_install_hint_follow_the_driver(version, extra, hint):
+    from hurray_ipc.devices.backend import driver
+
+    assert driver.extra_for(version) == extra
+    assert driver.install_hint(version).startswith(hint)
+
+
+INSUFFICIENT = (cuda_error(35, "cudaErrorInsufficientDriver"), None)
+
+
+@pytest.mark.parametrize(("driver_version", "bindings", "count", "says"), [
+    ((12, 4), (13, 1), INSUFFICIENT,
+     "driver supports CUDA 12.4, cuda-bindings 13.1 installed (needs a CUDA 13 driver): install hurray-ipc[cuda12]"),
+    ((12, 4), None, None, "cuda-bindings is not installed (the driver supports CUDA 12.4): install hurray-ipc[cuda12]"),
+    ((13, 0), None, None, "cuda-bindings is not installed (the driver supports CUDA 13.0): install hurray-ipc[cuda13]"),
+    (None, (13, 1), INSUFFICIENT, "no NVIDIA driver found"),
+    ((11, 8), (12, 9), INSUFFICIENT, "the NVIDIA driver supports CUDA 11.8; hurray-ipc needs CUDA 12 or newer"),
+    ((12, 4), (11, 8), INSUFFICIENT, "cuda-bindings 11.8 installed, hurray-ipc needs 12 or newer: install "
+                                     "hurray-ipc[cuda12]"),
+])
+def test_cuda_unavailable_names_the_mismatch(monkeypatch, driver_version, bindings, count, says):
+    """probe_cuda() and CudaDevice say which driver and bindings do not fit and the extra that does,
+    and still name the CUDA error underneath."""
+    from hurray_ipc.devices import set_runtime
+
+    fake_cuda_install(monkeypatch, driver_version, bindings, count)
+    monkeypatch.setenv("HURRAY_CUDA", "real")
+    set_runtime(None)
+    try:
+        p = probe_cuda()
+    finally:
+        set_runtime(None)
+    assert not p.available and p.reason.startswith(f"CUDA unavailable: {says}"), p.reason
+    underneath = "cudaErrorInsufficientDriver" if count else "No module named 'cuda'"
+    assert underneath in p.reason, p.reason
+    with pytest.raises(DeviceError, match=f"CudaDevice: CUDA unavailable: {re.escape(says)}"):
+        CudaDevice(0, runtime=RealRuntime())
+
+
+def test_cuda_failure_that_fits_the_driver_is_not_blamed_on_it(monkeypatch):
+    """Driver and bindings of the same major: the CUDA error stands alone, no install advice."""
+    fake_cuda_install(monkeypatch, (13, 0), (13, 0), (cuda_error(100, "cudaErrorNoDevice"), None))
+    assert RealRuntime().probe() == "cudaGetDeviceCount: CUDA call failed (cudaErrorNoDevice)"
+    fake_cuda_install(monkeypatch, (12, 8), (12, 9), (cuda_error(0, "cudaSuccess"), 1))
+    assert RealRuntime().probe() is None
+
+
+def test_cpu_and_emulated_cuda_never_import_cuda_bindings():
+    """A CPU-only install has no cuda-bindings: importing every module of the package and running
+    the emulated backend must not try to import ``cuda`` (a child process with an import hook
+    that refuses it and records who asked)."""
+    code = textwrap.dedent(r"""
+        import importlib, pkgutil, sys, traceback
+
+        asked = []
+
+        class NoCuda:
+            def find_spec(self, name, path=None, target=None):
+                if name == "cuda" or name.startswith("cuda."):
+                    asked.append("".join(traceback.format_stack(limit=8)))
+                    raise ImportError(f"import of {name} refused by the test")
+                return None
+
+        sys.meta_path.insert(0, NoCuda())
+        import hurray_ipc
+        import hurray_ipc.broker  # broker/ installs as hurray_ipc.broker: not under hurray_ipc/ in a checkout
+        seen = []
+        for pkg in (hurray_ipc, hurray_ipc.broker):
+            for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+                seen.append(m.name)
+                try:
+                    importlib.import_module(m.name)
+                except ImportError as e:  # optional extras (prometheus_client, matplotlib, nixl)
+                    if "cuda" in str(e):
+                        raise
+        assert "hurray_ipc.broker.server" in seen and "hurray_ipc.devices.backend.real" in seen, seen
+        from hurray_ipc.devices import CudaDevice
+        from hurray_ipc.devices.backend.emulated import EmulatedRuntime, EmulationConfig
+        dev = CudaDevice(0, runtime=EmulatedRuntime(EmulationConfig(devices=1)))
+        s, buf, out = dev.create_stream(), dev.allocate(64), bytearray(64)
+        s.copy(buf, b"x" * 64)
+        s.copy(out, buf)
+        s.synchronize()
+        assert bytes(out) == b"x" * 64
+        buf.close(), s.close(), dev.close()
+        assert not asked, "cuda imported by:\n" + "\n".join(asked)
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr
+
+
 # --- shared memory ---------------------------------------------------------------------------
 
 def test_cpu_segments_named_owner_only_and_unlinked():
@@ -387,6 +525,11 @@ class _FakeCudart:
         return getattr(self._real, name)
 
 
+def _cudart():
+    """cuda.bindings.runtime for its enums and constants; skips where it is not installed."""
+    return pytest.importorskip("cuda.bindings.runtime", reason="cuda-bindings is not installed (extra cuda12/cuda13)")
+
+
 def _real_with(**funcs) -> RealRuntime:
     rt = RealRuntime()
     rt.rt = _FakeCudart(rt.rt, **funcs)
@@ -394,7 +537,7 @@ def _real_with(**funcs) -> RealRuntime:
 
 
 def test_real_set_device_rechecks_the_current_device():
-    from cuda.bindings import runtime as cudart
+    cudart = _cudart()
 
     ok = cudart.cudaError_t.cudaSuccess
     cur, sets = [0], []
@@ -414,7 +557,7 @@ def test_real_set_device_rechecks_the_current_device():
 
 
 def _probe_fakes(attrs, mem_err=None, evt_err=None, log=None):
-    from cuda.bindings import runtime as cudart
+    cudart = _cudart()
 
     ok = cudart.cudaError_t.cudaSuccess
     log = [] if log is None else log
@@ -435,7 +578,7 @@ def test_real_ipc_probe_exports_once_and_reports_why_not():
     """WSL2: unified addressing reported, IPC refused. The probe must export a handle to know."""
     import sys
 
-    from cuda.bindings import runtime as cudart
+    cudart = _cudart()
 
     if not sys.platform.startswith("linux"):
         pytest.skip("CUDA IPC is Linux-only")

@@ -3,11 +3,14 @@
     hurray-caps --device cuda:0 --transport ipc                 # probe the local devices
     hurray-caps --device cuda:0 --peer-device cpu --transport ipc --json
     hurray-caps --broker ipc:///run/user/1000/hurray/broker.sock --channel frames --device cuda:0
+    hurray-caps --install-hint                                  # the pip install line for this driver
 
 With --broker the running broker answers (with --channel: for each consumer on that channel, and
 for each bridge that carries the channel across machines: its data plane and GPU path); without,
 the local devices are probed. JSON keys: valid_sync_modes, excluded, host_staged (and with
 --channel: consumers, bridges).
+--install-hint prints the pip install line that fits the NVIDIA driver here (the cuda12 or cuda13
+extra, from the driver's CUDA version; cuda-bindings need not be installed) and exits.
 Exit 0 on an answer, 2 on a usage or device error (e.g. "CUDA unavailable: ...").
 """
 
@@ -99,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     add_version(p)
     p.add_argument("--broker", type=endpoint, help="ask this running broker (else probe locally)")
     p.add_argument("--channel", help="with --broker: answer for the consumers of this channel")
-    p.add_argument("--device", type=device, required=True, help="cpu or cuda:N (the producer's device)")
+    p.add_argument("--install-hint", action="store_true",
+                   help="print the pip install line for this machine's NVIDIA driver and exit")
+    p.add_argument("--device", type=device, help="cpu or cuda:N (the producer's device); required")
     p.add_argument("--peer-device", type=device, help="the consumer's device (default: the same device)")
     p.add_argument("--transport", choices=[t.value for t in Transport], default=None,
                    help="in-process, ipc or network (default ipc)")
@@ -107,6 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=3.0)
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
+    if a.install_hint:
+        from ..devices.backend import driver as cuda_driver
+
+        print(cuda_driver.install_hint(cuda_driver.driver_cuda_version()))
+        return 0
+    if a.device is None:
+        p.error("the following arguments are required: --device")
     try:
         t = Transport.parse(a.transport) if a.transport else None
         if a.broker:

@@ -19,10 +19,12 @@ import contextlib
 import threading
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import HurrayError
 from ..format.handle import BufferHandle, DeviceTag, SyncMode
+
+_H = TypeVar("_H", bound="Handoff")  # typing.Self is 3.11+
 
 ReleaseFn = Callable[[], None]
 
@@ -142,7 +144,7 @@ class Handoff:
                 pass  # a concurrent release_event() won the race; that is the one release
         self._take("_release", "the buffer")()
 
-    def __enter__(self) -> Handoff:
+    def __enter__(self: _H) -> _H:  # `with c.receive() as h`: h is the subclass (ReceivedHandoff)
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -1,10 +1,11 @@
-"""The real CUDA runtime, through cuda.bindings.runtime (cuda-python).
+"""The real CUDA runtime, through cuda.bindings.runtime (the cuda-bindings package: extras cuda12/cuda13).
 
 Every cuda.bindings call returns ``(err, value...)``; :func:`_check` turns a non-success ``err``
 into a :class:`DeviceError` that names the call and the CUDA error. Nothing here caches device
 state beyond what the driver itself keeps (the current device is asked of the runtime every time:
 other libraries in the process call cudaSetDevice too), except the IPC probe results, which are
-properties of the device.
+properties of the device. Without cuda-bindings, or with bindings the driver cannot run, the
+runtime still constructs and :meth:`RealRuntime.probe` says why, with the fix (:mod:`.driver`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import threading
 from typing import Any
 
 from ..errors import DeviceError
+from . import driver as _driver
 from .base import IPC_HANDLE_SIZE, Runtime, check_blob
 
 log = logging.getLogger("hurray.cuda")
@@ -28,6 +30,13 @@ def _import_bindings():
         from cuda import cuda as driver
         from cuda import cudart as runtime
     return runtime, driver
+
+
+def explain(failure: str) -> str:
+    """``failure`` led by what the driver and installed cuda-bindings say about it, when they do not
+    fit (no driver, bindings for a newer CUDA than the driver's, none installed): the fix first."""
+    why = _driver.diagnose(_driver.driver_cuda_version(), _driver.bindings_version())
+    return failure if why is None else f"{why} ({failure})"
 
 
 def _err_name(err: Any) -> str:
@@ -63,16 +72,25 @@ class RealRuntime(Runtime):
     emulated = False
 
     def __init__(self) -> None:
-        self.rt, self.drv = _import_bindings()
         self._lock = threading.Lock()
         self._ipc: dict[int, dict[str, str | None]] = {}  # ordinal -> capability -> why not (None: works)
+        # Without cuda-bindings (CPU-only installs have none) the runtime still exists and probe()
+        # says why it cannot work, so callers report it instead of failing on an ImportError.
+        self._unusable: str | None = None
+        try:
+            self.rt, self.drv = _import_bindings()
+        except ImportError as e:
+            self.rt = self.drv = None
+            self._unusable = explain(f"cuda.bindings does not import: {e}")
 
     def probe(self) -> str | None:
+        if self._unusable is not None:
+            return self._unusable
         try:
             n = _check("cudaGetDeviceCount", self.rt.cudaGetDeviceCount())
-        except DeviceError as e:
-            return str(e)
-        return None if n > 0 else "cudaGetDeviceCount: no CUDA device present"
+        except RuntimeError as e:  # DeviceError; cuda-bindings 12 raises "Failed to dlopen libcuda.so.1"
+            return explain(str(e))
+        return None if n > 0 else explain("cudaGetDeviceCount: no CUDA device present")
 
     def device_count(self) -> int:
         return int(_check("cudaGetDeviceCount", self.rt.cudaGetDeviceCount()))
