@@ -215,6 +215,8 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
                     if time.monotonic() - outage > broker_grace:
                         raise
                     time.sleep(0.1)
+            if end_stream:  # before waiting for releases: a consumer may hold its last buffer until the end
+                p.end()
             deadline = time.monotonic() + broker_grace + timeout
             while p.outstanding and time.monotonic() < deadline:
                 try:

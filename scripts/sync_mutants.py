@@ -27,6 +27,7 @@ TESTS = ["tests/test_races.py", "tests/test_paths.py", "tests/test_clients.py", 
          "tests/test_stress.py"]
 
 GIVE_BACK = ["tests/test_give_back.py"]
+END_OF_STREAM = ["tests/test_end_of_stream.py"]
 
 # name -> (file, the exact text of the step, what replaces it[, the tests to run; default TESTS])
 MUTANTS: dict[str, tuple[str, ...]] = {
@@ -72,6 +73,27 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                         "            self._match(g.channel)\n            raise\n",
                         "            raise  # MUTANT: the returned credit waits for an unrelated REQUEST/READY\n",
                         *GIVE_BACK),
+    # End of stream (ipc-protocol.md 4.9).
+    "eos-never-ends": ("broker/core.py",
+                       "        ended = all(self.clients[p].ended for p in ch.producers)\n",
+                       "        ended = False  # MUTANT: the stream never ends\n", *END_OF_STREAM),
+    "eos-crash-ends": ("broker/core.py",
+                       "            self._producer_gone([d for d in self.deliveries.values() if d.producer == rid])\n",
+                       "            self._producer_gone([d for d in self.deliveries.values() if d.producer == rid])\n"
+                       "            self._update_stream(c.channel)  # MUTANT: a producer's death ends the stream\n",
+                       *END_OF_STREAM),
+    "eos-end-keeps-grants": ("broker/core.py",
+                             "        c.ended = True\n        self._return_grants(c)\n",
+                             "        c.ended = True  # MUTANT: the ended producer's grants are not returned\n",
+                             *END_OF_STREAM),
+    "eos-before-inbox": ("hurray_ipc/client/session.py",
+                         "            if queue:\n                got.append(queue.popleft())",
+                         "            if stop is not None and stop():  # MUTANT: the end before what is queued\n"
+                         "                stopped.append(True)\n                return True\n"
+                         "            if queue:\n                got.append(queue.popleft())", *END_OF_STREAM),
+    "eos-restart-forgets": ("hurray_ipc/client/consumer.py",
+                            '"credits": self._requested, **({"ended": True} if self.ended else {})}',
+                            '"credits": self._requested}  # MUTANT: a restarted broker is not told', *END_OF_STREAM),
 }
 
 

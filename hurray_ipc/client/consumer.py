@@ -738,6 +738,14 @@ class Consumer:
                               "handoff they sent was received")
         return got
 
+    def wait_open(self, timeout: float | None = None) -> None:
+        """Wait until the channel's stream is open: at once when it has not ended, else until a
+        producer registers and reopens it (spec §4.9); HurrayTimeout after ``timeout`` seconds.
+        For a consumer that serves one stream after another: ``while True: c.wait_open();
+        for h in c: ...``."""
+        self.session.pump(lambda: not self.ended, timeout,
+                          f"waiting for a producer to reopen channel {self.session.channel!r}")
+
     def __iter__(self) -> Iterator[ReceivedHandoff]:
         """``for handoff in consumer:`` receives until the end of the stream (every producer of
         the channel ended, §4.9), until the consumer is closed (from another thread) or the broker

@@ -355,8 +355,9 @@ class Session:
         with self.lock:
             try:
                 self.flush_out()
-                if self.registered:
-                    self.send(Message("BYE", {}))
+                # Also before the WELCOME came: the HELLO went first on this socket, so the BYE
+                # ends that registration (a BYE the broker cannot place is ignored, spec §2).
+                self.send(Message("BYE", {}))
             except zmq.ZMQError:
                 pass
             self.closed = True

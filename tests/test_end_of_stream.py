@@ -1,0 +1,363 @@
+"""End of stream (issue 21; docs/spec/ipc-protocol.md §4.9).
+
+The vectors (tests/vectors/end_of_stream.json) run against the broker core and against a live
+broker over raw frames; then the library: iterators end after every handoff was received, a
+crashed producer never ends a stream, a new producer reopens it, the state survives a broker
+restart, and user metadata arrives exactly as sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from brokerproc import BrokerProcess
+from conftest import Proc
+from hurray_ipc import Consumer, EndOfStream, HurrayTimeout, Producer, workload
+from hurray_ipc.broker.core import BrokerCore, Send
+from hurray_ipc.devices.base import host_id
+from hurray_ipc.transport.protocol import Message, decode_all
+from test_protocol_raw import pack_hot
+
+VEC = json.loads((Path(__file__).parent / "vectors" / "end_of_stream.json").read_text())["scenarios"]
+HOST = host_id()
+HANDLE = bytes.fromhex("0010000000000000" "00010000" "00" "00" "0000")  # 4096 bytes, CPU, PRODUCER_SYNCED
+
+
+def _endpoint(pid: int) -> dict[str, Any]:
+    return {"device": {"kind": "cpu", "ordinal": 0, "uuid": "cpu-eos", "pci_bus_id": "", "emulated": False,
+                       "host": HOST},
+            "caps": {"ipc_memory": True, "ipc_events": False, "ipc_streams": False, "peers": []},
+            "pid": pid, "stream": None}
+
+
+class Driver:
+    """Plays a scenario's actions as named clients; ``step`` returns what each client received."""
+
+    def __init__(self) -> None:
+        self.grants: dict[str, list[int]] = {}  # producer -> GRANT ids received, not yet used
+        self.hids: dict[str, int] = {}
+        self.pids: dict[str, int] = {}
+
+    def frames(self, who: str, act: dict[str, Any]) -> list[bytes]:
+        a = act["action"]
+        if a == "hello":
+            pid = self.pid(who)
+            h = {"protocol": 2, "role": act["role"], "channel": "eos", "pid": pid, "endpoint": _endpoint(pid)}
+            if "ended" in act:
+                h["ended"] = act["ended"]
+            return [b"HELLO", json.dumps(h).encode()]
+        if a in ("request", "ready"):
+            return [a.upper().encode(), json.dumps({"credits": act["credits"]}).encode()]
+        if a == "handoff":
+            self.hids[who] = self.hids.get(who, 0) + 1
+            grant = self.grants[who].pop(0)
+            return pack_hot("HANDOFF", {"grant_id": grant, "handoff_id": self.hids[who], "offset": 0},
+                            [HANDLE, b"M" * 64])
+        if a in ("end", "bye"):
+            return [a.upper().encode(), b"{}"]
+        raise AssertionError(a)
+
+    def note(self, got: dict[str, list[Message]]) -> None:
+        for who, msgs in got.items():
+            self.grants.setdefault(who, []).extend(m.header["grant_id"] for m in msgs if m.verb == "GRANT")
+
+    def pid(self, who: str) -> int:
+        """Each client its own process: same-process clients would pair in-process (§3)."""
+        return self.pids.setdefault(who, 1000 + len(self.pids))
+
+    def step(self, who: str, acts: list[dict[str, Any]]) -> dict[str, list[Message]]:
+        raise NotImplementedError
+
+
+class CoreDriver(Driver):
+    def __init__(self) -> None:
+        super().__init__()
+        self.core = BrokerCore(host=HOST)
+
+    def step(self, who: str, acts: list[dict[str, Any]]) -> dict[str, list[Message]]:
+        got: dict[str, list[Message]] = {}
+        for act in acts:
+            if act["action"] == "die":
+                out = self.core.client_gone(who.encode(), "process gone")
+            else:
+                out = self.core.receive(who.encode(), self.frames(who, act), 0.0)
+            for o in out:
+                if isinstance(o, Send):
+                    got.setdefault(o.rid.decode(), []).append(o.msg)
+            self.core.check_invariants()
+        return got
+
+
+class LiveDriver(Driver):
+    """Raw DEALER sockets on a live broker. After a step, the acting client is synchronised first
+    (a CAPS on its own socket is answered after its earlier messages were handled), then every
+    other client: what the step sent them is queued before their CAPS_REPLY."""
+
+    def __init__(self, endpoint: str, ctx: zmq.Context, run: int) -> None:
+        super().__init__()
+        self.endpoint, self.ctx, self.run = endpoint, ctx, run
+        self.socks: dict[str, zmq.Socket] = {}
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def pid(self, who: str) -> int:
+        if who not in self.procs:  # a process of its own, so that 'die' can end it
+            self.procs[who] = subprocess.Popen(["sleep", "120"])
+        return self.procs[who].pid
+
+    def sock(self, who: str) -> zmq.Socket:
+        if who not in self.socks:
+            s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.IDENTITY, f"eos{self.run}-{who}".encode())
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(self.endpoint)
+            self.socks[who] = s
+        return self.socks[who]
+
+    def sync(self, who: str) -> list[Message]:
+        s = self.sock(who)
+        s.send_multipart([b"CAPS", json.dumps({"device": _endpoint(os.getpid()), "request_id": "sync"}).encode()])
+        out: list[Message] = []
+        while True:
+            assert s.poll(10_000), "the broker did not answer"
+            msgs = decode_all(s.recv_multipart())
+            if msgs[0].verb == "CAPS_REPLY" and msgs[0].header.get("request_id") == "sync":
+                return out
+            out.extend(msgs)
+
+    def gone(self, who: str) -> bool:
+        label = BrokerCore.label_of(f"eos{self.run}-{who}".encode())
+        s = self.sock("stats")
+        s.send_multipart([b"STATS", b"{}"])
+        assert s.poll(10_000)
+        (reply,) = decode_all(s.recv_multipart())
+        return all(c["id"] != label for c in reply.header["clients"])
+
+    def step(self, who: str, acts: list[dict[str, Any]]) -> dict[str, list[Message]]:
+        for act in acts:
+            if act["action"] == "die":
+                self.procs[who].kill()
+                self.procs[who].wait()
+                deadline = time.monotonic() + 10
+                while not self.gone(who):  # the broker judges pids on its ticks (§5)
+                    assert time.monotonic() < deadline, "the broker did not notice the death"
+                    time.sleep(0.02)
+            else:
+                self.sock(who).send_multipart(self.frames(who, act))
+        got = {who: self.sync(who)} if acts[0]["action"] != "die" else {}
+        for other in self.socks:
+            if other not in (who, "stats"):
+                got[other] = self.sync(other)
+        return {k: v for k, v in got.items() if v}
+
+    def close(self) -> None:
+        for s in self.socks.values():
+            s.send_multipart([b"BYE", b"{}"])
+            s.close(0)
+        for p in self.procs.values():
+            p.kill()
+            p.wait()
+
+
+def _check(name: str, i: int, step: dict[str, Any], got: dict[str, list[Message]]) -> None:
+    exp = step["expect"]
+    where = f"{name!r} step {i} ({step['client']}: {[a['action'] for a in step['do']]})"
+    assert set(got) == set(exp), f"{where}: clients reached {sorted(got)}, expected {sorted(exp)}: {got}"
+    for who, want in exp.items():
+        have = got[who]
+        assert [m.verb for m in have] == [w["verb"] for w in want], f"{where}: {who} got {have}"
+        for m, w in zip(have, want, strict=True):
+            for k, v in w.items():
+                if k != "verb":
+                    assert m.header.get(k) == v, f"{where}: {who}'s {m.verb} has {k}={m.header.get(k)!r}, not {v!r}"
+
+
+def play(d: Driver, scenario: dict[str, Any]) -> None:
+    for i, step in enumerate(scenario["steps"]):
+        got = d.step(step["client"], step["do"])
+        d.note(got)
+        _check(scenario["name"], i, step, got)
+
+
+@pytest.mark.parametrize("scenario", VEC, ids=[s["name"] for s in VEC])
+def test_vector_on_the_core(scenario):
+    play(CoreDriver(), scenario)
+
+
+def test_vectors_on_a_live_broker(broker):
+    ctx = zmq.Context()
+    try:
+        for i, scenario in enumerate(VEC):
+            d = LiveDriver(broker.endpoint, ctx, i)
+            try:
+                play(d, scenario)
+            finally:
+                d.close()
+    finally:
+        ctx.destroy(linger=0)
+
+
+# --- the library -----------------------------------------------------------------------------------
+SIZE = 4096
+
+
+def producer(broker: BrokerProcess, channel: str, count: int, end: bool = True) -> Proc:
+    return Proc(workload.run_producer, endpoint=broker.endpoint, channel=channel, device="cpu", count=count,
+                size=SIZE, tag=5, end_stream=end)
+
+
+def test_iterator_ends_after_every_handoff_was_received(broker):
+    """A producer sends 20 and closes (which ends its stream): ``for h in c`` gets all 20 and
+    stops by itself; receive() then raises EndOfStream at once. The consumer holds up to 4
+    prefetched deliveries, so the end arrives while some are still queued: they come first."""
+    p = producer(broker, "it", 20)
+    seen = []
+    with Consumer(broker.endpoint, "it", "cpu", prefetch=4) as c:
+        for h in c:
+            with h:
+                seen.append(workload.verify(h.numpy().copy()))
+        t0 = time.monotonic()
+        with pytest.raises(EndOfStream, match="every producer of channel 'it' ended"):
+            c.receive(timeout=10)
+        assert time.monotonic() - t0 < 1
+    assert seen == [(5, i, True) for i in range(20)]
+    assert p.result()["error"] is None
+
+
+def test_deliveries_queued_before_the_end_are_received_first(broker):
+    """Deterministic: three deliveries sit in the consumer's inbox when it learns of the end
+    (they reached its socket before CHANNEL_STATE); receive() hands out all three, then raises."""
+    with Consumer(broker.endpoint, "queued", "cpu", prefetch=4) as c, Producer(broker.endpoint, "queued", "cpu") as p:
+        with pytest.raises(HurrayTimeout):
+            c.receive(timeout=0)  # asks for 4
+        for i in range(3):
+            p.send(workload.pattern(5, i, SIZE), timeout=5)
+        p.end()
+        deadline = time.monotonic() + 10
+        while not c.ended:  # the pump thread dispatches the DELIVERs, then CHANNEL_STATE
+            assert time.monotonic() < deadline, "the end never reached the consumer"
+            time.sleep(0.01)
+        got = []
+        for h in c:
+            with h:
+                got.append(workload.verify(h.numpy().copy())[1])
+        assert got == [0, 1, 2]
+
+
+def test_async_for_ends_too(broker):
+    p = producer(broker, "aio", 5)
+
+    async def main() -> list[int]:
+        got = []
+        with Consumer(broker.endpoint, "aio", "cpu") as c:
+            async for h in c:
+                with h:
+                    got.append(workload.verify(h.numpy().copy())[1])
+        return got
+
+    assert asyncio.run(asyncio.wait_for(main(), 30)) == list(range(5))
+    assert p.result()["error"] is None
+
+
+def test_a_crashed_producer_does_not_end_the_stream_and_a_new_one_continues_it(broker):
+    with Consumer(broker.endpoint, "crash", "cpu") as c:
+        doomed = Proc(workload.run_producer, endpoint=broker.endpoint, channel="crash", device="cpu", count=10**6,
+                      size=SIZE, tag=1, end_stream=True)
+        with c.receive(timeout=10):
+            pass
+        doomed.kill()
+        deadline = time.monotonic() + 10
+        while True:  # what it sent before dying may still arrive; then nothing, and no end
+            try:
+                with c.receive(timeout=1.0):
+                    pass
+            except HurrayTimeout:
+                break
+            assert time.monotonic() < deadline
+        assert not c.ended
+        p = producer(broker, "crash", 3)
+        got = []
+        for h in c:  # ends when the new producer ends
+            with h:
+                got.append(workload.verify(h.numpy().copy())[0])
+        assert got == [5, 5, 5] and p.result()["error"] is None
+
+
+def test_a_new_producer_reopens_the_stream(broker):
+    with Consumer(broker.endpoint, "reopen", "cpu") as c:
+        p1 = producer(broker, "reopen", 2)
+        assert len([h.release() for h in c]) == 2 and p1.result()["error"] is None
+        with pytest.raises(EndOfStream):
+            c.receive(timeout=5)
+        with pytest.raises(HurrayTimeout):
+            c.wait_open(timeout=0.2)  # nobody reopened it yet
+        p2 = producer(broker, "reopen", 3)
+        c.wait_open(timeout=10)
+        assert len([h.release() for h in c]) == 3 and p2.result()["error"] is None
+
+
+def test_close_without_end_and_a_failing_producer_leave_the_stream_open(broker):
+    with Consumer(broker.endpoint, "open", "cpu") as c:
+        Producer(broker.endpoint, "open", "cpu").close(end=False)
+        with pytest.raises(RuntimeError, match="boom"), Producer(broker.endpoint, "open", "cpu"):
+            raise RuntimeError("boom")  # leaving through an exception: the producer did not finish
+        with pytest.raises(HurrayTimeout):
+            c.receive(timeout=1.0)
+        assert not c.ended
+        Producer(broker.endpoint, "open", "cpu").close()
+        with pytest.raises(EndOfStream):
+            c.receive(timeout=5)
+
+
+def test_the_end_survives_a_broker_restart(tmp_path):
+    b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=1.0).start()
+    try:
+        with Consumer(b.endpoint, "restart", "cpu", heartbeat_s=0.1, timeout_s=1.0) as c:
+            Producer(b.endpoint, "restart", "cpu").close()
+            with pytest.raises(EndOfStream):
+                c.receive(timeout=5)
+            first = c.session.broker_session
+            b.stop(signal.SIGKILL)
+            b.start()
+            deadline = time.monotonic() + 20
+            while not (c.session.registered and c.session.broker_session not in (None, first)):
+                assert time.monotonic() < deadline, "the consumer did not register with the new broker"
+                time.sleep(0.01)
+            with pytest.raises(EndOfStream):  # it told the new broker, which kept the channel ended
+                c.receive(timeout=2)
+            p = producer(b, "restart", 2)
+            c.wait_open(timeout=10)
+            assert len([h.release() for h in c]) == 2 and p.result()["error"] is None
+    finally:
+        b.stop()
+
+
+# --- user metadata arrives exactly as sent -------------------------------------------------------------
+@pytest.mark.parametrize("meta", [
+    {"frame": 3, "tags": ["a", "b"], "nested": {"x": [1, 2.5, None, True]}},
+    ["a", 1, {"b": []}],
+    "end-of-batch",
+    0,
+    {},
+])
+def test_user_metadata_arrives_exactly_as_sent(broker, meta):
+    with Consumer(broker.endpoint, "meta", "cpu") as c, Producer(broker.endpoint, "meta", "cpu") as p:
+        with pytest.raises(HurrayTimeout):
+            c.receive(timeout=0)  # asks for one
+        p.send(np.arange(3, dtype=np.float32), meta=meta, timeout=5)
+        with c.receive(timeout=5) as h:
+            assert h.meta == meta and type(h.meta) is type(meta)
+            assert h.wire_meta["shape"] == [3] and h.wire_meta["typestr"] == "<f4"
+        p.send(b"abc", timeout=5)  # without meta: None
+        with c.receive(timeout=5) as h:
+            assert h.meta is None
