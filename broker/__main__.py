@@ -5,32 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 from hurray_ipc.cli.common import LOG_LEVELS, add_version, device, endpoint
 from hurray_ipc.client.endpoint import default_endpoint
 
+from .logfmt import FORMATS, formatter, open_log
 from .server import Broker
 
 if TYPE_CHECKING:  # bridge.py (and its zmq.auth) is imported only when a bridge is asked for
     from .bridge import BridgeIn, BridgeOut
-
-
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        msg = record.getMessage()
-        try:
-            body = json.loads(msg)
-            if not isinstance(body, dict):
-                raise ValueError
-        except ValueError:
-            body = {"message": msg}
-        return json.dumps(
-            {"ts": round(time.time(), 3), "level": record.levelname.lower(), "logger": record.name, **body}
-        )
 
 
 def _port(value: str) -> int:
@@ -48,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     add_version(p)
     p.add_argument("--endpoint", type=endpoint, default=None,
                    help=f"ZeroMQ endpoint to bind (default {default_endpoint()})")
+    p.add_argument("--log-file", metavar="PATH", help="append the log to PATH instead of stderr")
+    p.add_argument("--log-format", choices=FORMATS, default="text",
+                   help="text: 'TIME LEVEL EVENT key=value ...' for people (client ids shortened to 8 hex "
+                   "digits); json: one object per line (ts, time, level, logger, event, fields). "
+                   "Default: %(default)s")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds of client silence before it is dead")
     p.add_argument("--heartbeat", type=float, default=0.5, help="heartbeat interval clients are told")
     p.add_argument("--group", action="store_true", help="socket 0660 and directory 0750 (default owner-only)")
@@ -71,8 +63,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
                    help="address the metrics endpoint binds (default %(default)s)")
     a = p.parse_args(argv)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_JsonFormatter())
+    ep = a.endpoint or default_endpoint()
+    handler: logging.Handler
+    if a.log_file:
+        try:
+            os.close(open_log(a.log_file))  # created owner-only, before logging opens it
+        except OSError as e:
+            print(f"hurray-broker: log file {a.log_file}: {e.strerror}", file=sys.stderr)
+            return 1
+        handler = logging.FileHandler(a.log_file, mode="a")
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter(a.log_format))
     logging.basicConfig(level=a.log_level.upper(), handlers=[handler])
     serve_metrics: Any = None
     if a.metrics_port:
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hurray-broker: --metrics-port needs prometheus-client ({e}); install hurray-ipc[metrics]",
                   file=sys.stderr)
             return 2
-    b = Broker(a.endpoint or default_endpoint(), timeout_s=a.timeout, heartbeat_s=a.heartbeat, group=a.group,
+    b = Broker(ep, timeout_s=a.timeout, heartbeat_s=a.heartbeat, group=a.group,
                publish_every_s=1.0 if a.metrics_port else None)
     b.install_signal_handlers()
     if serve_metrics is not None:

@@ -1,0 +1,96 @@
+"""hurray-broker as a person meets it (issue 21): a log a person can read (``--log-format text``,
+the default) or a machine (``json``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from brokerproc import BrokerProcess
+from hurray_ipc.broker.logfmt import JsonFormatter, TextFormatter
+from hurray_ipc.client import Consumer
+
+TEXT_LINE = re.compile(r'^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z) (debug|info |warning|error|critical) (\S+)'
+                       r'((?: [\w.]+=(?:"(?:[^"\\]|\\.)*"|[^\s"]+))*)$')
+
+
+def hurray_broker(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hurray_ipc.broker", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def gone(pid: int) -> bool:
+    """The process exited (no longer listed, or a zombie waiting for init)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def one_line(r: subprocess.CompletedProcess[str], stream: str = "stdout") -> str:
+    lines = getattr(r, stream).strip().splitlines()
+    assert len(lines) == 1, (r.stdout, r.stderr)
+    return lines[0]
+
+
+# --- log formats --------------------------------------------------------------------------------------
+
+def _record(msg: str, level: int = logging.INFO, name: str = "hurray.broker") -> logging.LogRecord:
+    r = logging.LogRecord(name, level, __file__, 1, msg, None, None)
+    r.created = 1796366825.1234  # 2026-12-04T06:47:05.123Z
+    return r
+
+
+def test_text_format_is_time_level_event_and_fields():
+    f = TextFormatter()
+    line = f.format(_record(json.dumps({"event": "hello", "client": "0376e6a0" + "9" * 24, "role": "consumer",
+                                        "channel": "my frames", "pid": 42, "ok": True, "held": [1, 2],
+                                        "empty": "", "quote": 'a"b'})))
+    assert line == ('2026-12-04T06:47:05.123Z info  hello client=0376e6a0 role=consumer channel="my frames" pid=42 '
+                    'ok=true held=[1,2] empty="" quote="a\\"b"')
+    assert TEXT_LINE.match(line)
+    assert f.format(_record("plain words\nand a forged line", logging.WARNING)) == \
+        "2026-12-04T06:47:05.123Z warning plain words\\nand a forged line"
+    assert f.format(_record(json.dumps({"event": "linked", "data_plane": "zmq"}), name="hurray.bridge")) == \
+        "2026-12-04T06:47:05.123Z info  linked data_plane=zmq logger=hurray.bridge"
+
+
+def test_json_format_keeps_its_fields_and_adds_iso_time():
+    d = json.loads(JsonFormatter().format(_record(json.dumps({"event": "hello", "client": "c" * 32}))))
+    assert d == {"ts": 1796366825.123, "time": "2026-12-04T06:47:05.123Z", "level": "info",
+                 "logger": "hurray.broker", "event": "hello", "client": "c" * 32}
+    d = json.loads(JsonFormatter().format(_record("not json")))
+    assert d["message"] == "not json" and d["time"] == "2026-12-04T06:47:05.123Z"
+
+
+def _log_of_a_session(tmp_path: Path, log_format: str | None) -> str:
+    b = BrokerProcess(f"ipc://{tmp_path}/b.sock", log_level="info", log_format=log_format).start()
+    try:
+        with Consumer(b.endpoint, "log test", "cpu") as c:
+            c.session.pump(lambda: c.session.registered, 30, "registering")  # its HELLO is logged
+    finally:
+        log = b.stop()
+    return log
+
+
+def test_broker_logs_text_by_default(tmp_path):
+    lines = _log_of_a_session(tmp_path, None).splitlines()
+    assert lines and all(TEXT_LINE.match(line) for line in lines), lines
+    (hello,) = [line for line in lines if TEXT_LINE.match(line)[3] == "hello"]  # type: ignore[index]
+    assert re.search(r' info  hello client=[0-9a-f]{8} role=consumer channel="log test" device=cpu pid=\d+$', hello)
+    assert TEXT_LINE.match(lines[-1])[3] == "shutdown"  # type: ignore[index]
+
+
+def test_broker_logs_json_with_iso_time(tmp_path):
+    lines = [json.loads(line) for line in _log_of_a_session(tmp_path, "json").splitlines()]
+    assert [d["event"] for d in lines if d.get("event") in ("listening", "hello", "shutdown")] == \
+        ["listening", "hello", "shutdown"]
+    for d in lines:
+        whole, ms = divmod(round(d["ts"] * 1000), 1000)
+        assert time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole)) + f".{ms:03d}Z" == d["time"], d
