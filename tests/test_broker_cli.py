@@ -1,19 +1,25 @@
 """hurray-broker as a person meets it (issue 21): a log a person can read (``--log-format text``,
-the default) or a machine (``json``)."""
+the default) or a machine (``json``), and a broker restart under traffic that logs no warning."""
 
 from __future__ import annotations
 
 import json
 import logging
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import numpy as np
+
 from brokerproc import BrokerProcess
+from conftest import Proc
+from hurray_ipc import workload
 from hurray_ipc.broker.logfmt import JsonFormatter, TextFormatter
-from hurray_ipc.client import Consumer
+from hurray_ipc.client import BrokerUnavailable, Consumer
 
 TEXT_LINE = re.compile(r'^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z) (debug|info |warning|error|critical) (\S+)'
                        r'((?: [\w.]+=(?:"(?:[^"\\]|\\.)*"|[^\s"]+))*)$')
@@ -94,3 +100,60 @@ def test_broker_logs_json_with_iso_time(tmp_path):
     for d in lines:
         whole, ms = divmod(round(d["ts"] * 1000), 1000)
         assert time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole)) + f".{ms:03d}Z" == d["time"], d
+
+
+# --- a restart is routine -----------------------------------------------------------------------------
+
+def test_broker_restart_under_traffic_logs_no_warning(tmp_path):
+    """SIGKILL the broker while a producer process hands buffers to a consumer, start it again:
+    the clients re-register (their first messages are answered not_registered, spec §6) and carry
+    on, and the new broker's log has not one warning: re-registration is normal operation."""
+    b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=5.0, log_level="info").start()
+    n, got, corrupt, done = 1500, [0], [0], threading.Event()
+
+    def consume(c: Consumer) -> None:  # until the test says done (the count lost in the restart is unknown)
+        while not done.is_set():
+            try:
+                h = c.receive(timeout=0.2)
+            except (TimeoutError, BrokerUnavailable):
+                continue
+            with h:
+                corrupt[0] += not workload.verify(h.numpy().reshape(-1).view(np.uint8))[2]
+            got[0] += 1
+
+    with Consumer(b.endpoint, "restart", "cpu") as c:
+        th = threading.Thread(target=consume, args=(c,), daemon=True)
+        th.start()
+        p = Proc(workload.run_producer, endpoint=b.endpoint, channel="restart", device="cpu", count=n, size=4096,
+                 env={})
+        try:
+            deadline = time.monotonic() + 60
+            while got[0] < 200:  # handoffs under way through the first broker
+                assert time.monotonic() < deadline and th.is_alive(), "no handoffs reached the consumer"
+                time.sleep(0.01)
+            b.stop(signal.SIGKILL)
+            b.start()
+            pr = p.result()
+        finally:
+            done.set()
+            th.join(30)
+    log = b.stop()
+    assert pr["error"] is None, pr["error"]
+    assert pr["sent"] == n and pr["released"] == n and corrupt[0] == 0 and got[0] > 200
+    events = [json.loads(line) for line in log.splitlines()]
+    assert {d["role"] for d in events if d.get("event") == "hello"} == {"producer", "consumer"}, log
+    assert any(d.get("code") == "not_registered" for d in events), "the clients re-registered after a restart"
+    (shutdown,) = [d for d in events if d.get("event") == "shutdown"]
+    assert shutdown["handoffs"] > 0, "handoffs went through the restarted broker"
+    assert not [d for d in events if d["level"] not in ("debug", "info")], log
+
+
+def test_refusals_other_than_not_registered_stay_warnings(caplog):
+    from hurray_ipc.broker.core import BrokerCore
+
+    core = BrokerCore(host="h")
+    with caplog.at_level(logging.INFO, logger="hurray.broker"):
+        core.receive(b"c1", [b"PING", b"{}"], 0.0)
+        core.receive(b"c1", [b"NOPE", b"{}"], 0.0)
+    levels = {json.loads(r.getMessage())["code"]: r.levelname for r in caplog.records}
+    assert levels == {"not_registered": "INFO", "unknown_verb": "WARNING"}, levels
