@@ -10,11 +10,13 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
+import zmq
+
 from hurray_ipc.cli.common import LOG_LEVELS, add_version, device, endpoint
 from hurray_ipc.client.endpoint import default_endpoint
 
 from .logfmt import FORMATS, formatter, open_log
-from .server import Broker
+from .server import Broker, BrokerAlreadyRunning
 
 if TYPE_CHECKING:  # bridge.py (and its zmq.auth) is imported only when a bridge is asked for
     from .bridge import BridgeIn, BridgeOut
@@ -84,8 +86,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hurray-broker: --metrics-port needs prometheus-client ({e}); install hurray-ipc[metrics]",
                   file=sys.stderr)
             return 2
-    b = Broker(ep, timeout_s=a.timeout, heartbeat_s=a.heartbeat, group=a.group,
-               publish_every_s=1.0 if a.metrics_port else None)
+    try:
+        b = Broker(ep, timeout_s=a.timeout, heartbeat_s=a.heartbeat, group=a.group,
+                   publish_every_s=1.0 if a.metrics_port else None)
+    except BrokerAlreadyRunning as e:
+        print(f"hurray-broker: {e}", file=sys.stderr)
+        return 1
+    except (RuntimeError, OSError, zmq.ZMQError) as e:  # an unsafe socket directory, a port in use ...
+        print(f"hurray-broker: cannot serve {ep}: {e}", file=sys.stderr)
+        return 1
     b.install_signal_handlers()
     if serve_metrics is not None:
         b.publish()

@@ -1,5 +1,6 @@
-"""hurray-broker as a person meets it (issue 21): a log a person can read (``--log-format text``,
-the default) or a machine (``json``), and a broker restart under traffic that logs no warning."""
+"""hurray-broker as a person meets it (issue 21): one line when the endpoint is taken, a log a
+person can read (``--log-format text``, the default) or a machine (``json``), and a broker restart
+under traffic that logs no warning."""
 
 from __future__ import annotations
 
@@ -43,6 +44,27 @@ def one_line(r: subprocess.CompletedProcess[str], stream: str = "stdout") -> str
     lines = getattr(r, stream).strip().splitlines()
     assert len(lines) == 1, (r.stdout, r.stderr)
     return lines[0]
+
+
+# --- a second broker ----------------------------------------------------------------------------------
+
+def test_second_broker_on_a_live_endpoint_is_one_line_exit_1(broker):
+    path = broker.endpoint[len("ipc://"):]
+    r = hurray_broker("--endpoint", broker.endpoint)
+    assert r.returncode == 1 and r.stdout == "", r
+    assert one_line(r, "stderr") == (f"hurray-broker: broker already running at {broker.endpoint} "
+                                     f"(pid {broker.proc.pid}, it holds {path}.lock)")
+
+
+def test_unsafe_socket_directory_is_one_line_exit_1(tmp_path):
+    d = tmp_path / "open"
+    d.mkdir()
+    d.chmod(0o777)
+    r = hurray_broker("--endpoint", f"ipc://{d}/b.sock", "--duration", "1")
+    assert r.returncode == 1 and r.stdout == "", r
+    assert one_line(r, "stderr") == (f"hurray-broker: cannot serve ipc://{d}/b.sock: socket directory {d} has mode "
+                                     "777: other users could replace the broker's socket; use a directory only you "
+                                     "can write (or one with the sticky bit)")
 
 
 # --- log formats --------------------------------------------------------------------------------------
