@@ -1,4 +1,12 @@
-"""hurray-broker: run the broker. SIGTERM/SIGINT shut it down cleanly and tell the clients."""
+"""hurray-broker: run the broker. SIGTERM/SIGINT shut it down cleanly and tell the clients.
+
+    hurray-broker                  # in the foreground, logging to stderr
+    hurray-broker --daemon         # in the background; prints where, its pid and its log; exit 0
+    hurray-broker --stop           # stops the one at the endpoint (SIGTERM), waits until it exited
+
+Exit 1 when the broker cannot serve (another broker holds the endpoint, an unsafe socket
+directory) or --daemon / --stop could not do what they say; 2 on a usage error.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +23,7 @@ import zmq
 from hurray_ipc.cli.common import LOG_LEVELS, add_version, device, endpoint
 from hurray_ipc.client.endpoint import default_endpoint
 
+from . import daemon
 from .logfmt import FORMATS, formatter, open_log
 from .server import Broker, BrokerAlreadyRunning
 
@@ -33,10 +42,20 @@ def _port(value: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hurray-broker", description=__doc__)
+    p = argparse.ArgumentParser(prog="hurray-broker", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_version(p)
     p.add_argument("--endpoint", type=endpoint, default=None,
                    help=f"ZeroMQ endpoint to bind (default {default_endpoint()})")
+    run = p.add_mutually_exclusive_group()
+    run.add_argument("--daemon", action="store_true",
+                     help="start in the background (ipc:// endpoints) and exit 0 once it answers, or at once "
+                     "when a broker already answers there; the log goes to --log-file, else PATH.log beside "
+                     "the socket")
+    run.add_argument("--stop", action="store_true",
+                     help="stop the broker of this endpoint (SIGTERM; this user's only) and wait until it exited")
+    # What --daemon starts: the same options plus this one, which makes it serve in the foreground.
+    p.add_argument("--detached-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--log-file", metavar="PATH", help="append the log to PATH instead of stderr")
     p.add_argument("--log-format", choices=FORMATS, default="text",
                    help="text: 'TIME LEVEL EVENT key=value ...' for people (client ids shortened to 8 hex "
@@ -66,6 +85,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="address the metrics endpoint binds (default %(default)s)")
     a = p.parse_args(argv)
     ep = a.endpoint or default_endpoint()
+    if (a.daemon and not a.detached_child) or a.stop:
+        try:
+            line = (daemon.start(sys.argv[1:] if argv is None else argv, ep, a.log_file, a.group) if a.daemon
+                    else daemon.stop(ep))
+        except daemon.Refused as e:
+            print(f"hurray-broker: {e}", file=sys.stderr)
+            return e.status
+        print(line)
+        return 0
     handler: logging.Handler
     if a.log_file:
         try:

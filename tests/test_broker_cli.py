@@ -1,11 +1,12 @@
-"""hurray-broker as a person meets it (issue 21): one line when the endpoint is taken, a log a
-person can read (``--log-format text``, the default) or a machine (``json``), and a broker restart
-under traffic that logs no warning."""
+"""hurray-broker as a person meets it (issue 21): ``--daemon`` and ``--stop``, one line when the
+endpoint is taken, a log a person can read (``--log-format text``, the default) or a machine
+(``json``), and a broker restart under traffic that logs no warning."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from brokerproc import BrokerProcess
 from conftest import Proc
@@ -44,6 +46,89 @@ def one_line(r: subprocess.CompletedProcess[str], stream: str = "stdout") -> str
     lines = getattr(r, stream).strip().splitlines()
     assert len(lines) == 1, (r.stdout, r.stderr)
     return lines[0]
+
+
+# --- --daemon / --stop -------------------------------------------------------------------------------
+
+def test_daemon_serves_clients_is_idempotent_and_stop_ends_it(tmp_path):
+    ep, sock = f"ipc://{tmp_path}/b.sock", tmp_path / "b.sock"
+    started: list[int] = []
+    try:
+        r = hurray_broker("--daemon", "--endpoint", ep, "--heartbeat", "0.2")
+        assert r.returncode == 0 and r.stderr == "", r
+        m = re.fullmatch(rf"hurray-broker: running at {re.escape(ep)} \(pid (\d+), log (\S+)\)", one_line(r))
+        assert m, r.stdout
+        pid, log = int(m[1]), Path(m[2])
+        started.append(pid)
+        assert log == tmp_path / "b.sock.log" and (log.stat().st_mode & 0o777) == 0o600
+        # detached: its own session, nothing of ours on stdin/stdout, and the exit of the command above
+        assert os.getsid(pid) == pid
+        assert [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in (0, 1)] == ["/dev/null", "/dev/null"]
+        assert (tmp_path / "b.sock.lock").read_text() == f"{pid}\n"
+
+        c = Proc(workload.run_consumer, endpoint=ep, channel="daemon", device="cpu", count=4, env={})
+        p = Proc(workload.run_producer, endpoint=ep, channel="daemon", device="cpu", count=4, size=4096, env={})
+        pr, cr = p.result(), c.result()
+        assert pr["error"] is None and cr["error"] is None, (pr["error"], cr["error"])
+        assert cr["intact"] == 4 and pr["released"] == 4
+
+        r = hurray_broker("--daemon", "--endpoint", ep)
+        assert r.returncode == 0 and one_line(r) == f"hurray-broker: already running at {ep} (pid {pid})", r
+
+        r = hurray_broker("--stop", "--endpoint", ep)
+        assert r.returncode == 0 and one_line(r) == f"hurray-broker: stopped the broker at {ep} (pid {pid})", r
+        assert gone(pid) and not sock.exists()
+        assert "shutdown" in log.read_text().splitlines()[-1], "a SIGTERM shutdown, logged"
+
+        r = hurray_broker("--stop", "--endpoint", ep)
+        assert r.returncode == 1 and r.stdout == "", r
+        assert one_line(r, "stderr") == f"hurray-broker: no broker running at {ep}"
+
+        def daemon() -> int:
+            r = hurray_broker("--daemon", "--endpoint", ep)
+            assert r.returncode == 0, r
+            started.append(int(re.fullmatch(r"hurray-broker: running at \S+ \(pid (\d+), log \S+\)", one_line(r))[1]))
+            return started[-1]
+
+        pid2 = daemon()
+        assert pid2 != pid
+        os.kill(pid2, signal.SIGKILL)  # leaves its socket file and its pid in the lock file behind
+        deadline = time.monotonic() + 30
+        while not gone(pid2):
+            assert time.monotonic() < deadline, "SIGKILL did not end the broker"
+            time.sleep(0.01)
+        assert sock.exists()
+        pid3 = daemon()
+        r = hurray_broker("--stop", "--endpoint", ep)
+        assert r.returncode == 0 and one_line(r) == f"hurray-broker: stopped the broker at {ep} (pid {pid3})", r
+    finally:
+        for pid in started:  # only what this test started, should an assertion have left it running
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_daemon_that_cannot_start_says_why_in_one_line(tmp_path):
+    log = tmp_path / "custom.log"
+    r = hurray_broker("--daemon", "--endpoint", f"ipc://{tmp_path}/b.sock", "--log-file", str(log),
+               "--export", "e=tcp://127.0.0.1:1")  # no --bridge-keys: the child refuses
+    assert r.returncode == 1 and r.stdout == "", r
+    line = one_line(r, "stderr")
+    assert line.startswith("hurray-broker: the broker did not start (exit 2): --export/--import need --bridge-keys")
+    assert line.endswith(f"(log {log})") and log.exists()
+
+
+def test_stop_leaves_a_stale_pid_alone(tmp_path):
+    """A broker killed with SIGKILL leaves its pid in the lock file; --stop must not believe it
+    (the number may be any process by now: here, this test's own)."""
+    (tmp_path / "b.sock.lock").write_text(f"{os.getpid()}\n")
+    r = hurray_broker("--stop", "--endpoint", f"ipc://{tmp_path}/b.sock")
+    assert r.returncode == 1 and one_line(r, "stderr") == f"hurray-broker: no broker running at ipc://{tmp_path}/b.sock"
+
+
+@pytest.mark.parametrize("option", ["--daemon", "--stop"])
+def test_daemon_and_stop_need_an_ipc_endpoint(option):
+    r = hurray_broker(option, "--endpoint", "tcp://127.0.0.1:5555")
+    assert r.returncode == 2 and "needs an ipc:// endpoint, not tcp://127.0.0.1:5555" in one_line(r, "stderr")
 
 
 # --- a second broker ----------------------------------------------------------------------------------
@@ -179,3 +264,4 @@ def test_refusals_other_than_not_registered_stay_warnings(caplog):
         core.receive(b"c1", [b"NOPE", b"{}"], 0.0)
     levels = {json.loads(r.getMessage())["code"]: r.levelname for r in caplog.records}
     assert levels == {"not_registered": "INFO", "unknown_verb": "WARNING"}, levels
+
