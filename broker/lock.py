@@ -79,9 +79,9 @@ def written_pid(socket_path: str | os.PathLike[str]) -> int | None:
 
 def holder(socket_path: str | os.PathLike[str]) -> int | None:
     """The pid of the live broker of ``socket_path``: the pid its lock file names, if that process
-    (visible here, and ours to inspect) holds the lock file open. None otherwise: no broker, a
-    stale pid, or a holder we may not inspect (another user's process; PermissionError is raised
-    then, naming it, since it is no answer to "is there a broker")."""
+    (visible in this PID namespace) holds the lock file open. None: no broker, an empty file, or a
+    stale pid. PermissionError, naming the pid, when that process is one this user may not inspect
+    (another user's): that is no answer to "is there a broker"."""
     pid = written_pid(socket_path)
     if pid is None:
         return None
