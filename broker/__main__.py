@@ -1,36 +1,34 @@
-"""hurray-broker: run the broker. SIGTERM/SIGINT shut it down cleanly and tell the clients."""
+"""hurray-broker: run the broker. SIGTERM/SIGINT shut it down cleanly and tell the clients.
+
+    hurray-broker                  # in the foreground, logging to stderr
+    hurray-broker --daemon         # in the background; prints where, its pid and its log; exit 0
+    hurray-broker --stop           # stops the one at the endpoint (SIGTERM), waits until it exited
+
+Exit 1 when the broker cannot serve (another broker holds the endpoint, an unsafe socket
+directory) or --daemon / --stop could not do what they say; 2 on a usage error.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 import threading
-import time
 from typing import TYPE_CHECKING, Any
+
+import zmq
 
 from hurray_ipc.cli.common import LOG_LEVELS, add_version, device, endpoint
 from hurray_ipc.client.endpoint import default_endpoint
 
-from .server import Broker
+from . import daemon
+from .logfmt import FORMATS, formatter, open_log
+from .server import Broker, BrokerAlreadyRunning
 
 if TYPE_CHECKING:  # bridge.py (and its zmq.auth) is imported only when a bridge is asked for
     from .bridge import BridgeIn, BridgeOut
-
-
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        msg = record.getMessage()
-        try:
-            body = json.loads(msg)
-            if not isinstance(body, dict):
-                raise ValueError
-        except ValueError:
-            body = {"message": msg}
-        return json.dumps(
-            {"ts": round(time.time(), 3), "level": record.levelname.lower(), "logger": record.name, **body}
-        )
 
 
 def _port(value: str) -> int:
@@ -44,10 +42,25 @@ def _port(value: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hurray-broker", description=__doc__)
+    p = argparse.ArgumentParser(prog="hurray-broker", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_version(p)
     p.add_argument("--endpoint", type=endpoint, default=None,
                    help=f"ZeroMQ endpoint to bind (default {default_endpoint()})")
+    run = p.add_mutually_exclusive_group()
+    run.add_argument("--daemon", action="store_true",
+                     help="start in the background (ipc:// endpoints) and exit 0 once it answers, or at once "
+                     "when a broker already answers there; the log goes to --log-file, else PATH.log beside "
+                     "the socket")
+    run.add_argument("--stop", action="store_true",
+                     help="stop the broker of this endpoint (SIGTERM; this user's only) and wait until it exited")
+    # What --daemon starts: the same options plus this one, which makes it serve in the foreground.
+    p.add_argument("--detached-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--log-file", metavar="PATH", help="append the log to PATH instead of stderr")
+    p.add_argument("--log-format", choices=FORMATS, default="text",
+                   help="text: 'TIME LEVEL EVENT key=value ...' for people (client ids shortened to 8 hex "
+                   "digits); json: one object per line (ts, time, level, logger, event, fields). "
+                   "Default: %(default)s")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds of client silence before it is dead")
     p.add_argument("--heartbeat", type=float, default=0.5, help="heartbeat interval clients are told")
     p.add_argument("--group", action="store_true", help="socket 0660 and directory 0750 (default owner-only)")
@@ -71,8 +84,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
                    help="address the metrics endpoint binds (default %(default)s)")
     a = p.parse_args(argv)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_JsonFormatter())
+    ep = a.endpoint or default_endpoint()
+    if (a.daemon and not a.detached_child) or a.stop:
+        try:
+            line = (daemon.start(sys.argv[1:] if argv is None else argv, ep, a.log_file, a.group) if a.daemon
+                    else daemon.stop(ep))
+        except daemon.Refused as e:
+            print(f"hurray-broker: {e}", file=sys.stderr)
+            return e.status
+        print(line)
+        return 0
+    handler: logging.Handler
+    if a.log_file:
+        try:
+            os.close(open_log(a.log_file))  # created owner-only, before logging opens it
+        except OSError as e:
+            print(f"hurray-broker: log file {a.log_file}: {e.strerror}", file=sys.stderr)
+            return 1
+        handler = logging.FileHandler(a.log_file, mode="a")
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter(a.log_format))
     logging.basicConfig(level=a.log_level.upper(), handlers=[handler])
     serve_metrics: Any = None
     if a.metrics_port:
@@ -82,8 +114,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hurray-broker: --metrics-port needs prometheus-client ({e}); install hurray-ipc[metrics]",
                   file=sys.stderr)
             return 2
-    b = Broker(a.endpoint or default_endpoint(), timeout_s=a.timeout, heartbeat_s=a.heartbeat, group=a.group,
-               publish_every_s=1.0 if a.metrics_port else None)
+    try:
+        b = Broker(ep, timeout_s=a.timeout, heartbeat_s=a.heartbeat, group=a.group,
+                   publish_every_s=1.0 if a.metrics_port else None)
+    except BrokerAlreadyRunning as e:
+        print(f"hurray-broker: {e}", file=sys.stderr)
+        return 1
+    except (RuntimeError, OSError, zmq.ZMQError) as e:  # an unsafe socket directory, a port in use ...
+        print(f"hurray-broker: cannot serve {ep}: {e}", file=sys.stderr)
+        return 1
     b.install_signal_handlers()
     if serve_metrics is not None:
         b.publish()

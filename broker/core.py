@@ -251,7 +251,10 @@ class BrokerCore:
         self.stats.errors += 1
         n = self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1
         if n <= 100 or n % 1000 == 0:  # every refusal is answered; a flood of them is not all logged
-            log.warning(json.dumps({"event": "error", "client": rid.decode(errors="replace")[:32], "code": code,
+            # not_registered is how a restarted broker has its clients say HELLO again (spec §6):
+            # routine after a restart, so info; every other refusal is an anomaly, a warning.
+            level = logging.INFO if code == "not_registered" else logging.WARNING
+            log.log(level, json.dumps({"event": "error", "client": rid.decode(errors="replace")[:32], "code": code,
                                     "message": message[:500], "count_of_code": n,
                                     **{k: str(v)[:64] for k, v in extra.items()}}))
         self._send(rid, error(code, message, **extra))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -104,6 +105,19 @@ def scenario(endpoint: str, name: str, pdev: str, cdev: str, env: dict[str, str]
     return {"name": name, "producer": pr, "consumer": cr, "seconds": dt}
 
 
+def pasteable(prog: str, args: list[str], env: dict[str, str], shell: dict[str, str]) -> str:
+    """The command line that runs ``prog args`` as the demo does when pasted into the shell the demo
+    ran from (whose environment was ``shell``): prefixed with the variables of ``env`` that the shell
+    lacks, e.g. ``HURRAY_CUDA=emulated`` where the demo chose the emulation (no GPU). A variable
+    left unset that means the same value (an emulation default, HURRAY_CUDA=real) is left out."""
+    from .devices.backend.emulated import EmulationConfig
+
+    unset_means = {**EmulationConfig().to_env(), "HURRAY_CUDA": "real"}
+    prefix = [f"{k}={shlex.quote(v)}" for k, v in env.items()
+              if shell.get(k) != v and not (k not in shell and unset_means.get(k) == v)]
+    return " ".join([*prefix, prog, *map(shlex.quote, args)])
+
+
 def show_handles() -> None:
     print("== buffer handles (hurray-inspect)")
     for h in (BufferHandle(4096, 4096, DeviceTag.CPU), BufferHandle(1 << 20, 256, DeviceTag.CUDA, SyncMode.EVENT)):
@@ -114,19 +128,27 @@ def show_handles() -> None:
     print(f"(exit {inspect_cli.main([bad])})\n")
 
 
+def show_caps(env: dict[str, str], shell: dict[str, str]) -> None:
+    """hurray-caps as the GPU scenarios see the device, each printed as a line that works pasted."""
+    for args in (["--device", "cuda:0", "--transport", "ipc"],
+                 ["--device", "cuda:0", "--peer-device", "cpu", "--transport", "ipc"]):
+        print(f"$ {pasteable('hurray-caps', args, env, shell)}", flush=True)
+        status = caps_cli.main(args)
+        if status:
+            print(f"(exit {status})")
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__)
     ap.add_argument("--count", type=int, default=8, help="buffers per scenario")
     ap.add_argument("--size", type=int, default=256 << 10, help="bytes per buffer")
     a = ap.parse_args(argv)
     show_handles()
+    shell = dict(os.environ)  # what a command pasted from this output runs with
     env, which = choose_cuda()
     print(f"== GPU scenarios run on {which}\n")
     os.environ.update(env)
-    print("$ hurray-caps --device cuda:0 --transport ipc")
-    caps_cli.main(["--device", "cuda:0", "--transport", "ipc"])
-    print("$ hurray-caps --device cuda:0 --peer-device cpu --transport ipc")
-    caps_cli.main(["--device", "cuda:0", "--peer-device", "cpu", "--transport", "ipc"])
+    show_caps(env, shell)
     print()
     tmp = Path(tempfile.mkdtemp(prefix="hurray-demo-"))
     endpoint = f"ipc://{tmp}/broker.sock"

@@ -12,11 +12,13 @@ from pathlib import Path
 
 class BrokerProcess:
     def __init__(self, endpoint: str, timeout: float = 2.0, log_level: str = "warning",
-                 extra_args: list[str] | None = None):
+                 extra_args: list[str] | None = None, log_format: str | None = "json"):
         self.endpoint = endpoint
         self.extra_args = extra_args or []  # more hurray-broker options, e.g. --metrics-port
         self.timeout = timeout
         self.log_level = log_level
+        # json: tests read the log by machine; None: the broker's default (text)
+        self.log_format = log_format
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> BrokerProcess:
@@ -28,7 +30,8 @@ class BrokerProcess:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="hurray-broker-", suffix=".log")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "hurray_ipc.broker", "--endpoint", self.endpoint, "--timeout", str(self.timeout),
-             "--heartbeat", "0.2", "--log-level", self.log_level, *self.extra_args],
+             "--heartbeat", "0.2", "--log-level", self.log_level,
+             *(["--log-format", self.log_format] if self.log_format else []), *self.extra_args],
             stderr=self.log, text=True)
         deadline = time.monotonic() + 20
         while not path.exists():

@@ -543,7 +543,8 @@ def test_brokers_bridge_channels_themselves(tmp_path, keys, plane):
                                "--export", f"e={url}", "--bridge-keys", str(keys), *rdma], stderr=subprocess.PIPE,
                               text=True),
              subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker", "--endpoint", b_ep, "--log-level", "info",
-                               "--import", f"e={url}", "--bridge-keys", str(keys), *rdma], stderr=subprocess.PIPE,
+                               "--log-format", "json", "--import", f"e={url}", "--bridge-keys", str(keys), *rdma],
+                              stderr=subprocess.PIPE,
                               text=True)]
     try:
         c = Proc(workload.run_consumer, endpoint=b_ep, channel="e", device="cpu", count=3, env={})

@@ -60,6 +60,18 @@ def test_caps_without_a_gpu_names_the_emulation():
     assert r.returncode == 2 and "HURRAY_CUDA=emulated" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize(("device", "backend"), [("cpu", None), ("cpu", "emulated"), ("cuda:1", "real")])
+def test_stress_refuses_an_injection_it_could_not_catch(device, backend):
+    """--inject breaks a GPU sync rule on purpose; only the CUDA emulation's checker fails such a run
+    every time. Anywhere else the run could print PASS: refused before anything starts, naming the fix."""
+    env = {k: v for k, v in os.environ.items() if k != "HURRAY_CUDA"} | ({"HURRAY_CUDA": backend} if backend else {})
+    r = run("hurray_ipc.cli.stress", "--device", device, "--inject", "skip-wait", env=env)
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r
+    fix = f"HURRAY_CUDA=emulated hurray-stress --device {'cuda:0' if device == 'cpu' else device} --inject skip-wait"
+    assert r.stderr.startswith("hurray-stress: --inject skip-wait: ") and r.stderr.strip().endswith(f"run {fix}"), r
+    assert f"not --device {device}" in r.stderr
+
+
 def test_library_refuses_an_endpoint_without_a_scheme():
     from hurray_ipc.client import Producer
 

@@ -401,6 +401,13 @@ def test_top_once_without_a_broker_is_one_line_and_exit_2(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1 and "no reply from broker" in r.stderr, r.stderr
     r = top("--endpoint", f"ipc://{tmp_path}/none.sock", "--json", "--timeout", "0.3")
     assert r.returncode == 2 and "Traceback" not in r.stderr
+    # --json: stdout is JSON whatever happened (a script parses it), stderr the same one line
+    assert json.loads(r.stdout) == {"error": f"no reply from broker at ipc://{tmp_path}/none.sock within 0.3 s",
+                                    "endpoint": f"ipc://{tmp_path}/none.sock"}, r.stdout
+    assert r.stderr.strip().splitlines() == [f"hurray-top: {json.loads(r.stdout)['error']}"], r.stderr
+    r = top("--endpoint", "tcp://no-port-here", "--json")
+    assert r.returncode == 2 and json.loads(r.stdout)["endpoint"] == "tcp://no-port-here", r.stdout
+    assert json.loads(r.stdout)["error"].startswith("cannot connect to tcp://no-port-here: "), r.stdout
     r = top("--endpoint", "tcp://no-port-here", "--once")  # ZeroMQ refuses the address itself
     assert r.returncode == 2 and r.stderr.strip().startswith("hurray-top: cannot connect to tcp://no-port-here: ")
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr

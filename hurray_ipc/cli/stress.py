@@ -122,9 +122,17 @@ def check_device(cfg: StressConfig) -> dict[str, str]:
     """The environment the workers need for ``cfg.device``, or DeviceError (one line) when that device
     cannot run here: checked in this process, before the broker or any worker starts."""
     kind, ordinal = parse_spec(cfg.device)
+    where = f"--device {cfg.device}"
+    if cfg.inject is not None and (kind == "cpu" or not cfg.emulated):
+        # A PASS would be a lie: the broken rule is a GPU one, and only the emulation's happens-before
+        # checker fails such a run every time (a real GPU shows it by chance; a CPU has no such rule).
+        fix = f"HURRAY_CUDA=emulated hurray-stress --device {cfg.device if kind == 'cuda' else 'cuda:0'} " \
+              f"--inject {cfg.inject}"
+        raise DeviceError(f"--inject {cfg.inject}", f"breaks a GPU sync rule on purpose and needs the CUDA "
+                          f"emulation to catch it, not {where}" + ("" if kind == "cpu" else " on real CUDA")
+                          + f": run {fix}")
     if kind == "cpu":
         return {}
-    where = f"--device {cfg.device}"
     if cfg.emulated:
         from ..devices.backend.emulated import EmulationConfig
 

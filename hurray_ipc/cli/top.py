@@ -7,7 +7,7 @@
 
 The live table needs a terminal; with stdout not a terminal a plain snapshot is printed every
 interval instead. Exit 0; 2 when no broker answers within --timeout (with --once / --json) or on
-a usage error; 130 on Ctrl-C.
+a usage error (with --json, stdout then holds {"error": "...", "endpoint": "..."}); 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -197,18 +197,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--once", action="store_true", help="print one plain-text snapshot and exit")
     p.add_argument("--json", action="store_true", help="print the raw STATS_REPLY as JSON and exit")
     a = p.parse_args(argv)
-    try:
-        client = StatsClient(a.endpoint or default_endpoint())
-    except NoBroker as e:
+    ep = a.endpoint or default_endpoint()
+
+    def no_broker(e: NoBroker) -> int:
+        """One line on stderr; with --json also an object on stdout, so a script reading stdout
+        gets JSON whatever happened."""
+        if a.json:
+            print(json.dumps({"error": str(e), "endpoint": ep}))
         print(f"hurray-top: {e}", file=sys.stderr)
         return 2
+
+    try:
+        client = StatsClient(ep)
+    except NoBroker as e:
+        return no_broker(e)
     try:
         if a.once or a.json:
             try:
                 reply = client.query(a.timeout)
             except NoBroker as e:
-                print(f"hurray-top: {e}", file=sys.stderr)
-                return 2
+                return no_broker(e)
             print(json.dumps(reply) if a.json else "\n".join(render(reply, client.endpoint)))
             return 0
         if sys.stdout.isatty():
