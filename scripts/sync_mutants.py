@@ -28,6 +28,7 @@ TESTS = ["tests/test_races.py", "tests/test_paths.py", "tests/test_clients.py", 
 
 GIVE_BACK = ["tests/test_give_back.py"]
 END_OF_STREAM = ["tests/test_end_of_stream.py"]
+GPU_READABLE = ["tests/test_gpu_readable.py"]
 
 # name -> (file, the exact text of the step, what replaces it[, the tests to run; default TESTS])
 MUTANTS: dict[str, tuple[str, ...]] = {
@@ -94,6 +95,15 @@ MUTANTS: dict[str, tuple[str, ...]] = {
     "eos-restart-forgets": ("hurray_ipc/client/consumer.py",
                             '"credits": self._requested, **({"ended": True} if self.ended else {})}',
                             '"credits": self._requested}  # MUTANT: a restarted broker is not told', *END_OF_STREAM),
+    # A received GPU buffer read without a framework: the copy is ordered after the producer.
+    "copy-to-host-unordered": ("hurray_ipc/client/consumer.py",
+                               "        s = self._handoff.ordered_stream() or self._handoff.order_onto(",
+                               "        s = self._handoff._consumer.gpu.create_stream() or (",  # MUTANT: unordered
+                               *GPU_READABLE),
+    "stream-copy-unordered": ("hurray_ipc/client/consumer.py",
+                              "        if not self.on_host:\n            self._handoff.order_onto(stream)\n",
+                              "        pass  # MUTANT: the copying stream is not ordered after the producer\n",
+                              *GPU_READABLE),
 }
 
 
