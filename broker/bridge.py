@@ -292,7 +292,7 @@ class BridgeOut:
         dev = buf.device
         if not isinstance(dev, CudaDevice):
             # a host buffer: the producer host-waited its writes (PRODUCER_SYNCED or host-staged)
-            return Source(handle, h.meta, buf.ptr, "DRAM", 0, h.buffer, buf.host_view(), h.release, buf.mapping)
+            return Source(handle, h.wire_meta, buf.ptr, "DRAM", 0, h.buffer, buf.host_view(), h.release, buf.mapping)
         consumer = self.consumer
         if consumer is None or consumer.stream is None:
             raise RuntimeError(f"bridge consumer on {self.device} has no CUDA stream")
@@ -301,7 +301,7 @@ class BridgeOut:
         if nic and (dev.identity.emulated or nixl_info().gpudirect):
             dev.rdma_source(buf)
             kind, ordinal = ("DRAM", 0) if dev.identity.emulated else ("VRAM", dev.ordinal)
-            return Source(handle, h.meta, buf.ptr, kind, ordinal, h.buffer, None, h.release, buf.mapping)
+            return Source(handle, h.wire_meta, buf.ptr, kind, ordinal, h.buffer, None, h.release, buf.mapping)
         host = self.staging.take(buf.size)
         try:
             consumer.stream.copy(host, buf)
@@ -310,7 +310,7 @@ class BridgeOut:
             self.staging.give(host)
             raise
         h.release()
-        return Source(handle, h.meta, host.ptr, "DRAM", 0, host, host.host_view(), lambda: self.staging.give(host),
+        return Source(handle, h.wire_meta, host.ptr, "DRAM", 0, host, host.host_view(), lambda: self.staging.give(host),
                       pool=self.staging)
 
     def _start(self, rid: bytes, h: Any, nic: bool) -> Source | None:

@@ -80,6 +80,32 @@ def test_bridged_handoffs_curve(two_brokers, keys):
         stop(out), stop(inn)
 
 
+def test_arrays_and_user_metadata_cross_the_bridges_as_sent(two_brokers):
+    """Shape, dtype, byte order and the sender's own metadata (h.meta, exactly as sent) arrive on
+    the other broker's consumer: the sending bridge forwards the HANDOFF's whole meta object."""
+    import numpy as np
+
+    from hurray_ipc.client import Consumer, Producer
+
+    a, b = two_brokers
+    url = f"tcp://127.0.0.1:{free_port()}"
+    out = bridge("out", "--channel", "m", "--endpoint", a.endpoint, "--listen", url, "--insecure")
+    inn = bridge("in", "--channel", "m", "--endpoint", b.endpoint, "--connect", url, "--insecure")
+    sent = [(np.arange(6, dtype=">i2").reshape(2, 3), {"frame": 1, "tags": ["a", "b"]}),
+            (np.float32(2.5).reshape(()), ["x", 2]),
+            (np.arange(4, dtype=np.uint8), None)]
+    try:
+        with Producer(a.endpoint, "m", "cpu") as p, Consumer(b.endpoint, "m", "cpu") as c:
+            for arr, meta in sent:
+                p.send(arr, meta=meta, block=False, timeout=30)
+                with c.receive(timeout=30) as h:
+                    got = h.numpy()
+                    assert (got.dtype.str, got.shape, h.meta) == (arr.dtype.str, arr.shape, meta)
+                    assert np.array_equal(got, arr)
+    finally:
+        stop(out), stop(inn)
+
+
 def test_keys_required_unless_insecure(two_brokers):
     a, _ = two_brokers
     p = bridge("out", "--channel", "x", "--endpoint", a.endpoint, "--listen", f"tcp://127.0.0.1:{free_port()}")

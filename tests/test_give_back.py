@@ -269,35 +269,38 @@ def test_broker_death_during_a_send_then_the_channel_flows_again(tmp_path):
     swallowed handoff comes back to its producer (RELEASED consumer_gone, spec §6) and the next
     send is delivered."""
     b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=1.0).start()
-    before = segments()
-    outcomes: list[str | None] = []
-    with Producer(b.endpoint, "death", "cpu", heartbeat_s=0.1, timeout_s=1.0) as p, \
-            Consumer(b.endpoint, "death", "cpu", heartbeat_s=0.1, timeout_s=1.0) as c:
-        with pytest.raises(TimeoutError):
-            c.receive(timeout=0)  # asks for one buffer
-        assert p.grant_ready(timeout=5)  # the producer holds the consumer's grant
-        first = p.session.broker_session
-        os.kill(b.proc.pid, signal.SIGSTOP)
-        with pytest.raises(BrokerUnavailable):
-            p.send(workload.pattern(TAG, 99, SIZE), on_release=lambda t: outcomes.append(t.outcome), timeout=10)
-        b.stop(signal.SIGKILL)
-        b.start()
-        wait_for(lambda: all(x.session.registered and x.session.broker_session not in (None, first) for x in (p, c)),
-                 20, "both clients to register with the new broker")
-        err: list[BaseException] = []
-        th = threading.Thread(target=_send, args=(p, err), daemon=True)
-        th.start()
-        h = c.receive(timeout=10)
-        th.join(10)
-        assert not err, err
-        data = h.numpy().copy()
-        h.release()
-        assert workload.verify(data) == (TAG, 1, True)
-        p.flush(10)  # the handoff the dead broker swallowed came back
-        assert outcomes == ["consumer_gone"]
-        assert p.outstanding == 0 and p.staging.in_use == 0
-    b.stop()
-    assert segments() <= before
+    try:
+        before = segments()
+        outcomes: list[str | None] = []
+        with Producer(b.endpoint, "death", "cpu", heartbeat_s=0.1, timeout_s=1.0) as p, \
+                Consumer(b.endpoint, "death", "cpu", heartbeat_s=0.1, timeout_s=1.0) as c:
+            with pytest.raises(TimeoutError):
+                c.receive(timeout=0)  # asks for one buffer
+            assert p.grant_ready(timeout=5)  # the producer holds the consumer's grant
+            first = p.session.broker_session
+            os.kill(b.proc.pid, signal.SIGSTOP)
+            with pytest.raises(BrokerUnavailable):
+                p.send(workload.pattern(TAG, 99, SIZE), on_release=lambda t: outcomes.append(t.outcome), timeout=10)
+            b.stop(signal.SIGKILL)
+            b.start()
+            wait_for(lambda: all(x.session.registered and x.session.broker_session not in (None, first)
+                                 for x in (p, c)),
+                     20, "both clients to register with the new broker")
+            err: list[BaseException] = []
+            th = threading.Thread(target=_send, args=(p, err), daemon=True)
+            th.start()
+            h = c.receive(timeout=10)
+            th.join(10)
+            assert not err, err
+            data = h.numpy().copy()
+            h.release()
+            assert workload.verify(data) == (TAG, 1, True)
+            p.flush(10)  # the handoff the dead broker swallowed came back
+            assert outcomes == ["consumer_gone"]
+            assert p.outstanding == 0 and p.staging.in_use == 0
+        assert segments() <= before
+    finally:
+        b.stop()
 
 
 def _send(p: Producer, err: list[BaseException]) -> None:

@@ -206,7 +206,7 @@ def _hurray_consumer(endpoint: str, channel: str, device: str, n: int, env: dict
         for i in range(10 + 2 * n):
             h = c.receive(timeout=60)
             h.wait()
-            t = (h.meta.get("user") or {}).get("t")
+            t = (h.meta or {}).get("t")
             if t is not None:
                 lat.append(time.monotonic() - t)
             elif mark is None and i >= 10:
