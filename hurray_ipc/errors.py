@@ -33,12 +33,22 @@ class HurrayError(Exception):
     """Base class of every error Hurray raises on purpose."""
 
 
-class _Located(HurrayError):
-    """An error about one argument: ``where`` (e.g. ``"send(shape=)"``) and the ``value`` given."""
+_NOTHING = object()
 
-    def __init__(self, message: str, *, where: str | None = None, value: Any = None):
+
+class _Located(HurrayError):
+    """An error about one argument: ``where`` (e.g. ``"send(shape=)"``) and the ``value`` given,
+    which the message shows (``got ...``) unless its text already does."""
+
+    def __init__(self, message: str, *, where: str | None = None, value: Any = _NOTHING):
         self.where = where
-        self.value = value
+        self.value = None if value is _NOTHING else value
+        if value is not _NOTHING:
+            shown = repr(value)
+            if len(shown) > 80:
+                shown = shown[:77] + "..."
+            if shown not in message:
+                message = f"{message} (got {shown})"
         super().__init__(f"{where}: {message}" if where else message)
 
 

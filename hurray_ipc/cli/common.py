@@ -8,6 +8,7 @@ import re
 
 from .. import __version__
 from ..client.endpoint import check_endpoint
+from ..devices.backend.driver import with_emulation_hint
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _DEVICE = re.compile(r"^(cpu|cuda:[0-9]{1,4})$")
@@ -54,7 +55,6 @@ def sync_mode(value: str) -> str:
 
 
 def cuda_hint(message: str) -> str:
-    """``message`` plus how to run without a GPU, when it says CUDA is unavailable."""
-    if "CUDA unavailable" in message:
-        return message + " (no GPU here? HURRAY_CUDA=emulated runs the same code on the CUDA emulation)"
-    return message
+    """``message`` plus how to run without a GPU, when it says CUDA is unavailable on a machine
+    without an NVIDIA driver (devices.backend.driver.with_emulation_hint)."""
+    return with_emulation_hint(message) if "CUDA unavailable" in message else message

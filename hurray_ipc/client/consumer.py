@@ -42,7 +42,7 @@ from ..interop import dlpack
 from ..transport import inproc
 from ..transport.pairing import Endpoint
 from ..transport.protocol import Message, check_meta, order_key
-from .session import BrokerUnavailable, RemoteError, Session
+from .session import BrokerUnavailable, RemoteError, Session, check_client_args, check_timeout
 
 log = logging.getLogger("hurray.consumer")
 
@@ -539,6 +539,7 @@ class Consumer:
     def __init__(self, endpoint: str | None = None, channel: str = "default", device: str | Device = "cpu", *,
                  stream: Any = None, prefetch: int = 1, heartbeat_s: float = 0.5,
                  timeout_s: float = 3.0, name: str | None = None):
+        check_client_args("consumer", channel, prefetch, 0, heartbeat_s, timeout_s)
         self.device = open_device(device)
         self.cpu = open_device("cpu")
         self.gpu: CudaDevice | None = self.device if isinstance(self.device, CudaDevice) else None
@@ -548,7 +549,7 @@ class Consumer:
         self.stream: CudaStream | None = stream or (self.gpu.create_stream() if self.gpu else None)
         if stream is not None:
             inproc.register_stream(stream)
-        self.prefetch = max(0, prefetch)
+        self.prefetch = prefetch
         self.endpoint_info = Endpoint(self.device.identity, self.device.capabilities(), os.getpid(),
                                       None if stream is None else stream.handle)
         self._inbox: deque[ReceivedHandoff] = deque()
@@ -726,6 +727,8 @@ class Consumer:
         BrokerUnavailable if the broker is gone, ClosedError after :meth:`close`.
 
         Thread-safe: concurrent callers each get a different handoff."""
+        check_timeout(timeout, "receive(timeout=)")
+
         def asked(n: int) -> None:
             self._requested += n
 

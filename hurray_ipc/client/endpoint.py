@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..errors import InvalidArgument
+
 
 def runtime_dir() -> Path:
     xdg = os.environ.get("XDG_RUNTIME_DIR")
@@ -24,6 +26,6 @@ def check_endpoint(value: str) -> str:
     ValueError naming the value and the forms that work."""
     if not isinstance(value, str) or not value.startswith(SCHEMES) or value in SCHEMES:
         hint = f" (did you mean ipc://{value}?)" if isinstance(value, str) and value.startswith("/") else ""
-        raise ValueError(f"{value!r} is not a ZeroMQ endpoint: use ipc:///path/to.sock, tcp://host:port or "
-                         f"inproc://name{hint}")
+        raise InvalidArgument(f"{value!r} is not a ZeroMQ endpoint: use ipc:///path/to.sock, tcp://host:port or "
+                              f"inproc://name{hint}", where="endpoint=", value=value)
     return value

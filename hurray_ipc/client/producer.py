@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import operator
 import os
 import threading
 from collections import deque
@@ -34,7 +35,7 @@ from ..interop.staging import StagingExhausted, StagingPool
 from ..transport import inproc
 from ..transport.pairing import Endpoint, ModeCache, PairModes, host_side
 from ..transport.protocol import MAX_BATCH, Message, order_key
-from .session import BrokerUnavailable, RemoteError, Session
+from .session import BrokerUnavailable, RemoteError, Session, check_client_args, check_timeout
 
 log = logging.getLogger("hurray.producer")
 
@@ -64,7 +65,8 @@ def event_pool_setting(event_pool: bool | None) -> bool:
         return True
     if raw in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"HURRAY_EVENT_POOL={raw!r}: expected 1 (reuse released events) or 0 (one event per handoff)")
+    raise InvalidArgument("expected 1 (reuse released events) or 0 (one event per handoff)", where="HURRAY_EVENT_POOL",
+                          value=raw)
 
 
 class EventPool:
@@ -170,11 +172,6 @@ def _preferred_mode(mode: Any) -> SyncMode | None:
                           value=mode)
 
 
-def _check_timeout(timeout: float | None, where: str) -> None:
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
-                                or not timeout >= 0):
-        raise InvalidArgument("a timeout is a number of seconds >= 0, or None to wait without end", where=where,
-                              value=timeout)
 
 
 class Producer:
@@ -196,12 +193,13 @@ class Producer:
     def __init__(self, endpoint: str | None = None, channel: str = "default", device: str | Device = "cpu", *,
                  stream: CudaStream | None = None, prefetch: int = 1, heartbeat_s: float = 0.5,
                  timeout_s: float = 3.0, name: str | None = None, event_pool: bool | None = None):
+        check_client_args("producer", channel, prefetch, 1, heartbeat_s, timeout_s)
         self.device = open_device(device)
         self.cpu: CpuDevice = open_device("cpu")  # type: ignore[assignment]
         self.gpu: CudaDevice | None = self.device if isinstance(self.device, CudaDevice) else None
         if stream is not None and self.gpu is None:
-            raise ValueError(f"stream={stream!r} was given to a producer on {self.device.identity}, "
-                             "which has no streams")
+            raise InvalidArgument(f"stream={stream!r} was given to a producer on {self.device.identity}, "
+                                  "which has no streams")
         #: Where the producer orders device-layer Buffers it sends without ``stream=`` (enqueue your
         #: writes to ``allocate()``d buffers here), and what it passes to a CUDA DLPack exporter.
         self.stream: CudaStream | None = None
@@ -209,7 +207,7 @@ class Producer:
             self.stream = self.gpu.as_stream(stream) if stream is not None else self.gpu.create_stream()
         self.events = EventPool(self.gpu, event_pool_setting(event_pool)) if self.gpu else None
         self.staging = StagingPool(self.cpu, pin_with=self.gpu)
-        self.prefetch = max(1, prefetch)
+        self.prefetch = prefetch
         self.endpoint_info = Endpoint(self.device.identity, self.device.capabilities(), os.getpid())
         self._grants: deque[dict[str, Any]] = deque()
         self._ready = 0  # READY credits sent and not yet granted
@@ -346,9 +344,13 @@ class Producer:
     def allocate(self, size: int) -> Buffer:
         """A buffer of ``size`` bytes (an int >= 0) on the producer's device that hands off without
         a copy; yours until you send it, then the consumer's until its release."""
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        try:
+            n = operator.index(size) if not isinstance(size, bool) else -1
+        except TypeError:
+            n = -1
+        if n < 0:
             raise InvalidArgument("a size is an int of bytes >= 0", where="allocate(size=)", value=size)
-        return self.device.allocate(size)
+        return self.device.allocate(n)
 
     def _take_grant(self, timeout: float | None) -> dict[str, Any]:
         def asked(n: int) -> None:
@@ -409,7 +411,7 @@ class Producer:
         :meth:`close` or :meth:`end`, BrokerUnavailable when no broker answers.
         """
         preferred = _preferred_mode(mode)
-        _check_timeout(timeout, "send(timeout=)")
+        check_timeout(timeout, "send(timeout=)")
         src = self._source(obj, stream, preferred, meta, shape, dtype, readonly)
         try:
             while True:
@@ -479,7 +481,8 @@ class Producer:
         if stream is None:
             return None
         if self.gpu is None:
-            raise ValueError(f"send(stream={stream!r}) on a producer without a CUDA device")
+            raise InvalidArgument("a producer without a CUDA device has no streams", where="send(stream=)",
+                                  value=stream)
         return self.gpu.as_stream(stream)
 
     def _pairing(self, grant: dict[str, Any], on_gpu: bool) -> tuple[Endpoint, PairModes]:
@@ -501,7 +504,7 @@ class Producer:
         taken; one that fails raises and nothing of this call is sent. A failure later (the
         broker gone, a timeout) raises after the handoffs already sent, whose tickets stay valid."""
         preferred = _preferred_mode(mode)
-        _check_timeout(timeout, "send_many(timeout=)")
+        check_timeout(timeout, "send_many(timeout=)")
         srcs: list[Source] = []
         try:
             for obj in objs:

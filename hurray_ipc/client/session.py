@@ -26,7 +26,7 @@ from typing import Any
 
 import zmq
 
-from ..errors import ClosedError, HurrayError, HurrayTimeout
+from ..errors import ClosedError, HurrayError, HurrayTimeout, InvalidArgument
 from ..transport.liveness import process_lease
 from ..transport.protocol import (
     BROKER_VERBS,
@@ -89,6 +89,26 @@ class RemoteError(HurrayError, RuntimeError):
         self.code = code
         self.header = header or {}
         super().__init__(f"broker refused: {code}: {message}")
+
+
+def check_timeout(timeout: float | None, where: str) -> None:
+    """A timeout is None (no end) or a number of seconds >= 0; else InvalidArgument naming ``where``."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                                or not timeout >= 0):
+        raise InvalidArgument("a timeout is a number of seconds >= 0, or None to wait without end", where=where,
+                              value=timeout)
+
+
+def check_client_args(role: str, channel: Any, prefetch: Any, low: int, heartbeat_s: Any, timeout_s: Any) -> None:
+    """What a Producer or Consumer is constructed with, checked before anything connects."""
+    cls = role.capitalize()
+    if not isinstance(channel, str) or not 1 <= len(channel) <= 256:
+        raise InvalidArgument("a channel is a name of 1 to 256 characters", where=f"{cls}(channel=)", value=channel)
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < low:
+        raise InvalidArgument(f"prefetch is an int >= {low}", where=f"{cls}(prefetch=)", value=prefetch)
+    for name, v in (("heartbeat_s", heartbeat_s), ("timeout_s", timeout_s)):
+        if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+            raise InvalidArgument("a number of seconds > 0", where=f"{cls}({name}=)", value=v)
 
 
 class Session:
@@ -287,7 +307,9 @@ class Session:
             if now - self.last_rx > self.timeout_s:
                 raise BrokerUnavailable(self._silence(now, start, what))
             if deadline is not None and now >= deadline:
-                raise HurrayTimeout(f"timed out after {timeout} s while {what}")
+                never = "" if self.broker_session is not None else (
+                    f"; no broker has answered at {self.endpoint} yet: {unavailable_hint(self.endpoint)}")
+                raise HurrayTimeout(f"timed out after {timeout} s while {what}{never}")
 
     def _pump_once(self, until: Callable[[], bool], deadline: float | None, out: list[Callback]) -> bool:
         if self.deferred:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from ..errors import InvalidArgument
 from ..format.handle import BufferHandle, DeviceTag, HandleError, SyncMode
 
 
@@ -22,7 +23,7 @@ class Transport(enum.Enum):
         for t in cls:
             if text in (t.value, t.name, t.name.lower()):
                 return t
-        raise ValueError(f"unknown transport {text!r}; expected one of {', '.join(t.value for t in cls)}")
+        raise InvalidArgument(f"unknown transport {text!r}; expected one of {', '.join(t.value for t in cls)}")
 
 
 @dataclass(frozen=True)

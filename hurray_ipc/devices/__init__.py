@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import InvalidArgument
 from .backend import backend_name, get_runtime, set_runtime
 from .base import Buffer, Device, DeviceCapabilities, DeviceIdentity, Event, MemoryExport, Stream, host_id
 from .cpu import CpuDevice
@@ -13,7 +14,9 @@ from .errors import DeviceError, RaceError
 
 
 def parse_spec(spec: str) -> tuple[str, int]:
-    """'cpu' -> ('cpu', 0); 'cuda' / 'cuda:N' -> ('cuda', N)."""
+    """'cpu' -> ('cpu', 0); 'cuda' / 'cuda:N' -> ('cuda', N); InvalidArgument otherwise."""
+    if not isinstance(spec, str):
+        raise InvalidArgument("a device is 'cpu', 'cuda:N' or a Device", where="device=", value=spec)
     s = spec.strip().lower()
     if s == "cpu":
         return "cpu", 0
@@ -21,7 +24,7 @@ def parse_spec(spec: str) -> tuple[str, int]:
         return "cuda", 0
     if s.startswith("cuda:") and s[5:].isdigit():
         return "cuda", int(s[5:])
-    raise ValueError(f"device {spec!r}: expected 'cpu' or 'cuda:N'")
+    raise InvalidArgument("a device is 'cpu' or 'cuda:N'", where="device=", value=spec)
 
 
 _open: dict[str, Device] = {}

@@ -5,8 +5,10 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+from ..errors import InvalidArgument, UnsupportedObject
 from ..format.handle import DeviceTag
 from .backend import Runtime, get_runtime
+from .backend.driver import with_emulation_hint
 from .base import (
     Buffer,
     Device,
@@ -134,7 +136,7 @@ class CudaDevice(Device):
         self.rt = runtime or get_runtime()
         why = self.rt.probe()
         if why is not None:
-            raise DeviceError("CudaDevice", f"CUDA unavailable: {why}")
+            raise DeviceError("CudaDevice", with_emulation_hint(f"CUDA unavailable: {why}"))
         n = self.rt.device_count()
         if not 0 <= ordinal < n:
             raise DeviceError("CudaDevice", f"cuda:{ordinal} does not exist ({n} device(s))")
@@ -250,32 +252,33 @@ class CudaDevice(Device):
         protocol (cuda.core, recent CuPy/PyTorch: ``(0, cudaStream_t address)``); a raw
         ``cudaStream_t`` int: 0 or 1 the legacy default stream, 2 the per-thread default stream,
         anything else a stream handle. The same handle always gives the same object, so streams
-        compare by identity. Raises TypeError/ValueError naming the offending value otherwise.
+        compare by identity. Raises UnsupportedObject (a TypeError) or InvalidArgument (a ValueError)
+        naming the offending value otherwise.
         """
         if isinstance(obj, CudaStream):
             if obj.device is not self and obj.device.rt is not self.rt:
-                raise ValueError(f"stream {obj!r} belongs to another CUDA runtime, not to cuda:{self.ordinal}")
+                raise InvalidArgument(f"stream {obj!r} belongs to another CUDA runtime, not to cuda:{self.ordinal}")
             if obj.raw is None:
-                raise ValueError(f"stream {obj!r} was closed")
+                raise InvalidArgument(f"stream {obj!r} was closed")
             return obj
         if hasattr(obj, "__cuda_stream__"):
             got = obj.__cuda_stream__()
             if (not isinstance(got, tuple) or len(got) != 2 or not all(isinstance(x, int) for x in got)):
-                raise TypeError(f"{type(obj).__name__}.__cuda_stream__() returned {got!r}; "
-                                "the protocol wants a (version, cudaStream_t address) tuple of ints")
+                raise UnsupportedObject(f"{type(obj).__name__}.__cuda_stream__() returned {got!r}; "
+                                        "the protocol wants a (version, cudaStream_t address) tuple of ints")
             if got[0] != 0:
-                raise ValueError(f"{type(obj).__name__}.__cuda_stream__() speaks protocol version {got[0]}; "
-                                 "only version 0 is understood")
+                raise InvalidArgument(f"{type(obj).__name__}.__cuda_stream__() speaks protocol version {got[0]}; "
+                                      "only version 0 is understood")
             return self._stream_of_handle(got[1], f"{type(obj).__name__}.__cuda_stream__()")
         if isinstance(obj, int) and not isinstance(obj, bool):
             return self._stream_of_handle(obj, "stream")
-        raise TypeError(f"not a CUDA stream: {obj!r} ({type(obj).__name__}); pass a CudaStream, an object with "
-                        "__cuda_stream__ (cuda.core, CuPy, PyTorch) or a cudaStream_t int (1: legacy default, "
-                        "2: per-thread default)")
+        raise UnsupportedObject(f"not a CUDA stream: {obj!r} ({type(obj).__name__}); pass a CudaStream, an object "
+                                "with __cuda_stream__ (cuda.core, CuPy, PyTorch) or a cudaStream_t int (1: legacy "
+                                "default, 2: per-thread default)")
 
     def _stream_of_handle(self, handle: int, what: str) -> CudaStream:
         if handle < 0:
-            raise ValueError(f"{what} gave cudaStream_t {handle}; stream handles are >= 0")
+            raise InvalidArgument(f"{what} gave cudaStream_t {handle}; stream handles are >= 0")
         known = self._by_handle.get(handle)
         if known is not None and known.raw is not None:
             return known

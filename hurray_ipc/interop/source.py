@@ -211,6 +211,8 @@ def resolve(obj: Any, cpu: CpuDevice, gpu: CudaDevice | None, stream: CudaStream
         cai = None
     if cai is not None:
         return _cai_source(obj, cai, _need_gpu(gpu), stream, own_stream)
+    if isinstance(obj, np.ndarray):
+        return _host_source(obj, cpu)  # checks the dtype itself (numpy exports no datetime by DLPack)
     if hasattr(obj, "__dlpack_device__") and not _has_buffer(obj):
         dev_type, _ = obj.__dlpack_device__()
         if int(dev_type) == dlpack.KDL_CUDA:

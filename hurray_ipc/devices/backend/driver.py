@@ -131,6 +131,17 @@ def diagnose(driver: Version | None, bindings: Version | None) -> str | None:
     return None
 
 
+EMULATION_HINT = "no GPU here? HURRAY_CUDA=emulated runs the same code on the project's CUDA emulation"
+
+
+def with_emulation_hint(message: str) -> str:
+    """``message`` plus how to run without a GPU, where this machine has no NVIDIA driver (with
+    a driver the message's own fix applies) and the message does not say it already."""
+    if EMULATION_HINT in message or driver_cuda_version() is not None:
+        return message
+    return f"{message} ({EMULATION_HINT})"
+
+
 def main(argv: list[str]) -> int:
     """``extra``: the extra for this driver (an empty line without one); ``hint``: :func:`install_hint`."""
     queries = ("extra", "hint")

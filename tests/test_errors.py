@@ -1,0 +1,149 @@
+"""Every misuse a new user meets gets a typed, one-line error naming what, where and the value
+(issue 21): a HurrayError that is also the builtin a numpy or torch user catches."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import hurray_ipc
+from hurray_ipc import (
+    AlreadyReleasedError,
+    BrokerUnavailable,
+    ClosedError,
+    Consumer,
+    DeviceError,
+    HurrayError,
+    HurrayTimeout,
+    InvalidArgument,
+    Producer,
+    SyncMode,
+    UnsupportedObject,
+)
+
+BUILTIN = {InvalidArgument: ValueError, UnsupportedObject: TypeError, ClosedError: RuntimeError,
+           DeviceError: RuntimeError, AlreadyReleasedError: RuntimeError, HurrayTimeout: TimeoutError}
+
+
+def refused(call: Any, error: type[BaseException], *words: str) -> str:
+    with pytest.raises(error) as e:
+        call()
+    msg = str(e.value)
+    assert isinstance(e.value, HurrayError) and isinstance(e.value, BUILTIN.get(error, error)), type(e.value).__mro__
+    assert "\n" not in msg and len(msg) < 600, msg
+    for w in words:
+        assert w in msg, (w, msg)
+    return msg
+
+
+def test_the_hierarchy_is_exported_and_each_is_its_builtin_too():
+    for name in ("HurrayError", "InvalidArgument", "UnsupportedObject", "ExportRefused", "HurrayTimeout",
+                 "ClosedError", "EndOfStream", "BrokerUnavailable", "RemoteError", "ProducerGone", "DeviceError",
+                 "HandleError", "HandoffError", "AlreadyReleasedError"):
+        assert issubclass(getattr(hurray_ipc, name), HurrayError), name
+        assert name in hurray_ipc.__all__
+    assert issubclass(hurray_ipc.ExportRefused, BufferError) and issubclass(hurray_ipc.EndOfStream, EOFError)
+    assert issubclass(hurray_ipc.BrokerUnavailable, ConnectionError)
+    assert SyncMode.SYNC_EVENT is SyncMode.EVENT and SyncMode.SYNC_CONSUMER_STREAM is SyncMode.CONSUMER_STREAM
+    assert [m.wire_name for m in SyncMode] == ["SYNC_PRODUCER_SYNCED", "SYNC_EVENT", "SYNC_CONSUMER_STREAM"]
+
+
+def test_constructor_arguments_are_checked_before_anything_connects(tmp_path):
+    ep = f"ipc://{tmp_path}/none.sock"
+    refused(lambda: Producer(ep, channel=""), InvalidArgument, "Producer(channel=)", "1 to 256 characters")
+    refused(lambda: Consumer(ep, channel="x" * 300), InvalidArgument, "Consumer(channel=)")
+    refused(lambda: Producer(ep, "c", prefetch=0), InvalidArgument, "Producer(prefetch=)", ">= 1", "got 0")
+    refused(lambda: Consumer(ep, "c", prefetch=-1), InvalidArgument, "Consumer(prefetch=)", "-1")
+    refused(lambda: Producer(ep, "c", timeout_s=0), InvalidArgument, "Producer(timeout_s=)")
+    refused(lambda: Producer(ep, "c", device="gpu"), InvalidArgument, "device=", "'cpu' or 'cuda:N'", "'gpu'")
+    refused(lambda: Producer("/tmp/x.sock", "c"), InvalidArgument, "endpoint=", "did you mean ipc:///tmp/x.sock")
+
+
+def test_cuda_without_a_gpu_names_the_emulation(monkeypatch):
+    monkeypatch.delenv("HURRAY_CUDA", raising=False)
+    from hurray_ipc.devices import CudaDevice
+    from hurray_ipc.devices.backend import real
+
+    monkeypatch.setattr(real.RealRuntime, "probe", lambda self: "no NVIDIA driver found")
+    monkeypatch.setattr("hurray_ipc.devices.backend.driver.driver_cuda_version", lambda: None)
+    refused(lambda: CudaDevice(0, runtime=real.RealRuntime()), DeviceError, "CUDA unavailable",
+            "HURRAY_CUDA=emulated")
+
+
+def test_what_send_refuses_and_how(broker):
+    with Producer(broker.endpoint, "refuse", "cpu") as p:
+        refused(lambda: p.send([1, 2, 3]), UnsupportedObject, "send()", "cannot hand off a list", "numpy.asarray")
+        refused(lambda: p.send({"a": 1}), UnsupportedObject, "cannot hand off a dict")
+        refused(lambda: p.send(np.array(["2020-01-01"], dtype="datetime64[D]")), UnsupportedObject,
+                "dtype datetime64[D]", "only numbers and bools")
+        refused(lambda: p.send(np.arange(12.0).reshape(3, 4)[:, ::2]), InvalidArgument, "strides (32, 16)",
+                "numpy.ascontiguousarray")
+        refused(lambda: p.send(b"x", mode="EVENT"), InvalidArgument, "send(mode=)", "SYNC_EVENT is for GPU buffers")
+        refused(lambda: p.send(b"x", mode=3), InvalidArgument, "send(mode=)")
+        refused(lambda: p.send(b"x", timeout="5"), InvalidArgument, "send(timeout=)", "'5'")
+        refused(lambda: p.send(b"x", stream=1), InvalidArgument, "send(stream=)", "without a CUDA device")
+        refused(lambda: p.allocate(-1), InvalidArgument, "allocate(size=)", "-1")
+        refused(lambda: p.allocate(1.5), InvalidArgument, "allocate(size=)", "1.5")
+        assert p.allocate(np.int64(8)).size == 8
+        assert not p._out and not p._grants  # none of it took anything
+
+
+def test_receive_and_handoff_misuse(broker):
+    with Consumer(broker.endpoint, "misuse", "cpu") as c, Producer(broker.endpoint, "misuse", "cpu") as p:
+        refused(lambda: c.receive(timeout=-1), InvalidArgument, "receive(timeout=)", "-1")
+        refused(lambda: Consumer(broker.endpoint, "misuse", "cpu", stream=5), InvalidArgument, "has no streams")
+        refused(lambda: c.receive(timeout=0), HurrayTimeout, "timed out after 0 s", "channel 'misuse'")
+        p.send(np.arange(3), timeout=5)
+        h = c.receive(timeout=5)
+        refused(lambda: h.buffer.__dlpack__(stream=3), InvalidArgument, "takes only None")
+        refused(lambda: h.buffer.copy_to_host(bytearray(2)), InvalidArgument, "exactly 24 bytes")
+        h.release()
+        refused(h.release, AlreadyReleasedError, "already released")
+        refused(h.numpy, AlreadyReleasedError, "was released")
+
+
+def test_after_close_every_call_is_a_closed_error(broker):
+    p = Producer(broker.endpoint, "closed", "cpu")
+    c = Consumer(broker.endpoint, "closed", "cpu")
+    p.close()
+    c.close()
+    refused(lambda: p.send(b"x"), ClosedError, "was closed before send")
+    refused(lambda: p.send_many([b"x"]), ClosedError, "was closed")
+    p.end()  # close() ended the stream already: nothing to do
+    refused(lambda: c.receive(timeout=1), ClosedError, "was closed", "channel 'closed'")
+    q = Producer(broker.endpoint, "closed", "cpu")
+    q.close(end=False)
+    refused(q.end, ClosedError, "was closed before end()")
+    assert list(c) == []  # iterating a closed consumer just ends
+    p.close()
+    c.close()  # idempotent
+
+
+def test_without_a_broker_the_error_says_so_and_how_to_start_one(tmp_path):
+    ep = f"ipc://{tmp_path}/none.sock"
+    with Consumer(ep, "nobroker", "cpu", heartbeat_s=0.1, timeout_s=1.0) as c:
+        msg = refused(lambda: c.receive(timeout=0.3), HurrayTimeout, "no broker has answered", "does not exist",
+                      "hurray-broker --daemon")
+        assert "timed out after 0.3 s" in msg
+        t0 = time.monotonic()
+        msg = str(pytest.raises(BrokerUnavailable, c.receive, timeout=10).value)
+        waited = time.monotonic() - t0
+        assert "no broker answered" in msg and "hurray-broker --daemon" in msg and "does not exist" in msg
+        assert f"this call waited {waited:.1f} s" in msg or f"this call waited {waited - 0.1:.1f} s" in msg, msg
+
+
+def test_ctrl_c_leaves_a_producer_at_once_without_ending_the_stream(broker):
+    """A handoff is outstanding (delivered, not released): a normal close waits up to 5 s for its
+    release; leaving through Ctrl-C does not wait, and does not end the stream."""
+    with Consumer(broker.endpoint, "ctrlc", "cpu") as c:
+        pytest.raises(HurrayTimeout, c.receive, timeout=0)  # asks for one
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt), Producer(broker.endpoint, "ctrlc", "cpu") as p:
+            p.send(b"held", timeout=5)
+            raise KeyboardInterrupt
+        assert time.monotonic() - t0 < 2.5, "close waited for the release (5 s) after Ctrl-C"
+        pytest.raises(HurrayTimeout, c.receive, timeout=1)  # the producer went: its buffer with it
+        assert not c.ended
