@@ -392,9 +392,11 @@ class BrokerCore:
             self.stats.undeliverable += 1
         n = self.stats.dropped_full + self.stats.undeliverable
         if n & (n - 1) == 0 or n % 1000 == 0:  # 1, 2, 4, ... then every 1000th: a flood must not flood the log
-            log.warning(json.dumps({"event": "send_failed", "why": why, "client": rid.decode(errors="replace")[:32],
-                                    "verb": msg.verb, "undeliverable": self.stats.undeliverable,
-                                    "dropped_full": self.stats.dropped_full}))
+            # A reply to a client that already left (a PONG crossing its BYE) is expected, not an anomaly.
+            level = logging.WARNING if rid in self.clients else logging.INFO
+            log.log(level, json.dumps({"event": "send_failed", "why": why, "client": rid.decode(errors="replace")[:32],
+                                       "verb": msg.verb, "undeliverable": self.stats.undeliverable,
+                                       "dropped_full": self.stats.dropped_full}))
         return self._take()
 
     def client_gone(self, rid: bytes, why: str) -> list[Out]:

@@ -2,7 +2,7 @@
 
 Starts a broker process, then producer and consumer worker processes (spawned: CUDA and ZeroMQ
 contexts do not survive fork) that hand checksummed buffers to each other in every sync mode and
-through the host-staged fallback, on a real GPU when one is present and on the emulated CUDA
+through the host-staged fallback, and one whose consumer stops by itself at the end of the stream, on a real GPU when one is present and on the emulated CUDA
 runtime otherwise. Exits non-zero if any buffer arrived corrupt, any race was found, or any release went
 missing.
 """
@@ -92,17 +92,18 @@ def in_process(endpoint: str, env: dict[str, str], count: int, size: int) -> dic
 
 
 def scenario(endpoint: str, name: str, pdev: str, cdev: str, env: dict[str, str], count: int, size: int,
-             mode: str | None = None) -> dict[str, Any]:
-    ch = name.replace(" ", "-")
-    pc, qc = workload.spawn(workload.run_consumer, endpoint=endpoint, channel=ch, device=cdev, count=count, env=env,
-                    keep_seen=False)
+             mode: str | None = None, ends: bool = False) -> dict[str, Any]:
+    """``ends``: the producer ends its stream and the consumer, given no count, stops at that end."""
+    ch = name.replace(" ", "-").replace(",", "")
+    pc, qc = workload.spawn(workload.run_consumer, endpoint=endpoint, channel=ch, device=cdev,
+                            count=None if ends else count, env=env, keep_seen=False)
     pp, qp = workload.spawn(workload.run_producer, endpoint=endpoint, channel=ch, device=pdev, count=count, size=size,
-                    mode=mode, env=env)
+                            mode=mode, env=env, end_stream=ends)
     t0 = time.perf_counter()
     pr, cr = qp.get(timeout=120), qc.get(timeout=120)
     dt = time.perf_counter() - t0
     pp.join(10), pc.join(10)
-    return {"name": name, "producer": pr, "consumer": cr, "seconds": dt}
+    return {"name": name, "producer": pr, "consumer": cr, "seconds": dt, "ends": ends}
 
 
 def pasteable(prog: str, args: list[str], env: dict[str, str], shell: dict[str, str]) -> str:
@@ -167,6 +168,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             scenario(endpoint, "gpu to gpu", "cuda:0", "cuda:0", env, a.count, a.size),
             scenario(endpoint, "gpu to gpu synced", "cuda:0", "cuda:0", env, a.count, a.size, "PRODUCER_SYNCED"),
             scenario(endpoint, "gpu to cpu consumer", "cuda:0", "cpu", env, a.count, a.size),
+            scenario(endpoint, "gpu, stream ends", "cuda:0", "cuda:0", env, a.count, a.size, ends=True),
         ]
         p, q = workload.spawn(in_process, endpoint=endpoint, env=env, count=a.count, size=a.size)
         t0 = time.perf_counter()
@@ -192,9 +194,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         print(f"{run['name']:<22} {modes:<46} {cr.get('staged', 0):>6} {cr.get('intact', 0):>7} "
               f"{cr.get('corrupt', 0):>7} {races:>5} {pr.get('released', 0):>8}")
         ok &= (cr.get("corrupt", 1) == 0 and races == 0 and cr.get("intact") == a.count
-               and pr.get("released") == a.count)
+               and pr.get("released") == a.count and (not run.get("ends") or cr.get("ended") is True))
     print("\nall handoffs intact, no race (happens-before check on the emulation), every buffer released "
-          "exactly once; broker stopped" if ok else "\nDEMO FAILED")
+          "exactly once, the ended stream stopped its consumer; broker stopped" if ok else "\nDEMO FAILED")
     return 0 if ok else 1
 
 
