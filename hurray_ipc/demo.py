@@ -2,9 +2,10 @@
 
 Starts a broker process, then producer and consumer worker processes (spawned: CUDA and ZeroMQ
 contexts do not survive fork) that hand checksummed buffers to each other in every sync mode and
-through the host-staged fallback, and one whose consumer stops by itself at the end of the stream, on a real GPU when one is present and on the emulated CUDA
-runtime otherwise. Exits non-zero if any buffer arrived corrupt, any race was found, or any release went
-missing.
+through the host-staged fallback, and a pair whose consumer stops by itself at the end of the
+stream; on a real GPU when one is present and on the emulated CUDA runtime otherwise. Exits
+non-zero if any buffer arrived corrupt, any race was found, any release went missing, or the
+ended stream did not stop its consumer.
 """
 
 from __future__ import annotations
