@@ -253,8 +253,10 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
     from .errors import EndOfStream
 
     rep = ConsumerReport()
+    dev: Any = None
     try:
         with Consumer(endpoint, channel, device) as c:
+            dev = c.device
             reader = c.gpu.create_stream() if inject == "wrong-stream" and c.gpu is not None else c.stream
             # early-release: the stream the release is (wrongly) fenced on; nothing runs on it.
             fence = c.gpu.create_stream() if inject == "early-release" and c.gpu is not None else None
@@ -325,4 +327,7 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
                     release(h)
     except Exception:  # noqa: BLE001 - not swallowed: the traceback goes to the parent in rep.error
         rep.error = traceback.format_exc()
+    # Every race the checker recorded here, also those no read raised (an unmap checked against
+    # the exporter's free, ...): reads that raised RaceError are among them.
+    rep.races = max(rep.races, emulated_races(dev))
     return asdict(rep)

@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TESTS = ["tests/test_races.py", "tests/test_paths.py", "tests/test_clients.py", "tests/test_devices.py",
          "tests/test_stress.py"]
 
+PATHS = ["tests/test_paths.py"]
 GIVE_BACK = ["tests/test_give_back.py"]
 END_OF_STREAM = ["tests/test_end_of_stream.py"]
 GPU_READABLE = ["tests/test_gpu_readable.py"]
@@ -46,6 +47,24 @@ MUTANTS: dict[str, tuple[str, ...]] = {
     "release-after-work": ("hurray_ipc/client/consumer.py",
                            "        self._consumer._release_after(self, fences)\n",
                            "        self._consumer._release_after(self, [])  # MUTANT: early RELEASE\n"),
+    # Issue 22's library mutants that no test caught before.
+    "release-fences-own-stream": ("hurray_ipc/client/consumer.py",
+                                  "        for s in self._waited + [self.consumer_stream, self._consumer.stream]:\n",
+                                  "        for s in [self.consumer_stream, self._consumer.stream]:  # MUTANT\n",
+                                  *PATHS),
+    "release-last-fence": ("hurray_ipc/client/consumer.py",
+                           "            if all(ev.query() for ev in fences):\n",
+                           "            if not fences or fences[-1].query():  # MUTANT: last recorded, last done\n",
+                           *PATHS),
+    "synced-own-stream": ("hurray_ipc/client/producer.py",
+                          "        if mode is SyncMode.PRODUCER_SYNCED:\n            stream.synchronize()\n",
+                          "        if mode is SyncMode.PRODUCER_SYNCED:\n"
+                          "            (self.stream or stream).synchronize()  # MUTANT: not the writing stream\n",
+                          *PATHS),
+    "release-before-unmap": ("hurray_ipc/client/consumer.py",
+                             "        self._raw.close()\n        self._consumer._send_release(\"RELEASE\", self)\n",
+                             "        self._consumer._send_release(\"RELEASE\", self)\n"
+                             "        self._raw.close()  # MUTANT: the mapping outlives the RELEASE\n", *PATHS),
     # A failed send gives back what it took (issue 21): each mutant drops one give-back.
     "give-back-grant": ("hurray_ipc/client/producer.py",
                         "                        self._regrant(grant)  # unused: the next send takes it\n",

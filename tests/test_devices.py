@@ -154,6 +154,8 @@ def test_cuda_import_closes_mapping_when_last_reference_goes():
     assert importer.import_cache.opens == 2
     c.close()
     assert len(closed) == 2 and not importer.rt._allocs, "no mapping left open in the importer"
+    importer.order_send("test-devices-release")  # the RELEASE: the exporter frees after the unmap
+    exporter.order_receive("test-devices-release")
     buf.close(), exporter.close(), importer.close()
 
 

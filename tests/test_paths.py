@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from brokerproc import BrokerProcess
-from conftest import emu_config
+from conftest import Proc, emu_config
 from hurray_ipc import InvalidArgument, workload
 from hurray_ipc.client import Consumer, Producer
 from hurray_ipc.devices import CudaDevice, DeviceError, RaceError, set_runtime
@@ -405,3 +405,91 @@ def test_dlpack_orders_the_callers_stream(broker, delay, stream):
             assert workload.verify(out) == (7, 11, True)
             del capsule
         assert not rt.races
+
+
+# --- rules the issue-22 mutants broke without a test noticing ------------------------------------------
+@pytest.mark.parametrize("delay", DELAYS)
+@pytest.mark.parametrize("how", ["wait_stream", "dlpack_stream", "two_streams"])
+def test_release_waits_for_reads_on_every_stream_the_handoff_was_ordered_on(broker, delay, how):
+    """release() without stream= fences every stream the handoff was ordered on, not only the
+    consumer's own: reads on a stream given to wait() or to __dlpack__(stream=) are still pending
+    when release() returns, and the producer rewrites the buffer as soon as RELEASED arrives.
+    Mutants caught: a release that fences only the consumer's stream, and one that sends RELEASE
+    once the last-recorded fence completed (the consumer's idle stream, recorded last)."""
+    with emulated(delay) as (rt, dev):
+        with Producer(broker.endpoint, f"every-{how}", dev) as p, Consumer(broker.endpoint, f"every-{how}", dev) as c:
+            buf = p.allocate(SIZE)
+            p.stream.copy(buf, workload.pattern(7, 9, SIZE))
+            th = _send_in_thread(p, buf)
+            h = c.receive(timeout=10)
+            s1, s2 = dev.create_stream(), dev.create_stream()
+            if how == "wait_stream":
+                h.wait(s1)
+                outs = [_read(c, h, s1)]
+            elif how == "dlpack_stream":
+                h.wait(s2)
+                h.buffer.__dlpack__(stream=s1.handle, max_version=(1, 0))  # orders s1; the capsule is dropped
+                outs = [_read(c, h, s1)]
+            else:
+                h.wait(s1, s2)
+                outs = [_read(c, h, s1), _read(c, h, s2)]
+            h.release()
+            th.join(10)
+            p.flush(10)  # RELEASED: the producer reuses the buffer at once
+            p.stream.memset(buf, 0)
+            caught = _drain(rt, p.stream, s1, s2, c.stream)
+            buf.close()
+    assert not caught and not rt.races
+    assert [workload.verify(o) for o in outs] == [(7, 9, True)] * len(outs)
+
+
+@pytest.mark.parametrize("delay", DELAYS)
+@pytest.mark.parametrize("how", ["send_stream", "cai_stream"])
+def test_producer_synced_host_waits_the_stream_the_writes_are_on(broker, delay, how):
+    """PRODUCER_SYNCED host-waits the stream the buffer was written on (send(stream=), or the
+    stream a CAI object names), not the producer's own idle stream: the consumer reads at once,
+    with no wait (the mode says it needs none). Mutant caught: the host wait on self.stream."""
+    with emulated(delay) as (rt, dev):
+        with Producer(broker.endpoint, f"synced-{how}", dev) as p, \
+                Consumer(broker.endpoint, f"synced-{how}", dev) as c:
+            writer = dev.create_stream()
+            if how == "send_stream":
+                buf = p.allocate(SIZE)
+                writer.copy(buf, workload.pattern(7, 4, SIZE))  # still in flight at send
+                obj, kw = buf, {"stream": writer}
+            else:
+                arr = FakeCaiArray(dev, 4, stream=writer)
+                obj, kw = arr, {}
+            th = threading.Thread(target=lambda: p.send(obj, SyncMode.PRODUCER_SYNCED, **kw), daemon=True)
+            th.start()
+            h = c.receive(timeout=10)
+            assert h.sync_mode is SyncMode.PRODUCER_SYNCED
+            out = _read(c, h)  # no wait: the producer's host already waited for the writes
+            caught = _drain(rt, c.stream, writer)
+            h.release()
+            th.join(10)
+            p.flush(10)
+    assert not caught and not rt.races
+    assert workload.verify(out) == (7, 4, True)
+
+
+@pytest.mark.parametrize("delay", DELAYS)
+def test_the_exporter_frees_only_after_the_importer_closed_its_mapping(broker, delay):
+    """A consumer process closes its IPC mapping (cudaIpcCloseMemHandle) before its RELEASE is
+    sent; the producer frees each buffer as soon as it is released. A free before the importer's
+    close is undefined behaviour in CUDA; the emulation checks the close against the free
+    (devices/DESIGN.md), so the mutant that sends RELEASE before the close fails on whichever side
+    completes the pair. Both processes' race counts are checked."""
+    env = emu_config(op_delay_s=delay).to_env()
+    cons = Proc(workload.run_consumer, endpoint=broker.endpoint, channel="unmap", device="cuda:0", count=3, env=env)
+    with emulated(delay) as (rt, dev):
+        with Producer(broker.endpoint, "unmap", dev) as p:
+            for i in range(3):
+                buf = p.allocate(SIZE)
+                p.stream.copy(buf, workload.pattern(7, i, SIZE))
+                p.send(buf, SyncMode.EVENT, on_release=lambda t, b=buf: b.close(), timeout=10)
+            p.flush(10)
+        races = list(rt.races)
+    r = cons.result()
+    assert r["error"] is None and r["intact"] == 3
+    assert r["races"] == 0 and not races, (r["races"], races)

@@ -177,8 +177,10 @@ def _release_before_work(w: World, broken: bool, *, then: str):
     cev.close()
     out = np.empty(N, dtype=np.uint8)
     w.cs.copy(out, cbuf)
+    if not broken:
+        w.cs.synchronize()
+    cbuf.close()  # the importer unmaps before its RELEASE, as the library does
     race = give_back(w, buf, ev, after_work=not broken, rewrite=then == "rewrite", free=then == "free")
-    cbuf.close()
     return race, np.array_equal(out, data)
 
 
@@ -188,6 +190,30 @@ def release_before_work_then_rewrite(w: World, broken: bool):
 
 def release_before_work_then_free(w: World, broken: bool):
     return _release_before_work(w, broken, then="free")
+
+
+def release_before_unmap_then_free(w: World, broken: bool):
+    """The exporter frees an allocation only after every importer closed its mapping (CUDA: a
+    cudaFree before the importer's cudaIpcCloseMemHandle is undefined). Kept: the consumer unmaps,
+    then releases; broken: it releases, the producer frees, and it unmaps afterwards."""
+    buf, data, ev = produce(w, mode="event")
+    cbuf = w.C.import_memory(w.P.export_memory(buf))
+    cev = w.C.import_event(ev.export())
+    w.cs.wait(cev)
+    cev.close()
+    out = np.empty(N, dtype=np.uint8)
+    w.cs.copy(out, cbuf)
+    w.cs.synchronize()  # the read is done in both variants: only the unmap is out of order
+    if not broken:
+        cbuf.close()
+    w.message(w.C, w.P)  # RELEASE
+    ev.close()
+    buf.close()  # cudaFree
+    race = sync(w.ps)
+    if broken:
+        cbuf.close()  # the unmap after the free: found here if the free did not find it
+        race = race or sync(w.cs)
+    return race, np.array_equal(out, data)
 
 
 def two_streams_write_same_bytes(w: World, broken: bool):
@@ -249,7 +275,7 @@ def host_learns_by_query(w: World, broken: bool):
 
 SCENARIOS = [skip_wait, wait_one_read_another, producer_synced_without_host_wait, record_on_wrong_stream,
              undeclared_consumer_stream, release_before_work_then_rewrite, release_before_work_then_free,
-             two_streams_write_same_bytes, wait_orders_after_latest_record_at_call_time, host_learns_by_query]
+             release_before_unmap_then_free, two_streams_write_same_bytes, wait_orders_after_latest_record_at_call_time, host_learns_by_query]
 
 
 @pytest.mark.parametrize("delay", [0.0, LARGE_DELAY], ids=["delay0", "delay250ms"])

@@ -209,6 +209,14 @@ class _Alloc:
         return [hb.describe(kind, self.seg.name, rec, other, a, b) for kind, other, a, b in races]
 
 
+def _mapping_end(a: _Alloc) -> int:
+    """The address of the byte past an allocation that stands for its IPC mappings in the race
+    check: an importer's cudaIpcCloseMemHandle reads it, the exporter's cudaFree writes it (with
+    the whole allocation), so a free not ordered after every close is a race, and nothing else
+    (a close is no access to the bytes) conflicts with a close."""
+    return a.base + max(a.size, 1)
+
+
 class _Event:
     """Shared state: [magic, recorded, completed, owner_pid] counters, then the latest record's clock."""
 
@@ -512,8 +520,8 @@ class EmulatedRuntime(Runtime):
         if a.imported:
             raise DeviceError("cudaFree", "pointer came from cudaIpcOpenMemHandle; close it instead",
                               code="cudaErrorInvalidValue")
-        if self.checking:
-            self._host_access(a, "cudaFree")  # must be ordered after every other process's use
+        if self.checking:  # ordered after every other process's use, and after every importer's close
+            self._host_access(a, "cudaFree", a.base, _mapping_end(a) + 1 - a.base)
         self._drop(a)
 
     @staticmethod
@@ -595,6 +603,8 @@ class EmulatedRuntime(Runtime):
         if not a.imported:
             raise DeviceError("cudaIpcCloseMemHandle", "pointer was not opened from an IPC handle",
                               code="cudaErrorInvalidValue")
+        if self.checking:  # the exporter's cudaFree must come after this close (devices/DESIGN.md)
+            self._host_access(a, "cudaIpcCloseMemHandle", _mapping_end(a), 1, is_write=False)
         self._drop(a)
 
     def host_register(self, ptr: int, nbytes: int) -> None:
