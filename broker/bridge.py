@@ -57,6 +57,7 @@ from hurray_ipc.client.endpoint import default_endpoint
 from hurray_ipc.contract.sync import check_network_handle
 from hurray_ipc.devices import CudaDevice, DeviceError, open_device, shm
 from hurray_ipc.devices.base import Mapping
+from hurray_ipc.errors import EndOfStream
 from hurray_ipc.format.handle import BufferHandle, HandleError, SyncMode
 from hurray_ipc.interop import dlpack
 from hurray_ipc.transport.protocol import (
@@ -677,6 +678,10 @@ class BridgeOut:
                 h = self.consumer.receive(timeout=0)
             except TimeoutError:
                 return True
+            except EndOfStream:
+                # Every producer of the channel here ended (ipc-protocol.md §4.9): nothing to carry
+                # until one registers again. The end itself does not cross the link.
+                return False
             except BrokerUnavailable:
                 return False  # the session says hello again on its own; nothing to wait on meanwhile
             rid = min(ready, key=lambda r: self.peers[r].get("last", 0))
@@ -1283,7 +1288,9 @@ class BridgeIn:
                                  "nixl_registrations": self.engine.registered_total if self.engine else None}))
             for p in list(self.partials.values()):
                 self._discard(p, "closing")
-            self.producer.close()  # held buffers come back to the pool (or are freed) first
+            # Held buffers come back to the pool (or are freed) first. A bridge stopping does not
+            # end the stream of the channel it feeds: its upstream producers did not end it.
+            self.producer.close(end=False)
             while self.bounced:
                 _, buf, back = self.bounced.popleft()
                 back(buf)

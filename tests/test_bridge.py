@@ -106,6 +106,42 @@ def test_arrays_and_user_metadata_cross_the_bridges_as_sent(two_brokers):
         stop(out), stop(inn)
 
 
+def _channel_state(endpoint, channel):
+    """The broker's own view of ``channel`` (STATS): its producers and whether it is ended."""
+    from hurray_ipc.cli.top import StatsClient
+
+    ch = [x for x in StatsClient(endpoint).query(5.0)["channels"] if x["name"] == channel]
+    return (ch[0]["producers"], ch[0]["ended"]) if ch else (0, False)
+
+
+def test_an_ended_stream_on_one_side_neither_stops_nor_ends_the_bridge(two_brokers):
+    """A producer on A that ends its stream (close) must not end the sending bridge (it is a
+    consumer of A, whose receive raises EndOfStream then), and a receiving bridge that stops must
+    not end B's stream: neither end came from a producer of B's channel."""
+    from hurray_ipc.client import Consumer, Producer
+
+    a, b = two_brokers
+    url = f"tcp://127.0.0.1:{free_port()}"
+    out = bridge("out", "--channel", "e", "--endpoint", a.endpoint, "--listen", url, "--insecure")
+    inn = bridge("in", "--channel", "e", "--endpoint", b.endpoint, "--connect", url, "--insecure")
+    try:
+        with Consumer(b.endpoint, "e", "cpu") as c:
+            for i in range(2):
+                with Producer(a.endpoint, "e", "cpu") as p:  # leaving the block ends A's stream
+                    p.send(bytes([i]) * 8, block=False, timeout=30)
+                    with c.receive(timeout=30) as h:
+                        assert bytes(h.buffer.host_view()) == bytes([i]) * 8
+            assert out.poll() is None, stop(out)
+            assert stop(inn) is not None and inn.returncode is not None
+            deadline = time.monotonic() + 10
+            while _channel_state(b.endpoint, "e")[0]:  # the receiving bridge, B's producer, went
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            assert _channel_state(b.endpoint, "e") == (0, False) and not c.ended
+    finally:
+        stop(out), stop(inn)
+
+
 def test_keys_required_unless_insecure(two_brokers):
     a, _ = two_brokers
     p = bridge("out", "--channel", "x", "--endpoint", a.endpoint, "--listen", f"tcp://127.0.0.1:{free_port()}")

@@ -275,7 +275,8 @@ def host_learns_by_query(w: World, broken: bool):
 
 SCENARIOS = [skip_wait, wait_one_read_another, producer_synced_without_host_wait, record_on_wrong_stream,
              undeclared_consumer_stream, release_before_work_then_rewrite, release_before_work_then_free,
-             release_before_unmap_then_free, two_streams_write_same_bytes, wait_orders_after_latest_record_at_call_time, host_learns_by_query]
+             release_before_unmap_then_free, two_streams_write_same_bytes, wait_orders_after_latest_record_at_call_time,
+             host_learns_by_query]
 
 
 @pytest.mark.parametrize("delay", [0.0, LARGE_DELAY], ids=["delay0", "delay250ms"])
