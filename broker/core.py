@@ -476,10 +476,12 @@ class BrokerCore:
         log.info(json.dumps({"event": "hello", "client": rid.decode(errors="replace"), "role": role,
                              "channel": channel, "device": endpoint.identity.spec, "pid": endpoint.pid}))
         if role == "producer":
-            self._update_stream(channel)
+            if not ended:
+                self._set_stream(channel, False)  # a producer that registers reopens the channel
         else:
-            if ended and not ch.producers and not ch.ended:
-                ch.ended = True  # a restarted broker learns that the stream ended from its consumers
+            if ended and not any(not self.clients[p].ended for p in ch.producers):
+                # A restarted broker learns from its consumers that the stream had ended.
+                self._set_stream(channel, True, told=rid)
             if ch.ended != ended:
                 self._send(rid, Message("CHANNEL_STATE", {"ended": ch.ended}))
         self._match(channel)
@@ -627,24 +629,26 @@ class BrokerCore:
         self._return_grants(c)
         c.credits = 0
         log.info(json.dumps({"event": "end", "client": c.rid_text[:32], "channel": c.channel}))
-        self._update_stream(c.channel)
+        ch = self._channel(c.channel)
+        if all(self.clients[p].ended for p in ch.producers):
+            self._set_stream(c.channel, True)
         self._match(c.channel)
 
-    def _update_stream(self, name: str) -> None:
-        """Recompute ``name``'s ended state after a producer registered or ended, and tell every
-        consumer of the channel when it changed (CHANNEL_STATE). A channel is ended when it has
-        registered producers and all of them ended; a producer that leaves without END (it died,
-        or said BYE) changes nothing, so a crash never ends a stream."""
-        ch = self.channels.get(name)
-        if ch is None or not ch.producers:
-            return
-        ended = all(self.clients[p].ended for p in ch.producers)
+    def _set_stream(self, name: str, ended: bool, told: bytes | None = None) -> None:
+        """Set ``name``'s state (spec §4.9) and, when it changed, tell every consumer of the
+        channel (CHANNEL_STATE) but ``told``, who said it already. Only three events call this:
+        an END that leaves no registered producer un-ended, a producer registering without
+        ``ended`` (a reopen), and a consumer registering with ``ended`` on a channel without an
+        un-ended producer (a restarted broker learning the state). A producer that leaves, dies
+        or re-registers saying it ended changes nothing: a crash never ends a stream, and nor
+        does the order in which clients come back to a restarted broker."""
+        ch = self._channel(name)
         if ended == ch.ended:
             return
         ch.ended = ended
         log.info(json.dumps({"event": "channel_ended" if ended else "channel_reopened", "channel": name}))
         for c in self.clients.values():
-            if c.role == "consumer" and c.channel == name:
+            if c.role == "consumer" and c.channel == name and c.rid != told:
                 self._send(c.rid, Message("CHANNEL_STATE", {"ended": ended}))
 
     # --- handoffs --------------------------------------------------------------------------

@@ -95,12 +95,12 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                         *GIVE_BACK),
     # End of stream (ipc-protocol.md 4.9).
     "eos-never-ends": ("broker/core.py",
-                       "        ended = all(self.clients[p].ended for p in ch.producers)\n",
-                       "        ended = False  # MUTANT: the stream never ends\n", *END_OF_STREAM),
+                       "        if all(self.clients[p].ended for p in ch.producers):\n",
+                       "        if False:  # MUTANT: the stream never ends\n", *END_OF_STREAM),
     "eos-crash-ends": ("broker/core.py",
                        "            self._producer_gone([d for d in self.deliveries.values() if d.producer == rid])\n",
                        "            self._producer_gone([d for d in self.deliveries.values() if d.producer == rid])\n"
-                       "            self._update_stream(c.channel)  # MUTANT: a producer's death ends the stream\n",
+                       "            self.on_end(c)  # MUTANT: a producer's death ends the stream\n",
                        *END_OF_STREAM),
     "eos-end-keeps-grants": ("broker/core.py",
                              "        c.ended = True\n        self._return_grants(c)\n",
@@ -111,6 +111,14 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                          "            if stop is not None and stop():  # MUTANT: the end before what is queued\n"
                          "                stopped.append(True)\n                return True\n"
                          "            if queue:\n                got.append(queue.popleft())", *END_OF_STREAM),
+    "eos-close-bounded": ("hurray_ipc/client/producer.py",
+                          "                    self.flush(None if timeout is None else max(0.0, timeout - 0.5))\n",
+                          "                    self.flush(4.5 if timeout is None else max(0.0, timeout - 0.5))\n",
+                          *END_OF_STREAM),
+    "eos-end-leaves-send-waiting": ("hurray_ipc/client/producer.py",
+                                    "                                  stop=lambda: self.ended)\n",
+                                    "                                  stop=None)\n",
+                                    *END_OF_STREAM),
     "eos-restart-forgets": ("hurray_ipc/client/consumer.py",
                             '"credits": self._requested, **({"ended": True} if self.ended else {})}',
                             '"credits": self._requested}  # MUTANT: a restarted broker is not told', *END_OF_STREAM),

@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ import zmq
 
 from brokerproc import BrokerProcess
 from conftest import Proc
-from hurray_ipc import Consumer, EndOfStream, HurrayTimeout, Producer, workload
+from hurray_ipc import ClosedError, Consumer, EndOfStream, HurrayTimeout, Producer, workload
 from hurray_ipc.broker.core import BrokerCore, Send
 from hurray_ipc.devices.base import host_id
 from hurray_ipc.transport.protocol import Message, decode_all
@@ -216,10 +217,25 @@ def producer(broker: BrokerProcess, channel: str, count: int, end: bool = True) 
                 size=SIZE, tag=5, end_stream=end)
 
 
+def channel_state(endpoint: str, channel: str) -> tuple[int, bool]:
+    """The broker's own view (STATS): the channel's registered producers, and whether it ended."""
+    from hurray_ipc.cli.top import StatsClient
+
+    ch = [x for x in StatsClient(endpoint).query(5.0)["channels"] if x["name"] == channel]
+    return (ch[0]["producers"], ch[0]["ended"]) if ch else (0, False)
+
+
+def until(cond: Any, what: str, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)  # polling an observable condition
+
+
 def test_iterator_ends_after_every_handoff_was_received(broker):
     """A producer sends 20 and closes (which ends its stream): ``for h in c`` gets all 20 and
-    stops by itself; receive() then raises EndOfStream at once. The consumer holds up to 4
-    prefetched deliveries, so the end arrives while some are still queued: they come first."""
+    stops by itself; receive() then raises EndOfStream at once. (That deliveries queued when the
+    end arrives come first is the next test's, deterministically.)"""
     p = producer(broker, "it", 20)
     seen = []
     with Consumer(broker.endpoint, "it", "cpu", prefetch=4) as c:
@@ -254,6 +270,50 @@ def test_deliveries_queued_before_the_end_are_received_first(broker):
         assert got == [0, 1, 2]
 
 
+def test_a_closing_producer_waits_for_what_a_slow_consumer_queued(broker):
+    """The consumer holds one handoff and has three more queued when the producer closes: the
+    end reaches it, then it takes six seconds (longer than close() ever waited before: 5 s). A
+    producer that left would take its buffers with it (PRODUCER_GONE drops the queued three), so
+    close() waits for every release; all four arrive intact."""
+    with Consumer(broker.endpoint, "slow", "cpu", prefetch=4) as c, Producer(broker.endpoint, "slow", "cpu") as p:
+        with pytest.raises(HurrayTimeout):
+            c.receive(timeout=0)  # asks for 4
+        for i in range(4):
+            p.send(workload.pattern(5, i, SIZE), timeout=5)
+        first = c.receive(timeout=5)
+        closer = threading.Thread(target=p.close, daemon=True)
+        closer.start()
+        until(lambda: c.ended, "the end to reach the consumer")
+        time.sleep(6.0)  # the slow consumer (the scenario itself, not a synchronisation)
+        got = [workload.verify(first.numpy().copy())[1]]
+        first.release()
+        for h in c:
+            with h:
+                got.append(workload.verify(h.numpy().copy())[1])
+        closer.join(10)
+        assert got == [0, 1, 2, 3] and not closer.is_alive()
+
+
+def test_end_from_another_thread_unblocks_a_waiting_send(broker):
+    """send() waiting for a consumer that never comes ends with ClosedError when another thread
+    ends the stream, whether end() comes before or after it started waiting."""
+    with Producer(broker.endpoint, "unblock", "cpu") as p:
+        err: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                p.send(b"x" * 8)  # no timeout: only the end can stop it
+            except BaseException as e:  # noqa: BLE001 - handed to the test thread
+                err.append(e)
+
+        th = threading.Thread(target=send, daemon=True)
+        th.start()
+        p.end()
+        th.join(10)
+        assert not th.is_alive() and len(err) == 1 and isinstance(err[0], ClosedError), err
+        assert "ended its stream" in str(err[0])
+
+
 def test_async_for_ends_too(broker):
     p = producer(broker, "aio", 5)
 
@@ -276,14 +336,14 @@ def test_a_crashed_producer_does_not_end_the_stream_and_a_new_one_continues_it(b
         with c.receive(timeout=10):
             pass
         doomed.kill()
-        deadline = time.monotonic() + 10
-        while True:  # what it sent before dying may still arrive; then nothing, and no end
+        until(lambda: channel_state(broker.endpoint, "crash")[0] == 0, "the broker to notice the death")
+        assert channel_state(broker.endpoint, "crash") == (0, False)  # not ended by the broker
+        while True:  # what it sent before dying may still be queued here; then nothing, and no end
             try:
                 with c.receive(timeout=1.0):
                     pass
             except HurrayTimeout:
                 break
-            assert time.monotonic() < deadline
         assert not c.ended
         p = producer(broker, "crash", 3)
         got = []
@@ -333,7 +393,9 @@ def test_the_end_survives_a_broker_restart(tmp_path):
             while not (c.session.registered and c.session.broker_session not in (None, first)):
                 assert time.monotonic() < deadline, "the consumer did not register with the new broker"
                 time.sleep(0.01)
-            with pytest.raises(EndOfStream):  # it told the new broker, which kept the channel ended
+            # It told the new broker, which has the channel ended (its own state, not the client's):
+            assert channel_state(b.endpoint, "restart") == (0, True)
+            with pytest.raises(EndOfStream):
                 c.receive(timeout=2)
             p = producer(b, "restart", 2)
             c.wait_open(timeout=10)

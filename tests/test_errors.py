@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -23,6 +24,7 @@ from hurray_ipc import (
     SyncMode,
     UnsupportedObject,
 )
+from test_end_of_stream import channel_state  # noqa: E402 - a test helper module
 
 BUILTIN = {InvalidArgument: ValueError, UnsupportedObject: TypeError, ClosedError: RuntimeError,
            DeviceError: RuntimeError, AlreadyReleasedError: RuntimeError, HurrayTimeout: TimeoutError}
@@ -128,11 +130,9 @@ def test_without_a_broker_the_error_says_so_and_how_to_start_one(tmp_path):
         msg = refused(lambda: c.receive(timeout=0.3), HurrayTimeout, "no broker has answered", "does not exist",
                       "hurray-broker --daemon")
         assert "timed out after 0.3 s" in msg
-        t0 = time.monotonic()
         msg = str(pytest.raises(BrokerUnavailable, c.receive, timeout=10).value)
-        waited = time.monotonic() - t0
         assert "no broker answered" in msg and "hurray-broker --daemon" in msg and "does not exist" in msg
-        assert f"this call waited {waited:.1f} s" in msg or f"this call waited {waited - 0.1:.1f} s" in msg, msg
+        assert re.search(r"in the \d+\.\d s since this consumer connected \(this call waited \d+\.\d s", msg), msg
 
 
 def test_ctrl_c_leaves_a_producer_at_once_without_ending_the_stream(broker):
@@ -144,6 +144,9 @@ def test_ctrl_c_leaves_a_producer_at_once_without_ending_the_stream(broker):
         with pytest.raises(KeyboardInterrupt), Producer(broker.endpoint, "ctrlc", "cpu") as p:
             p.send(b"held", timeout=5)
             raise KeyboardInterrupt
-        assert time.monotonic() - t0 < 2.5, "close waited for the release (5 s) after Ctrl-C"
-        pytest.raises(HurrayTimeout, c.receive, timeout=1)  # the producer went: its buffer with it
-        assert not c.ended
+        assert time.monotonic() - t0 < 2.5, "close waited for the release after Ctrl-C"
+        until_gone = time.monotonic() + 10
+        while channel_state(broker.endpoint, "ctrlc")[0]:  # the broker saw the producer go...
+            assert time.monotonic() < until_gone
+            time.sleep(0.02)
+        assert channel_state(broker.endpoint, "ctrlc") == (0, False)  # ...and no END came before

@@ -91,3 +91,21 @@ def hold_one_buffer(endpoint, channel, ready, go):
     except Exception:  # noqa: BLE001 - reported to the parent
         import traceback
         return {"error": traceback.format_exc()}
+
+
+def copy_to_host_consumer(endpoint, channel, device, count, env, q):
+    """A consumer process that reads each buffer with copy_to_host() (no framework): (tag, seq, ok)
+    per buffer, and the races its emulated runtime recorded."""
+    try:
+        os.environ.update(env)
+        from hurray_ipc import Consumer, workload
+
+        out = []
+        with Consumer(endpoint, channel, device) as c:
+            for _ in range(count):
+                with c.receive(timeout=30) as h:
+                    out.append((workload.verify(h.buffer.copy_to_host().reshape(-1).view("u1")), h.staged))
+            races = workload.emulated_races(c.device)
+        q.put(("ok", out, races))
+    except Exception:
+        q.put(("error", traceback.format_exc()))

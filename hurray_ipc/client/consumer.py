@@ -159,10 +159,14 @@ class ReceivedBuffer:
         s.synchronize()
         return arr
 
-    def __hurray_buffer__(self, stream: Any) -> Buffer:
+    def __hurray_buffer__(self, stream: Any, writable: bool = False) -> Buffer:
         """The device-layer buffer with ``stream`` ordered after the producer's writes (device-side):
-        what ``CudaStream.copy`` takes a received buffer as (devices/base.py, ``ordered_buffer``)."""
+        what ``CudaStream.copy`` takes a received buffer as (devices/base.py, ``ordered_buffer``).
+        As a copy's destination (``writable``) a read-only buffer is refused."""
         self._check()
+        if writable and self.readonly:
+            raise InvalidArgument("this handoff's buffer is read-only (the producer said so): it cannot be a copy's "
+                                  "destination", where="CudaStream.copy(dst=)")
         if not self.on_host:
             self._handoff.order_onto(stream)
         return self._buf

@@ -162,6 +162,10 @@ class _Outgoing:
     ready: int = 0  # READY credits its HANDOFF message carried (on the batch's last entry)
 
 
+class _VoidGrant(Exception):
+    """A grant of an earlier registration of this producer: unusable, and not to be given back."""
+
+
 def _preferred_mode(mode: Any) -> SyncMode | None:
     """``send(mode=)``: a SyncMode, its name ('EVENT', 'SYNC_EVENT', 'event') or None."""
     if mode is None or isinstance(mode, SyncMode):
@@ -243,8 +247,8 @@ class Producer:
     def _dispatch(self, msg: Message) -> list[Callable[[], None]]:
         h = msg.header
         if msg.verb == "GRANT":
-            if h.get("epoch") != self.session.epoch:
-                return []  # issued to an earlier registration, which both sides voided
+            if h.get("epoch") != self.session.epoch or self.ended:
+                return []  # issued to an earlier registration, or voided by our END: the broker voided it too
             self._ready = max(0, self._ready - 1)
             label = h["consumer_id"]
             if "consumer" in h:  # the first GRANT of this pairing carries the consumer's endpoint
@@ -353,11 +357,18 @@ class Producer:
         return self.device.allocate(n)
 
     def _take_grant(self, timeout: float | None) -> dict[str, Any]:
+        """The next grant, waiting for a consumer to ask. ClosedError once this producer ended
+        (also when another thread ends it meanwhile)."""
         def asked(n: int) -> None:
             self._ready += n
 
-        return self.session.pull(self._grants, "READY", lambda: self.prefetch - len(self._grants) - self._ready,
-                                 asked, timeout, "waiting for a consumer request")
+        grant = self.session.pull(self._grants, "READY", lambda: self.prefetch - len(self._grants) - self._ready,
+                                  asked, timeout, f"waiting for a consumer request on channel {self.session.channel!r}",
+                                  stop=lambda: self.ended)
+        if grant is None:
+            raise ClosedError(f"this producer of channel {self.session.channel!r} ended its stream (end()) while a "
+                              "send waited for a consumer")
+        return grant
 
     def grant_ready(self, timeout: float = 0.0) -> bool:
         """Whether a consumer has asked (a GRANT is held), so that the next :meth:`send` does not
@@ -370,7 +381,7 @@ class Producer:
         except TimeoutError:
             return False
         with self.session.lock:
-            self._grants.appendleft(grant)  # the next send takes it
+            self._regrant(grant)  # the next send takes it (unless it became void meanwhile)
         return True
 
     def send(self, obj: Any, mode: SyncMode | str | None = None, *, stream: Any = None,
@@ -418,6 +429,8 @@ class Producer:
                 grant = self._take_grant(timeout)
                 try:
                     prepared = self._prepare(src, grant, preferred, on_release, resend=block, ack=block)
+                except _VoidGrant:
+                    continue  # the registration it came with is gone: take the next one
                 except BaseException:
                     with self.session.lock:
                         self._regrant(grant)  # unused: the next send takes it
@@ -486,9 +499,14 @@ class Producer:
         return self.gpu.as_stream(stream)
 
     def _pairing(self, grant: dict[str, Any], on_gpu: bool) -> tuple[Endpoint, PairModes]:
-        """The consumer's endpoint (as its pairing's first GRANT carried it) and the pair's valid modes."""
+        """The consumer's endpoint (as its pairing's first GRANT carried it) and the pair's valid
+        modes. _VoidGrant when the session registered again since the grant came (a re-HELLO
+        voids every grant and forgets the endpoints)."""
         label = grant["consumer_id"]
-        consumer = self._consumers[label]
+        with self.session.lock:
+            consumer = self._consumers.get(label)
+        if consumer is None or grant.get("epoch") != self.session.epoch:
+            raise _VoidGrant(grant)
         me = self.endpoint_info if on_gpu else host_side(self.endpoint_info)
         return consumer, self._modes.get(self.session.client_id, label, me, consumer)
 
@@ -526,7 +544,9 @@ class Producer:
                 try:
                     for src, g in zip(srcs[done:], grants, strict=False):
                         batch.append(self._prepare(src, g, preferred, on_release, resend=False, ack=False))
-                finally:  # what was prepared goes out; grants not used stay for the next send
+                except _VoidGrant:
+                    pass  # the session registered again: what is prepared goes; the rest waits for new grants
+                finally:  # what was prepared goes out; grants not used stay for the next send (if still valid)
                     with self.session.lock:
                         for g in reversed(grants[len(batch):]):
                             self._regrant(g)
@@ -553,9 +573,12 @@ class Producer:
                 hid = out.ticket.handoff_id
                 self._out[hid] = out
                 self.device.order_send(order_key(self.session.client_id, hid, "handoff"))
+            sent_before = self.session.messages_sent
             try:
                 self.session.send_batch([msg for _out, msg in batch])
             except BaseException:
+                if self.session.messages_sent != sent_before:
+                    raise  # it left (e.g. Ctrl-C just after): it is outstanding, its release comes back
                 if want > 0:
                     self._ready -= want
                 for out, _msg in batch:
@@ -672,10 +695,15 @@ class Producer:
             self._ready = 0
             self.session.send(Message("END", {}))
 
-    def close(self, timeout: float = 5.0, *, end: bool = True) -> None:
+    def close(self, timeout: float | None = None, *, end: bool = True) -> None:
         """End the stream (unless ``end=False``: for a producer another one takes over from),
-        wait up to ``timeout`` seconds for outstanding releases (saying so on the log after half a
-        second), then disconnect and free pooled resources. Idempotent.
+        wait for every outstanding release (at most ``timeout`` seconds when given; saying so on
+        the log after half a second), then disconnect and free pooled resources. Idempotent.
+
+        Why wait: a producer's memory stays valid only while it is registered; one that leaves
+        takes what its consumers did not release yet (they get PRODUCER_GONE, and drop what they
+        had queued: spec §4.9). So the handoffs sent before the end all reach a slow consumer.
+        The wait ends early when the broker goes (BrokerUnavailable) or on Ctrl-C.
 
         Leaving ``with Producer(...)`` normally is ``close()``; leaving it through an exception
         (Ctrl-C above all) neither waits nor ends the stream: a producer that failed did not
@@ -685,13 +713,14 @@ class Producer:
         try:
             if end and not self.ended:
                 self.end()
-            if self._out and self.session.alive and timeout > 0:
+            if self._out and self.session.alive and (timeout is None or timeout > 0):
                 try:
-                    self.flush(min(timeout, 0.5))
+                    self.flush(0.5 if timeout is None else min(timeout, 0.5))
                 except TimeoutError:
-                    log.warning("closing: waiting up to %.1f s for %d handoff(s) to be released", timeout - 0.5,
-                                len(self._out))
-                    self.flush(max(0.0, timeout - 0.5))
+                    log.warning("closing: waiting %s for %d handoff(s) to be released by their consumers "
+                                "(Ctrl-C leaves now; they are then lost to them)",
+                                "without end" if timeout is None else f"up to {timeout - 0.5:.1f} s", len(self._out))
+                    self.flush(None if timeout is None else max(0.0, timeout - 0.5))
         except (TimeoutError, BrokerUnavailable):
             log.warning("closing with %d handoff(s) unreleased", len(self._out))
         finally:

@@ -171,12 +171,13 @@ def host_pointer(obj: Any, writable: bool) -> tuple[int, int, Any]:
     return int(arr.ctypes.data), int(arr.nbytes), arr
 
 
-def ordered_buffer(obj: Any, stream: Any) -> Any:
-    """``obj`` as one end of a copy on ``stream``. An object with ``__hurray_buffer__(stream)``
-    (a received buffer: client/consumer.py) makes ``stream`` wait, device-side, for its producer's
-    writes and gives its device-layer Buffer; anything else is returned as is."""
+def ordered_buffer(obj: Any, stream: Any, writable: bool) -> Any:
+    """``obj`` as one end of a copy on ``stream`` (``writable``: the destination). An object with
+    ``__hurray_buffer__(stream, writable)`` (a received buffer: client/consumer.py) makes ``stream``
+    wait, device-side, for its producer's writes and gives its device-layer Buffer, refusing to be
+    written when it is read-only; anything else is returned as is."""
     hook = getattr(type(obj), "__hurray_buffer__", None)
-    return hook(obj, stream) if hook is not None else obj
+    return hook(obj, stream, writable) if hook is not None else obj
 
 
 def resolve_copy(dst: Any, src: Any, nbytes: int | None, keep: list[Any]) -> tuple[int, int, int]:

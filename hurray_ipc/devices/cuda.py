@@ -85,7 +85,7 @@ class CudaStream(Stream):
         """Enqueue a copy; host objects must stay alive and unchanged until synchronize. Either
         end may be a Buffer, a raw pointer, a host buffer (numpy, bytearray) or a received
         buffer (``handoff.buffer``), which this stream is first ordered after (device-side)."""
-        dst, src = ordered_buffer(dst, self), ordered_buffer(src, self)
+        dst, src = ordered_buffer(dst, self, True), ordered_buffer(src, self, False)
         d, s, n = resolve_copy(dst, src, nbytes, self._keep)
         self.device.activate()
         self.device.rt.memcpy_async(d, s, n, self.raw)
