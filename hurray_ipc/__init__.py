@@ -46,6 +46,7 @@ from .errors import (
     HurrayError,
     HurrayTimeout,
     InvalidArgument,
+    MissingDependency,
     UnsupportedObject,
 )
 from .format import BufferHandle, DeviceTag, HandleError, ReservedSyncMode, SyncMode
@@ -97,6 +98,7 @@ __all__ = [
     "HurrayError",
     "HurrayTimeout",
     "InvalidArgument",
+    "MissingDependency",
     "Producer",
     "ProducerGone",
     "ReceivedBuffer",

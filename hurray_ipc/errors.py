@@ -12,6 +12,7 @@ class                       builtin             raised when
 :class:`HurrayTimeout`      TimeoutError        a bounded wait ran out (nothing was lost: see below)
 :class:`ClosedError`        RuntimeError        a call on a closed Producer or Consumer
 :class:`EndOfStream`        EOFError            every producer of the channel ended and all was received
+:class:`MissingDependency`  ImportError         an optional library a call needs is not installed
 ==========================  ==================  ===================================================
 
 Other layers add their own, each a subclass too: ``HandleError`` (ValueError, format/),
@@ -52,6 +53,11 @@ class _Located(HurrayError):
         super().__init__(f"{where}: {message}" if where else message)
 
 
+def an(noun: str) -> str:
+    """``noun`` with its indefinite article, for messages: 'an int', 'a list'."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
 class InvalidArgument(_Located, ValueError):
     """A value given by the caller is out of range or malformed."""
 
@@ -70,6 +76,10 @@ class HurrayTimeout(HurrayError, TimeoutError):
 
 class ClosedError(HurrayError, RuntimeError):
     """The Producer or Consumer was closed (or its producer ended its stream) before this call."""
+
+
+class MissingDependency(HurrayError, ImportError):
+    """An optional library a call needs (torch, cupy) is not installed; the message says how to get it."""
 
 
 class EndOfStream(HurrayError, EOFError):

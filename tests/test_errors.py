@@ -20,14 +20,16 @@ from hurray_ipc import (
     HurrayError,
     HurrayTimeout,
     InvalidArgument,
+    MissingDependency,
     Producer,
     SyncMode,
     UnsupportedObject,
 )
 from test_end_of_stream import channel_state  # noqa: E402 - a test helper module
 
-BUILTIN = {InvalidArgument: ValueError, UnsupportedObject: TypeError, ClosedError: RuntimeError,
-           DeviceError: RuntimeError, AlreadyReleasedError: RuntimeError, HurrayTimeout: TimeoutError}
+BUILTIN = {BrokerUnavailable: ConnectionError, InvalidArgument: ValueError, MissingDependency: ImportError,
+           UnsupportedObject: TypeError, ClosedError: RuntimeError, DeviceError: RuntimeError,
+           AlreadyReleasedError: RuntimeError, HurrayTimeout: TimeoutError}
 
 
 def refused(call: Any, error: type[BaseException], *words: str) -> str:
@@ -60,7 +62,10 @@ def test_constructor_arguments_are_checked_before_anything_connects(tmp_path):
     refused(lambda: Producer(ep, "c", prefetch=0), InvalidArgument, "Producer(prefetch=)", ">= 1", "got 0")
     refused(lambda: Consumer(ep, "c", prefetch=-1), InvalidArgument, "Consumer(prefetch=)", "-1")
     refused(lambda: Producer(ep, "c", timeout_s=0), InvalidArgument, "Producer(timeout_s=)")
-    refused(lambda: Producer(ep, "c", device="gpu"), InvalidArgument, "device=", "'cpu' or 'cuda:N'", "'gpu'")
+    refused(lambda: Producer(ep, "c", device="gpu"), InvalidArgument, "Producer(device=)", "'cpu' or 'cuda:N'",
+            "'gpu'")
+    refused(lambda: Consumer(ep, "c", device=3), InvalidArgument, "Consumer(device=)", "(got 3)")
+    refused(lambda: Producer(ep, "c", stream=1), InvalidArgument, "Producer(stream=)", "cpu has no streams")
     refused(lambda: Producer("/tmp/x.sock", "c"), InvalidArgument, "endpoint=", "did you mean ipc:///tmp/x.sock")
 
 
@@ -85,6 +90,7 @@ def test_what_send_refuses_and_how(broker):
                 "numpy.ascontiguousarray")
         refused(lambda: p.send(b"x", mode="EVENT"), InvalidArgument, "send(mode=)", "SYNC_EVENT is for GPU buffers")
         refused(lambda: p.send(b"x", mode=3), InvalidArgument, "send(mode=)")
+        refused(lambda: p.send(b"x", mode="FAST"), InvalidArgument, "send(mode=)", "unknown sync mode 'FAST'")
         refused(lambda: p.send(b"x", timeout="5"), InvalidArgument, "send(timeout=)", "'5'")
         refused(lambda: p.send(b"x", stream=1), InvalidArgument, "send(stream=)", "without a CUDA device")
         refused(lambda: p.allocate(-1), InvalidArgument, "allocate(size=)", "-1")
@@ -127,10 +133,11 @@ def test_after_close_every_call_is_a_closed_error(broker):
 def test_without_a_broker_the_error_says_so_and_how_to_start_one(tmp_path):
     ep = f"ipc://{tmp_path}/none.sock"
     with Consumer(ep, "nobroker", "cpu", heartbeat_s=0.1, timeout_s=1.0) as c:
-        msg = refused(lambda: c.receive(timeout=0.3), HurrayTimeout, "no broker has answered", "does not exist",
+        # No socket file: no broker can answer, so the call's own timeout ends as BrokerUnavailable.
+        msg = refused(lambda: c.receive(timeout=0.3), BrokerUnavailable, "no broker answered", "does not exist",
                       "hurray-broker --daemon")
-        assert "timed out after 0.3 s" in msg
-        msg = str(pytest.raises(BrokerUnavailable, c.receive, timeout=10).value)
+        assert re.search(r"\(this call waited 0\.\d s while waiting for a handoff on channel 'nobroker'\)", msg), msg
+        msg = str(pytest.raises(BrokerUnavailable, c.receive, timeout=10).value)  # silence past timeout_s
         assert "no broker answered" in msg and "hurray-broker --daemon" in msg and "does not exist" in msg
         assert re.search(r"in the \d+\.\d s since this consumer connected \(this call waited \d+\.\d s", msg), msg
 
@@ -150,3 +157,35 @@ def test_ctrl_c_leaves_a_producer_at_once_without_ending_the_stream(broker):
             assert time.monotonic() < until_gone
             time.sleep(0.02)
         assert channel_state(broker.endpoint, "ctrlc") == (0, False)  # ...and no END came before
+
+
+def test_a_cuda_buffer_and_a_torch_without_cuda(broker, monkeypatch):
+    """h.torch() on a CUDA buffer with a CPU build of torch (or none) says what to do instead of
+    torch's AssertionError; h.cupy() without CuPy is a MissingDependency (an ImportError)."""
+    import sys
+    import threading
+    import types
+
+    from conftest import emu_config
+    from hurray_ipc.devices import CudaDevice, set_runtime
+    from hurray_ipc.devices.backend.emulated import EmulatedRuntime
+
+    cpu_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: False),
+                                      from_dlpack=lambda x: pytest.fail("torch was asked for CUDA memory"))
+    monkeypatch.setitem(sys.modules, "torch", cpu_torch)
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
+    rt = EmulatedRuntime(emu_config(op_delay_s=0.0))
+    set_runtime(rt)
+    try:
+        dev = CudaDevice(0, runtime=rt)
+        with Producer(broker.endpoint, "torchless", dev) as p, Consumer(broker.endpoint, "torchless", dev) as c:
+            th = threading.Thread(target=lambda: p.send(p.allocate(16)), daemon=True)
+            th.start()
+            with c.receive(timeout=10) as h:
+                refused(h.torch, UnsupportedObject, "ReceivedHandoff.torch()", "this torch has no CUDA",
+                        "copy_to_host()")
+                refused(h.cupy, MissingDependency, "this needs cupy", "pip install cupy")
+                refused(h.numpy, UnsupportedObject, "numpy()", "has no host view", "copy_to_host()")
+            th.join(10)
+    finally:
+        set_runtime(None)

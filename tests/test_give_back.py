@@ -108,10 +108,11 @@ def fail_once(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, error: Bas
 
 # --- refused before a grant is taken ------------------------------------------------------------
 @pytest.mark.parametrize(("kw", "error", "words"), [
-    ({"meta": {"x": object()}}, InvalidArgument, r"meta\['x'\] is a object, not a JSON value"),
+    ({"meta": {"x": object()}}, InvalidArgument, r"meta\['x'\] is an object, not a JSON value"),
     ({"meta": {"big": "a" * 70000}}, InvalidArgument, r"70\d\d\d bytes of JSON; the protocol allows 65536"),
-    ({"meta": {1: "a"}}, InvalidArgument, r"has the key 1, a int"),
+    ({"meta": {1: "a"}}, InvalidArgument, r"has the key 1, an int"),
     ({"shape": (3,)}, InvalidArgument, r"shape \(3,\) of <i8 describes 24 bytes, the buffer has 4096"),
+    ({"dtype": "<f8"}, InvalidArgument, r"the <i8 array would travel as <f8, its bytes reinterpreted"),
     ({"shape": (1.5,)}, InvalidArgument, r"dimension 1.5 is a float"),
     ({"shape": "4"}, InvalidArgument, r"not a string"),
     ({"shape": (2**62, 4)}, InvalidArgument, r"describes 147573952589676412928 bytes"),

@@ -35,6 +35,7 @@ from ..errors import (
     HurrayError,
     HurrayTimeout,
     InvalidArgument,
+    MissingDependency,
     UnsupportedObject,
 )
 from ..format.handle import BufferHandle, DeviceTag, HandleError, SyncMode
@@ -106,11 +107,14 @@ class ReceivedBuffer:
 
     def host_view(self) -> memoryview:
         """The bytes as a flat memoryview (read-only when the producer said so); host buffers."""
+        return self._host_view("ReceivedBuffer.host_view()")
+
+    def _host_view(self, where: str) -> memoryview:
         self._check()
         if not self.on_host:
             raise UnsupportedObject(f"a {self.device_tag.name} buffer has no host view: copy it with "
                                     "buffer.copy_to_host(), or use __cuda_array_interface__, __dlpack__ or "
-                                    "handoff.torch() / .cupy()", where="ReceivedBuffer.host_view()")
+                                    "handoff.torch() / .cupy()", where=where)
         v = self._buf.host_view()
         return v.toreadonly() if self.readonly else v
 
@@ -122,7 +126,7 @@ class ReceivedBuffer:
             raise UnsupportedObject(f"{self.dtype_name} has no numpy dtype; use handoff.torch(), handoff.cupy() or "
                                     "another DLPack consumer (from_dlpack), which get it exactly",
                                     where="ReceivedBuffer.numpy()")
-        return np.frombuffer(self.host_view(), dtype=np.dtype(self.typestr)).reshape(self.shape)
+        return np.frombuffer(self._host_view("numpy()"), dtype=np.dtype(self.typestr)).reshape(self.shape)
 
     def copy_to_host(self, out: Any = None) -> np.ndarray:
         """The bytes copied into host memory: a new numpy array of this buffer's shape and dtype (a
@@ -282,7 +286,7 @@ def _import(module: str, how: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError(f"this needs {module}, which is not installed ({how}): {e}") from e
+        raise MissingDependency(f"this needs {module}, which is not installed ({how}): {e}") from e
 
 
 class _OwnedCopy:
@@ -360,7 +364,12 @@ class ReceivedHandoff(Handoff):
         """A zero-copy torch tensor (``torch.from_dlpack``). On CUDA it is ordered on torch's
         current stream, which torch names in ``__dlpack__(stream=)``; :meth:`release` then
         waits for the work enqueued there."""
-        return _import("torch", "pip install torch").from_dlpack(self.buffer)
+        torch = _import("torch", "pip install torch")
+        if self.handle.device_tag is DeviceTag.CUDA and not torch.cuda.is_available():
+            raise UnsupportedObject("this buffer is in CUDA memory and this torch has no CUDA (a CPU build, or no "
+                                    "GPU here): copy it with handoff.buffer.copy_to_host() and torch.from_numpy()",
+                                    where="ReceivedHandoff.torch()")
+        return torch.from_dlpack(self.buffer)
 
     def cupy(self) -> Any:
         """A zero-copy CuPy array of a CUDA buffer (``cupy.from_dlpack``), ordered on CuPy's
@@ -370,7 +379,8 @@ class ReceivedHandoff(Handoff):
     # --- the sync rule -----------------------------------------------------------------------
     def _check_usable(self) -> None:
         if self.producer_gone:
-            raise ProducerGone(f"the producer of handoff {self.token[:8]} died; its buffer is no longer valid")
+            raise ProducerGone(f"the producer of handoff {self.handoff_id} ({self.producer_id[:8]}) went away; its "
+                               "buffer is no longer valid: release this handoff")
         if self.released:
             raise AlreadyReleasedError("the buffer of this handoff was released; it must not be accessed")
 
@@ -544,7 +554,7 @@ class Consumer:
                  stream: Any = None, prefetch: int = 1, heartbeat_s: float = 0.5,
                  timeout_s: float = 3.0, name: str | None = None):
         check_client_args("consumer", channel, prefetch, 0, heartbeat_s, timeout_s)
-        self.device = open_device(device)
+        self.device = open_device(device, where="Consumer(device=)")
         self.cpu = open_device("cpu")
         self.gpu: CudaDevice | None = self.device if isinstance(self.device, CudaDevice) else None
         if stream is not None:

@@ -171,7 +171,7 @@ def _preferred_mode(mode: Any) -> SyncMode | None:
     if mode is None or isinstance(mode, SyncMode):
         return mode
     if isinstance(mode, str):
-        return SyncMode.from_name(mode)
+        return SyncMode.from_name(mode, where="send(mode=)")
     raise InvalidArgument("a sync mode is a SyncMode or its name ('EVENT', 'SYNC_EVENT')", where="send(mode=)",
                           value=mode)
 
@@ -198,12 +198,12 @@ class Producer:
                  stream: CudaStream | None = None, prefetch: int = 1, heartbeat_s: float = 0.5,
                  timeout_s: float = 3.0, name: str | None = None, event_pool: bool | None = None):
         check_client_args("producer", channel, prefetch, 1, heartbeat_s, timeout_s)
-        self.device = open_device(device)
+        self.device = open_device(device, where="Producer(device=)")
         self.cpu: CpuDevice = open_device("cpu")  # type: ignore[assignment]
         self.gpu: CudaDevice | None = self.device if isinstance(self.device, CudaDevice) else None
         if stream is not None and self.gpu is None:
-            raise InvalidArgument(f"stream={stream!r} was given to a producer on {self.device.identity}, "
-                                  "which has no streams")
+            raise InvalidArgument(f"a producer on {self.device.identity.spec} has no streams: create it with "
+                                  "Producer(device='cuda:N')", where="Producer(stream=)", value=stream)
         #: Where the producer orders device-layer Buffers it sends without ``stream=`` (enqueue your
         #: writes to ``allocate()``d buffers here), and what it passes to a CUDA DLPack exporter.
         self.stream: CudaStream | None = None

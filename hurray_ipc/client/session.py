@@ -71,11 +71,16 @@ class BrokerUnavailable(HurrayError, ConnectionError):
 START_BROKER = "hurray-broker --daemon"
 
 
+def no_socket_file(endpoint: str) -> bool:
+    """True for an ipc:// endpoint whose socket file does not exist: no broker listens there."""
+    return endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://"):])
+
+
 def unavailable_hint(endpoint: str) -> str:
     """Why nothing may answer at ``endpoint``, and what to do: for ipc:// whether the socket file exists."""
     if endpoint.startswith("ipc://"):
         path = endpoint[len("ipc://"):]
-        if not os.path.exists(path):
+        if no_socket_file(endpoint):
             return f"the socket file {path} does not exist: start a broker with `{START_BROKER}`"
         return (f"the socket file {path} exists but nothing answered: the broker may have died or be stopped; "
                 f"restart it with `{START_BROKER}`")
@@ -179,8 +184,8 @@ class Session:
     def check_open(self, what: str) -> None:
         """Raise ClosedError when this session was closed."""
         if self.closed:
-            raise ClosedError(f"this {self.role} of channel {self.channel!r} was closed before {what}; "
-                              "create a new one")
+            of = "" if f"channel {self.channel!r}" in what else f" of channel {self.channel!r}"
+            raise ClosedError(f"this {self.role}{of} was closed before {what}; create a new one")
 
     def queue(self, msg: Message) -> None:
         """Hold a hot message for the next :meth:`flush_out` (at the latest the next pump round,
@@ -307,6 +312,8 @@ class Session:
             if now - self.last_rx > self.timeout_s:
                 raise BrokerUnavailable(self._silence(now, start, what))
             if deadline is not None and now >= deadline:
+                if self.broker_session is None and no_socket_file(self.endpoint):
+                    raise BrokerUnavailable(self._silence(now, start, what))  # nobody can answer
                 never = "" if self.broker_session is not None else (
                     f"; no broker has answered at {self.endpoint} yet: {unavailable_hint(self.endpoint)}")
                 raise HurrayTimeout(f"timed out after {timeout} s while {what}{never}")

@@ -13,10 +13,10 @@ from .cuda import CudaDevice, CudaEvent, CudaStream
 from .errors import DeviceError, RaceError
 
 
-def parse_spec(spec: str) -> tuple[str, int]:
-    """'cpu' -> ('cpu', 0); 'cuda' / 'cuda:N' -> ('cuda', N); InvalidArgument otherwise."""
+def parse_spec(spec: str, where: str = "device=") -> tuple[str, int]:
+    """'cpu' -> ('cpu', 0); 'cuda' / 'cuda:N' -> ('cuda', N); InvalidArgument (naming ``where``) otherwise."""
     if not isinstance(spec, str):
-        raise InvalidArgument("a device is 'cpu', 'cuda:N' or a Device", where="device=", value=spec)
+        raise InvalidArgument("a device is 'cpu', 'cuda:N' or a Device", where=where, value=spec)
     s = spec.strip().lower()
     if s == "cpu":
         return "cpu", 0
@@ -24,17 +24,17 @@ def parse_spec(spec: str) -> tuple[str, int]:
         return "cuda", 0
     if s.startswith("cuda:") and s[5:].isdigit():
         return "cuda", int(s[5:])
-    raise InvalidArgument("a device is 'cpu' or 'cuda:N'", where="device=", value=spec)
+    raise InvalidArgument("a device is 'cpu' or 'cuda:N'", where=where, value=spec)
 
 
 _open: dict[str, Device] = {}
 
 
-def open_device(spec: str | Device) -> Device:
+def open_device(spec: str | Device, where: str = "device=") -> Device:
     """The process-wide device for a spec ('cpu', 'cuda:0'), created once."""
     if isinstance(spec, Device):
         return spec
-    kind, ordinal = parse_spec(spec)
+    kind, ordinal = parse_spec(spec, where)
     key = f"{kind}:{ordinal}"
     dev = _open.get(key)
     if dev is None:

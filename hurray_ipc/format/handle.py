@@ -127,8 +127,8 @@ class SyncMode(enum.IntEnum):
             return ReservedSyncMode(value)
 
     @classmethod
-    def from_name(cls, name: str) -> SyncMode:
-        """Accept ``SYNC_EVENT``, ``EVENT`` or ``event``."""
+    def from_name(cls, name: str, where: str | None = None) -> SyncMode:
+        """Accept ``SYNC_EVENT``, ``EVENT`` or ``event``; InvalidArgument (naming ``where``) otherwise."""
         key = name.strip().upper()
         key = key[5:] if key.startswith("SYNC_") else key
         key = key.replace("-", "_")
@@ -136,7 +136,8 @@ class SyncMode(enum.IntEnum):
             return cls[key]
         except KeyError:
             names = ", ".join(m.wire_name for m in cls)
-            raise InvalidArgument(f"unknown sync mode {name!r}; expected one of {names}", value=name) from None
+            raise InvalidArgument(f"unknown sync mode {name!r}; expected one of {names}", where=where,
+                                  value=name) from None
 
 
 def _require_mode(value: object) -> SyncMode:

@@ -28,7 +28,7 @@ import numpy as np
 from ..devices.base import Buffer
 from ..devices.cpu import CpuDevice
 from ..devices.cuda import CudaDevice, CudaStream
-from ..errors import InvalidArgument, UnsupportedObject
+from ..errors import InvalidArgument, UnsupportedObject, an
 from ..transport.protocol import MAX_HEADER_BYTES, MAX_HEADER_DEPTH, ProtocolError, check_meta, json_bytes
 from . import dlpack
 
@@ -80,7 +80,14 @@ class Source:
         """``send(shape=, dtype=)``: describe the bytes as ``shape`` items of ``dtype`` (defaults:
         the source's own). Raises ValueError when that is not exactly the buffer's size."""
         if dtype is not None:
-            self.typestr, self.dl_dtype = parse_dtype(dtype)
+            typestr, dl_dtype = parse_dtype(dtype)
+            if self.typestr != "|u1" and (typestr, dl_dtype) != (self.typestr, self.dl_dtype):
+                raise InvalidArgument(f"the {dlpack.dtype_name(self.typestr, self.dl_dtype)} array would travel as "
+                                      f"{dlpack.dtype_name(typestr, dl_dtype)}, its bytes reinterpreted: dtype= says "
+                                      "what raw bytes are (a buffer from allocate(), bytes); convert a typed array "
+                                      "yourself (x.astype(...)) or view it (x.view(...))", where="send(dtype=)",
+                                      value=dtype)
+            self.typestr, self.dl_dtype = typestr, dl_dtype
         itemsize = int(self.typestr[2:])
         new_shape = parse_shape(shape) if shape is not None else (
             self.shape if dtype is None else (self.buffer.size // itemsize,))
@@ -106,7 +113,7 @@ def parse_shape(shape: Any) -> tuple[int, ...]:
                 raise TypeError
             n = operator.index(d)
         except TypeError:
-            raise InvalidArgument(f"dimension {d!r} is a {type(d).__name__}, not an int", where="send(shape=)",
+            raise InvalidArgument(f"dimension {d!r} is {an(type(d).__name__)}, not an int", where="send(shape=)",
                                   value=shape) from None
         if n < 0:
             raise InvalidArgument(f"dimension {n} is negative", where="send(shape=)", value=shape)
@@ -125,7 +132,7 @@ def check_user_meta(meta: Any, path: str = "meta") -> None:
             kids = []
             for k, x in v.items():
                 if not isinstance(k, str):
-                    raise InvalidArgument(f"{where} has the key {k!r}, a {type(k).__name__}; JSON keys are strings",
+                    raise InvalidArgument(f"{where} has the key {k!r}, {an(type(k).__name__)}; JSON keys are strings",
                                           where="send(meta=)", value=k)
                 kids.append((x, f"{where}[{k!r}]"))
         elif isinstance(v, list | tuple):
@@ -140,8 +147,8 @@ def check_user_meta(meta: Any, path: str = "meta") -> None:
                 raise InvalidArgument(f"{where} is {v}, which JSON cannot carry", where="send(meta=)", value=v)
             continue
         else:
-            raise InvalidArgument(f"{where} is a {type(v).__name__}, not a JSON value (dict with str keys, list, str, "
-                                  "int, float, bool, None)", where="send(meta=)", value=v)
+            raise InvalidArgument(f"{where} is {an(type(v).__name__)}, not a JSON value (dict with str keys, list, "
+                                  "str, int, float, bool, None)", where="send(meta=)", value=v)
         if depth + 1 > MAX_HEADER_DEPTH:  # the HANDOFF's meta object holds `user` one level down
             raise InvalidArgument(f"{where} nests deeper than the protocol's {MAX_HEADER_DEPTH - 1} levels",
                                   where="send(meta=)", value=f"<{type(v).__name__}>")
@@ -182,9 +189,9 @@ def _contiguous_nbytes(obj: Any, shape: tuple[int, ...], typestr: str, strides: 
         acc = itemsize
         for d, s in zip(reversed(shape), reversed(tuple(strides)), strict=True):
             if d != 1 and s != acc:  # a dimension of one may have any stride (numpy's rule too)
-                raise InvalidArgument(f"a {type(obj).__name__} of shape {shape} with strides {tuple(strides)} (bytes) "
-                                      "is not C-contiguous; Hurray hands memory off as it lies, on the host as on the "
-                                      "GPU: send a contiguous copy (numpy.ascontiguousarray(x), x.contiguous())",
+                raise InvalidArgument(f"{an(type(obj).__name__)} of shape {shape} with strides {tuple(strides)} "
+                                      "(bytes) is not C-contiguous; Hurray hands memory off as it lies, on the host as "
+                                      "on the GPU: send a contiguous copy (numpy.ascontiguousarray(x), x.contiguous())",
                                       where="send()", value=tuple(strides))
             acc *= d
     return n
@@ -296,12 +303,12 @@ def _host_source(obj: Any, cpu: CpuDevice) -> Source:
     try:
         arr = np.asarray(memoryview(obj)) if not isinstance(obj, np.ndarray) else obj
     except (TypeError, ValueError):
-        raise UnsupportedObject(f"cannot hand off a {type(obj).__name__}: it exposes neither a device buffer, "
+        raise UnsupportedObject(f"cannot hand off {an(type(obj).__name__)}: it exposes neither a device buffer, "
                                 "__cuda_array_interface__, __dlpack__ nor the buffer protocol (convert it, e.g. "
                                 "numpy.asarray(x))", where="send()", value=type(obj).__name__) from None
     if arr.dtype.kind not in "biufc" or arr.dtype.subdtype is not None:
         if arr.dtype.kind != "V" or arr.dtype.names is not None:  # raw bytes pass as |u1
-            raise UnsupportedObject(f"cannot hand off a {type(obj).__name__} of dtype {arr.dtype}: only numbers and "
+            raise UnsupportedObject(f"cannot hand off {an(type(obj).__name__)} of dtype {arr.dtype}: only numbers and "
                                     "bools travel as typed arrays (send a view as uint8 to pass raw bytes)",
                                     where="send()", value=str(arr.dtype))
         arr = arr.view(np.uint8)
