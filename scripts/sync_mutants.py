@@ -69,6 +69,11 @@ MUTANTS: dict[str, tuple[str, ...]] = {
     "give-back-grant": ("hurray_ipc/client/producer.py",
                         "                        self._regrant(grant)  # unused: the next send takes it\n",
                         "                        pass  # MUTANT: the grant of a failed send is lost\n", *GIVE_BACK),
+    "give-back-many-grants": ("hurray_ipc/client/producer.py",
+                              "                        for g in reversed(grants[len(batch):]):\n"
+                              "                            self._regrant(g)\n",
+                              "                        pass  # MUTANT: send_many keeps the grants it did not use\n",
+                              *GIVE_BACK),
     "give-back-prepared": ("hurray_ipc/client/producer.py",
                            "            self._undo(out)\n            raise\n        frames = {",
                            "            raise  # MUTANT: a failed preparation keeps slot and event\n        frames = {",

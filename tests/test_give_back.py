@@ -147,25 +147,35 @@ def test_send_many_refuses_the_whole_call_before_a_grant(broker):
 
 
 # --- failures after the grant was taken ---------------------------------------------------------
-def test_export_failure_gives_the_grant_back(broker, monkeypatch):
+def send_one(p: Producer, how: str, obj: Any) -> None:
+    """One handoff through ``send`` or ``send_many`` (which shares preparation and submission)."""
+    if how == "send":
+        p.send(obj, timeout=5)
+    else:
+        p.send_many([obj], timeout=5)
+
+
+@pytest.mark.parametrize("how", ["send", "send_many"])
+def test_export_failure_gives_the_grant_back(broker, monkeypatch, how):
     before = segments()
-    c = consumer(broker, "export", 2)
-    with Producer(broker.endpoint, "export", "cpu") as p:
+    c = consumer(broker, f"export-{how}", 2)
+    with Producer(broker.endpoint, f"export-{how}", "cpu") as p:
         fail_once(monkeypatch, CpuDevice, "export_memory", DeviceError("export", "injected"))
         with pytest.raises(DeviceError, match="injected"):
-            p.send(workload.pattern(TAG, 99, SIZE), timeout=5)
+            send_one(p, how, workload.pattern(TAG, 99, SIZE))
         send_good(p, 0, 2)
         nothing_taken(p, c, 2, before)
 
 
-def test_socket_send_failure_unregisters_and_gives_the_grant_back(broker, monkeypatch):
+@pytest.mark.parametrize("how", ["send", "send_many"])
+def test_socket_send_failure_unregisters_and_gives_the_grant_back(broker, monkeypatch, how):
     before = segments()
-    c = consumer(broker, "sock", 2)
-    with Producer(broker.endpoint, "sock", "cpu") as p:
+    c = consumer(broker, f"sock-{how}", 2)
+    with Producer(broker.endpoint, f"sock-{how}", "cpu") as p:
         raised = fail_once(monkeypatch, p.session, "send_batch", OSError("injected: socket send failed"),
                            when=lambda msgs: msgs[0].verb == "HANDOFF")  # not the READY asking for a grant
         with pytest.raises(OSError, match="injected"):
-            p.send(workload.pattern(TAG, 99, SIZE), timeout=5)
+            send_one(p, how, workload.pattern(TAG, 99, SIZE))
         assert raised == [1] and not p._out  # the HANDOFF failed; nothing stayed registered as sent
         send_good(p, 0, 2)
         nothing_taken(p, c, 2, before)
