@@ -309,7 +309,8 @@ class BrokerCore:
             client.allowance = min(MAX_RATE, client.allowance + (now - client.allowance_at) * MAX_RATE)
             client.allowance_at = now
             if client.allowance < 1.0:
-                self._limit(f"a client may send at most {int(MAX_RATE)} messages per second; this one was dropped")
+                self._limit(f"a client may send at most {int(MAX_RATE)} messages per second; this one was dropped",
+                            "message_rate", int(MAX_RATE))
             client.allowance -= 1.0
             client.last_seen = now
             if client.unresponsive:
@@ -447,9 +448,10 @@ class BrokerCore:
             c.allowance = old.allowance  # a re-HELLO does not refill the bucket
         if old is None:
             if len(self.clients) >= MAX_CLIENTS:
-                self._limit(f"this broker serves at most {MAX_CLIENTS} clients")
+                self._limit(f"this broker serves at most {MAX_CLIENTS} clients", "clients", len(self.clients) + 1)
             if self.per_process.get(c.process, 0) >= MAX_CLIENTS_PER_PROCESS:
-                self._limit(f"one process may register at most {MAX_CLIENTS_PER_PROCESS} clients")
+                self._limit(f"one process may register at most {MAX_CLIENTS_PER_PROCESS} clients",
+                            "clients_per_process", self.per_process.get(c.process, 0) + 1)
         elif old.role != role:
             raise ProtocolError("wrong_role", f"this client registered as a {old.role}; it cannot become a {role}")
         if old is not None:
@@ -486,9 +488,11 @@ class BrokerCore:
                 self._send(rid, Message("CHANNEL_STATE", {"ended": ch.ended}))
         self._match(channel)
 
-    def _limit(self, what: str) -> None:
+    def _limit(self, what: str, limit: str, value: int) -> None:
+        """Refuse the message: ERROR limit_exceeded naming the ``limit`` (spec §6a) and the ``value``
+        the message would have reached."""
         self.stats.limits_refused += 1
-        raise ProtocolError("limit_exceeded", what)
+        raise ProtocolError("limit_exceeded", what, limit=limit, value=value)
 
     def _restore_held(self, c: Client, held: list[Any], now: float) -> None:
         """A consumer re-registering (after a broker restart, or because it thought us gone) lists
@@ -575,10 +579,11 @@ class BrokerCore:
         self._add_requests(c, self._credits(msg))
 
     def _add_requests(self, c: Client, n: int) -> None:
-        n = min(n, MAX_CREDITS - c.credits)
+        self._check_queued(c, n)
         if c.held + c.credits + n > MAX_HELD:
-            self._limit(f"a consumer may hold at most {MAX_HELD} deliveries (it holds {c.held} and asked for "
-                        f"{c.credits} more): release some first")
+            self._limit(f"a consumer may hold at most {MAX_HELD} deliveries and queued credits (it holds {c.held}, "
+                        f"has {c.credits} queued and asked for {n} more): release some first", "held",
+                        c.held + c.credits + n)
         c.credits += n
         self._channel(c.channel).requests.extend([c.rid] * n)
         self._match(c.channel)
@@ -591,8 +596,14 @@ class BrokerCore:
         self._add_ready(c, self._credits(msg))
 
     def _add_ready(self, c: Client, n: int) -> None:
-        c.credits = min(MAX_CREDITS, c.credits + n)
+        self._check_queued(c, n)
+        c.credits += n
         self._match(c.channel)
+
+    def _check_queued(self, c: Client, n: int) -> None:
+        if c.credits + n > MAX_CREDITS:
+            self._limit(f"a client may have at most {MAX_CREDITS} credits queued (it has {c.credits} and asked for "
+                        f"{n} more); nothing was added", "queued_credits", c.credits + n)
 
     def _match(self, name: str) -> None:
         ch = self.channels.get(name)
@@ -663,7 +674,10 @@ class BrokerCore:
             raise ProtocolError("bad_header", f"handoff_id must be 0..2**64-1, got {hid}", field="handoff_id")
         ready = self._credits(msg, "ready", optional=True)
         if ready:
-            self._add_ready(c, ready)  # before validation: a refused handoff still asked for more
+            try:
+                self._add_ready(c, ready)  # before validation: a refused handoff still asked for more
+            except ProtocolError as limit:  # answered on its own; the handoff goes on without it (§6a)
+                self._error(c.rid, limit.code, str(limit), ref="HANDOFF", field="ready", **limit.extra)
         g = self.grants.get(gid)
         if g is None or g.producer != c.rid:
             raise ProtocolError("unknown_grant", f"grant {gid} is not one this producer holds")
@@ -749,6 +763,9 @@ class BrokerCore:
         return d
 
     def on_event_release(self, c: Client, msg: Message) -> None:
+        self._with_credits(c, msg, self._event_release)
+
+    def _event_release(self, c: Client, msg: Message) -> None:
         d = self._delivery_of(c, msg)
         if not d.event_pending:
             raise ProtocolError("already_released", "this handoff's event was already released (or it has none)")
@@ -757,23 +774,31 @@ class BrokerCore:
             self._send(d.producer, Message("EVENT_RELEASED", {"handoff_id": d.handoff_id}))
 
     def on_release(self, c: Client, msg: Message) -> None:
-        """Release the token; then apply the REQUEST carried on the message, even when the release
-        was refused (as a HANDOFF's ready): the consumer counts those credits as asked either way,
-        and a batch carries them on its last entry, whatever became of that entry (spec §4)."""
+        self._with_credits(c, msg, lambda c, m: self._release(self._delivery_of(c, m),
+                                                               str(m.header.get("reason", "released"))[:200]))
+
+    def _with_credits(self, c: Client, msg: Message, entry: Callable[[Client, Message], None]) -> None:
+        """A RELEASE entry of either kind, then the REQUEST carried on it (a batch carries its
+        credits on its last entry, whatever its kind and whatever became of it, spec §4): applied
+        also when the entry is refused, since the consumer counts those credits as asked either
+        way. Credits over a limit are not applied and answered on their own (§6a); after a refused
+        entry only the entry's refusal is answered, and the dropped credits are logged."""
         credits = self._credits(msg, "credits", optional=True)
         try:
-            d = self._delivery_of(c, msg)
-            self._release(d, str(msg.header.get("reason", "released"))[:200])
+            entry(c, msg)
         except ProtocolError:
             if credits and c.role == "consumer":
                 try:
                     self._add_requests(c, credits)
-                except ProtocolError as limit:  # the refusal of the release is the one answered
+                except ProtocolError as limit:
                     log.warning(json.dumps({"event": "credits_refused", "client": c.rid_text[:32],
                                             "why": str(limit)[:200]}))
             raise
         if credits:
-            self._add_requests(c, credits)
+            try:
+                self._add_requests(c, credits)
+            except ProtocolError as limit:
+                self._error(c.rid, limit.code, str(limit), ref="RELEASE", field="credits", **limit.extra)
 
     def _release(self, d: Delivery, reason: str) -> None:
         self._unbind(d)

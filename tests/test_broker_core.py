@@ -354,13 +354,46 @@ def test_endpoint_fields_are_typed_not_coerced():
 def test_limits_refuse_with_a_clear_error():
     core = _core()
     _hello(core, b"c", "consumer")
-    outs = core.receive(b"c", frames("REQUEST", {"credits": MAX_CREDITS}), 0.0)
+    outs = core.receive(b"c", frames("REQUEST", {"credits": 100}), 0.0)
     assert not _errors(outs)
     c = core.clients[b"c"]
-    c.held = MAX_HELD - 10  # as if it held that many
-    (err,) = _errors(core.receive(b"c", frames("REQUEST", {"credits": MAX_CREDITS}), 0.0))
+    c.held = MAX_HELD - 150  # as if it held that many
+    (err,) = _errors(core.receive(b"c", frames("REQUEST", {"credits": 100}), 0.0))
     assert err["code"] == "limit_exceeded" and "release some first" in err["message"]
+    assert (err["limit"], err["value"]) == ("held", MAX_HELD + 50) and c.credits == 100
     c.held = 0
+
+
+@pytest.mark.parametrize("verb", ["REQUEST", "READY"])
+def test_queued_credits_past_the_limit_are_refused_and_nothing_is_added(verb):
+    """Spec §6a: more than 4096 queued credits refuses the message, naming the limit, and adds
+    nothing; before, the broker clamped them silently and a client waited for deliveries that
+    could never come."""
+    core = _core()
+    _hello(core, b"x", "consumer" if verb == "REQUEST" else "producer")
+    assert not _errors(core.receive(b"x", frames(verb, {"credits": MAX_CREDITS - 100}), 0.0))
+    (err,) = _errors(core.receive(b"x", frames(verb, {"credits": 200}), 0.0))
+    assert (err["code"], err["limit"], err["value"]) == ("limit_exceeded", "queued_credits", MAX_CREDITS + 100)
+    assert core.clients[b"x"].credits == MAX_CREDITS - 100 and core.stats.limits_refused == 1
+    core.check_invariants()
+
+
+def test_a_piggybacked_ready_past_the_limit_is_refused_alone():
+    """A HANDOFF's ready over the limit is answered on its own (field ready); the handoff goes."""
+    core = _core()
+    _hello(core, b"p", "producer", pid=5)
+    _hello(core, b"c", "consumer", pid=6)
+    core.receive(b"c", frames("REQUEST", {"credits": 1}), 0.0)
+    (g,) = [o.msg for o in core.receive(b"p", frames("READY", {"credits": 1}), 0.0) if o.msg.verb == "GRANT"]
+    core.receive(b"p", frames("READY", {"credits": MAX_CREDITS}), 0.0)
+    handle = bytes.fromhex("0010000000000000" "00010000" "00" "00" "0000")
+    outs = core.receive(b"p", encode_batch([Message("HANDOFF", {"grant_id": g.header["grant_id"], "handoff_id": 1,
+                                                                   "offset": 0, "ready": 5},
+                                                    {"handle": handle, "memory": b"M" * 64})]), 0.0)
+    (err,) = _errors(outs)
+    assert (err["code"], err["field"], err["limit"]) == ("limit_exceeded", "ready", "queued_credits")
+    assert [o.msg.verb for o in outs if o.msg.verb == "DELIVER"] == ["DELIVER"]
+    core.check_invariants()
 
 
 def test_clients_per_process_are_bounded():

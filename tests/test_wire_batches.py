@@ -264,6 +264,17 @@ def test_release_credits_apply_even_when_the_release_is_refused():
     core.check_invariants()
 
 
+def test_credits_on_an_event_release_last_in_its_batch_are_applied():
+    """A batch whose last entry is an EVENT_RELEASE carries the batch's credits on it; the broker
+    dropped them (refused entry or not), and the consumer waited for buffers it never got."""
+    core, _ = _world()
+    outs = core.receive(b"c", encode_batch([Message("RELEASE", {"token": "ee" * 24}),
+                                            Message("EVENT_RELEASE", {"token": "ee" * 24, "credits": 2})]), 0.0)
+    assert [m.header["code"] for m in _to(outs, b"c")] == ["unknown_token", "unknown_token"]
+    assert core.clients[b"c"].credits == 2
+    core.check_invariants()
+
+
 def test_a_lone_surrogate_in_a_name_is_sent_escaped():
     """JSON lets a client put "\\ud800" in a string; echoing it (CAPS_REPLY names consumers) must
     not fail to encode, or one client's name would stop the broker's sends."""
