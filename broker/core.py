@@ -730,6 +730,11 @@ class BrokerCore:
             raise ProtocolError("mode_not_valid", f"{mode.wire_name} for a {handle.device_tag.name} buffer "
                                 f"from {producer.endpoint.identity.spec} to {consumer.endpoint.identity.spec} "
                                 f"over {pm.transport.value}: {why}")
+        if pm.transport is Transport.NETWORK:  # no memory blob (shm, CUDA IPC) means anything on another host
+            raise ProtocolError("payload_mismatch", f"the consumer is on host {consumer.endpoint.identity.host}, the "
+                                f"producer on {producer.endpoint.identity.host}: no shared memory or CUDA IPC handle "
+                                "reaches another host; carry the channel across machines with a bridge "
+                                "(interchange.md)", field="endpoint.device.host")
         inproc = bool(msg.header.get("inproc"))
         if inproc != (pm.transport is Transport.IN_PROCESS):
             raise ProtocolError("payload_mismatch", "inproc flag does not match the endpoints' processes")

@@ -31,13 +31,15 @@ from hurray_ipc.transport.protocol import Message, decode_all
 from test_protocol_raw import pack_hot
 
 VEC = json.loads((Path(__file__).parent / "vectors" / "end_of_stream.json").read_text())["scenarios"]
+VEC += json.loads((Path(__file__).parent / "vectors" / "ipc_scenarios.json").read_text())["scenarios"]
 HOST = host_id()
+OTHER_HOST = "f" * 32  # a host id that is not this machine's ('host': 'other' in a vector)
 HANDLE = bytes.fromhex("0010000000000000" "00010000" "00" "00" "0000")  # 4096 bytes, CPU, PRODUCER_SYNCED
 
 
-def _endpoint(pid: int) -> dict[str, Any]:
+def _endpoint(pid: int, host: str = HOST) -> dict[str, Any]:
     return {"device": {"kind": "cpu", "ordinal": 0, "uuid": "cpu-eos", "pci_bus_id": "", "emulated": False,
-                       "host": HOST},
+                       "host": host},
             "caps": {"ipc_memory": True, "ipc_events": False, "ipc_streams": False, "peers": []},
             "pid": pid, "stream": None}
 
@@ -54,7 +56,8 @@ class Driver:
         a = act["action"]
         if a == "hello":
             pid = self.pid(who)
-            h = {"protocol": 2, "role": act["role"], "channel": "eos", "pid": pid, "endpoint": _endpoint(pid)}
+            host = OTHER_HOST if act.get("host") == "other" else HOST
+            h = {"protocol": 2, "role": act["role"], "channel": "eos", "pid": pid, "endpoint": _endpoint(pid, host)}
             if "ended" in act:
                 h["ended"] = act["ended"]
             return [b"HELLO", json.dumps(h).encode()]
