@@ -160,8 +160,8 @@ class Broker:
         self._last_clean = time.monotonic()
         try:
             removed = liveness.cleanup_stale()
-        except OSError as e:
-            log.warning(json.dumps({"event": "stale_sweep_failed", "error": str(e)}))
+        except Exception as e:  # noqa: BLE001 - a sweep is housekeeping: it must never end the broker
+            log.warning(json.dumps({"event": "stale_sweep_failed", "error": f"{type(e).__name__}: {e}"}))
             return
         self.core.note_sweep(len(shm.list_segments()), len(removed))
         if removed:

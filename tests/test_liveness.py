@@ -135,3 +135,42 @@ def test_a_zombie_is_not_alive():
     os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)  # exited, deliberately not reaped
     assert not shm.pid_alive(p.pid)
     p.wait()
+
+
+def test_a_sweep_touches_only_regular_files_this_user_owns(tmp_path):
+    """The red team's 'another user's file stops the broker': a file named like one of our
+    segments but owned by someone else made the sweep raise posix_ipc's PermissionsError (no
+    OSError), which ended the broker; a directory of that name made every sweep fail. Both are
+    skipped now, and a real stale segment of ours is still removed."""
+    import posix_ipc
+
+    from brokerproc import BrokerProcess
+    from hurray_ipc.devices import shm
+
+    uid = os.getuid()
+    ours = f"/hurray-{uid}-{2**22 - 1}-c0-0badcafe"  # a dead pid's segment: stale, ours
+    posix_ipc.SharedMemory(ours, posix_ipc.O_CREX, size=64).close_fd()
+    planted = [f"/dev/shm/hurray-{uid}-{2**22 - 1}-c{i}-0badcafe" for i in (1, 2, 3)]
+    os.mkdir(planted[0])  # a directory
+    os.symlink("/dev/null", planted[1])  # a symlink
+    with open(planted[2], "w") as f:  # another user's file (when we may give it away)
+        f.write("x")
+    foreign = os.getuid() == 0
+    if foreign:
+        os.chown(planted[2], 54321, 54321)
+    try:
+        removed = shm.cleanup_stale()
+        assert ours in removed and all(os.path.lexists(p) for p in planted), removed
+        if foreign:  # the broker starts (it sweeps at once) and keeps serving with them there
+            b = BrokerProcess(f"ipc://{tmp_path}/b.sock").start()
+            try:
+                from hurray_ipc.cli.top import StatsClient
+
+                assert StatsClient(b.endpoint).query(5.0)["broker"]["pid"] == b.proc.pid
+            finally:
+                assert "stale_sweep_failed" not in b.stop()
+    finally:
+        os.rmdir(planted[0])
+        os.unlink(planted[1])
+        os.unlink(planted[2])
+        shm.unlink(ours)

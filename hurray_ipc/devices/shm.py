@@ -19,6 +19,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import threading
 import weakref
 from pathlib import Path
@@ -180,10 +181,12 @@ def populate(ptr: int, size: int) -> None:
 
 
 def unlink(name: str) -> bool:
+    """Remove a segment's name; False (never an error) when it is gone already or may not be
+    removed (another user's file: posix_ipc raises PermissionsError, which is no OSError)."""
     try:
         posix_ipc.unlink_shared_memory(name)
         return True
-    except posix_ipc.ExistentialError:
+    except (posix_ipc.Error, OSError):
         return False
 
 
@@ -225,13 +228,21 @@ def entries(directory: Path | str = SHM_DIR) -> list[str]:
         return []
 
 
-def list_segments(uid: int | None = None, pid: int | None = None) -> list[str]:
-    """Names of this project's segments in /dev/shm (optionally of one uid / pid)."""
+def list_segments(uid: int | None = None, pid: int | None = None, directory: Path | str = SHM_DIR) -> list[str]:
+    """Names of this project's segments in /dev/shm (optionally of one uid / pid): regular files
+    that ``uid`` owns and whose name says so. Anything else with such a name (another user's
+    file, a directory, a symlink) is not ours, and is neither listed nor touched."""
     uid = os.getuid() if uid is None else uid
     out: list[str] = []
-    for e in entries():
+    for e in entries(directory):
         parsed = parse_name(e)
-        if parsed and parsed[0] == uid and (pid is None or parsed[1] == pid):
+        if not parsed or parsed[0] != uid or (pid is not None and parsed[1] != pid):
+            continue
+        try:
+            st = os.lstat(os.path.join(directory, e))
+        except OSError:
+            continue  # gone meanwhile
+        if stat.S_ISREG(st.st_mode) and st.st_uid == uid:
             out.append("/" + e)
     return sorted(out)
 
