@@ -236,3 +236,37 @@ def test_a_peer_that_stops_reading_is_counted_not_silently_dropped(live):
     (shutdown,) = [json.loads(line.split(" ", 1)[1] if not line.startswith("{") else line)
                    for line in log.splitlines() if '"event": "shutdown"' in line]
     assert shutdown["dropped_full"] > 0, shutdown
+
+
+def test_a_frame_over_a_mebibyte_drops_only_its_sender(broker):
+    """Red team medium item 8: a 256 MiB header frame was read whole (60 -> 570 MB) before the
+    size check refused it. The broker's socket now drops a connection that sends a frame over
+    1 MiB unread; a 100 KiB header is still answered bad_header; other clients are served."""
+    from hurray_ipc.transport.protocol import decode_all
+
+    ctx = zmq.Context()
+    try:
+        def sock():
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(broker.endpoint)
+            return s
+
+        def rss_mb() -> float:
+            with open(f"/proc/{broker.proc.pid}/status") as f:
+                return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")) / 1024
+
+        before = rss_mb()
+        big, mid, good = sock(), sock(), sock()
+        for _ in range(8):  # 8 x 64 MiB frames: dropped as they arrive, never read whole
+            big.send_multipart([b"STATS", b"{" + b" " * (64 << 20) + b"}"])
+        mid.send_multipart([b"STATS", b" " * (100 << 10)])
+        assert mid.poll(10_000)
+        (err,) = decode_all(mid.recv_multipart())
+        assert err.verb == "ERROR" and err.header["code"] == "bad_header"
+        good.send_multipart([b"STATS", b"{}"])
+        assert good.poll(10_000) and decode_all(good.recv_multipart())[0].verb == "STATS_REPLY"
+        assert not big.poll(500)  # never answered: those frames were dropped unread
+        assert rss_mb() - before < 64, (before, rss_mb())
+    finally:
+        ctx.destroy(linger=0)

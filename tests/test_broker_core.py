@@ -609,3 +609,27 @@ def test_release_after_producer_gone_is_unknown_token():
     assert [(m.verb, m.header["tokens"]) for m in gone] == [("PRODUCER_GONE", [d.header["token"]])]
     (err,) = _errors(core.receive(b"c", frames("RELEASE", {"token": d.header["token"]}), 0.0))
     assert err["code"] == "unknown_token"
+
+
+def test_a_meta_frame_nested_too_deep_names_its_field():
+    """Red team low item 18: a meta nested 17 levels got bad_header without field 'meta'."""
+    core = _core()
+    _hello(core, b"p", "producer", pid=5)
+    deep = b'{"user":' + b"[" * 16 + b"]" * 16 + b"}"
+    head = struct.pack("<HHI", 1, 0, 0) + struct.pack("<QQQH6s", 1, 1, 0, 0x01 | 0x08, bytes(6))
+    (err,) = _errors(core.receive(b"p", [b"HANDOFF", head, bytes(16), b"M" * 64, deep], 0.0))
+    assert (err["code"], err["field"]) == ("bad_header", "meta") and "nests deeper" in err["message"]
+
+
+def test_a_caps_reply_over_64_kib_reaches_its_client():
+    """Red team low item 18: ~300 consumers on a channel made CAPS_REPLY 71 KB, over the header
+    cap, and hurray-caps --channel failed. CAPS_REPLY may be 16 MiB, as STATS_REPLY."""
+    from hurray_ipc.transport.protocol import decode
+
+    core = _core()
+    for i in range(400):
+        _hello(core, f"c{i:04d}".encode(), "consumer", pid=1000 + i, name="consumer-with-a-long-name-" * 3)
+    (out,) = core.receive(b"q", frames("CAPS", {"device": endpoint(9), "channel": "ch"}), 0.0)
+    wire = out.msg.encode()
+    assert len(wire[1]) > 65536
+    assert len(decode(wire).header["consumers"]) == 400

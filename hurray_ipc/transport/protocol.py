@@ -183,7 +183,7 @@ def decode_all(parts: Sequence[Any], *, allowed: frozenset[str] | None = None, v
     if verb not in PAYLOAD or (allowed is not None and verb not in allowed):
         raise ProtocolError("unknown_verb", f"{verb[:32]!r} is not a verb this side accepts")
     raw = bytes(parts[1])
-    limit = MAX_STATS_REPLY_BYTES if verb == "STATS_REPLY" else MAX_HEADER_BYTES
+    limit = MAX_STATS_REPLY_BYTES if verb in ("STATS_REPLY", "CAPS_REPLY") else MAX_HEADER_BYTES
     if len(raw) > limit:
         raise ProtocolError("bad_header", f"header of {len(raw)} bytes exceeds {limit}")
     header = _json_object(raw, f"{verb} header")
@@ -200,7 +200,7 @@ def decode_all(parts: Sequence[Any], *, allowed: frozenset[str] | None = None, v
 
 
 def _json_object(raw: bytes, what: str, **extra: Any) -> dict[str, Any]:
-    check_depth(raw, what)
+    check_depth(raw, what, field=extra.get("field"))
     try:
         obj = json.loads(raw.decode("utf-8")) if raw else {}
     except (UnicodeDecodeError, ValueError) as e:
@@ -551,7 +551,7 @@ def coalesce(msgs: Sequence[Message]) -> list[list[Message]]:
 _HOT_WIRE = frozenset(["HANDOFF", "RELEASE", "DELIVER", "GRANT", "ACCEPTED", "RELEASED"])
 
 
-def check_depth(raw: bytes, what: str, limit: int = MAX_HEADER_DEPTH) -> None:
+def check_depth(raw: bytes, what: str, limit: int = MAX_HEADER_DEPTH, field: str | None = None) -> None:
     """Refuse JSON nested deeper than ``limit`` before parsing it (json.loads recurses: a
     100,000-deep array raises RecursionError). Brackets inside strings are skipped."""
     if raw.count(b"[") + raw.count(b"{") <= limit:
@@ -570,7 +570,8 @@ def check_depth(raw: bytes, what: str, limit: int = MAX_HEADER_DEPTH) -> None:
         elif ch in (0x5B, 0x7B):
             depth += 1
             if depth > limit:
-                raise ProtocolError("bad_header", f"{what} nests deeper than {limit} levels")
+                raise ProtocolError("bad_header", f"{what} nests deeper than {limit} levels",
+                                    **({"field": field} if field else {}))
         elif ch in (0x5D, 0x7D):
             depth -= 1
 
