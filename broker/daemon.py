@@ -26,10 +26,10 @@ import time
 from pathlib import Path
 
 from hurray_ipc.cli.top import NoBroker, StatsClient
+from hurray_ipc.client.endpoint import check_socket_dir
 
 from .lock import holder
 from .logfmt import open_log
-from .server import check_socket_dir
 
 PROG = "hurray-broker"
 START_TIMEOUT_S = 30.0  # a cold interpreter on a busy machine takes a few seconds to import everything

@@ -22,13 +22,13 @@ import json
 import logging
 import os
 import signal
-import stat
 import time
 from pathlib import Path
 from typing import Any
 
 import zmq
 
+from hurray_ipc.client.endpoint import check_socket_dir
 from hurray_ipc.devices import shm
 from hurray_ipc.devices.base import host_id
 from hurray_ipc.transport import liveness
@@ -262,20 +262,3 @@ class Broker:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
-
-
-def check_socket_dir(d: Path, group: bool) -> None:
-    """Refuse a socket directory others could swap the socket in: writable by other users
-    without the sticky bit, or owned by another user (root's system directories excepted)."""
-    try:
-        st = d.stat()
-    except FileNotFoundError:
-        return  # we create it, with our mode
-    if not stat.S_ISDIR(st.st_mode):
-        raise RuntimeError(f"socket directory {d} is not a directory")
-    if st.st_uid not in (os.getuid(), 0):
-        raise RuntimeError(f"socket directory {d} belongs to uid {st.st_uid}, not to us ({os.getuid()})")
-    open_to = stat.S_IWOTH | (0 if group else stat.S_IWGRP)
-    if st.st_mode & open_to and not st.st_mode & stat.S_ISVTX:
-        raise RuntimeError(f"socket directory {d} has mode {stat.S_IMODE(st.st_mode):o}: other users could replace "
-                           "the broker's socket; use a directory only you can write (or one with the sticky bit)")

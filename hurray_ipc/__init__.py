@@ -47,6 +47,7 @@ from .errors import (
     HurrayTimeout,
     InvalidArgument,
     MissingDependency,
+    UnsafeEndpoint,
     UnsupportedObject,
 )
 from .format import BufferHandle, DeviceTag, HandleError, ReservedSyncMode, SyncMode
@@ -108,6 +109,7 @@ __all__ = [
     "SyncMode",
     "Ticket",
     "Transport",
+    "UnsafeEndpoint",
     "UnsupportedObject",
     "check_network_handle",
     "choose_sync_mode",

@@ -13,6 +13,7 @@ class                       builtin             raised when
 :class:`ClosedError`        RuntimeError        a call on a closed Producer or Consumer
 :class:`EndOfStream`        EOFError            every producer of the channel ended and all was received
 :class:`MissingDependency`  ImportError         an optional library a call needs is not installed
+:class:`UnsafeEndpoint`     PermissionError     the socket directory is another user's, or open to them
 ==========================  ==================  ===================================================
 
 Other layers add their own, each a subclass too: ``HandleError`` (ValueError, format/),
@@ -76,6 +77,11 @@ class HurrayTimeout(HurrayError, TimeoutError):
 
 class ClosedError(HurrayError, RuntimeError):
     """The Producer or Consumer was closed (or its producer ended its stream) before this call."""
+
+
+class UnsafeEndpoint(HurrayError, PermissionError):
+    """The broker's socket directory could be swapped by another user (ipc-protocol.md §1): refused
+    before anything connects or binds there."""
 
 
 class MissingDependency(HurrayError, ImportError):

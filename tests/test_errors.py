@@ -189,3 +189,29 @@ def test_a_cuda_buffer_and_a_torch_without_cuda(broker, monkeypatch):
             th.join(10)
     finally:
         set_runtime(None)
+
+
+def test_clients_refuse_a_socket_directory_another_user_could_swap(tmp_path):
+    """Red team high item 6: with XDG_RUNTIME_DIR unset, another user creates /tmp/hurray-<uid>
+    and runs a fake broker there; the broker refused such a directory but clients connected to it.
+    Clients now check it as the broker does before they connect."""
+    import os
+    import stat
+
+    from hurray_ipc import UnsafeEndpoint
+
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    refused(lambda: Producer(f"ipc://{open_dir}/broker.sock", "c"), UnsafeEndpoint, "mode 777",
+            "other users could replace")
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    Consumer(f"ipc://{sticky}/broker.sock", "c").close()  # /tmp-like: the sticky bit protects names
+    if os.getuid() == 0:
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o755)
+        os.chown(theirs, 54321, 54321)
+        refused(lambda: Consumer(f"ipc://{theirs}/broker.sock", "c"), UnsafeEndpoint, "belongs to uid 54321")
+    assert issubclass(UnsafeEndpoint, PermissionError) and stat.S_ISVTX

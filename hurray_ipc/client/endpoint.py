@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, UnsafeEndpoint
 
 
 def runtime_dir() -> Path:
@@ -19,6 +20,27 @@ def default_endpoint() -> str:
 
 
 SCHEMES = ("ipc://", "tcp://", "inproc://")
+
+
+def check_socket_dir(d: Path, group: bool) -> None:
+    """Refuse a socket directory others could swap the socket in (ipc-protocol.md §1): writable by
+    other users without the sticky bit (by the group too unless ``group``), or owned by another
+    user (root excepted), or not a directory. A missing one is fine (the broker creates it with its
+    own mode). The broker checks before it binds; clients check before they connect, with
+    ``group`` set (a broker started with --group shares a group-writable directory)."""
+    try:
+        st = d.stat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeEndpoint(f"socket directory {d} is not a directory")
+    if st.st_uid not in (os.getuid(), 0):
+        raise UnsafeEndpoint(f"socket directory {d} belongs to uid {st.st_uid}, not to us ({os.getuid()}) or root: "
+                             "another user could run a broker there")
+    open_to = stat.S_IWOTH | (0 if group else stat.S_IWGRP)
+    if st.st_mode & open_to and not st.st_mode & stat.S_ISVTX:
+        raise UnsafeEndpoint(f"socket directory {d} has mode {stat.S_IMODE(st.st_mode):o}: other users could replace "
+                             "the broker's socket; use a directory only you can write (or one with the sticky bit)")
 
 
 def check_endpoint(value: str) -> str:

@@ -22,6 +22,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -38,7 +39,7 @@ from ..transport.protocol import (
     encode_group,
 )
 from ..transport.sockets import NOBLOCK, readable, recv_frames, send_frames
-from .endpoint import check_endpoint, default_endpoint
+from .endpoint import check_endpoint, check_socket_dir, default_endpoint
 
 log = logging.getLogger("hurray.client")
 
@@ -130,6 +131,8 @@ class Session:
         poll: Callable[[], bool] | None = None,
     ):
         self.endpoint = check_endpoint(endpoint or default_endpoint())
+        if self.endpoint.startswith("ipc://"):  # as the broker checks before it binds (spec §1)
+            check_socket_dir(Path(self.endpoint[len("ipc://"):]).parent, group=True)
         self.role = role
         self.channel = channel
         self.client_id = secrets.token_hex(16)
