@@ -65,6 +65,23 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                              "        self._raw.close()\n        self._consumer._send_release(\"RELEASE\", self)\n",
                              "        self._consumer._send_release(\"RELEASE\", self)\n"
                              "        self._raw.close()  # MUTANT: the mapping outlives the RELEASE\n", *PATHS),
+    "event-destroyed-early": ("hurray_ipc/client/producer.py",
+                              "            if o is not None and o.event is not None and self.events.pooled:",
+                              "            if o is not None and o.event is not None:  # MUTANT: destroyed early",
+                              "tests/test_clients.py"),
+    # The real backend leaves the application's CUDA state as it found it (issue 22).
+    "device-not-restored": ("hurray_ipc/devices/cuda.py",
+                            "            if prev != self.ordinal:\n                self.rt.set_device(prev)\n",
+                            "            pass  # MUTANT: the caller's device stays switched\n",
+                            "tests/test_devices.py"),
+    "not-ready-not-cleared": ("hurray_ipc/devices/backend/real.py",
+                              "            self.rt.cudaGetLastError()  # this runtime's own",
+                              "            pass  # MUTANT: the NotReady stays the last error; this runtime's own",
+                              "tests/test_devices.py"),
+    "probe-caches-transient": ("hurray_ipc/devices/backend/real.py",
+                               "        if not transient:\n",
+                               "        if True:  # MUTANT: a transient failure is kept for good\n",
+                               "tests/test_devices.py"),
     # A failed send gives back what it took (issue 21): each mutant drops one give-back.
     "give-back-grant": ("hurray_ipc/client/producer.py",
                         "                        self._regrant(grant)  # unused: the next send takes it\n",

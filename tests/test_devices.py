@@ -710,3 +710,75 @@ def test_a_mapping_says_once_when_it_is_unmapped():
     assert heard == ["a", "late"]
     cache.clear()
     assert heard == ["a", "late", "b"] and closed == ["a", "b"]
+
+
+# --- issue 22: the real backend leaves the application's CUDA state as it found it ------------------
+def test_real_failures_and_not_ready_queries_clear_the_last_error():
+    """A failed call, and a query answered cudaErrorNotReady, leave that error in the runtime's
+    per-thread last-error state, where PyTorch's next launch check finds it ("device not ready"):
+    both clear it (cudaGetLastError) before returning."""
+    cudart = _cudart()
+    ok, nr = cudart.cudaError_t.cudaSuccess, cudart.cudaError_t.cudaErrorNotReady
+    cleared = []
+    rt = _real_with(cudaGetLastError=lambda: (cleared.append(1), (ok,))[1],
+                    cudaEventQuery=lambda e: (nr,), cudaStreamQuery=lambda s: (nr,),
+                    cudaHostRegister=lambda *a: (cudart.cudaError_t.cudaErrorHostMemoryAlreadyRegistered,))
+    assert rt.event_query("ev") is False and rt.stream_query("s") is False
+    assert len(cleared) == 2
+    with pytest.raises(DeviceError, match="cudaErrorHostMemoryAlreadyRegistered"):
+        rt.host_register(0x1000, 64)
+    assert len(cleared) == 3
+
+
+def test_real_probe_asks_again_after_a_transient_failure():
+    """A probe that failed on the way (no memory for its allocation) was cached for the life of
+    the process; only a definite answer is kept now."""
+    cudart = _cudart()
+    if not __import__("sys").platform.startswith("linux"):
+        pytest.skip("CUDA IPC is Linux-only")
+    ok, oom = cudart.cudaError_t.cudaSuccess, cudart.cudaError_t.cudaErrorMemoryAllocation
+    mallocs = []
+    fakes = _probe_fakes({})
+    fakes["cudaMalloc"] = lambda n: (mallocs.append(n), (oom,) if len(mallocs) == 1 else (ok, 0x1000))[1]
+    rt = _real_with(cudaGetLastError=lambda: (ok,), **fakes)
+    assert "cudaErrorMemoryAllocation" in (rt.unsupported_reason(0, "ipc_memory") or "")
+    assert rt.ipc_memory_support(0), "a transient failure must be probed again"
+    assert rt.ipc_memory_support(0) and len(mallocs) == 2, "a definite answer is kept"
+
+
+def test_calls_on_a_device_leave_the_callers_device_current():
+    """A PyTorch or CuPy thread working on cuda:1 calls into Hurray on cuda:0 (a send, a copy, an
+    event): its current device must still be cuda:1 afterwards. activate() used to leave cuda:0."""
+    rt = EmulatedRuntime(emu_config())
+    dev = CudaDevice(0, runtime=rt)
+    rt.set_device(1)  # the application's own device
+    s, ev = dev.create_stream(), dev.create_event()
+    buf = dev.allocate(64)
+    s.memset(buf, 1)
+    ev.record(s)
+    s.wait(ev)
+    ev.export()
+    s.synchronize()
+    dev.capabilities()
+    exp = dev.export_memory(buf)
+    assert rt.get_device() == 1, "a call switched the caller's device"
+    assert exp.size == 64
+    ev.close(), s.close(), buf.close(), dev.close()
+    assert rt.get_device() == 1
+
+
+def test_a_stream_is_never_exported_as_0():
+    """CUDA Array Interface v3 and DLPack forbid stream 0 (ambiguous); the legacy default stream,
+    cudaStream_t 0 on real CUDA, is named 1 where a handle leaves (protocol_handle)."""
+    from hurray_ipc.devices.cuda import CudaStream
+
+    class Rt:
+        @staticmethod
+        def stream_id(raw):
+            return raw
+
+    class Dev:
+        rt = Rt()
+
+    assert CudaStream(Dev(), 0, owned=False).protocol_handle == 1  # type: ignore[arg-type]
+    assert CudaStream(Dev(), 7, owned=False).protocol_handle == 7  # type: ignore[arg-type]

@@ -200,7 +200,7 @@ class ReceivedBuffer:
         self._check()
         s = self._handoff.ordered_stream()
         return {"shape": self.shape, "typestr": self.typestr, "data": (self._buf.ptr, self.readonly), "version": 3,
-                "strides": None, "stream": None if s is None else s.handle}
+                "strides": None, "stream": None if s is None else s.protocol_handle}
 
     def __dlpack_device__(self) -> tuple[int, int]:
         self._device_asked = True

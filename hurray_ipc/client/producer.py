@@ -80,7 +80,8 @@ class EventPool:
     cudaEventRecord *at the time of the wait call*, unaffected by later records. The consumer
     releases the event only after issuing its stream-waits (sync-contract §3), so a re-record
     after the release cannot change what those waits order after.
-    ``pooled=False``: one event per handoff, destroyed at its release. cuda.core refuses to
+    ``pooled=False``: one event per handoff, destroyed with its buffer (RELEASED: an importer's
+    wait may still be pending at EVENT_RELEASED). cuda.core refuses to
     re-record IPC events ("IPC-enabled events should not be re-recorded"); this mode follows that
     stricter reading, at the cost of a cudaEventCreate + cudaIpcGetEventHandle per handoff.
     """
@@ -266,7 +267,11 @@ class Producer:
                 o.ticket.accepted = True
         elif msg.verb == "EVENT_RELEASED":
             o = self._out.get(int(h.get("handoff_id", -1)))
-            if o is not None and o.event is not None:
+            # A pooled event is re-recorded for a later handoff now: a record does not change what
+            # the consumer's waits, already issued, order after. One event per handoff is destroyed
+            # only with the buffer (RELEASED, _finish): the consumer's waits were issued, not
+            # necessarily run, and an importer's wait on an event its exporter destroyed is undefined.
+            if o is not None and o.event is not None and self.events.pooled:  # type: ignore[union-attr]
                 self.events.release(o.event)  # type: ignore[union-attr]
                 o.event = None
         elif msg.verb == "RELEASED":

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import weakref
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from ..errors import InvalidArgument, UnsupportedObject
 from ..format.handle import DeviceTag
@@ -23,6 +26,19 @@ from .base import (
 )
 from .errors import DeviceError
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _on_device(method: F) -> F:
+    """Run a CUDA object's method with its device current, and the caller's device again after
+    (see :meth:`CudaDevice.current`); nested calls on the same device switch nothing."""
+    @functools.wraps(method)
+    def run(self: Any, *a: Any, **kw: Any) -> Any:
+        with (self if isinstance(self, CudaDevice) else self.device).current():
+            return method(self, *a, **kw)
+
+    return run  # type: ignore[return-value]
+
 
 class CudaEvent(Event):
     """An event. Exported (owned) events are destroyed on close; imported ones drop our copy."""
@@ -41,30 +57,30 @@ class CudaEvent(Event):
             raise DeviceError("event", "event already destroyed")
         return self.raw
 
+    @_on_device
     def record(self, stream: Stream) -> None:
         if not isinstance(stream, CudaStream):
             raise DeviceError("cudaEventRecord", f"{stream!r} is not a CUDA stream")
-        self.device.activate()
         self.device.rt.event_record(self._live(), stream.raw)
 
+    @_on_device
     def synchronize(self) -> None:
-        self.device.activate()
         self.device.rt.event_synchronize(self._live())
 
+    @_on_device
     def query(self) -> bool:
-        self.device.activate()
         return self.device.rt.event_query(self._live())
 
+    @_on_device
     def export(self) -> bytes:
         if self._blob is None:  # the handle of an event never changes; fetch it once
-            self.device.activate()
             self._blob = self.device.rt.ipc_get_event_handle(self._live())
         return self._blob
 
+    @_on_device
     def close(self) -> None:
         raw, self.raw = self.raw, None
         if raw is not None:
-            self.device.activate()
             self.device.rt.event_destroy(raw)
 
 
@@ -81,49 +97,56 @@ class CudaStream(Stream):
     def handle(self) -> int:
         return self.device.rt.stream_id(self.raw)
 
+    @property
+    def protocol_handle(self) -> int:
+        """This stream as CUDA Array Interface v3 and DLPack name it to other libraries: the legacy
+        default stream (cudaStream_t 0) as 1, since both protocols forbid 0 as ambiguous."""
+        h = self.handle
+        return 1 if h == 0 else h
+
+    @_on_device
     def copy(self, dst: Any, src: Any, nbytes: int | None = None) -> None:
         """Enqueue a copy; host objects must stay alive and unchanged until synchronize. Either
         end may be a Buffer, a raw pointer, a host buffer (numpy, bytearray) or a received
         buffer (``handoff.buffer``), which this stream is first ordered after (device-side)."""
         dst, src = ordered_buffer(dst, self, True), ordered_buffer(src, self, False)
         d, s, n = resolve_copy(dst, src, nbytes, self._keep)
-        self.device.activate()
         self.device.rt.memcpy_async(d, s, n, self.raw)
 
+    @_on_device
     def memset(self, dst: Buffer, value: int, nbytes: int | None = None) -> None:
         n = dst.size if nbytes is None else nbytes
         if not 0 <= n <= dst.size:
             raise DeviceError("memset", f"{n} bytes into a buffer of {dst.size}")
-        self.device.activate()
         self.device.rt.memset_async(dst.ptr, value, n, self.raw)
 
     def record(self, event: Event) -> None:
         event.record(self)
 
+    @_on_device
     def wait(self, event: Event) -> None:
         if not isinstance(event, CudaEvent):
             raise DeviceError("cudaStreamWaitEvent", f"{event!r} is not a CUDA event")
-        self.device.activate()
         self.device.rt.stream_wait_event(self.raw, event._live())
 
+    @_on_device
     def synchronize(self) -> None:
         try:
-            self.device.activate()
             self.device.rt.stream_synchronize(self.raw)
         finally:
             self._keep.clear()
 
+    @_on_device
     def query(self) -> bool:
-        self.device.activate()
         done = self.device.rt.stream_query(self.raw)
         if done:
             self._keep.clear()
         return done
 
+    @_on_device
     def close(self) -> None:
         raw, self.raw = self.raw, None
         if raw is not None and self.owned:
-            self.device.activate()
             self.device.rt.stream_destroy(raw)
 
 
@@ -141,9 +164,9 @@ class CudaDevice(Device):
         if not 0 <= ordinal < n:
             raise DeviceError("CudaDevice", f"cuda:{ordinal} does not exist ({n} device(s))")
         self.ordinal = ordinal
-        self.activate()
-        self.identity = DeviceIdentity("cuda", ordinal, self.rt.device_uuid(ordinal), self.rt.pci_bus_id(ordinal),
-                                       emulated=self.rt.emulated)
+        with self.current():
+            self.identity = DeviceIdentity("cuda", ordinal, self.rt.device_uuid(ordinal),
+                                           self.rt.pci_bus_id(ordinal), emulated=self.rt.emulated)
         # A cudaIpcCloseMemHandle must precede the exporter's cudaFree, so a mapping is closed as
         # soon as no buffer references it (see "Mapping lifetime" in docs/spec/sync-contract.md).
         self._cache = ImportCache(limit=0)
@@ -155,13 +178,20 @@ class CudaDevice(Device):
         # handle -> the one CudaStream object standing for it, so coerced streams compare by identity
         self._by_handle: weakref.WeakValueDictionary[int, CudaStream] = weakref.WeakValueDictionary()
 
-    def activate(self) -> None:
-        """Make this device current on the calling thread before a runtime call that acts on it.
-
-        Checked every time, never cached: other code on the thread (PyTorch, CuPy) may have called
-        cudaSetDevice since. The device stays current afterwards, as with cudaSetDevice.
-        """
-        self.rt.set_device(self.ordinal)
+    @contextlib.contextmanager
+    def current(self) -> Iterator[None]:
+        """This device current on the calling thread for the block, and the caller's device again
+        after it: a PyTorch or CuPy thread that works on another device is not switched behind its
+        back (issue 22). Asked of the runtime every time, never cached: other code on the thread
+        may have called cudaSetDevice since."""
+        prev = self.rt.get_device()
+        if prev != self.ordinal:
+            self.rt.set_device(self.ordinal)
+        try:
+            yield
+        finally:
+            if prev != self.ordinal:
+                self.rt.set_device(prev)
 
     def capabilities(self) -> DeviceCapabilities:
         if self._caps is None:
@@ -173,18 +203,19 @@ class CudaDevice(Device):
             self._caps = DeviceCapabilities(mem, ev, False, peers, why)
         return self._caps
 
+    @_on_device
     def allocate(self, size: int) -> Buffer:
-        self.activate()
         ptr = self.rt.malloc(size)
         self._owned[ptr] = None
 
         def free() -> None:
             self._owned.pop(ptr, None)
-            self.activate()
-            self.rt.free(ptr)
+            with self.current():
+                self.rt.free(ptr)
 
         return Buffer(self, ptr, size, closer=free)
 
+    @_on_device
     def export_memory(self, buf: Buffer) -> MemoryExport:
         """The base allocation's handle plus the buffer's offset from it (handles name allocations).
 
@@ -192,7 +223,6 @@ class CudaDevice(Device):
         for memory someone else allocated it is fetched at every export, since its owner may have
         freed and reallocated it at the same address since the last one.
         """
-        self.activate()
         base, _size = self.rt.mem_range(buf.ptr)
         if base not in self._owned:
             return MemoryExport(self.rt.ipc_get_mem_handle(base), buf.ptr - base, buf.size)
@@ -203,18 +233,18 @@ class CudaDevice(Device):
                 self._owned[base] = blob
         return MemoryExport(blob, buf.ptr - base, buf.size)
 
+    @_on_device
     def import_memory(self, exp: MemoryExport) -> Buffer:
         blob = bytes(exp.blob)
         if exp.offset < 0 or exp.size < 0:
             raise DeviceError("import_memory", f"negative offset {exp.offset} or size {exp.size}")
-        self.activate()
 
         def opener() -> tuple[tuple[int, int], Any]:
             base = self.rt.ipc_open_mem_handle(blob)
 
             def close() -> None:
-                self.activate()
-                self.rt.ipc_close_mem_handle(base)
+                with self.current():
+                    self.rt.ipc_close_mem_handle(base)
 
             try:
                 _, size = self.rt.mem_range(base)  # the real allocation's size, not what the sender says
@@ -235,8 +265,8 @@ class CudaDevice(Device):
     def import_cache(self) -> ImportCache:
         return self._cache
 
+    @_on_device
     def create_stream(self) -> CudaStream:
-        self.activate()
         s = CudaStream(self, self.rt.stream_create())
         self._by_handle[s.handle] = s
         return s
@@ -276,13 +306,13 @@ class CudaDevice(Device):
                                 "with __cuda_stream__ (cuda.core, CuPy, PyTorch) or a cudaStream_t int (1: legacy "
                                 "default, 2: per-thread default)")
 
+    @_on_device
     def _stream_of_handle(self, handle: int, what: str) -> CudaStream:
         if handle < 0:
             raise InvalidArgument(f"{what} gave cudaStream_t {handle}; stream handles are >= 0")
         known = self._by_handle.get(handle)
         if known is not None and known.raw is not None:
             return known
-        self.activate()
         s = self.wrap_stream(self.rt.stream_from_id(handle))
         try:
             key = s.handle  # 0, 1 and 2 name the same default stream: one object for all three
@@ -294,12 +324,12 @@ class CudaDevice(Device):
         self._by_handle[key] = self._by_handle[handle] = s
         return s
 
+    @_on_device
     def create_event(self, interprocess: bool = True) -> CudaEvent:
-        self.activate()
         return CudaEvent(self, self.rt.event_create(interprocess), interprocess=interprocess)
 
+    @_on_device
     def import_event(self, blob: bytes) -> CudaEvent:
-        self.activate()
         return CudaEvent(self, self.rt.ipc_open_event_handle(blob), interprocess=True, imported=True)
 
     def order_send(self, key: str) -> None:
@@ -326,22 +356,22 @@ class CudaDevice(Device):
         (ADR-018 §6); the emulation checks that it did."""
         self.rt.rdma_source(buf.ptr, buf.size)
 
+    @_on_device
     def flush_rdma_writes(self) -> None:
         """Block until every NIC write into this device's memory so far is visible to the device:
         the receiver's half of ADR-018 §6's GPUDirect ordering, done before a buffer is handed on."""
-        self.activate()
         self.rt.flush_rdma_writes()
 
     def host_register_supported(self) -> bool:
         """cudaDevAttrHostRegisterSupported: whether :meth:`host_register` can page-lock here."""
         return self.rt.host_register_support(self.ordinal)
 
+    @_on_device
     def host_register(self, buf: Buffer) -> None:
-        self.activate()
         self.rt.host_register(buf.ptr, max(buf.size, 1))
 
+    @_on_device
     def host_unregister(self, buf: Buffer) -> None:
-        self.activate()
         self.rt.host_unregister(buf.ptr)
 
     def close(self) -> None:

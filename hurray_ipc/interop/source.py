@@ -275,7 +275,7 @@ def _dlpack_source(obj: Any, gpu: CudaDevice, stream: CudaStream | None) -> Sour
     """
     if stream is None:
         raise InvalidArgument("a CUDA DLPack object needs a stream to be ordered on", where="send(stream=)")
-    capsule = obj.__dlpack__(stream=stream.handle)
+    capsule = obj.__dlpack__(stream=stream.protocol_handle)
     t = dlpack.read_capsule(capsule)
     if t.device_type != dlpack.KDL_CUDA:
         raise UnsupportedObject(f"{type(obj).__name__}.__dlpack__ gave device type {t.device_type}, though "

@@ -37,6 +37,10 @@ class Runtime(ABC):
     def set_device(self, ordinal: int) -> None: ...
 
     @abstractmethod
+    def get_device(self) -> int:
+        """The calling thread's current device (cudaGetDevice)."""
+
+    @abstractmethod
     def device_uuid(self, ordinal: int) -> str: ...
 
     @abstractmethod

@@ -218,7 +218,8 @@ def _mapping_end(a: _Alloc) -> int:
 
 
 class _Event:
-    """Shared state: [magic, recorded, completed, owner_pid] counters, then the latest record's clock."""
+    """Shared state: [magic, recorded, completed, owner_pid] counters, then (the latest record's
+    clock, the stream-waits other processes issued on it since that record: their access records)."""
 
     def __init__(self, seg: Segment, owner: bool, interprocess: bool, device: int):
         self.seg = seg
@@ -238,13 +239,24 @@ class _Event:
             seq = int(self.words[1]) + 1
             self.words[1] = seq
             if clock is not None:
-                _store(self.seg, EVENT_SEGMENT, clock, "an event's clock")
+                _store(self.seg, EVENT_SEGMENT, (clock, []), "an event's clock")
             return seq
 
     def latest(self) -> tuple[int, hb.Clock]:
         """(sequence number, clock) of the latest record: what a wait issued now orders after."""
         with self.lock:
-            return int(self.words[1]), _load(self.seg, EVENT_SEGMENT) or {}
+            return int(self.words[1]), (_load(self.seg, EVENT_SEGMENT) or ({}, []))[0]
+
+    def note_wait(self, rec: hb.Record) -> None:
+        """A stream-wait on this (interprocess) event, by another process than its exporter."""
+        with self.lock:
+            clock, waits = _load(self.seg, EVENT_SEGMENT) or ({}, [])
+            waits = [*waits, rec]
+            _store(self.seg, EVENT_SEGMENT, (clock, waits), "an event's stream-waits")
+
+    def waits(self) -> list[hb.Record]:
+        with self.lock:
+            return list((_load(self.seg, EVENT_SEGMENT) or ({}, []))[1])
 
     def done(self, seq: int) -> bool:
         return int(self.words[2]) >= seq
@@ -456,6 +468,9 @@ class EmulatedRuntime(Runtime):
     def set_device(self, ordinal: int) -> None:
         self._check_ordinal("cudaSetDevice", ordinal)
         self._tls.device = ordinal
+
+    def get_device(self) -> int:
+        return self._device()
 
     def device_uuid(self, ordinal: int) -> str:
         self._check_ordinal("cudaGetDeviceProperties", ordinal)
@@ -673,6 +688,8 @@ class EmulatedRuntime(Runtime):
             target, clock = ev.latest()  # the latest record at the time of this call
             hb.join(st.clock, clock)
             self._tick(st)
+            if self.checking and ev.interprocess and not ev.owner:  # the exporter's destroy must follow it
+                ev.note_wait(self._record(st.agent, st.count, f"{st.label} cudaStreamWaitEvent"))
 
             def wait() -> None:
                 spin = 0
@@ -752,6 +769,19 @@ class EmulatedRuntime(Runtime):
 
     def event_destroy(self, event: Any) -> None:
         ev = self._event(event, "cudaEventDestroy")
+        if self.checking and ev.owner and ev.interprocess:
+            # An importer's operations on an interprocess event after its exporter destroyed it are
+            # undefined in CUDA: the destroy must be ordered after every wait other processes issued
+            # on it (devices/DESIGN.md).
+            with self._hb:
+                host = dict(self._host_clock)
+                for rec in ev.waits():
+                    if not hb.ordered(host, rec) and not _gone(rec):
+                        why = (f"destroy-before-wait race on interprocess event {ev.seg.name}: pid {os.getpid()} "
+                               f"cudaEventDestroy is not ordered after {rec[4]} (an importer's wait may not have "
+                               "run yet: destroy the event after the handoff's RELEASED)")
+                        self.races.append(why)
+                        self._unraised.append(why)
         ev.destroyed = True
         # A wait already enqueued keeps its reference to the words and still completes, as in CUDA;
         # the segment's name goes now, its mapping when the last reference does.

@@ -83,35 +83,50 @@ class RealRuntime(Runtime):
             self.rt = self.drv = None
             self._unusable = explain(f"cuda.bindings does not import: {e}")
 
+    def _ok(self, call: str, result: Any) -> Any:
+        """:func:`_check`, and after a failed call cudaGetLastError, so that no error of ours stays
+        in the runtime's per-thread last-error state, where the application's next launch check
+        (PyTorch's) would find it and fail (pytorch#18584, #61554). The DeviceError carries it."""
+        try:
+            return _check(call, result)
+        except DeviceError:
+            clear = getattr(self.rt, "cudaGetLastError", None)
+            if clear is not None:
+                clear()
+            raise
+
     def probe(self) -> str | None:
         if self._unusable is not None:
             return self._unusable
         try:
-            n = _check("cudaGetDeviceCount", self.rt.cudaGetDeviceCount())
+            n = self._ok("cudaGetDeviceCount", self.rt.cudaGetDeviceCount())
         except RuntimeError as e:  # DeviceError; cuda-bindings 12 raises "Failed to dlopen libcuda.so.1"
             return explain(str(e))
         return None if n > 0 else explain("cudaGetDeviceCount: no CUDA device present")
 
     def device_count(self) -> int:
-        return int(_check("cudaGetDeviceCount", self.rt.cudaGetDeviceCount()))
+        return int(self._ok("cudaGetDeviceCount", self.rt.cudaGetDeviceCount()))
 
     def set_device(self, ordinal: int) -> None:
         # No per-thread cache: PyTorch/CuPy may have changed the current device since our last call.
-        if int(_check("cudaGetDevice", self.rt.cudaGetDevice())) != ordinal:
-            _check("cudaSetDevice", self.rt.cudaSetDevice(ordinal))
+        if self.get_device() != ordinal:
+            self._ok("cudaSetDevice", self.rt.cudaSetDevice(ordinal))
+
+    def get_device(self) -> int:
+        return int(self._ok("cudaGetDevice", self.rt.cudaGetDevice()))
 
     def device_uuid(self, ordinal: int) -> str:
-        props = _check("cudaGetDeviceProperties", self.rt.cudaGetDeviceProperties(ordinal))
+        props = self._ok("cudaGetDeviceProperties", self.rt.cudaGetDeviceProperties(ordinal))
         raw = bytes(bytearray(props.uuid.bytes))[:16]
         h = raw.hex()
         return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
     def pci_bus_id(self, ordinal: int) -> str:
-        raw = _check("cudaDeviceGetPCIBusId", self.rt.cudaDeviceGetPCIBusId(32, ordinal))
+        raw = self._ok("cudaDeviceGetPCIBusId", self.rt.cudaDeviceGetPCIBusId(32, ordinal))
         return bytes(raw).split(b"\0", 1)[0].decode("ascii", "replace")
 
     def _attr(self, attr: str, ordinal: int) -> int:
-        return int(_check(f"cudaDeviceGetAttribute({attr})",
+        return int(self._ok(f"cudaDeviceGetAttribute({attr})",
                           self.rt.cudaDeviceGetAttribute(getattr(self.rt.cudaDeviceAttr, attr), ordinal)))
 
     def ipc_memory_support(self, ordinal: int) -> bool:
@@ -134,11 +149,11 @@ class RealRuntime(Runtime):
                 "supports cudaDeviceFlushGPUDirectRDMAWrites (cudaDevAttrGPUDirectRDMAFlushWritesOptions)")
 
     def flush_rdma_writes(self) -> None:
-        ordinal = int(_check("cudaGetDevice", self.rt.cudaGetDevice()))
+        ordinal = int(self._ok("cudaGetDevice", self.rt.cudaGetDevice()))
         owner = self.rt.cudaGPUDirectRDMAWritesOrdering.cudaGPUDirectRDMAWritesOrderingOwner
         if self._attr("cudaDevAttrGPUDirectRDMAWritesOrdering", ordinal) >= int(owner):
             return  # ordered by the device for its own context: the flush would be a no-op
-        _check("cudaDeviceFlushGPUDirectRDMAWrites", self.rt.cudaDeviceFlushGPUDirectRDMAWrites(
+        self._ok("cudaDeviceFlushGPUDirectRDMAWrites", self.rt.cudaDeviceFlushGPUDirectRDMAWrites(
             self.rt.cudaFlushGPUDirectRDMAWritesTarget.cudaFlushGPUDirectRDMAWritesTargetCurrentDevice,
             self.rt.cudaFlushGPUDirectRDMAWritesScope.cudaFlushGPUDirectRDMAWritesToOwner))
 
@@ -146,20 +161,25 @@ class RealRuntime(Runtime):
         return self._attr("cudaDevAttrHostRegisterSupported", ordinal) == 1
 
     def _ipc_probe(self, ordinal: int) -> dict[str, str | None]:
-        """Why IPC memory / IPC events do not work on ``ordinal`` (None: they do), probed once.
+        """Why IPC memory / IPC events do not work on ``ordinal`` (None: they do), probed once:
+        an answer is kept for the life of the process unless a call failed on the way (a transient
+        failure, e.g. no memory left for the probe's allocation), which is asked again next time.
 
         Attributes alone are not enough (WSL2 reports unified addressing but has no CUDA IPC), so
         each probe also does the real thing once: export a small allocation's cudaIpcMemHandle, and
-        create an interprocess event and get its cudaIpcEventHandle. Leaves ``ordinal`` current.
+        create an interprocess event and get its cudaIpcEventHandle. The caller's device is current
+        again afterwards.
         """
         with self._lock:
             hit = self._ipc.get(ordinal)
         if hit is not None:
             return hit
         why: dict[str, str | None] = {"ipc_memory": None, "ipc_events": None}
+        transient = False  # a call that failed (out of memory, a busy device): ask again next time
         if not sys.platform.startswith("linux"):
             why = dict.fromkeys(why, f"CUDA IPC is Linux-only (this is {sys.platform})")
         else:
+            prev = self.get_device()
             try:
                 self.set_device(ordinal)
                 if self._attr("cudaDevAttrUnifiedAddressing", ordinal) != 1:
@@ -167,7 +187,7 @@ class RealRuntime(Runtime):
                 else:
                     why["ipc_memory"] = self._try_export_memory()
             except DeviceError as e:
-                why["ipc_memory"] = str(e)
+                why["ipc_memory"], transient = str(e), True
             try:
                 self.set_device(ordinal)
                 if self._attr("cudaDevAttrIpcEventSupport", ordinal) != 1:
@@ -175,89 +195,94 @@ class RealRuntime(Runtime):
                 else:
                     why["ipc_events"] = self._try_export_event()
             except DeviceError as e:
-                why["ipc_events"] = str(e)
+                why["ipc_events"], transient = str(e), True
+            finally:
+                self.set_device(prev)
         for what, reason in why.items():
             if reason is not None:
                 log.warning("cuda:%d: %s unsupported: %s", ordinal, what, reason)
-        with self._lock:
-            self._ipc[ordinal] = why
+        if not transient:
+            with self._lock:
+                self._ipc[ordinal] = why
         return why
 
     def _try_export_memory(self) -> str | None:
-        ptr = int(_check("cudaMalloc", self.rt.cudaMalloc(256)))
+        ptr = int(self._ok("cudaMalloc", self.rt.cudaMalloc(256)))
         try:
-            _check("cudaIpcGetMemHandle", self.rt.cudaIpcGetMemHandle(ptr))
+            self._ok("cudaIpcGetMemHandle", self.rt.cudaIpcGetMemHandle(ptr))
         except DeviceError as e:
             return str(e)
         finally:
-            _check("cudaFree", self.rt.cudaFree(ptr))
+            self._ok("cudaFree", self.rt.cudaFree(ptr))
         return None
 
     def _try_export_event(self) -> str | None:
         flags = self.rt.cudaEventDisableTiming | self.rt.cudaEventInterprocess
-        ev = _check("cudaEventCreateWithFlags", self.rt.cudaEventCreateWithFlags(flags))
+        ev = self._ok("cudaEventCreateWithFlags", self.rt.cudaEventCreateWithFlags(flags))
         try:
-            _check("cudaIpcGetEventHandle", self.rt.cudaIpcGetEventHandle(ev))
+            self._ok("cudaIpcGetEventHandle", self.rt.cudaIpcGetEventHandle(ev))
         except DeviceError as e:
             return str(e)
         finally:
-            _check("cudaEventDestroy", self.rt.cudaEventDestroy(ev))
+            self._ok("cudaEventDestroy", self.rt.cudaEventDestroy(ev))
         return None
 
     def can_access_peer(self, ordinal: int, peer: int) -> bool:
         if ordinal == peer:
             return True
-        return bool(_check("cudaDeviceCanAccessPeer", self.rt.cudaDeviceCanAccessPeer(ordinal, peer)))
+        return bool(self._ok("cudaDeviceCanAccessPeer", self.rt.cudaDeviceCanAccessPeer(ordinal, peer)))
 
     def malloc(self, nbytes: int) -> int:
-        return int(_check("cudaMalloc", self.rt.cudaMalloc(max(nbytes, 1))))
+        return int(self._ok("cudaMalloc", self.rt.cudaMalloc(max(nbytes, 1))))
 
     def free(self, ptr: int) -> None:
-        _check("cudaFree", self.rt.cudaFree(ptr))
+        self._ok("cudaFree", self.rt.cudaFree(ptr))
 
     def mem_range(self, ptr: int) -> tuple[int, int]:
-        base, size = _check("cuMemGetAddressRange", self.drv.cuMemGetAddressRange(self.drv.CUdeviceptr(ptr)))
+        base, size = self._ok("cuMemGetAddressRange", self.drv.cuMemGetAddressRange(self.drv.CUdeviceptr(ptr)))
         return int(base), int(size)
 
     def ipc_get_mem_handle(self, base: int) -> bytes:
-        return _handle_bytes(_check("cudaIpcGetMemHandle", self.rt.cudaIpcGetMemHandle(base)))
+        return _handle_bytes(self._ok("cudaIpcGetMemHandle", self.rt.cudaIpcGetMemHandle(base)))
 
     def ipc_open_mem_handle(self, blob: bytes) -> int:
         raw = check_blob(blob, "cudaIpcOpenMemHandle", emulated=False)
         h = _handle_from(self.rt.cudaIpcMemHandle_t, raw)
-        return int(_check("cudaIpcOpenMemHandle",
+        return int(self._ok("cudaIpcOpenMemHandle",
                           self.rt.cudaIpcOpenMemHandle(h, self.rt.cudaIpcMemLazyEnablePeerAccess)))
 
     def ipc_close_mem_handle(self, base: int) -> None:
-        _check("cudaIpcCloseMemHandle", self.rt.cudaIpcCloseMemHandle(base))
+        self._ok("cudaIpcCloseMemHandle", self.rt.cudaIpcCloseMemHandle(base))
 
     def host_register(self, ptr: int, nbytes: int) -> None:
-        _check("cudaHostRegister", self.rt.cudaHostRegister(ptr, nbytes, self.rt.cudaHostRegisterPortable))
+        self._ok("cudaHostRegister", self.rt.cudaHostRegister(ptr, nbytes, self.rt.cudaHostRegisterPortable))
 
     def host_unregister(self, ptr: int) -> None:
-        _check("cudaHostUnregister", self.rt.cudaHostUnregister(ptr))
+        self._ok("cudaHostUnregister", self.rt.cudaHostUnregister(ptr))
 
     def stream_create(self) -> Any:
-        return _check("cudaStreamCreateWithFlags", self.rt.cudaStreamCreateWithFlags(self.rt.cudaStreamNonBlocking))
+        return self._ok("cudaStreamCreateWithFlags", self.rt.cudaStreamCreateWithFlags(self.rt.cudaStreamNonBlocking))
 
     def stream_destroy(self, stream: Any) -> None:
-        _check("cudaStreamDestroy", self.rt.cudaStreamDestroy(stream))
+        self._ok("cudaStreamDestroy", self.rt.cudaStreamDestroy(stream))
 
     def stream_synchronize(self, stream: Any) -> None:
-        _check("cudaStreamSynchronize", self.rt.cudaStreamSynchronize(stream))
+        self._ok("cudaStreamSynchronize", self.rt.cudaStreamSynchronize(stream))
 
     def _done(self, call: str, result: Any) -> bool:
-        """A query's answer: cudaErrorNotReady means 'not yet', any other error raises."""
+        """A query's answer: cudaErrorNotReady means 'not yet' (and is cleared from the per-thread
+        last error, which the query set: pytorch#18584), any other error raises."""
         if result[0] == self.rt.cudaError_t.cudaErrorNotReady:
+            self.rt.cudaGetLastError()  # this runtime's own (not the module's: tests inject fakes)
             return False
-        _check(call, result)
+        self._ok(call, result)
         return True
 
     def stream_query(self, stream: Any) -> bool:
         return self._done("cudaStreamQuery", self.rt.cudaStreamQuery(stream))
 
     def stream_wait_event(self, stream: Any, event: Any) -> None:
-        _check("cudaStreamWaitEvent", self.rt.cudaStreamWaitEvent(stream, event, 0))
+        self._ok("cudaStreamWaitEvent", self.rt.cudaStreamWaitEvent(stream, event, 0))
 
     def stream_id(self, stream: Any) -> int:
         return int(stream)
@@ -266,32 +291,32 @@ class RealRuntime(Runtime):
         return self.rt.cudaStream_t(ident)
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
-        _check("cudaMemcpyAsync",
+        self._ok("cudaMemcpyAsync",
                self.rt.cudaMemcpyAsync(dst, src, nbytes, self.rt.cudaMemcpyKind.cudaMemcpyDefault, stream))
 
     def memset_async(self, ptr: int, value: int, nbytes: int, stream: Any) -> None:
-        _check("cudaMemsetAsync", self.rt.cudaMemsetAsync(ptr, value, nbytes, stream))
+        self._ok("cudaMemsetAsync", self.rt.cudaMemsetAsync(ptr, value, nbytes, stream))
 
     def event_create(self, interprocess: bool) -> Any:
         flags = self.rt.cudaEventDisableTiming | (self.rt.cudaEventInterprocess if interprocess else 0)
-        return _check("cudaEventCreateWithFlags", self.rt.cudaEventCreateWithFlags(flags))
+        return self._ok("cudaEventCreateWithFlags", self.rt.cudaEventCreateWithFlags(flags))
 
     def event_destroy(self, event: Any) -> None:
-        _check("cudaEventDestroy", self.rt.cudaEventDestroy(event))
+        self._ok("cudaEventDestroy", self.rt.cudaEventDestroy(event))
 
     def event_record(self, event: Any, stream: Any) -> None:
-        _check("cudaEventRecord", self.rt.cudaEventRecord(event, stream))
+        self._ok("cudaEventRecord", self.rt.cudaEventRecord(event, stream))
 
     def event_synchronize(self, event: Any) -> None:
-        _check("cudaEventSynchronize", self.rt.cudaEventSynchronize(event))
+        self._ok("cudaEventSynchronize", self.rt.cudaEventSynchronize(event))
 
     def event_query(self, event: Any) -> bool:
         return self._done("cudaEventQuery", self.rt.cudaEventQuery(event))
 
     def ipc_get_event_handle(self, event: Any) -> bytes:
-        return _handle_bytes(_check("cudaIpcGetEventHandle", self.rt.cudaIpcGetEventHandle(event)))
+        return _handle_bytes(self._ok("cudaIpcGetEventHandle", self.rt.cudaIpcGetEventHandle(event)))
 
     def ipc_open_event_handle(self, blob: bytes) -> Any:
         raw = check_blob(blob, "cudaIpcOpenEventHandle", emulated=False)
         h = _handle_from(self.rt.cudaIpcEventHandle_t, raw)
-        return _check("cudaIpcOpenEventHandle", self.rt.cudaIpcOpenEventHandle(h))
+        return self._ok("cudaIpcOpenEventHandle", self.rt.cudaIpcOpenEventHandle(h))
