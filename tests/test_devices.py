@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -782,3 +783,44 @@ def test_a_stream_is_never_exported_as_0():
 
     assert CudaStream(Dev(), 0, owned=False).protocol_handle == 1  # type: ignore[arg-type]
     assert CudaStream(Dev(), 7, owned=False).protocol_handle == 7  # type: ignore[arg-type]
+
+
+def test_clocks_forget_exited_processes_so_a_soak_never_outgrows_an_event():
+    """A soak with kills (hurray-stress --kill-consumers) failed after ~600 process lifetimes:
+    every clock kept an entry for every agent it ever met, until an event's clock outgrew its
+    16 KB of shared state. Agents of exited processes are now pruned (their accesses are forgiven
+    anyway, so no verdict changes): 3000 dead processes' messages later, a record still fits."""
+    import subprocess
+
+    from hurray_ipc.devices.backend.emulated import PRUNE_AT
+
+    rt = EmulatedRuntime(emu_config(op_delay_s=0.0))
+    dev = CudaDevice(0, runtime=rt)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for i in range(3000):  # what 3000 dead processes' RELEASE messages taught this host
+        rt._learn({(dead.pid << 44) | ((i & 0xFFFFFF) << 20) | 1: 7})
+    s, ev = dev.create_stream(), dev.create_event()
+    ev.record(s)  # stores the stream's clock, which joined the host's, in the event's 16 KB
+    s.synchronize()
+    assert len(rt._host_clock) <= PRUNE_AT + 1 and len(s.raw.clock) <= PRUNE_AT + 2
+    ev.close(), s.close(), dev.close()
+
+
+def test_old_happens_before_messages_are_swept():
+    """Messages of handoffs whose sender or receiver died stayed in /dev/shm/hurray-<uid>-hb for
+    good (1,095 files after a 10-minute kill run); a runtime sweeps those older than 10 minutes."""
+    rt = EmulatedRuntime(emu_config())
+    os.makedirs(rt._mailbox, mode=0o700, exist_ok=True)
+    old, fresh = os.path.join(rt._mailbox, "0" * 40), os.path.join(rt._mailbox, "1" * 40)
+    for path in (old, fresh):
+        with open(path, "wb") as f:
+            f.write(b"x")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    try:
+        assert rt.sweep_mailbox() >= 1
+        assert not os.path.exists(old) and os.path.exists(fresh)
+    finally:
+        for path in (old, fresh):
+            if os.path.exists(path):
+                os.unlink(path)

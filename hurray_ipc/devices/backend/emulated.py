@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import shm
 from ..errors import DeviceError, RaceError
 from ..shm import SHM_DIR, Segment
 from . import hb
@@ -179,6 +180,24 @@ def _gone(rec: hb.Record) -> bool:
     return rec[2] != os.getpid() and proc_start(rec[2]) != rec[3]
 
 
+_GONE_AGENTS: set[tuple[int, int]] = set()  # (pid, start) of exited processes: they never come back
+PRUNE_AT = 64  # clock entries: past this many, the agents of exited processes are dropped (hb.prune)
+
+
+def _agent_gone(agent: int) -> bool:
+    """Whether the process of a vector-clock agent (``new_agent``: pid, start time) has exited."""
+    pid, start = agent >> 44, (agent >> 20) & 0xFFFFFF
+    if pid == os.getpid() or (pid, start) not in _GONE_AGENTS and ((proc_start(pid) or -1) & 0xFFFFFF) == start:
+        return False
+    _GONE_AGENTS.add((pid, start))
+    return True
+
+
+def _small(clock: hb.Clock) -> hb.Clock:
+    """``clock``, pruned of exited processes' agents once it has grown past PRUNE_AT entries."""
+    return hb.prune(clock, _agent_gone) if len(clock) > PRUNE_AT else clock
+
+
 def _load(seg: Segment, limit: int) -> Any:
     n = struct.unpack_from("<I", seg.map, _STATE_LEN)[0]
     return marshal.loads(seg.map[_STATE:_STATE + n]) if 0 < n <= limit - _STATE else None
@@ -239,7 +258,7 @@ class _Event:
             seq = int(self.words[1]) + 1
             self.words[1] = seq
             if clock is not None:
-                _store(self.seg, EVENT_SEGMENT, (clock, []), "an event's clock")
+                _store(self.seg, EVENT_SEGMENT, (_small(clock), []), "an event's clock")
             return seq
 
     def latest(self) -> tuple[int, hb.Clock]:
@@ -341,6 +360,26 @@ class EmulatedRuntime(Runtime):
         self._host_clock: hb.Clock = {}
         self._host_count = 0
         self._mailbox = os.path.join(SHM_DIR, f"hurray-{os.getuid()}-hb")
+        self.sweep_mailbox()
+
+    MAILBOX_MAX_AGE_S = 600.0  # a message no receiver took in 10 minutes never will be (its sender died)
+
+    def sweep_mailbox(self, now: float | None = None) -> int:
+        """Remove happens-before messages older than MAILBOX_MAX_AGE_S: those of handoffs whose
+        producer or consumer died before the message was received. A handoff's messages are taken
+        within seconds (HANDOFF->DELIVER, RELEASE->RELEASED), so this loses no edge. Returns how
+        many were removed."""
+        now = time.time() if now is None else now
+        removed = 0
+        for name in shm.entries(self._mailbox):
+            path = os.path.join(self._mailbox, name)
+            try:
+                if now - os.lstat(path).st_mtime > self.MAILBOX_MAX_AGE_S:
+                    os.unlink(path)
+                    removed += 1
+            except OSError:
+                continue  # taken meanwhile
+        return removed
 
     def _drain(self, learn: bool = True) -> None:
         """Wait for this process's pending device work. cudaFree synchronizes the device, so the
@@ -368,11 +407,15 @@ class EmulatedRuntime(Runtime):
             with self._hb:
                 for c in clocks:
                     hb.join(self._host_clock, c)
+                if len(self._host_clock) > PRUNE_AT:  # bounded by the live agents (a soak's dead ones go)
+                    self._host_clock = _small(self._host_clock)
 
     def _tick(self, st: _Stream) -> hb.Clock:
         """The clock of the next operation on ``st`` (caller holds _hb): after the stream's
         previous operations and after everything the host knew when it enqueued this one."""
         hb.join(st.clock, self._host_clock)
+        if len(st.clock) > PRUNE_AT:
+            st.clock = _small(st.clock)
         st.count += 1
         st.clock[st.agent] = st.count
         return dict(st.clock)

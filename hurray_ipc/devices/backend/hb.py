@@ -41,6 +41,14 @@ def join(into: Clock, other: Clock) -> None:
             into[agent] = count
 
 
+def prune(clock: Clock, gone: Callable[[int], bool]) -> Clock:
+    """``clock`` without the agents ``gone`` says belong to exited processes. Verdicts do not
+    change: an access by an exited process is forgiven anyway (``access``'s ``gone``), so what a
+    clock knows of its agents is never asked again; a clock stays as small as the live agents it
+    has met, however many processes came and went (a soak of thousands of lifetimes)."""
+    return {a: n for a, n in clock.items() if not gone(a)}
+
+
 def ordered(clock: Clock, rec: Record) -> bool:
     """True when the access ``rec`` happens-before whatever runs with ``clock``."""
     return clock.get(rec[0], 0) >= rec[1]
