@@ -439,8 +439,9 @@ class BrokerCore:
         # Everything that can refuse this HELLO is checked before any state changes.
         outstanding = _outstanding(msg.header.get("outstanding")) if role == "producer" else {}
         held = msg.header.get("held") or []
-        if not isinstance(held, list):
-            raise ProtocolError("bad_header", "held must be a list", field="held")
+        if not isinstance(held, list) or len(held) > MAX_HELD:
+            raise ProtocolError("bad_header", f"held must be a list of at most {MAX_HELD} entries", field="held",
+                                value=len(held) if isinstance(held, list) else type(held).__name__)
         old = self.clients.get(rid)
         c = Client(rid, role, channel, endpoint, str(msg.header.get("name", ""))[:128], now, lease, credits, epoch,
                    label=self.label_of(rid), allowance_at=now)

@@ -10,7 +10,7 @@ Socket policy (docs/spec/ipc-protocol.md §1, §5):
   it (``undeliverable``). High-water marks sit far above what MAX_CREDITS can queue, so a full
   queue (``dropped_full``) means a peer that stopped reading; it is counted and logged.
 - No ROUTER_HANDOVER: a second connection cannot take over a connected client's routing id.
-- MAXMSGSIZE: a frame over 1 MiB drops its connection unread (no answer); up to that size an
+- MAXMSGSIZE: a frame over 4 MiB drops its connection unread (no answer); up to that size an
   oversized header is refused with bad_header as the spec says.
 - ``ipc://`` endpoints: one broker per socket file (``broker/lock.py``); the socket directory must
   not be writable by other users.
@@ -43,7 +43,7 @@ __all__ = ["MAX_CREDITS", "Broker", "BrokerAlreadyRunning"]
 log = logging.getLogger("hurray.broker")
 HWM = 16 * MAX_CREDITS + 1024  # per peer: every credit's DELIVER/RELEASED and then some
 LIVENESS_PERIOD_S = 0.2  # how often a same-host client's lease is probed
-MAX_FRAME = 1 << 20  # bytes: the largest inbound frame a peer may send (spec §2); each legal one is <= 64 KiB
+MAX_FRAME = 4 << 20  # bytes: the largest inbound frame a peer may send (spec §2); a legal one is <= 2 MiB (HELLO)
 SWEEP_PERIOD_S = 30.0  # stale segments and leases of dead processes
 STATS_CACHE_S = 0.25  # a STATS_REPLY may be this old: a flood of STATS costs one snapshot per period
 

@@ -633,3 +633,24 @@ def test_a_caps_reply_over_64_kib_reaches_its_client():
     wire = out.msg.encode()
     assert len(wire[1]) > 65536
     assert len(decode(wire).header["consumers"]) == 400
+
+
+def test_a_consumer_holding_8192_buffers_can_register_again():
+    """The spec-only implementation's finding 1: 'held' may have 8192 entries, but a header was
+    capped at 64 KiB, so a consumer holding more than ~428 buffers got bad_header at its re-HELLO
+    after a broker restart. HELLO may now be 2 MiB; every claim is heard."""
+    from hurray_ipc.transport.protocol import MAX_HEADER_BYTES
+
+    core = _core()
+    held = [{"token": f"{i:048x}", "producer_id": "f" * 32, "handoff_id": i, "event_pending": False}
+            for i in range(MAX_HELD)]
+    h = {"protocol": PROTOCOL_VERSION, "role": "consumer", "channel": "ch", "pid": 5, "endpoint": endpoint(5),
+         "held": held}
+    raw = frames("HELLO", h)
+    assert len(raw[1]) > 16 * MAX_HEADER_BYTES
+    outs = core.receive(b"c", raw, 0.0)
+    assert not _errors(outs) and [o.msg.verb for o in outs] == ["WELCOME"]
+    core.check_invariants()
+    too_many = dict(h, held=[*held, held[0]])
+    (err,) = _errors(core.receive(b"c2", frames("HELLO", too_many), 0.0))
+    assert (err["code"], err["field"], err["value"]) == ("bad_header", "held", MAX_HELD + 1)

@@ -24,6 +24,9 @@ from ..errors import HurrayError
 
 PROTOCOL_VERSION = 2
 MAX_HEADER_BYTES = 64 * 1024
+# HELLO alone may be larger (spec §2, §6): a re-registering consumer lists up to 8192 held
+# handoffs (~160 bytes each) and a producer up to 4096 outstanding ones.
+MAX_HELLO_BYTES = 2 * 1024 * 1024
 # STATS_REPLY alone may be larger (spec §2.3): at most 1000 clients and 1000 channels, each with
 # names of up to 128 / 256 characters that JSON may escape to 12 bytes each: about 8.2 MB at worst.
 MAX_STATS_REPLY_BYTES = 16 * 1024 * 1024
@@ -183,7 +186,8 @@ def decode_all(parts: Sequence[Any], *, allowed: frozenset[str] | None = None, v
     if verb not in PAYLOAD or (allowed is not None and verb not in allowed):
         raise ProtocolError("unknown_verb", f"{verb[:32]!r} is not a verb this side accepts")
     raw = bytes(parts[1])
-    limit = MAX_STATS_REPLY_BYTES if verb in ("STATS_REPLY", "CAPS_REPLY") else MAX_HEADER_BYTES
+    limit = (MAX_STATS_REPLY_BYTES if verb in ("STATS_REPLY", "CAPS_REPLY")
+             else MAX_HELLO_BYTES if verb == "HELLO" else MAX_HEADER_BYTES)
     if len(raw) > limit:
         raise ProtocolError("bad_header", f"header of {len(raw)} bytes exceeds {limit}")
     header = _json_object(raw, f"{verb} header")
