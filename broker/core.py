@@ -174,6 +174,27 @@ Alive = Callable[[Client], "bool | None"]  # True alive, False dead, None: canno
 _POOL: list[str] = []
 
 
+_JSON_TYPE = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
+
+
+def _field_value(header: dict[str, Any], path: str) -> Any:
+    """The value an ERROR shows for a field at fault (spec §2): the refused message's own value at
+    the dotted ``path``, a number or a string of at most 64 characters, or the JSON type name of
+    an object or array; None when the message has no such field."""
+    v: Any = header
+    for part in path.split("."):
+        if not isinstance(v, dict) or part not in v:
+            return None
+        v = v[part]
+    if isinstance(v, bool) or v is None:
+        return _JSON_TYPE[type(v)]
+    if isinstance(v, int | float):
+        return v
+    if isinstance(v, str):
+        return v[:64]
+    return _JSON_TYPE.get(type(v), type(v).__name__)
+
+
 def _random_hex32() -> str:
     """128 random bits as 32 hex digits, from the OS's CSPRNG 64 at a time (one getrandom call)."""
     if not _POOL:
@@ -297,6 +318,10 @@ class BrokerCore:
             except ProtocolError as e:
                 extra = {k: msg.header[k] for k in ("handoff_id", "request_id", "token") if k in msg.header}
                 extra.update(e.extra)
+                if "field" in extra and "value" not in extra:
+                    shown = _field_value(msg.header, str(extra["field"]))
+                    if shown is not None:
+                        extra["value"] = shown
                 self._error(rid, e.code, str(e), ref=ref, **extra)
             except Exception as e:  # noqa: BLE001 - a bug must cost one message, never the broker
                 log.exception("internal error handling a message")

@@ -143,9 +143,11 @@ def _check(vec: dict, replies: list[Message]) -> None:
     first = replies[0]
     if "code" in exp:
         assert first.verb == "ERROR", (first.verb, first.header)
-        for k in ("code", "field", "request_id"):
+        for k in ("code", "field", "request_id", "value"):
             if k in exp:
                 assert first.header.get(k) == exp[k], (k, first.header)
+        if "field" in exp:  # spec §2: an ERROR naming a field at fault shows its value
+            assert "value" in first.header, ("value", first.header)
     else:
         assert first.verb == exp["verb"], (first.verb, first.header)
         if "request_id" in exp:

@@ -247,7 +247,8 @@ class _Layout:
                                 value=count)
         if len(head) != BATCH.size + count * self.entry.size:
             raise ProtocolError("bad_header", f"{v} header is {len(head)} bytes; {count} entries of "
-                                f"{self.entry.size} make {BATCH.size + count * self.entry.size}", field="count")
+                                f"{self.entry.size} make {BATCH.size + count * self.entry.size}", field="count",
+                                value=count)
         try:
             return self._decode_entries(parts, allowed, head, credits, reserved)
         except ProtocolError as e:
@@ -259,7 +260,8 @@ class _Layout:
                         reserved: int) -> list[Message]:
         v = self.verb
         if reserved:
-            raise ProtocolError("bad_header", f"{v} batch header reserved bytes 4-7 must be zero", field="reserved")
+            raise ProtocolError("bad_header", f"{v} batch header reserved bytes 4-7 must be zero", field="reserved",
+                                value=reserved)
         if credits and self.credits is None:
             raise ProtocolError("bad_header", f"{v} carries no credits; bytes 2-3 must be zero", field="credits",
                                 value=credits)
@@ -392,7 +394,8 @@ class _Handoff(_Layout):
     def _entry(self, f: tuple[Any, ...], i: int) -> tuple[Message, list[str]]:
         gid, hid, offset, flags, reserved = f
         if reserved != bytes(6):
-            raise ProtocolError("bad_header", f"HANDOFF entry {i}: reserved bytes must be zero", field="reserved")
+            raise ProtocolError("bad_header", f"HANDOFF entry {i}: reserved bytes must be zero", field="reserved",
+                                value=reserved.hex())
         wants = _buffer_wants("HANDOFF", flags, F_MEMORY | F_EVENT | F_REF | F_META | F_STAGED | F_ACK, i)
         h = {"grant_id": gid, "handoff_id": hid, "offset": offset, "staged": bool(flags & F_STAGED),
              "inproc": bool(flags & F_REF), "ack": bool(flags & F_ACK)}
@@ -581,7 +584,8 @@ def check_depth(raw: bytes, what: str, limit: int = MAX_HEADER_DEPTH, field: str
 
 
 # typestr of a meta: byte order, kind, item size (NumPy array-interface form), e.g. "<f4", "|u1".
-_TYPESTR = re.compile(r"^[<>|=][biufcmMVSU]([1-9][0-9]{0,3})$")
+# No 'U' (numpy's unicode): its typestr counts characters (<U1 is 4 bytes), not the item size in bytes.
+_TYPESTR = re.compile(r"^[<>|=][biufcmMVS]([1-9][0-9]{0,3})$")
 MAX_NDIM = 32
 # meta.dl_dtype: DLPack codes with no typestr kind, each with its one bit width (bfloat16; float8).
 DL_DTYPE_BITS = {4: 16, **{code: 8 for code in range(7, 15)}}
