@@ -174,7 +174,8 @@ class Broker:
             log.info(json.dumps({"event": "stale_segments_removed", "count": len(removed)}))
 
     def _alive(self, c: Client) -> bool | None:
-        """A same-host client's process: by its lease; by pid only when it shares our namespace."""
+        """A same-host client's process: by its lease (None without one: heartbeats decide, spec §5);
+        by pid only for a lease we cannot read that names our own PID namespace."""
         now = time.monotonic()
         hit = self._verdicts.get(c.rid)
         if hit is not None and now - hit[0] < LIVENESS_PERIOD_S and hit[1] is not False:
@@ -186,9 +187,10 @@ class Broker:
                 verdict = liveness.probe(c.lease)
             except OSError as e:  # e.g. ENOLCK: cannot judge by the lease this time
                 log.warning(json.dumps({"event": "lease_probe_failed", "lease": c.lease, "error": str(e)}))
-        if verdict is None and (parsed is None or parsed[1] == self._ns):
-            # No lease, or one we cannot read (another uid): its pid means something only in our
-            # PID namespace (a client without a lease is assumed to share it). Else: heartbeats decide.
+        if verdict is None and parsed is not None and parsed[1] == self._ns:
+            # A lease we cannot read (another uid) that names our PID namespace: its pid means
+            # something here. Without a lease a pid proves nothing (another namespace, a container,
+            # or a reused pid): heartbeats alone decide, as for a client on another host.
             verdict = shm.pid_alive(c.endpoint.pid)
         self._verdicts[c.rid] = (now, verdict)
         if len(self._verdicts) > 2 * len(self.core.clients) + 64:

@@ -137,7 +137,7 @@ class LiveDriver(Driver):
             msgs = decode_all(s.recv_multipart())
             if msgs[0].verb == "CAPS_REPLY" and msgs[0].header.get("request_id") == "sync":
                 return out
-            out.extend(msgs)
+            out.extend(m for m in msgs if m.verb != "PONG")  # our own keep-alives
 
     def gone(self, who: str) -> bool:
         label = BrokerCore.label_of(f"eos{self.run}-{who}".encode())
@@ -152,9 +152,16 @@ class LiveDriver(Driver):
             if act["action"] == "die":
                 self.procs[who].kill()
                 self.procs[who].wait()
-                deadline = time.monotonic() + 10
-                while not self.gone(who):  # the broker judges pids on its ticks (§5)
+                # These raw clients have no lease: the broker judges them by heartbeats (§5), so
+                # the dead one goes after timeout_ms of silence while the others keep pinging.
+                deadline, pinged = time.monotonic() + 15, 0.0
+                while not self.gone(who):
                     assert time.monotonic() < deadline, "the broker did not notice the death"
+                    if time.monotonic() - pinged > 0.2:
+                        pinged = time.monotonic()
+                        for other, sock in self.socks.items():
+                            if other not in (who, "stats"):
+                                sock.send_multipart([b"PING", b"{}"])
                     time.sleep(0.02)
             else:
                 self.sock(who).send_multipart(self.frames(who, act))

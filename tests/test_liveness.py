@@ -174,3 +174,45 @@ def test_a_sweep_touches_only_regular_files_this_user_owns(tmp_path):
         os.unlink(planted[1])
         os.unlink(planted[2])
         shm.unlink(ours)
+
+
+def test_a_client_without_a_lease_is_judged_by_heartbeats_not_by_its_pid(tmp_path):
+    """The spec-only implementation's finding 4: a same-host client without a lease whose pid the
+    broker cannot see (a container's) got WELCOME and was dropped at the broker's next tick
+    ('process gone'), then looped HELLO -> drop -> HELLO. Without a lease, heartbeats decide."""
+    import json
+    import time
+
+    import zmq
+
+    from brokerproc import BrokerProcess
+    from hurray_ipc.devices.base import host_id
+    from hurray_ipc.transport.protocol import decode_all
+
+    b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=1.5).start()
+    ctx = zmq.Context()
+    try:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(b.endpoint)
+        unseen = 4_000_000  # a pid of another namespace: none such here (past the kernel's pid_max)
+        ep = {"device": {"kind": "cpu", "ordinal": 0, "uuid": "cpu-x", "pci_bus_id": "", "emulated": False,
+                         "host": host_id()},
+              "caps": {"ipc_memory": True, "ipc_events": False, "ipc_streams": False, "peers": []},
+              "pid": unseen, "stream": None}
+
+        def ask(verb: str, header: dict) -> str:
+            s.send_multipart([verb.encode(), json.dumps(header).encode()])
+            assert s.poll(5000)
+            return decode_all(s.recv_multipart())[0].verb
+
+        assert ask("HELLO", {"protocol": 2, "role": "consumer", "channel": "ns", "pid": unseen, "endpoint": ep}) \
+            == "WELCOME"
+        for _ in range(4):  # 1.2 s: the broker ticks every 50 ms; a pid verdict would have dropped it
+            time.sleep(0.3)  # the client's own heartbeat period (a PING keeps it alive)
+            assert ask("PING", {}) == "PONG"
+        time.sleep(2.5)  # silent past timeout_ms: now it is gone
+        assert ask("PING", {}) == "ERROR"  # not_registered
+    finally:
+        ctx.destroy(linger=0)
+        b.stop()
