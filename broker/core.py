@@ -18,6 +18,11 @@ Invariants (:meth:`BrokerCore.check_invariants`, asserted after every step of th
    death (PRODUCER_GONE to its consumer), and its token is never live and released at once.
 4. Tokens are never reused: each is ``<session>.<random>``, and a released token is remembered.
 5. A grant is used once; every grant names a registered producer.
+6. A claim a consumer makes after a broker restart for a handoff whose producer has not registered
+   again is provisional (``claims``): it binds nothing until that producer's HELLO names who holds
+   the handoff, so a consumer claiming first cannot shut out the real holder. Each counts against
+   its consumer's ``MAX_HELD`` (the only bound, as for deliveries: a cap per handoff would let
+   rivals crowd the holder's claim out).
 
 Identity: a client is its ZeroMQ routing id, which the server's socket does not let a second
 connection take over (no ROUTER_HANDOVER); a re-HELLO claims only what that routing id holds.
@@ -119,7 +124,6 @@ class Delivery:
     handoff_id: int
     event_pending: bool
     since: float
-    claimed: bool = False  # adopted from a consumer's re-HELLO: its producer has not confirmed it
 
 
 @dataclass
@@ -251,6 +255,10 @@ class BrokerCore:
         self.orphans: dict[tuple[bytes, int], float] = {}  # (producer, handoff) -> release deadline
         # Orphans whose deadline passed (their producer got RELEASED): a late claim must not revive them.
         self.expired: OrderedDict[tuple[bytes, int], None] = OrderedDict()
+        # Provisional claims (invariant 6): producer -> handoff -> claims, and by (consumer, token).
+        self.claims: dict[bytes, dict[int, list[Delivery]]] = {}
+        self.claim_of: dict[tuple[bytes, str], Delivery] = {}
+        self.withdrawn: OrderedDict[tuple[bytes, str], None] = OrderedDict()  # claims released undecided
         self.per_process: dict[str, int] = {}
         # Random start: a grant id a client kept from a previous broker never names one of ours.
         self._gids = itertools.count(secrets.randbits(40) << 8)
@@ -401,11 +409,12 @@ class BrokerCore:
                     self.expired.popitem(last=False)
                 if key[0] in self.clients:
                     self._send(key[0], Message("RELEASED", {"handoff_id": key[1], "reason": "consumer_gone"}))
-        # Deliveries a consumer re-registered whose producer never came back to this broker.
-        lost = [d for d in self.deliveries.values()
-                if d.producer not in self.clients and now - d.since > self.timeout_s]
-        if lost:
-            self._producer_gone(lost)
+        # Claims to handoffs whose producer never came back to this broker.
+        lost = [x for prod, by_hid in self.claims.items() if not self._is_producer(prod)
+                for xs in by_hid.values() for x in xs if now - x.since > self.timeout_s]
+        for x in lost:
+            self._drop_claim(x)
+        self._producer_gone([], lost)
         return self._take()
 
     def undeliverable(self, rid: bytes, msg: Message, why: str) -> list[Out]:
@@ -522,11 +531,12 @@ class BrokerCore:
 
     def _restore_held(self, c: Client, held: list[Any], now: float) -> None:
         """A consumer re-registering (after a broker restart, or because it thought us gone) lists
-        what it holds. It keeps what this broker bound to it. A token of an earlier broker is
-        adopted only if no one holds that (producer, handoff) here, its producer did not already
-        get it back, and — once the producer said HELLO — the producer lists it as outstanding
-        with this consumer. A claim that fails only because the buffer went back to its producer
-        is answered PRODUCER_GONE (reason ``reclaimed``): stop using it. Anything else is ignored:
+        what it holds. It keeps what this broker bound to it. A token of an earlier broker is a
+        claim to its (producer, handoff): refused when someone holds that handoff here or its
+        producer already got it back; decided at once when the producer is registered (adopted
+        if its ``outstanding`` names this consumer); otherwise kept provisional until the producer
+        registers (invariant 6). A claim refused because the buffer went back to its producer is
+        answered PRODUCER_GONE (reason ``reclaimed``): stop using it. Anything else is ignored:
         a re-HELLO cannot claim another consumer's delivery (which would let it release it)."""
         prefix = self.session
         for item in held[:MAX_HELD]:
@@ -541,39 +551,69 @@ class BrokerCore:
             if not isinstance(prod, str) or not isinstance(hid, int) or isinstance(hid, bool) or not 0 <= hid < 2**64:
                 continue
             key = (prod.encode(), hid)
-            if key in self.by_handoff:
-                continue  # someone holds that handoff here: not yours to claim
+            if key in self.by_handoff or (c.rid, token) in self.claim_of:
+                continue  # held here (by whoever the producer named), or claimed already
             producer = self.clients.get(key[0])
-            if producer is not None and producer.role == "producer":
-                named = producer.confirmed.get(hid, "")
-                if named == "" or (named is not None and named != c.label):
-                    if named == "":
-                        self._send(c.rid, Message("PRODUCER_GONE", {"tokens": [token], "reason": "reclaimed"}))
-                    continue  # its producer does not count it outstanding (with you)
-            if key in self.expired:
+            if producer is not None and producer.role != "producer":
+                continue
+            named = producer.confirmed.get(hid, "") if producer is not None else None
+            if key in self.expired or named == "":
+                # Its producer already got it back, or does not count it outstanding.
                 self._send(c.rid, Message("PRODUCER_GONE", {"tokens": [token], "reason": "reclaimed"}))
-                continue  # its producer already got it back
-            self._bind(Delivery(token, key[0], c.rid, hid, bool(item.get("event_pending")), now,
-                                claimed=producer is None))
-            self.orphans.pop(key, None)
+                continue
+            claim = Delivery(token, key[0], c.rid, hid, bool(item.get("event_pending")), now)
+            if producer is not None:
+                if named is None or named == c.label:
+                    self._bind(claim)
+                    self.orphans.pop(key, None)
+                continue  # its producer names another holder
+            rivals = self.claims.get(key[0], {}).get(hid, [])
+            if all(x.consumer != c.rid for x in rivals) and (c.rid, token) not in self.withdrawn:
+                self.claims.setdefault(key[0], {}).setdefault(hid, []).append(claim)
+                self.claim_of[(c.rid, token)] = claim
+                c.held += 1
 
     def _restore_outstanding(self, c: Client, outstanding: dict[int, str | None], now: float) -> None:
         """A producer re-registering lists its outstanding handoffs and who holds each. Claims
-        consumers made before it came back are checked against that list (a claim it does not
-        confirm is voided: PRODUCER_GONE ``reclaimed``); handoffs no consumer claims within the
-        timeout come back to it (RELEASED, consumer_gone)."""
+        consumers made before it came back are decided by that list: the one it names is bound,
+        every other is voided (PRODUCER_GONE ``reclaimed``); with a bare handoff id the first
+        claim wins. Handoffs no consumer claims within the timeout come back to it (RELEASED,
+        consumer_gone)."""
         c.confirmed = outstanding
-        for d in [d for d in self.deliveries.values() if d.producer == c.rid and d.claimed]:
-            named = outstanding.get(d.handoff_id, "")
-            if named == "" or (named is not None and named != self.label_of(d.consumer)):
-                self._unbind(d)
-                self._send(d.consumer, Message("PRODUCER_GONE", {"tokens": [d.token], "reason": "reclaimed"}))
-            else:
-                d.claimed = False
+        for hid, claims in [(hid, list(xs)) for hid, xs in self.claims.get(c.rid, {}).items()]:
+            for x in claims:
+                self._drop_claim(x)
+            named = outstanding.get(hid, "")
+            winner = None if named == "" else next(
+                (x for x in claims if named is None or named == self.label_of(x.consumer)), None)
+            if winner is not None and winner.token in self.deliveries:
+                winner = None  # its token was copied to another handoff, adopted first: bind neither twice
+            if winner is not None:
+                self._bind(winner)
+            for x in claims:
+                if x is not winner and x.consumer in self.clients:
+                    self._send(x.consumer, Message("PRODUCER_GONE", {"tokens": [x.token], "reason": "reclaimed"}))
         deadline = now + self.timeout_s
         for hid in outstanding:
             if (c.rid, hid) not in self.by_handoff:
                 self.orphans[(c.rid, hid)] = deadline
+
+    def _is_producer(self, rid: bytes) -> bool:
+        c = self.clients.get(rid)
+        return c is not None and c.role == "producer"
+
+    def _drop_claim(self, x: Delivery) -> None:
+        """Forget a provisional claim (decided, withdrawn, or its producer or consumer gone)."""
+        by_hid = self.claims[x.producer]
+        by_hid[x.handoff_id].remove(x)
+        if not by_hid[x.handoff_id]:
+            del by_hid[x.handoff_id]
+            if not by_hid:
+                del self.claims[x.producer]
+        del self.claim_of[(x.consumer, x.token)]
+        consumer = self.clients.get(x.consumer)
+        if consumer is not None:
+            consumer.held -= 1
 
     def _bind(self, d: Delivery) -> None:
         self.deliveries[d.token] = d
@@ -784,9 +824,9 @@ class BrokerCore:
         if c.role != "consumer":
             raise ProtocolError("wrong_role", f"{msg.verb} is a consumer's message")
         token = field_of(msg, "token", str)
-        d = self.deliveries.get(token)
+        d = self.deliveries.get(token) or self.claim_of.get((c.rid, token))
         if d is None:
-            if token in self.released:
+            if token in self.released or (c.rid, token) in self.withdrawn:
                 raise ProtocolError("already_released", f"token {token[:8]}... was already released")
             raise ProtocolError("unknown_token", f"token {token[:8]}... is not one this broker issued")
         if d.consumer != c.rid:
@@ -832,6 +872,12 @@ class BrokerCore:
                 self._error(c.rid, limit.code, str(limit), ref="RELEASE", field="credits", **limit.extra)
 
     def _release(self, d: Delivery, reason: str) -> None:
+        if self.claim_of.get((d.consumer, d.token)) is d:
+            self._drop_claim(d)  # withdrawn before its producer decided: nothing to tell anyone
+            self.withdrawn[(d.consumer, d.token)] = None
+            while len(self.withdrawn) > _RELEASED_MEMORY:
+                self.withdrawn.popitem(last=False)
+            return
         self._unbind(d)
         self.released[d.token] = d.consumer
         while len(self.released) > _RELEASED_MEMORY:
@@ -984,11 +1030,14 @@ class BrokerCore:
         }
 
     # --- leaving ---------------------------------------------------------------------------
-    def _producer_gone(self, ds: list[Delivery]) -> None:
+    def _producer_gone(self, ds: list[Delivery], claims: list[Delivery] | None = None) -> None:
+        """Unbind ``ds`` and tell their consumers, with those of ``claims`` (already dropped)."""
         by_consumer: dict[bytes, list[str]] = {}
         for d in ds:
             self._unbind(d)
             by_consumer.setdefault(d.consumer, []).append(d.token)
+        for x in claims or []:
+            by_consumer.setdefault(x.consumer, []).append(x.token)
         for rid, tokens in by_consumer.items():
             if rid in self.clients:
                 self._send(rid, Message("PRODUCER_GONE", {"tokens": tokens}))
@@ -1047,6 +1096,8 @@ class BrokerCore:
         self._forget(c)
         if c.role == "consumer":
             self.stats.consumers_lost += why != "bye"
+            for x in [x for x in self.claim_of.values() if x.consumer == rid]:
+                self._drop_claim(x)
             for d in [d for d in self.deliveries.values() if d.consumer == rid]:
                 self._release(d, "consumer_gone")
         else:
@@ -1083,6 +1134,17 @@ class BrokerCore:
                 f"delivery {token} owned by no registered consumer"
             assert self.by_handoff.get((d.producer, d.handoff_id)) == token, f"{token}: handoff index stale"
             held[d.consumer] = held.get(d.consumer, 0) + 1
+        claims = [x for by_hid in self.claims.values() for xs in by_hid.values() for x in xs]
+        assert len(claims) == len(self.claim_of), "claim index stale"
+        for x in claims:
+            assert self.claim_of.get((x.consumer, x.token)) is x, f"claim {x.token} not indexed"
+            assert not self._is_producer(x.producer), f"claim {x.token}: its producer is registered, yet undecided"
+            assert (x.producer, x.handoff_id) not in self.by_handoff, f"claim {x.token} to a handoff held here"
+            assert x.consumer in self.clients and self.clients[x.consumer].role == "consumer", f"stray claim {x.token}"
+            held[x.consumer] = held.get(x.consumer, 0) + 1
+        for by_hid in self.claims.values():
+            for xs in by_hid.values():
+                assert xs and len({x.consumer for x in xs}) == len(xs), "a consumer claims a handoff twice"
         assert len(self.by_handoff) == len(self.deliveries), "one handoff delivered twice"
         for c in self.clients.values():
             assert c.held == held.get(c.rid, 0), f"{c.rid!r}: held {c.held} != {held.get(c.rid, 0)}"

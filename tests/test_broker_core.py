@@ -9,6 +9,7 @@ runs for a soak (CI: the default below).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import struct
@@ -65,17 +66,26 @@ class BrokerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.now = 1000.0
-        self.core = BrokerCore(host=HOST, timeout_s=TIMEOUT)
+        self.core = self.new_broker()
         self.views = {rid: View() for rid in PRODUCERS + CONSUMERS}
         self.pids = {rid: 100 + i for i, rid in enumerate(PRODUCERS + CONSUMERS)}
         self.accepted: dict[tuple[bytes, int], str] = {}
         self.holder: dict[tuple[bytes, int], bytes] = {}
         self.token_of: dict[str, tuple[bytes, int]] = {}
-        self.ends: dict[tuple[bytes, int], int] = {}
+        self.released: dict[tuple[bytes, int], int] = {}  # RELEASED to the producer
+        self.gone: dict[tuple[bytes, int], int] = {}  # PRODUCER_GONE to the consumer that held it
         self.hids = iter(range(1, 1 << 30))
         self.errors: list[str] = []
 
     # --- plumbing ---------------------------------------------------------------------------
+    def new_broker(self) -> BrokerCore:
+        """A broker whose session and tokens follow from the steps so far: the rules draw from
+        sorted tokens, and hypothesis needs a replayed run to draw the same."""
+        self.brokers = getattr(self, "brokers", 0) + 1
+        n = itertools.count(1)
+        return BrokerCore(host=HOST, timeout_s=TIMEOUT, session=f"{self.brokers:016x}",
+                          token=lambda: f"{next(n):032x}")
+
     def feed(self, outs: list) -> None:
         for o in outs:
             if not isinstance(o, Send):
@@ -92,20 +102,26 @@ class BrokerMachine(RuleBasedStateMachine):
             elif verb == "ACCEPTED":
                 v.outstanding.add(h["handoff_id"])
             elif verb == "RELEASED":
-                self._end((o.rid, h["handoff_id"]))
+                key = (o.rid, h["handoff_id"])
+                readers = [c for c in CONSUMERS if self.views[c].registered and key in self.views[c].held.values()]
+                assert not readers, f"{key} went back to its producer while {readers} still hold it"
+                self._end(self.released, key)
                 v.outstanding.discard(h["handoff_id"])
             elif verb == "PRODUCER_GONE":
                 for t in h["tokens"]:
-                    if h.get("reason") != "reclaimed":  # reclaimed: a claim refused, not an end
-                        self._end(self.token_of.get(t, (b"?", -1)))
-                    v.held.pop(t, None)
+                    key = v.held.pop(t, None)
+                    if key is not None and h.get("reason") != "reclaimed":  # reclaimed: a claim refused
+                        self._end(self.gone, key)
             elif verb == "ERROR":
                 assert h["code"] in ERROR_CODES and h["code"] != "internal", h
                 self.errors.append(h["code"])
 
-    def _end(self, key: tuple[bytes, int]) -> None:
-        self.ends[key] = self.ends.get(key, 0) + 1
-        assert self.ends[key] == 1, f"handoff {key} ended {self.ends[key]} times"
+    @staticmethod
+    def _end(ends: dict[tuple[bytes, int], int], key: tuple[bytes, int]) -> None:
+        """A handoff ends at most once for each side: RELEASED to its producer, PRODUCER_GONE to
+        its holder. Both happen when a producer comes back after its holder was told it gone."""
+        ends[key] = ends.get(key, 0) + 1
+        assert ends[key] == 1, f"handoff {key} ended {ends[key]} times"
 
     def send(self, rid: bytes, verb: str, header: dict, *payload: bytes) -> None:
         self.feed(self.core.receive(rid, frames(verb, header, *payload), self.now))
@@ -186,8 +202,8 @@ class BrokerMachine(RuleBasedStateMachine):
                 self.send(who, "EVENT_RELEASE", {"token": token})  # a PRODUCER_SYNCED token has no event
                 assert self.errors[-1] == "already_released"
                 return
+            del v.held[token]  # first: the consumer stops reading, then tells the broker
             self.send(who, "RELEASE", {"token": token, "credits": 1})
-            del v.held[token]
             if how == "double":
                 self.send(who, "RELEASE", {"token": token})
                 assert self.errors[-1] == "already_released"
@@ -195,9 +211,13 @@ class BrokerMachine(RuleBasedStateMachine):
             others = [t for c in CONSUMERS if c != who for t in self.views[c].held]
             if others:
                 before = len(self.errors)
-                self.send(who, "RELEASE", {"token": data.draw(st.sampled_from(sorted(others)))})
-                # unknown_token: the victim has not re-claimed it from a restarted broker yet
-                assert len(self.errors) == before + 1 and self.errors[-1] in ("foreign_token", "unknown_token")
+                token = data.draw(st.sampled_from(sorted(others)))
+                own_claim = (who, token) in self.core.claim_of  # forge_held claimed it under the copied token
+                self.send(who, "RELEASE", {"token": token})
+                if own_claim:  # withdrawing its own claim touches no one else's (the RELEASED check)
+                    assert len(self.errors) == before
+                else:  # unknown_token: the victim has not re-claimed it from a restarted broker yet
+                    assert len(self.errors) == before + 1 and self.errors[-1] in ("foreign_token", "unknown_token")
         elif how == "unknown":
             self.send(who, "RELEASE", {"token": "ee" * 24})
 
@@ -213,9 +233,9 @@ class BrokerMachine(RuleBasedStateMachine):
         entries = [Message("RELEASE", {"token": t}) for t in tokens]
         entries += [Message("RELEASE", {"token": tokens[0]}), Message("RELEASE", {"token": "ee" * 24, "credits": 2})]
         before = len(self.errors)
-        self.feed(self.core.receive(who, encode_batch(entries), self.now))
         for t in tokens:
             del v.held[t]
+        self.feed(self.core.receive(who, encode_batch(entries), self.now))
         assert self.errors[before:] == ["already_released", "unknown_token"], self.errors[before:]
 
     @rule(who=st.sampled_from(CONSUMERS))
@@ -254,8 +274,8 @@ class BrokerMachine(RuleBasedStateMachine):
 
     @rule(who=st.sampled_from(PRODUCERS + CONSUMERS))
     def die(self, who: bytes) -> None:
-        self.feed(self.core.client_gone(who, "process gone"))
         self.views[who] = View()  # a new process would start from nothing
+        self.feed(self.core.client_gone(who, "process gone"))
 
     @rule(who=st.sampled_from(PRODUCERS + CONSUMERS))
     def bye(self, who: bytes) -> None:
@@ -269,11 +289,12 @@ class BrokerMachine(RuleBasedStateMachine):
         self.now += dt
         self.feed(self.core.tick(self.now, lambda c: True))  # every process lives: silence is no death
 
-    @rule(order=st.permutations(PRODUCERS + CONSUMERS), late=st.sets(st.sampled_from(CONSUMERS)))
+    @rule(order=st.permutations(PRODUCERS + CONSUMERS), late=st.sets(st.sampled_from(PRODUCERS + CONSUMERS)))
     def broker_restart(self, order: list[bytes], late: set[bytes]) -> None:
-        """A new broker; clients re-HELLO with what they hold, the ``late`` consumers only at a
-        later ``register`` step (after their producers' orphan deadlines may have passed)."""
-        self.core = BrokerCore(host=HOST, timeout_s=TIMEOUT)
+        """A new broker; clients re-HELLO with what they hold, the ``late`` ones only at a later
+        ``register`` step (a late consumer after its producer's orphan deadline may have passed,
+        a late producer after other consumers may have claimed its handoffs)."""
+        self.core = self.new_broker()
         for rid in order:
             if rid in late:
                 self.views[rid].registered = False
@@ -285,19 +306,23 @@ class BrokerMachine(RuleBasedStateMachine):
         self.core.check_invariants()
 
     def teardown(self) -> None:
-        for rid in CONSUMERS + PRODUCERS:
+        """Every consumer goes, then time passes, then every producer: whatever a registered
+        producer counts outstanding comes back to it exactly once (RELEASED): held ones as their
+        consumers go, the rest as orphans."""
+        owed = {(p, hid) for p in PRODUCERS if self.views[p].registered for hid in self.views[p].outstanding}
+        for rid in CONSUMERS:
+            self.views[rid].registered = False  # it stopped reading: its buffers may go back
+            self.feed(self.core.client_gone(rid, "process gone"))
+        self.now += 10 * TIMEOUT
+        self.feed(self.core.tick(self.now, lambda c: True))
+        missing = {key for key in owed if self.released.get(key) != 1}
+        assert not missing, f"never came back to their producers: {sorted(missing)}"
+        for rid in PRODUCERS:
             self.feed(self.core.client_gone(rid, "process gone"))
         self.now += 10 * TIMEOUT
         self.feed(self.core.tick(self.now, lambda c: True))
         self.core.check_invariants()
-        assert not self.core.deliveries and not self.core.clients
-        for key in self.accepted:
-            assert self.ends.get(key, 0) <= 1, key
-        # A handoff accepted by a broker that restarted ends through its producer's re-HELLO
-        # (orphan) or its consumer's claim; one whose producer died unregistered has no one to tell.
-        for key in self.accepted:
-            producer = self.views.get(key[0])
-            assert self.ends.get(key, 0) == 1 or producer is not None, key
+        assert not self.core.deliveries and not self.core.clients and not self.core.claims
 
 
 TestBrokerCore = BrokerMachine.TestCase
@@ -654,3 +679,112 @@ def test_a_consumer_holding_8192_buffers_can_register_again():
     too_many = dict(h, held=[*held, held[0]])
     (err,) = _errors(core.receive(b"c2", frames("HELLO", too_many), 0.0))
     assert (err["code"], err["field"], err["value"]) == ("bad_header", "held", MAX_HELD + 1)
+
+
+def _claim(core: BrokerCore, rid: bytes, token: str, pid: int, now: float) -> list:
+    held = [{"token": token, "producer_id": "p", "handoff_id": 7, "event_pending": False}]
+    h = {"protocol": PROTOCOL_VERSION, "role": "consumer", "channel": "ch", "pid": pid, "endpoint": endpoint(pid),
+         "held": held}
+    return core.receive(rid, frames("HELLO", h), now)
+
+
+def _sent(outs: list) -> list[tuple[bytes, str, dict]]:
+    return [(o.rid, o.msg.verb, o.msg.header) for o in outs if isinstance(o, Send) and o.msg.verb != "WELCOME"]
+
+
+@pytest.mark.parametrize("thief_releases_first", [False, True])
+@pytest.mark.parametrize("stolen", [False, True])
+def test_a_claim_made_first_by_another_consumer_does_not_cost_the_holder_its_buffer(thief_releases_first, stolen):
+    """After a broker restart, a consumer claims a handoff it never received (with a made-up
+    token, or the holder's own token) before its real holder re-registers, and before the
+    producer does. The producer's list names the real holder: the holder keeps it (no RELEASED
+    to the producer while it reads), the thief is told PRODUCER_GONE reclaimed. Before, the
+    first claim shut the real one out, and the producer got RELEASED consumer_gone while the
+    holder still read the buffer. The thief withdrawing first must not lose the holder's
+    claim either."""
+    core = _core()
+    honest = "1b" * 24  # the token an earlier broker delivered to c-honest
+    thief = honest if stolen else _forged(0)
+    assert not _sent(_claim(core, b"c-thief", thief, pid=11, now=0.0))
+    assert not _sent(_claim(core, b"c-honest", honest, pid=12, now=0.1))
+    core.check_invariants()
+    if thief_releases_first:
+        assert not _sent(core.receive(b"c-thief", frames("RELEASE", {"token": thief}), 0.2))
+        core.check_invariants()
+    h = {"protocol": PROTOCOL_VERSION, "role": "producer", "channel": "ch", "pid": 10, "endpoint": endpoint(10),
+         "outstanding": [{"handoff_id": 7, "consumer_id": BrokerCore.label_of(b"c-honest")}]}
+    sent = _sent(core.receive(b"p", frames("HELLO", h), 0.3))
+    core.check_invariants()
+    expected = [] if thief_releases_first else [(b"c-thief", "PRODUCER_GONE",
+                                                 {"tokens": [thief], "reason": "reclaimed"})]
+    assert sent == expected
+    assert core.deliveries[honest].consumer == b"c-honest"
+    assert not _sent(core.tick(0.3 + 10 * TIMEOUT, lambda c: True))  # no orphan: it is held
+    (released,) = _sent(core.receive(b"c-honest", frames("RELEASE", {"token": honest}), 40.0))
+    assert released == (b"p", "RELEASED", {"handoff_id": 7, "reason": "released"})
+    core.check_invariants()
+
+
+def test_claims_end_with_the_claimer_or_with_a_producer_that_never_comes_back():
+    core = _core()
+    _claim(core, b"c-a", _forged(0), pid=11, now=0.0)
+    _claim(core, b"c-b", _forged(1), pid=12, now=0.0)
+    _claim(core, b"c-c", _forged(2), pid=13, now=0.0)
+    assert core.clients[b"c-b"].held == 1  # a provisional claim counts against MAX_HELD
+    core.client_gone(b"c-b", "process gone")
+    core.check_invariants()
+    sent = _sent(core.tick(1 + TIMEOUT, lambda c: True))  # the producer never registered
+    assert sorted(sent) == [(b"c-a", "PRODUCER_GONE", {"tokens": [_forged(0)]}),
+                            (b"c-c", "PRODUCER_GONE", {"tokens": [_forged(2)]})]
+    assert not core.deliveries and not core.claims and core.clients[b"c-c"].held == 0
+    core.check_invariants()
+
+
+def test_a_claim_withdrawn_before_its_producer_decides_is_forgotten():
+    core = _core()
+    _claim(core, b"c-a", _forged(0), pid=11, now=0.0)
+    _claim(core, b"c-b", _forged(1), pid=12, now=0.0)
+    assert not _sent(core.receive(b"c-b", frames("RELEASE", {"token": _forged(1)}), 0.1))
+    (err,) = _errors(core.receive(b"c-b", frames("RELEASE", {"token": _forged(1)}), 0.1))
+    assert err["code"] == "already_released"  # withdrawn
+    assert not _sent(_claim(core, b"c-b", _forged(1), pid=12, now=0.15))  # and not claimable again
+    assert core.clients[b"c-b"].held == 0
+    assert not _errors(core.receive(b"c-a", frames("RELEASE", {"token": _forged(0)}), 0.2))
+    assert not core.deliveries and core.clients[b"c-b"].held == 0
+    core.check_invariants()
+
+
+def test_the_model_checks_that_no_buffer_goes_back_while_a_consumer_reads_it():
+    """The interleaving the stateful test's RELEASED check is there for, spelled out (random
+    search rarely draws it): a broker restart, a thief claims first, the holder second, then
+    the producer; the holder keeps its buffer past every deadline."""
+    m = BrokerMachine()
+    m.everyone_registers()
+    m.send(b"c1", "REQUEST", {"credits": 1})
+    m.handoff(b"p0", "ok")
+    assert m.views[b"c1"].held
+    m.broker_restart([*PRODUCERS, *CONSUMERS], {b"p0", *CONSUMERS})
+    m.forge_held(b"c0")
+    m.register(b"c1")
+    m.register(b"p0")
+    m.time_passes(2 * TIMEOUT)
+    m.core_invariants()
+    assert m.views[b"c1"].held and not m.released and not m.gone
+
+
+def test_many_rival_claims_do_not_crowd_out_the_holder():
+    """Twenty registrations (one process may have 256) claim a handoff before its holder does: a
+    cap per handoff would have dropped the holder's claim, and its producer would then get
+    RELEASED while the holder reads."""
+    core = _core()
+    for i in range(20):
+        _claim(core, f"c-rival-{i}".encode(), _forged(i), pid=11, now=0.0)
+    _claim(core, b"c-honest", "1b" * 24, pid=12, now=0.1)
+    h = {"protocol": PROTOCOL_VERSION, "role": "producer", "channel": "ch", "pid": 10, "endpoint": endpoint(10),
+         "outstanding": [{"handoff_id": 7, "consumer_id": BrokerCore.label_of(b"c-honest")}]}
+    sent = _sent(core.receive(b"p", frames("HELLO", h), 0.3))
+    assert sorted(rid for rid, verb, _ in sent if verb == "PRODUCER_GONE") == \
+        sorted(f"c-rival-{i}".encode() for i in range(20))
+    assert core.deliveries["1b" * 24].consumer == b"c-honest"
+    assert not _sent(core.tick(40.0, lambda c: True))
+    core.check_invariants()

@@ -60,6 +60,13 @@ class Driver:
             h = {"protocol": 2, "role": act["role"], "channel": "eos", "pid": pid, "endpoint": _endpoint(pid, host)}
             if "ended" in act:
                 h["ended"] = act["ended"]
+            if "held" in act:  # claims to handoffs of an earlier broker (§6): 'producer' is a client's name
+                h["held"] = [{"token": x["token"], "producer_id": self.rid(x["producer"]).decode(),
+                              "handoff_id": x["handoff_id"], "event_pending": False} for x in act["held"]]
+            if "outstanding" in act:  # 'holder' is a client's name, sent as its label
+                h["outstanding"] = [{"handoff_id": x["handoff_id"],
+                                     "consumer_id": BrokerCore.label_of(self.rid(x["holder"]))}
+                                    for x in act["outstanding"]]
             return [b"HELLO", json.dumps(h).encode()]
         if a in ("request", "ready"):
             return [a.upper().encode(), json.dumps({"credits": act["credits"]}).encode()]
@@ -70,7 +77,13 @@ class Driver:
                             [HANDLE, b"M" * 64])
         if a in ("end", "bye"):
             return [a.upper().encode(), b"{}"]
+        if a == "release":
+            return pack_hot("RELEASE", {"token": act["token"]}, [])
         raise AssertionError(a)
+
+    def rid(self, who: str) -> bytes:
+        """The routing id client ``who`` speaks with."""
+        return who.encode()
 
     def note(self, got: dict[str, list[Message]]) -> None:
         for who, msgs in got.items():
@@ -114,6 +127,9 @@ class LiveDriver(Driver):
         self.socks: dict[str, zmq.Socket] = {}
         self.procs: dict[str, subprocess.Popen] = {}
 
+    def rid(self, who: str) -> bytes:
+        return f"eos{self.run}-{who}".encode()
+
     def pid(self, who: str) -> int:
         if who not in self.procs:  # a process of its own, so that 'die' can end it
             self.procs[who] = subprocess.Popen(["sleep", "120"])
@@ -122,7 +138,7 @@ class LiveDriver(Driver):
     def sock(self, who: str) -> zmq.Socket:
         if who not in self.socks:
             s = self.ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.IDENTITY, f"eos{self.run}-{who}".encode())
+            s.setsockopt(zmq.IDENTITY, self.rid(who))
             s.setsockopt(zmq.LINGER, 0)
             s.connect(self.endpoint)
             self.socks[who] = s
@@ -140,7 +156,7 @@ class LiveDriver(Driver):
             out.extend(m for m in msgs if m.verb != "PONG")  # our own keep-alives
 
     def gone(self, who: str) -> bool:
-        label = BrokerCore.label_of(f"eos{self.run}-{who}".encode())
+        label = BrokerCore.label_of(self.rid(who))
         s = self.sock("stats")
         s.send_multipart([b"STATS", b"{}"])
         assert s.poll(10_000)
