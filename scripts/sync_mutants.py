@@ -153,6 +153,14 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                               "        if not self.on_host:\n            self._handoff.order_onto(stream)\n",
                               "        pass  # MUTANT: the copying stream is not ordered after the producer\n",
                               *GPU_READABLE),
+    # Broker restart (ipc-protocol.md 6): a claim made before its producer returns binds at once,
+    # so the first claimant shuts the real holder out and the producer gets it back while read.
+    "claim-first-binds": ("broker/core.py",
+                          "            if producer is not None:\n"
+                          "                if named is None or named == c.label:\n",
+                          "            if True:  # MUTANT: a claim binds before its producer decides\n"
+                          "                if named is None or named == c.label:\n",
+                          "tests/test_broker_core.py"),
 }
 
 
