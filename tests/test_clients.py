@@ -416,3 +416,20 @@ def test_event_pool_setting_from_env(monkeypatch):
     monkeypatch.setenv("HURRAY_EVENT_POOL", "maybe")
     with pytest.raises(ValueError, match="HURRAY_EVENT_POOL: .*got 'maybe'"):
         event_pool_setting(None)
+
+
+def test_a_release_the_broker_cannot_place_is_reported_unless_it_crossed_producer_gone(broker):
+    """Red team item 5's tail: a RELEASE refused unknown_token was ignored by the library. It is
+    now reported in ``Consumer.errors`` (and logged as an error), except when the broker had said
+    that handoff's producer was gone (the RELEASE crossed the PRODUCER_GONE: expected)."""
+    from hurray_ipc.transport.protocol import Message
+
+    crossed, unplaced = "ab" * 24, "cd" * 24
+    with Consumer(broker.endpoint, "unplaced", "cpu", prefetch=0) as c:
+        with c.session.lock:
+            c._dispatch(Message("PRODUCER_GONE", {"tokens": [crossed]}))
+        c.session.send(Message("RELEASE", {"token": crossed}))
+        c.session.send(Message("RELEASE", {"token": unplaced}))
+        # The broker answers in order: once the second refusal is here, the first was handled.
+        c.session.pump(lambda: len(c.errors) > 0, 10, "the broker's refusal")
+        assert [(e.code, e.header.get("token")) for e in c.errors] == [("unknown_token", unplaced)]

@@ -548,6 +548,11 @@ class Consumer:
     Thread-safe: ``receive``, ``flush_releases`` and the handoffs' ``release`` may be called from
     several threads at once (each delivery goes to exactly one ``receive``); ``close`` must not
     race them. See client/DESIGN.md, "Threads and the session pump".
+
+    ``errors``: the broker's refusals of this consumer's messages, newest last (at most 256 kept;
+    each is also logged). A RELEASE refused ``unknown_token`` is one of them unless the broker had
+    already said that handoff's producer was gone: the broker did not count the buffer as this
+    consumer's, so its producer may have had it back while it was read.
     """
 
     def __init__(self, endpoint: str | None = None, channel: str = "default", device: str | Device = "cpu", *,
@@ -573,7 +578,8 @@ class Consumer:
         self._held: weakref.WeakValueDictionary[str, ReceivedHandoff] = weakref.WeakValueDictionary()
         self._dropped: deque[ReceivedHandoff] = deque()
         self.name = name or f"consumer-{os.getpid()}"
-        self.errors: list[RemoteError] = []
+        self.errors: deque[RemoteError] = deque(maxlen=256)
+        self._gone_tokens: deque[str] = deque(maxlen=4096)  # told PRODUCER_GONE: a RELEASE may cross it
         self.ended = False  # the broker said every producer of the channel ended (CHANNEL_STATE, §4.9)
         self._releasing: list[tuple[ReceivedHandoff, list[CudaEvent]]] = []  # RELEASE owed once these complete
         self._fences: list[CudaEvent] = []  # completed fence events, recorded again by later releases
@@ -663,6 +669,7 @@ class Consumer:
                         self._requested += want
                     self.session.send(Message("RELEASE", rel))
         elif msg.verb == "PRODUCER_GONE":
+            self._gone_tokens.extend(t for t in h.get("tokens", []) if isinstance(t, str))
             for token in h.get("tokens", []):
                 ho = self._held.pop(token, None)
                 if ho is not None:
@@ -677,9 +684,15 @@ class Consumer:
             self.ended = h.get("ended") is True
         elif msg.verb == "ERROR":
             err = RemoteError(str(h.get("code")), str(h.get("message")), h)
-            if err.code not in ("unknown_token",):
+            if err.code == "unknown_token" and h.get("token") in self._gone_tokens:
+                log.debug("RELEASE crossed PRODUCER_GONE: %s", err)  # expected: nothing to report
+            else:
                 self.errors.append(err)
-            log.warning("broker error: %s", err)
+                if err.code == "unknown_token":
+                    log.error("the broker does not count buffer %s as this consumer's: its producer may "
+                              "have had it back while it was read (%s)", str(h.get("token"))[:16], err)
+                else:
+                    log.warning("broker error: %s", err)
         return []
 
     def _accept(self, msg: Message) -> ReceivedHandoff:
