@@ -250,6 +250,9 @@ class BrokerCore:
         self.channels: dict[str, Channel] = {}
         self.grants: dict[int, Grant] = {}
         self.deliveries: dict[str, Delivery] = {}
+        # The same deliveries by consumer and by producer: a BYE or a death costs its own count.
+        self.held_by: dict[bytes, dict[str, Delivery]] = {}
+        self.handed_by: dict[bytes, dict[str, Delivery]] = {}
         self.by_handoff: dict[tuple[bytes, int], str] = {}  # (producer, handoff) -> token
         self.released: OrderedDict[str, bytes] = OrderedDict()
         self.orphans: dict[tuple[bytes, int], float] = {}  # (producer, handoff) -> release deadline
@@ -617,6 +620,8 @@ class BrokerCore:
 
     def _bind(self, d: Delivery) -> None:
         self.deliveries[d.token] = d
+        self.held_by.setdefault(d.consumer, {})[d.token] = d
+        self.handed_by.setdefault(d.producer, {})[d.token] = d
         self.by_handoff[(d.producer, d.handoff_id)] = d.token
         consumer = self.clients.get(d.consumer)
         if consumer is not None:
@@ -624,6 +629,12 @@ class BrokerCore:
 
     def _unbind(self, d: Delivery) -> None:
         self.deliveries.pop(d.token, None)
+        for index, rid in ((self.held_by, d.consumer), (self.handed_by, d.producer)):
+            mine = index.get(rid)
+            if mine is not None and mine.get(d.token) is d:
+                del mine[d.token]
+                if not mine:
+                    del index[rid]
         if self.by_handoff.get((d.producer, d.handoff_id)) == d.token:
             del self.by_handoff[(d.producer, d.handoff_id)]
         consumer = self.clients.get(d.consumer)
@@ -1098,11 +1109,11 @@ class BrokerCore:
             self.stats.consumers_lost += why != "bye"
             for x in [x for x in self.claim_of.values() if x.consumer == rid]:
                 self._drop_claim(x)
-            for d in [d for d in self.deliveries.values() if d.consumer == rid]:
+            for d in list(self.held_by.get(rid, {}).values()):
                 self._release(d, "consumer_gone")
         else:
             self.stats.producers_lost += why != "bye"
-            self._producer_gone([d for d in self.deliveries.values() if d.producer == rid])
+            self._producer_gone(list(self.handed_by.get(rid, {}).values()))
             self.orphans = {k: v for k, v in self.orphans.items() if k[0] != rid}
             self._match(c.channel)
         if why != "bye" and c.endpoint.identity.host == self.host:
@@ -1146,6 +1157,11 @@ class BrokerCore:
             for xs in by_hid.values():
                 assert xs and len({x.consumer for x in xs}) == len(xs), "a consumer claims a handoff twice"
         assert len(self.by_handoff) == len(self.deliveries), "one handoff delivered twice"
+        for index, side in ((self.held_by, "consumer"), (self.handed_by, "producer")):
+            assert sum(map(len, index.values())) == len(self.deliveries), f"deliveries by {side}: count"
+            for rid, mine in index.items():
+                assert mine and all(self.deliveries.get(t) is d and getattr(d, side) == rid for t, d in mine.items()), \
+                    f"deliveries by {side} {rid!r}: stale"
         for c in self.clients.values():
             assert c.held == held.get(c.rid, 0), f"{c.rid!r}: held {c.held} != {held.get(c.rid, 0)}"
         for g in self.grants.values():

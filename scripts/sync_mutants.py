@@ -120,8 +120,8 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                        "        if all(self.clients[p].ended for p in ch.producers):\n",
                        "        if False:  # MUTANT: the stream never ends\n", *END_OF_STREAM),
     "eos-crash-ends": ("broker/core.py",
-                       "            self._producer_gone([d for d in self.deliveries.values() if d.producer == rid])\n",
-                       "            self._producer_gone([d for d in self.deliveries.values() if d.producer == rid])\n"
+                       "            self._producer_gone(list(self.handed_by.get(rid, {}).values()))\n",
+                       "            self._producer_gone(list(self.handed_by.get(rid, {}).values()))\n"
                        "            self.on_end(c)  # MUTANT: a producer's death ends the stream\n",
                        *END_OF_STREAM),
     "eos-end-keeps-grants": ("broker/core.py",
