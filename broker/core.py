@@ -423,7 +423,20 @@ class BrokerCore:
     def undeliverable(self, rid: bytes, msg: Message, why: str) -> list[Out]:
         """The socket could not take ``msg`` for ``rid`` ('unreachable': the peer is disconnected;
         'full': its queue is at the high-water mark). Counted and logged; the client's liveness
-        (not this) decides whether it is gone, and its re-HELLO resynchronises what it holds."""
+        (not this) decides whether it is gone, and its re-HELLO resynchronises what it holds.
+        A DELIVER that did not leave never reached its consumer: the buffer goes back to its
+        producer (RELEASED, reason ``undelivered: <why>``) and the consumer's credit, which it
+        still counts as asked, goes back to the end of its channel's queue (spec §1)."""
+        token = msg.header.get("token") if msg.verb == "DELIVER" else None
+        d = self.deliveries.get(token) if isinstance(token, str) else None
+        if d is not None and d.consumer == rid:
+            self._release(d, f"undelivered: {why}"[:200])
+            c = self.clients.get(rid)
+            if c is not None and c.role == "consumer":
+                try:
+                    self._add_requests(c, 1)
+                except ProtocolError:
+                    pass  # past a limit: the consumer's re-HELLO re-declares its credits
         if why == "full":
             self.stats.dropped_full += 1
         else:

@@ -155,6 +155,15 @@ class BrokerMachine(RuleBasedStateMachine):
     def request(self, who: bytes, n: int) -> None:
         self.send(who, "REQUEST", {"credits": n})
 
+    @rule(who=st.sampled_from(CONSUMERS), why=st.sampled_from(["full", "unreachable"]))
+    def deliver_lost(self, who: bytes, why: str) -> None:
+        """The socket could not take the consumer's latest DELIVER: it never saw that handoff."""
+        live = self.core.deliveries
+        mine = [t for t in self.views[who].held if t in live and live[t].consumer == who]
+        if mine:
+            del self.views[who].held[mine[-1]]
+            self.feed(self.core.undeliverable(who, Message("DELIVER", {"token": mine[-1]}), why))
+
     @rule(who=st.sampled_from(PRODUCERS), n=st.integers(1, 3))
     def ready(self, who: bytes, n: int) -> None:
         self.send(who, "READY", {"credits": n})
@@ -787,4 +796,26 @@ def test_many_rival_claims_do_not_crowd_out_the_holder():
         sorted(f"c-rival-{i}".encode() for i in range(20))
     assert core.deliveries["1b" * 24].consumer == b"c-honest"
     assert not _sent(core.tick(40.0, lambda c: True))
+    core.check_invariants()
+
+
+@pytest.mark.parametrize("why", ["full", "unreachable"])
+def test_a_deliver_that_could_not_be_sent_goes_back_to_its_producer_and_the_credit_to_the_queue(why):
+    """Red team item 16: a DELIVER dropped at the high-water mark stayed held by a consumer that
+    never saw it, stranding the producer's buffer until that consumer died."""
+    core = _core()
+    _hello(core, b"p", "producer", pid=5)
+    _hello(core, b"c", "consumer", pid=6, credits=1)
+    (g,) = [o.msg for o in core.receive(b"p", frames("READY", {"credits": 2}), 0.0) if o.msg.verb == "GRANT"]
+    (d, _) = [o.msg for o in core.receive(b"p", frames("HANDOFF", {"grant_id": g.header["grant_id"], "handoff_id": 1,
+                                                                    "offset": 0, "ack": True}, cpu_handle(),
+                                                         b"M" * 64), 0.0)]
+    assert d.verb == "DELIVER" and core.clients[b"c"].held == 1
+    sent = _sent(core.undeliverable(b"c", d, why))
+    # The credit is back, so the producer's second READY credit is granted to the same consumer.
+    assert [(rid, verb, h.get("reason")) for rid, verb, h in sent] == [
+        (b"p", "RELEASED", f"undelivered: {why}"), (b"p", "GRANT", None)]
+    assert core.clients[b"c"].held == 0 and d.header["token"] not in core.deliveries
+    (err,) = _errors(core.receive(b"c", frames("RELEASE", {"token": d.header["token"]}), 0.1))
+    assert err["code"] == "already_released"
     core.check_invariants()
