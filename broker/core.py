@@ -390,11 +390,20 @@ class BrokerCore:
         if not self._samples or now - self._samples[-1][0] >= _SAMPLE_EVERY_S:
             s = self.stats
             self._samples.append((now, s.handoffs, s.releases, s.messages_in, s.messages_out))
+        granted: set[bytes] | None = None
         for rid, c in list(self.clients.items()):
             verdict = alive(c) if c.endpoint.identity.host == self.host else None
             if verdict is False:
                 self._drop(rid, "process gone")
             elif now - c.last_seen > self.timeout_s:
+                if verdict is True and c.held == 0 and rid not in self.handed_by:
+                    if granted is None:  # producers with grants or unclaimed handoffs keep theirs
+                        granted = {g.producer for g in self.grants.values()} | {k[0] for k in self.orphans}
+                    if rid not in granted:
+                        # Alive but silent, holding nothing: its registration must not outlive its
+                        # connection (squatters fill the table so); it re-registers when it speaks.
+                        self._drop(rid, "silent, holding nothing")
+                        continue
                 if verdict is True:
                     if not c.unresponsive:
                         c.unresponsive = True

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ from hurray_ipc import workload
 from hurray_ipc.client import Producer
 from hurray_ipc.devices import shm
 from test_protocol_raw import Raw, endpoint_dict, one_handoff
-from workers import hold_one_buffer
+from workers import hold_one_buffer, receive_one_later
 
 
 @pytest.fixture
@@ -165,6 +166,42 @@ def test_paused_consumer_keeps_its_buffer_and_reads_it_intact(live):
         assert res["intact"] and res["seq"] == 1
         p.wait_released(timeout=30)
         assert t.outcome == "released" and p.unknown_releases == 0
+
+
+def _client_pids(endpoint: str) -> set[int]:
+    from hurray_ipc.cli.top import StatsClient
+    return {c["pid"] for c in StatsClient(endpoint).query(5.0)["clients"]}
+
+
+def test_a_paused_consumer_holding_nothing_is_dropped_and_registers_again_when_it_resumes(live):
+    """Red team item 3 (squatting): a live but silent client kept its registration for ever. One
+    that holds nothing is now dropped after the timeout (nothing of anyone's is at stake), and
+    the library registers again at its next message: resumed, it receives as if nothing happened."""
+    b, _ = live
+    ctx = mp.get_context("spawn")
+    ready, go = ctx.Event(), ctx.Event()
+    c = Proc(receive_one_later, endpoint=b.endpoint, channel="squat", ready=ready, go=go)
+    if not ready.wait(60):
+        pytest.fail(f"the consumer never registered: {c.result(timeout=5)}")
+    assert c.p.pid in _client_pids(b.endpoint)
+    os.kill(c.p.pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 10 * b.timeout
+        while c.p.pid in _client_pids(b.endpoint):  # polling the broker's own view
+            assert time.monotonic() < deadline, "a silent consumer holding nothing was never dropped"
+            time.sleep(0.05)
+    finally:
+        os.kill(c.p.pid, signal.SIGCONT)
+    with Producer(b.endpoint, "squat", "cpu") as p:
+        buf = p.allocate(64 << 10)
+        np.frombuffer(buf.host_view(), dtype=np.uint8)[:] = workload.pattern(7, 1, 64 << 10)
+        go.set()
+        t = p.send(buf, timeout=30)
+        res = c.result()
+        assert res.get("error") is None, res.get("error")
+        assert res["intact"] and res["seq"] == 1
+        p.wait_released(timeout=30)
+        assert t.outcome == "released"
 
 
 def test_producer_in_its_own_pid_namespace_keeps_working(live):

@@ -819,3 +819,19 @@ def test_a_deliver_that_could_not_be_sent_goes_back_to_its_producer_and_the_cred
     (err,) = _errors(core.receive(b"c", frames("RELEASE", {"token": d.header["token"]}), 0.1))
     assert err["code"] == "already_released"
     core.check_invariants()
+
+
+def test_silent_registrations_that_hold_nothing_expire_so_squatters_cannot_fill_the_table():
+    """Red team item 3: HELLOs from routing ids that then close, each with a made-up lease of
+    this uid naming pid 1 (always alive), stayed 'unresponsive' for ever until every later client
+    got limit_exceeded. Alive but silent past the timeout, holding nothing: dropped."""
+    from hurray_ipc.broker.core import MAX_CLIENTS_PER_PROCESS
+
+    core = _core()
+    for i in range(2000):
+        lease = f"hurray-{os.getuid()}-lease-1-1-{i:016x}"  # one 'process' each: no per-process limit
+        assert not _errors(_hello(core, f"squat-{i}".encode(), "consumer", pid=1, lease=lease))
+    assert len(core.clients) == 2000 > MAX_CLIENTS_PER_PROCESS
+    core.tick(TIMEOUT + 0.1, lambda c: True)
+    assert not core.clients and not core.channels and core.stats.unresponsive == 0
+    core.check_invariants()

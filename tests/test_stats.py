@@ -196,6 +196,8 @@ def test_rates_over_the_life_and_the_recent_window():
     w = World(credits=20)
     for t in range(0, 21):
         w.now = float(t)
+        for rid in (b"p", b"c"):  # live clients ping
+            w.send(rid, frames("PING", {}))
         w.core.tick(w.now, lambda c: True)
         if t == 5:
             w.handoffs(10)
@@ -219,14 +221,21 @@ def test_recent_window_starts_at_the_start_while_the_broker_is_young():
 
 
 def test_unresponsive_and_lease_state():
+    """Silent past the timeout, process alive: a client that holds something (a delivery, a
+    handoff at a consumer) is unresponsive and keeps it; one that holds nothing is dropped (it
+    registers again when it speaks), so silent registrations cannot fill the client table."""
     w = World()
-    w.hello(b"l", "consumer", 9, lease="hurray-0-lease-1-9-0123456789abcdef")
+    w.hello(b"l", "consumer", 9, channel="ch2", lease="hurray-0-lease-1-9-0123456789abcdef", credits=1)
+    w.hello(b"p2", "producer", 10, channel="ch2")
+    (g,) = [m for m in w.send(b"p2", frames("READY", {"credits": 1})) if m.verb == "GRANT"]
+    w.send(b"p2", frames("HANDOFF", {"grant_id": g.header["grant_id"], "handoff_id": 1, "offset": 0}, cpu_handle(),
+                         b"M" * 64))
     w.now = 10.0
-    w.core.tick(w.now, lambda c: True)  # silent past the timeout, process alive: unresponsive
+    w.core.tick(w.now, lambda c: True)
     r = w.stats()
     leased = [c for c in r["clients"] if c["pid"] == 9][0]
     assert leased["lease"] is True and leased["state"] == "unresponsive" and leased["silent_s"] == 10.0
-    assert r["gauges"]["unresponsive"] == 3
+    assert r["gauges"]["unresponsive"] == 2 and sorted(c["pid"] for c in r["clients"]) == [9, 10]
 
 
 def test_shared_memory_sweeps():

@@ -109,3 +109,24 @@ def copy_to_host_consumer(endpoint, channel, device, count, env, q):
         q.put(("ok", out, races))
     except Exception:
         q.put(("error", traceback.format_exc()))
+
+
+def receive_one_later(endpoint, channel, ready, go):
+    """Register, say so on ``ready``, wait for ``go`` (the squatting test stops this process
+    meanwhile), then receive one CPU buffer, check it and release it."""
+    import numpy as np
+
+    from hurray_ipc import workload
+    from hurray_ipc.client import Consumer
+    try:
+        with Consumer(endpoint, channel, "cpu") as c:
+            c.session.pump(lambda: c.session.registered, 30, "registration")
+            ready.set()
+            go.wait(60)
+            with c.receive(timeout=30) as h:
+                tag, seq, ok = workload.verify(np.frombuffer(h.buffer.host_view(), dtype=np.uint8).copy())
+            c.flush_releases(10)
+            return {"intact": ok, "seq": seq, "error": None}
+    except Exception:  # noqa: BLE001 - reported to the parent
+        import traceback
+        return {"error": traceback.format_exc()}
