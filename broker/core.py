@@ -9,15 +9,16 @@ hypothesis' stateful testing (tests/test_broker_core.py), and ``broker/server.py
 
 Invariants (:meth:`BrokerCore.check_invariants`, asserted after every step of the stateful test):
 
-1. Credits are conserved: a consumer's ``credits`` equals the number of its entries in its
-   channel's request queue; no count is negative or above MAX_CREDITS.
+1. Credits are conserved: a consumer is in its channel's request queue (once, round robin) exactly
+   when its ``credits`` is above 0; no count is negative or above MAX_CREDITS.
 2. Every delivery is owned by exactly one registered consumer (its token is in ``deliveries`` once,
    bound to that consumer's routing id), and by at most ``MAX_HELD`` per consumer.
 3. Every handoff ends exactly once: a delivery leaves ``deliveries`` either by RELEASE (RELEASED to
    its producer), by its consumer's death (RELEASED, reason consumer_gone) or by its producer's
    death (PRODUCER_GONE to its consumer), and its token is never live and released at once.
 4. Tokens are never reused: each is ``<session>.<random>``, and a released token is remembered.
-5. A grant is used once; every grant names a registered producer.
+5. A grant is used once; every grant names a registered producer, is indexed by its producer and
+   its channel, and grants are kept in issue order (so the oldest, which a tick may revoke, is first).
 6. A claim a consumer makes after a broker restart for a handoff whose producer has not registered
    again is provisional (``claims``): it binds nothing until that producer's HELLO names who holds
    the handoff, so a consumer claiming first cannot shut out the real holder. Each counts against
@@ -98,6 +99,10 @@ class Client:
     rid_text: str = ""  # the routing id as DELIVER names a producer
     route: Route | None = None  # a bridge's last ROUTE (spec §2.4): repeated in CAPS_REPLY
     ended: bool = False  # producer: it sent END (or re-registered saying so), spec §4.9
+    grants: OrderedDict[int, None] = field(default_factory=OrderedDict)  # producer: its unused grants, oldest first
+    # producer: a grant of it was revoked and it has neither handed off nor asked (READY) since:
+    # passed over while another producer can take a grant (§4).
+    revoked: bool = False
 
     def __post_init__(self) -> None:
         self.rid_text = self.rid.decode(errors="replace")
@@ -113,6 +118,7 @@ class Grant:
     producer: bytes
     consumer: bytes
     channel: str
+    issued: float = 0.0
     consumer_gone: bool = False
 
 
@@ -128,7 +134,9 @@ class Delivery:
 
 @dataclass
 class Channel:
-    requests: deque[bytes] = field(default_factory=deque)  # consumer rids, one entry per credit
+    # Consumers with queued credits (their count is Client.credits), in round-robin order (§4).
+    requests: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    grants: OrderedDict[int, None] = field(default_factory=OrderedDict)  # unused grants, oldest first
     producers: OrderedDict[bytes, None] = field(default_factory=OrderedDict)  # round-robin order
     members: int = 0
     ended: bool = False  # every registered producer ended, and none registered since (spec §4.9)
@@ -146,6 +154,7 @@ class Stats:
     undeliverable: int = 0     # sends to a peer that had disconnected (EHOSTUNREACH)
     dropped_full: int = 0      # sends refused because the peer's queue was full (EAGAIN)
     limits_refused: int = 0
+    grants_revoked: int = 0    # grants a producer did not use within timeout_s (§4)
     # Messages as the core sees them: a binary batch's entries count one each (also a message too
     # malformed to split: one). wire_in: ZeroMQ messages received; wire_out: sent (the loop counts
     # those, after batching).
@@ -269,6 +278,8 @@ class BrokerCore:
         self.stats = Stats()
         self.errors_by_code: dict[str, int] = {}
         self._out: list[Out] = []
+        self._now = 0.0  # the latest time receive() or tick() was given
+        self._rechecks: dict[str, float] = {}  # channel -> when a grant there will have sat a heartbeat
 
     # --- outputs ---------------------------------------------------------------------------
     def _send(self, rid: bytes, msg: Message) -> None:
@@ -310,6 +321,7 @@ class BrokerCore:
         ref = bytes(parts[0])[:32].decode(errors="replace") if parts else ""
         if self.started is None:
             self.started = now
+        self._now = now
         self.stats.wire_in += 1
         try:
             msgs = decode_all(parts, allowed=CLIENT_VERBS)
@@ -387,6 +399,7 @@ class BrokerCore:
         heartbeat silence alone drops only a client ``alive`` cannot judge (None)."""
         if self.started is None:
             self.started = now
+        self._now = now
         if not self._samples or now - self._samples[-1][0] >= _SAMPLE_EVERY_S:
             s = self.stats
             self._samples.append((now, s.handoffs, s.releases, s.messages_in, s.messages_out))
@@ -413,6 +426,23 @@ class BrokerCore:
                                                 "silent_s": round(now - c.last_seen, 3)}))
                 else:
                     self._drop(rid, "heartbeat timeout")
+        # Grants not used within timeout_s are revoked (§4): their consumers' credits go back to
+        # the front; the producer asks again if it still wants one (grants is in issue order).
+        # Channels where a producer waits while another sits on a grant are matched again once
+        # that grant sat a heartbeat.
+        rematch: set[str] = set()
+        while self.grants:
+            g = next(iter(self.grants.values()))
+            if now - g.issued <= self.timeout_s:
+                break
+            rematch.add(g.channel)
+            self._revoke(g)
+        for name, at in list(self._rechecks.items()):
+            if now >= at:
+                del self._rechecks[name]
+                rematch.add(name)
+        for name in rematch:
+            self._match(name)
         for key, deadline in list(self.orphans.items()):
             if now >= deadline:
                 del self.orphans[key]
@@ -529,9 +559,8 @@ class BrokerCore:
             self._restore_outstanding(c, outstanding, now)
         else:
             self._restore_held(c, held, now)
-            credits = min(credits, MAX_HELD - c.held)
-            c.credits = credits
-            ch.requests.extend([rid] * credits)
+            c.credits = 0  # the HELLO's credits are queued (the Client was built with them)
+            self._queue_credits(c, min(credits, MAX_HELD - c.held))
         self._send(rid, Message("WELCOME", {"protocol": PROTOCOL_VERSION, "session": self.session,
                                             "heartbeat_ms": int(self.heartbeat_s * 1000),
                                             "timeout_ms": int(self.timeout_s * 1000)}))
@@ -683,9 +712,19 @@ class BrokerCore:
             self._limit(f"a consumer may hold at most {MAX_HELD} deliveries and queued credits (it holds {c.held}, "
                         f"has {c.credits} queued and asked for {n} more): release some first", "held",
                         c.held + c.credits + n)
-        c.credits += n
-        self._channel(c.channel).requests.extend([c.rid] * n)
+        self._queue_credits(c, n)
         self._match(c.channel)
+
+    def _queue_credits(self, c: Client, n: int, front: bool = False) -> None:
+        """Queue ``n`` more credits of consumer ``c``; ``front``: credits coming back (a refused
+        HANDOFF, a voided or revoked grant), so ``c`` is served next."""
+        if n <= 0:
+            return
+        c.credits += n
+        requests = self._channel(c.channel).requests
+        requests[c.rid] = None
+        if front:
+            requests.move_to_end(c.rid, last=False)
 
     def on_ready(self, c: Client, msg: Message) -> None:
         if c.role != "producer":
@@ -697,6 +736,7 @@ class BrokerCore:
     def _add_ready(self, c: Client, n: int) -> None:
         self._check_queued(c, n)
         c.credits += n
+        c.revoked = False  # it asks again: it takes turns as any producer
         self._match(c.channel)
 
     def _check_queued(self, c: Client, n: int) -> None:
@@ -708,24 +748,59 @@ class BrokerCore:
         ch = self.channels.get(name)
         if ch is None:
             return
-        while ch.requests:
-            producer = next((p for p in ch.producers if self.clients[p].credits > 0), None)
-            if producer is None:
+        idle_since = self._now - self.heartbeat_s
+        while True:
+            ready = [p for p in ch.producers if self.clients[p].credits > 0]
+            if not ready:
                 return
-            ch.producers.move_to_end(producer)  # round robin
-            consumer_rid = ch.requests.popleft()
-            consumer = self.clients[consumer_rid]
+            # Producers take turns, passing over one that sits on a grant unused for a heartbeat,
+            # or let one be revoked, while another can take the grant (a hoarder, §4.3).
+            able = [p for p in ready if not self._passed_over(self.clients[p], idle_since)]
+            if not ch.requests:
+                # No credit left: one a passed-over producer sits on goes to one that can use it.
+                oldest = self.grants[next(iter(ch.grants))] if ch.grants else None
+                if not able or oldest is None:
+                    return
+                if oldest.issued >= idle_since:  # not idle yet: look again when it will be
+                    self._rechecks[name] = min(self._rechecks.get(name, float("inf")), oldest.issued + self.heartbeat_s)
+                    return
+                self._revoke(oldest)
+                continue
+            producer = (able or ready)[0]
+            ch.producers.move_to_end(producer)
+            consumer_rid = next(iter(ch.requests))  # round robin over consumers too: one greedy one
+            consumer = self.clients[consumer_rid]   # (4096 credits, never reading) does not starve others
             consumer.credits -= 1
+            if consumer.credits:
+                ch.requests.move_to_end(consumer_rid)
+            else:
+                del ch.requests[consumer_rid]
             self.clients[producer].credits -= 1
-            g = Grant(next(self._gids), producer, consumer_rid, name)
+            g = Grant(next(self._gids), producer, consumer_rid, name, issued=self._now)
             self.grants[g.gid] = g
             p = self.clients[producer]
+            p.grants[g.gid] = None
+            ch.grants[g.gid] = None
             grant: dict[str, Any] = {"grant_id": g.gid, "epoch": p.epoch, "consumer_id": consumer.label}
             if p.endpoints_sent.get(consumer_rid) is not consumer.endpoint:
                 # Once per pairing (per registration of either side), not per grant.
                 p.endpoints_sent[consumer_rid] = consumer.endpoint
                 grant["consumer"] = consumer.endpoint.to_dict()
             self._send(producer, Message("GRANT", grant))
+
+    def _passed_over(self, p: Client, idle_since: float) -> bool:
+        oldest = next(iter(p.grants), None)
+        return p.revoked or (oldest is not None and self.grants[oldest].issued < idle_since)
+
+    def _revoke(self, g: Grant) -> None:
+        """Take back a grant its producer did not use (§4): REVOKE tells it; the consumer's credit
+        goes back to the front; the producer is passed over until it hands off or asks again."""
+        self.stats.grants_revoked += 1
+        producer = self.clients.get(g.producer)
+        if producer is not None:
+            producer.revoked = True
+            self._send(g.producer, Message("REVOKE", {"grant_ids": [g.gid]}))
+        self._void_grant(g)
 
     # --- end of stream (spec §4.9) ------------------------------------------------------------
     def on_end(self, c: Client) -> None:
@@ -781,6 +856,9 @@ class BrokerCore:
         if g is None or g.producer != c.rid:
             raise ProtocolError("unknown_grant", f"grant {gid} is not one this producer holds")
         del self.grants[gid]  # a grant is used once, whatever the outcome
+        c.grants.pop(gid, None)
+        self._channel(g.channel).grants.pop(gid, None)
+        c.revoked = False  # it hands off: no longer passed over
         consumer = self.clients.get(g.consumer)
         if consumer is None or g.consumer_gone:
             self.stats.rejected += 1
@@ -800,8 +878,7 @@ class BrokerCore:
         except ProtocolError:
             # The consumer's request is not lost with a bad handoff: it goes back to the front,
             # and is matched at once (the producer's READY may already be waiting for it).
-            self._channel(g.channel).requests.appendleft(g.consumer)
-            consumer.credits += 1
+            self._queue_credits(consumer, 1, front=True)
             self.stats.rejected += 1
             self._match(g.channel)
             raise
@@ -1026,11 +1103,12 @@ class BrokerCore:
         channels: list[dict[str, Any]] = []
         queued = 0
         for name, ch in self.channels.items():
-            queued += len(ch.requests)
+            n_queued = sum(clients[r].credits for r in ch.requests)
+            queued += n_queued
             if len(channels) < MAX_STATS_CHANNELS:
                 channels.append({
                     "name": name, "producers": len(ch.producers), "consumers": ch.members - len(ch.producers),
-                    "queued": len(ch.requests), "ready": sum(clients[p].credits for p in ch.producers),
+                    "queued": n_queued, "ready": sum(clients[p].credits for p in ch.producers),
                     "grants": grants_of.get(name, 0), "in_flight": in_flight.get(name, 0), "ended": ch.ended})
         counts = (s.handoffs, s.releases, s.messages_in, s.messages_out)
         # The recent window: the oldest sample at most STATS_WINDOW_S old (the start counts as a
@@ -1050,7 +1128,8 @@ class BrokerCore:
                        "messages_in": s.messages_in, "messages_out": s.messages_out, "wire_in": s.wire_in,
                        "wire_out": s.wire_out, "errors": s.errors, "consumers_lost": s.consumers_lost,
                        "producers_lost": s.producers_lost, "undeliverable": s.undeliverable,
-                       "dropped_full": s.dropped_full, "limits_refused": s.limits_refused},
+                       "dropped_full": s.dropped_full, "limits_refused": s.limits_refused,
+                       "grants_revoked": s.grants_revoked},
             "rates": {"life": {k: round(n / uptime, 3) if uptime > 0 else 0.0 for k, n in zip(names, counts,
                                                                                                 strict=True)},
                       "window": {k: round((n - b) / span, 3) if span > 0 else 0.0
@@ -1079,7 +1158,7 @@ class BrokerCore:
         """Forget a client's queued credits and grants: a producer's grants give their consumers'
         credits back (front of the queue); grants *for* a consumer must go to another consumer."""
         ch = self._channel(c.channel)
-        ch.requests = deque(r for r in ch.requests if r != c.rid)
+        ch.requests.pop(c.rid, None)
         ch.producers.pop(c.rid, None)
         self._return_grants(c)
         for g in self.grants.values():
@@ -1089,14 +1168,21 @@ class BrokerCore:
 
     def _return_grants(self, producer: Client) -> None:
         """Void ``producer``'s grants; each one's consumer gets its credit back, at the queue's front."""
-        ch = self._channel(producer.channel)
-        for g in list(self.grants.values()):
-            if g.producer == producer.rid:
-                del self.grants[g.gid]
-                consumer = self.clients.get(g.consumer)
-                if consumer is not None and not g.consumer_gone:
-                    ch.requests.appendleft(g.consumer)
-                    consumer.credits += 1
+        for gid in list(reversed(producer.grants)):
+            self._void_grant(self.grants[gid])
+
+    def _void_grant(self, g: Grant) -> None:
+        """Forget grant ``g``; its consumer's credit goes back to the front of the queue."""
+        del self.grants[g.gid]
+        ch = self.channels.get(g.channel)
+        if ch is not None:
+            ch.grants.pop(g.gid, None)
+        producer = self.clients.get(g.producer)
+        if producer is not None:
+            producer.grants.pop(g.gid, None)
+        consumer = self.clients.get(g.consumer)
+        if consumer is not None and not g.consumer_gone:
+            self._queue_credits(consumer, 1, front=True)
 
     def _forget(self, c: Client) -> None:
         """Remove ``c``'s registration (credits, grants, channel membership, process count)."""
@@ -1110,7 +1196,7 @@ class BrokerCore:
         ch = self.channels.get(c.channel)
         if ch is not None:
             ch.members -= 1
-            if ch.members <= 0 and not ch.requests and not ch.producers:
+            if ch.members <= 0 and not ch.requests and not ch.producers and not ch.grants:
                 del self.channels[c.channel]
         if c.unresponsive:
             self.stats.unresponsive -= 1
@@ -1147,18 +1233,17 @@ class BrokerCore:
         for name, ch in self.channels.items():
             for rid in ch.producers:
                 assert rid in self.clients and self.clients[rid].role == "producer", f"{name}: stray producer"
-            counts: dict[bytes, int] = {}
             for rid in ch.requests:
-                counts[rid] = counts.get(rid, 0) + 1
-            for rid, n in counts.items():
                 c = self.clients.get(rid)
                 assert c is not None and c.channel == name and c.role == "consumer", f"{name}: request of a stranger"
-                assert c.credits == n, f"credits of {rid!r}: {c.credits} != {n} queued"
+                assert c.credits > 0, f"{rid!r} queued with no credit"
         for c in self.clients.values():
             assert 0 <= c.credits <= MAX_CREDITS, f"credits out of range: {c}"
             assert c.channel in self.channels, f"{c.rid!r}: channel {c.channel!r} missing"
             if c.role == "consumer":
-                assert c.credits == sum(1 for r in self.channels[c.channel].requests if r == c.rid)
+                assert (c.credits > 0) == (c.rid in self.channels[c.channel].requests), f"{c.rid!r}: credits unqueued"
+            assert all(self.grants.get(gid) is not None and self.grants[gid].producer == c.rid for gid in c.grants), \
+                f"{c.rid!r}: grant index stale"
             assert 0 <= c.held <= MAX_HELD, f"{c.rid!r} holds {c.held}"
         held: dict[bytes, int] = {}
         for token, d in self.deliveries.items():
@@ -1186,6 +1271,12 @@ class BrokerCore:
                     f"deliveries by {side} {rid!r}: stale"
         for c in self.clients.values():
             assert c.held == held.get(c.rid, 0), f"{c.rid!r}: held {c.held} != {held.get(c.rid, 0)}"
+        assert sum(len(c.grants) for c in self.clients.values()) == len(self.grants), "grant index: count"
+        assert sum(len(ch.grants) for ch in self.channels.values()) == len(self.grants), "channel grants: count"
+        for name, ch in self.channels.items():
+            assert all(self.grants[gid].channel == name for gid in ch.grants), f"{name}: grant index stale"
+        issued = [g.issued for g in self.grants.values()]
+        assert issued == sorted(issued), "grants out of issue order"
         for g in self.grants.values():
             assert g.producer in self.clients, f"grant {g.gid} of a gone producer"
             assert not self.clients[g.producer].ended, f"grant {g.gid} held by an ended producer"

@@ -44,6 +44,7 @@ _COUNTERS = {
     "undeliverable": ("hurray_broker_undeliverable", "Sends to a disconnected peer"),
     "dropped_full": ("hurray_broker_dropped_full", "Sends refused because the peer's queue was full"),
     "limits_refused": ("hurray_broker_limits_refused", "Messages refused by a limit"),
+    "grants_revoked": ("hurray_broker_grants_revoked", "Grants revoked because their producer did not use them"),
 }
 _CHANNEL = ("producers", "consumers", "queued", "ready", "grants", "in_flight")
 _CLIENT = ("credits", "outstanding", "events_outstanding", "silent_s")

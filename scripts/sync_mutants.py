@@ -161,6 +161,25 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                           "            if True:  # MUTANT: a claim binds before its producer decides\n"
                           "                if named is None or named == c.label:\n",
                           "tests/test_broker_core.py"),
+    # Fairness (ipc-protocol.md 4.3, 4.3a): credits served per credit, not per consumer, so a
+    # greedy consumer (4096 credits, never reading) takes every grant while others starve.
+    "credits-fifo": ("broker/core.py",
+                     "            if consumer.credits:\n"
+                     "                ch.requests.move_to_end(consumer_rid)\n",
+                     "            if consumer.credits:\n"
+                     "                pass  # MUTANT: the same consumer stays at the front\n",
+                     "tests/test_broker_core.py"),
+    # A producer that asks and never sends keeps the only credit: no revocation on contention.
+    "grant-never-revoked": ("broker/core.py",
+                            "                self._revoke(oldest)\n"
+                            "                continue\n",
+                            "                return  # MUTANT: an idle grant is never taken back\n",
+                            "tests/test_broker_core.py", "tests/test_broker_attacks.py"),
+    # A HANDOFF that crossed its grant's REVOKE is refused unknown_grant: send() must send again.
+    "revoked-not-resent": ("hurray_ipc/client/producer.py",
+                           'if ticket.error is not None and ticket.error.code in ("consumer_gone", "unknown_grant"):',
+                           'if ticket.error is not None and ticket.error.code in ("consumer_gone",):  # MUTANT',
+                           "tests/test_clients.py"),
 }
 
 

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -202,6 +203,57 @@ def test_a_paused_consumer_holding_nothing_is_dropped_and_registers_again_when_i
         assert res["intact"] and res["seq"] == 1
         p.wait_released(timeout=30)
         assert t.outcome == "released"
+
+
+def test_a_hoarding_producer_does_not_starve_the_good_pair(live):
+    """Red team item 12: a producer asks for 4096 grants and never sends, but pings, so it stays
+    registered. Before, it kept the consumer's only credit for ever and the good pair stalled; now
+    its idle grant is revoked (REVOKE) after a heartbeat and goes to the producer that asks, and the
+    hoarder is passed over from then on. The hoarder is made to hold the consumer's credit first (it
+    waits for its GRANT before the good producer exists), so the stall is certain without the fix."""
+    from hurray_ipc.client import Consumer
+
+    b, ctx = live
+    hoard = Raw(ctx, b.endpoint, "hoarder")
+    hoard.hello("producer", "fair", endpoint_dict(os.getpid()))
+    hoard.send("READY", {"credits": 4096})
+    heard: list[bytes] = []
+    stop = threading.Event()
+
+    def keep_hoarding() -> None:  # the hoarder's own thread: a ZeroMQ socket is used by one thread
+        while not stop.wait(0.05):
+            hoard.send("PING", {})
+            while hoard.s.poll(0):
+                heard.append(hoard.s.recv_multipart()[0])
+
+    got: list[tuple[int, int, bool]] = []
+    with Consumer(b.endpoint, "fair", "cpu", prefetch=1) as c:
+        def consume() -> None:
+            for _ in range(20):
+                with c.receive(timeout=15) as h:
+                    got.append(workload.verify(np.frombuffer(h.buffer.host_view(), dtype=np.uint8).copy()))
+
+        t = threading.Thread(target=consume)
+        t.start()
+        try:
+            hoard.expect("GRANT", timeout=15_000)  # the consumer's only credit is the hoarder's now
+            pinger = threading.Thread(target=keep_hoarding)
+            pinger.start()
+            try:
+                with Producer(b.endpoint, "fair", "cpu") as p:
+                    for i in range(20):
+                        buf = p.allocate(4096)
+                        np.frombuffer(buf.host_view(), dtype=np.uint8)[:] = workload.pattern(3, i, 4096)
+                        p.send(buf, timeout=15)
+            finally:
+                stop.set()
+                pinger.join(10)
+        finally:
+            t.join(60)
+    assert got == [(3, i, True) for i in range(20)]
+    while b"REVOKE" not in heard and hoard.s.poll(5000):  # sent before the good producer's first GRANT
+        heard.append(hoard.s.recv_multipart()[0])
+    assert b"REVOKE" in heard and b"ERROR" not in heard  # revoked, never dropped
 
 
 def test_producer_in_its_own_pid_namespace_keeps_working(live):

@@ -94,6 +94,8 @@ class BrokerMachine(RuleBasedStateMachine):
             verb = o.msg.verb
             if verb == "GRANT":
                 v.grants.append(h["grant_id"])
+            elif verb == "REVOKE":
+                v.grants = [g for g in v.grants if g not in h["grant_ids"]]
             elif verb == "DELIVER":
                 key = (h["producer_id"].encode(), h["handoff_id"])
                 v.held[h["token"]] = key
@@ -834,4 +836,80 @@ def test_silent_registrations_that_hold_nothing_expire_so_squatters_cannot_fill_
     assert len(core.clients) == 2000 > MAX_CLIENTS_PER_PROCESS
     core.tick(TIMEOUT + 0.1, lambda c: True)
     assert not core.clients and not core.channels and core.stats.unresponsive == 0
+    core.check_invariants()
+
+
+def _grants_to(outs: list) -> list[bytes]:
+    return [o.rid for o in outs if isinstance(o, Send) and o.msg.verb == "GRANT"]
+
+
+def test_a_greedy_consumer_gets_its_turn_not_every_grant():
+    """Red team item 12: a consumer that asks for 4096 and never reads took every grant until
+    its credits ran out. Consumers now take turns: the next grant goes to the one that asked
+    after it."""
+    core = _core()
+    _hello(core, b"p", "producer", pid=5)
+    _hello(core, b"greedy", "consumer", pid=6)
+    _hello(core, b"c", "consumer", pid=7)
+    core.receive(b"greedy", frames("REQUEST", {"credits": 4096}), 0.0)
+    core.receive(b"c", frames("REQUEST", {"credits": 1}), 0.0)
+    assert _grants_to(core.receive(b"p", frames("READY", {"credits": 2}), 0.0)) == [b"p", b"p"]
+    assert sorted(g.consumer for g in core.grants.values()) == [b"c", b"greedy"]
+    core.check_invariants()
+
+
+def _hoarder_world() -> BrokerCore:
+    """Producer 'hoard' asked for 4096 grants and never sends; consumer 'c' asks for one at a
+    time; producer 'p' arrives and asks for one."""
+    core = _core()
+    _hello(core, b"hoard", "producer", pid=5)
+    core.receive(b"hoard", frames("READY", {"credits": 4096}), 0.0)
+    _hello(core, b"c", "consumer", pid=6)
+    assert _grants_to(core.receive(b"c", frames("REQUEST", {"credits": 1}), 0.0)) == [b"hoard"]
+    _hello(core, b"p", "producer", pid=7)
+    assert _grants_to(core.receive(b"p", frames("READY", {"credits": 1}), 0.1)) == []  # nothing to give yet
+    return core
+
+
+def test_a_grant_a_producer_sits_on_goes_to_one_that_asks_after_a_heartbeat():
+    """Red team item 12: a producer that asked for 4096 grants and never sent kept the consumer's
+    credit for ever. A grant unused for a heartbeat while another producer asks is revoked
+    (REVOKE to its holder) and given to the one that asks; the hoarder is then passed over
+    until it hands off or asks again."""
+    core = _hoarder_world()
+    hb = core.heartbeat_s
+    assert not _sent(core.tick(0.0 + hb - 0.01, lambda c: True))  # not a heartbeat yet
+    sent = _sent(core.tick(0.0 + hb + 0.01, lambda c: True))
+    (gid,) = [gid for gid, g in core.grants.items() if g.producer == b"p"]
+    assert [(rid, verb) for rid, verb, _ in sent] == [(b"hoard", "REVOKE"), (b"p", "GRANT")]
+    assert core.stats.grants_revoked == 1 and not core.clients[b"hoard"].grants
+    # The consumer's next credits go to the producer that uses them, not to the hoarder.
+    for i in range(3):
+        t = 1.0 + i
+        core.receive(b"p", frames("HANDOFF", {"grant_id": gid, "handoff_id": i + 1, "offset": 0, "ready": 1},
+                                  cpu_handle(), b"M" * 64), t)
+        core.receive(b"c", frames("REQUEST", {"credits": 1}), t)
+        (gid,) = [gid for gid, g in core.grants.items() if g.producer == b"p"]
+        assert not core.clients[b"hoard"].grants
+    # Asking again, it takes turns like anyone.
+    core.receive(b"p", frames("HANDOFF", {"grant_id": gid, "handoff_id": 9, "offset": 0}, cpu_handle(), b"M" * 64),
+                 5.0)
+    assert _grants_to(core.receive(b"hoard", frames("READY", {"credits": 1}), 5.0)) == []
+    assert _grants_to(core.receive(b"c", frames("REQUEST", {"credits": 1}), 5.0)) == [b"hoard"]
+    core.check_invariants()
+
+
+def test_a_grant_unused_for_the_timeout_is_revoked_and_the_credit_goes_back():
+    core = _core()
+    _hello(core, b"p", "producer", pid=5)
+    _hello(core, b"c", "consumer", pid=6, credits=1)
+    (g,) = [o.msg for o in core.receive(b"p", frames("READY", {"credits": 1}), 0.0) if o.msg.verb == "GRANT"]
+    assert not _sent(core.tick(TIMEOUT, lambda c: True))
+    core.receive(b"c", frames("PING", {}), TIMEOUT)  # a live consumer pings; the producer is busy
+    assert _sent(core.tick(TIMEOUT + 0.01, lambda c: True)) == [(b"p", "REVOKE", {"grant_ids": [g.header["grant_id"]]})]
+    assert core.clients[b"c"].credits == 1 and not core.grants
+    (err,) = _errors(core.receive(b"p", frames("HANDOFF", {"grant_id": g.header["grant_id"], "handoff_id": 1,
+                                                           "offset": 0}, cpu_handle(), b"M" * 64), 4.0))
+    assert err["code"] == "unknown_grant"
+    assert _grants_to(core.receive(b"p", frames("READY", {"credits": 1}), 4.0)) == [b"p"]  # asks again: served
     core.check_invariants()

@@ -433,3 +433,45 @@ def test_a_release_the_broker_cannot_place_is_reported_unless_it_crossed_produce
         # The broker answers in order: once the second refusal is here, the first was handled.
         c.session.pump(lambda: len(c.errors) > 0, 10, "the broker's refusal")
         assert [(e.code, e.header.get("token")) for e in c.errors] == [("unknown_token", unplaced)]
+
+
+def test_a_send_whose_grant_was_revoked_in_flight_is_sent_again(broker):
+    """Spec §4.3a: a HANDOFF naming a grant the broker revoked meanwhile (its REVOKE crossed the
+    HANDOFF) is refused unknown_grant; a blocking send() sends the buffer again with the next
+    grant instead of raising. The crossing is forced: the producer's lock is held, so nothing reads
+    its socket, while a rival producer waits until the broker revoked the held grant and gave the
+    credit to the rival; the rival then leaves (BYE), which puts the credit back for the next READY."""
+    import zmq
+
+    from test_protocol_raw import Raw, endpoint_dict
+
+    ctx = zmq.Context()
+    try:
+        with Consumer(broker.endpoint, "revoked", "cpu", prefetch=1) as c, \
+                Producer(broker.endpoint, "revoked", "cpu") as p:
+            got: list[tuple[int, int, bool]] = []
+
+            def receive() -> None:
+                with c.receive(timeout=20) as h:
+                    got.append(workload.verify(np.frombuffer(h.buffer.host_view(), dtype=np.uint8).copy()))
+
+            reader = threading.Thread(target=receive)
+            reader.start()
+            assert p.grant_ready(timeout=10)  # holds the consumer's only credit
+            with p.session.lock:  # the REVOKE stays unread until send() has used the grant
+                rival = Raw(ctx, broker.endpoint, "rival")
+                rival.hello("producer", "revoked", endpoint_dict(os.getpid()))
+                rival.send("READY", {"credits": 1})
+                h, _ = rival.expect("GRANT", timeout=10_000)  # so the broker revoked p's grant
+                rival.send("BYE", {})
+                buf = p.allocate(4096)
+                np.frombuffer(buf.host_view(), dtype=np.uint8)[:] = workload.pattern(5, 0, 4096)
+                t = p.send(buf, timeout=10)
+            reader.join(30)
+            assert t.error is None and got == [(5, 0, True)]
+            p.wait_released(timeout=10)
+            probe = Raw(ctx, broker.endpoint, "probe")
+            probe.send("STATS", {"request_id": 1})
+            assert probe.expect("STATS_REPLY")[0]["totals"]["grants_revoked"] == 1
+    finally:
+        ctx.destroy(linger=0)

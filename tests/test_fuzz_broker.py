@@ -32,7 +32,7 @@ GOOD_CHANNEL = "fuzz-good"
 GOOD_COUNT = 300
 #: Verbs the broker may send (docs/spec/ipc-protocol.md §"Broker → client").
 BROKER_VERBS = frozenset({"WELCOME", "PONG", "CAPS_REPLY", "GRANT", "ACCEPTED", "DELIVER", "RELEASED",
-                          "EVENT_RELEASED", "PRODUCER_GONE", "ERROR"})
+                          "EVENT_RELEASED", "PRODUCER_GONE", "REVOKE", "ERROR"})
 VERBS = ["HELLO", "PING", "CAPS", "REQUEST", "READY", "HANDOFF", "RELEASE", "EVENT_RELEASE", "BYE"]
 
 

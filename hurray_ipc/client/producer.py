@@ -185,7 +185,9 @@ class Producer:
     ``device``: 'cpu', 'cuda:N' or a Device; ``stream``: the CUDA stream your writes to device-layer
     buffers go to (a CudaStream, a ``__cuda_stream__`` object or a cudaStream_t int; a new
     non-blocking stream is created if omitted; see :attr:`stream` and :meth:`send`);
-    ``prefetch``: how many consumer requests to hold ahead; ``event_pool``: reuse released
+    ``prefetch``: how many consumer requests to hold ahead (one held unused for a heartbeat while
+    another producer of the channel waits is taken back by the broker, REVOKE: spec §4.3a);
+    ``event_pool``: reuse released
     SYNC_EVENT events (True) or create and destroy one per handoff (False); default from
     ``HURRAY_EVENT_POOL`` (1). See :class:`EventPool`.
 
@@ -215,6 +217,7 @@ class Producer:
         self.prefetch = prefetch
         self.endpoint_info = Endpoint(self.device.identity, self.device.capabilities(), os.getpid())
         self._grants: deque[dict[str, Any]] = deque()
+        self._revoked: deque[int] = deque(maxlen=1024)  # grant ids the broker took back (REVOKE, spec §4)
         self._ready = 0  # READY credits sent and not yet granted
         self._ids = itertools.count(1)
         self._out: dict[int, _Outgoing] = {}
@@ -261,6 +264,14 @@ class Producer:
                 self.session._register()
                 return []
             self._grants.append(h)
+        elif msg.verb == "REVOKE":
+            # Grants we did not use in time (spec §4): drop them; their consumers were asked again.
+            # One already on its way in a HANDOFF is refused unknown_grant, and send() re-sends.
+            revoked = {g for g in h.get("grant_ids", []) if isinstance(g, int)}
+            self._revoked.extend(revoked)
+            kept = [g for g in self._grants if g["grant_id"] not in revoked]
+            self._grants.clear()
+            self._grants.extend(kept)
         elif msg.verb == "ACCEPTED":
             o = self._out.get(int(h.get("handoff_id", -1)))
             if o is not None:
@@ -307,7 +318,7 @@ class Producer:
     def _regrant(self, grant: dict[str, Any]) -> None:
         """A grant the broker did not use goes back to the front of the queue (the next send
         takes it); one of an earlier registration is void (the broker voided it too)."""
-        if grant.get("epoch") == self.session.epoch and not self.ended:
+        if grant.get("epoch") == self.session.epoch and not self.ended and grant["grant_id"] not in self._revoked:
             self._grants.appendleft(grant)
 
     def _finish(self, handoff_id: int, outcome: str, free_source: bool = True) -> list[Callable[[], None]]:
@@ -444,10 +455,8 @@ class Producer:
                 if not block:
                     return ticket
                 self.session.pump(partial(_settled, ticket), timeout, "waiting for the broker to accept")
-                if ticket.error is not None and (
-                        ticket.error.code == "consumer_gone"
-                        or (ticket.error.code == "unknown_grant" and grant.get("epoch") != self.session.epoch)):
-                    continue  # never delivered (its consumer died, or its grant died with a registration)
+                if ticket.error is not None and ticket.error.code in ("consumer_gone", "unknown_grant"):
+                    continue  # never delivered: its consumer died, or its grant was revoked or void
                 if ticket.error is not None:
                     raise ticket.error
                 return ticket

@@ -54,6 +54,7 @@ PAYLOAD: dict[str, tuple[str, ...]] = {
     "CAPS_REPLY": (),
     "STATS_REPLY": (),
     "PRODUCER_GONE": (),
+    "REVOKE": (),
     "CHANNEL_STATE": (),
     "ERROR": (),
     "SHUTDOWN": (),
@@ -78,7 +79,8 @@ HOT_VERBS = frozenset(["HANDOFF", "RELEASE", "EVENT_RELEASE", "DELIVER", "GRANT"
 CLIENT_VERBS = frozenset(["HELLO", "PING", "CAPS", "STATS", "REQUEST", "READY", "HANDOFF", "RELEASE",
                           "EVENT_RELEASE", "ROUTE", "END", "BYE"])
 BROKER_VERBS = frozenset(["WELCOME", "PONG", "CAPS_REPLY", "STATS_REPLY", "GRANT", "DELIVER", "ACCEPTED",
-                          "RELEASED", "EVENT_RELEASED", "PRODUCER_GONE", "CHANNEL_STATE", "ERROR", "SHUTDOWN"])
+                          "RELEASED", "EVENT_RELEASED", "PRODUCER_GONE", "REVOKE", "CHANNEL_STATE", "ERROR",
+                          "SHUTDOWN"])
 # what a sending bridge accepts
 LINK_RECEIVER_VERBS = frozenset(["LINK_HELLO", "CREDIT", "LINK_PING", "REJECT", "RDMA_REGISTER"])
 LINK_SENDER_VERBS = frozenset(["LINK_WELCOME", "LINK_PONG", "TENSOR_DESCRIPTOR", "TENSOR_DATA", "TENSOR_DATA_END",
