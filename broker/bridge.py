@@ -1107,8 +1107,12 @@ class BridgeIn:
             return self._reject(tid, "bad_meta", str(e))
         nixl = self.plane == "nixl" and handle.size > 0
         pool = self.device_pool if nixl and self.device_pool is not None else self.pool
+        try:
+            buf = pool.take(handle.size)  # host memory: every page reserved now (shm.reserve)
+        except DeviceError as e:  # e.g. /dev/shm cannot hold it beside what is held: refused, not SIGBUS later
+            return self._reject(tid, "no_space", f"cannot allocate the destination of {handle.size} bytes: {e}")
         p = {"tid": tid, "handle": handle, "meta": meta or {}, "covered": Coverage(handle.size),
-             "buf": pool.take(handle.size), "pool": pool}
+             "buf": buf, "pool": pool}
         self.partials[tid] = p
         if nixl:
             self._offer(p)

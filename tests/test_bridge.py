@@ -301,6 +301,47 @@ def test_a_descriptor_past_ended_transfers_waiting_for_a_consumer_is_refused_no_
         s.close()
 
 
+def test_descriptors_that_fit_alone_but_not_together_get_no_space_not_sigbus(two_brokers):
+    """Red team item 7 (interchange.md §3 receiver rule 1): a receiving bridge whose /dev/shm is
+    96 MiB (a tmpfs in its own mount namespace) gets two 60 MiB descriptors. Each passes a
+    free-space check alone; before, both were accepted and the bytes of the second killed the
+    bridge with SIGBUS. Now the first destination is reserved whole, the second is refused
+    `no_space` with its credit, and the bridge goes on: the first transfer's bytes all land."""
+    import shutil
+
+    ns = ["unshare", "--user", "--map-root-user", "--mount"]
+    if shutil.which("unshare") is None or subprocess.run([*ns, "true"], capture_output=True).returncode != 0:
+        pytest.skip("this machine does not let this user create user+mount namespaces")
+    _, b = two_brokers
+    url = f"tcp://127.0.0.1:{free_port()}"
+    s = raw_sender(url)
+    inn = subprocess.Popen([*ns, "sh", "-c", "mount -t tmpfs -o size=96m tmpfs /dev/shm && exec \"$@\"", "sh",
+                            sys.executable, "-m", "hurray_ipc.broker.bridge", "in", "--channel", "full",
+                            "--endpoint", b.endpoint, "--connect", url, "--insecure"],
+                           stderr=subprocess.PIPE, text=True)
+    size = 60 << 20
+    chunk = b"\x01" * (4 << 20)
+    try:
+        rid, _ = recv(s, "LINK_HELLO", timeout=30_000)
+        send(s, rid, "LINK_WELCOME", {"protocol": 1})
+        recv(s, "CREDIT")
+        for tid in (1, 2):
+            send(s, rid, "TENSOR_DESCRIPTOR", {"transfer_id": tid, "total_bytes": size},
+                 struct.pack("<QIBB2s", size, 64, 0, 0, b"\0\0"))
+        for tid in (1, 2):  # the bytes of both, as a sender that ignores the REJECT would
+            for off in range(0, size, len(chunk)):
+                send(s, rid, "TENSOR_DATA", {"transfer_id": tid, "byte_offset_in_buffer": off}, chunk)
+        _, rej = recv(s, "REJECT", timeout=30_000)
+        assert (rej["transfer_id"], rej["reason"]) == (2, "no_space"), rej
+        assert recv(s, "CREDIT")[1] == {"n": 1}
+        recv(s, "LINK_PING", timeout=30_000)  # alive after every byte of transfer 1 landed
+        assert inn.poll() is None
+    finally:
+        err = stop(inn)
+        s.close()
+    assert "SIGBUS" not in err and "no_space" in err, err[-2000:]
+
+
 def test_a_consumer_gone_before_its_handoff_arrived_neither_loses_it_nor_stops_the_link(two_brokers):
     """A local consumer asks (REQUEST) and leaves (BYE) before the bridge's handoff to it arrives:
     the broker refuses the handoff (consumer_gone). The receiving bridge hands the buffer on again

@@ -463,6 +463,71 @@ def test_space_check_refuses_overfull_allocation():
         shm.check_space(shm.free_bytes() + 1)
 
 
+def test_a_segment_reserves_every_page_when_it_is_created():
+    """Red team item 7: a free-space check alone lets two allocations that each fit, but not
+    together, pass before either is written; the write that finds no page is SIGBUS. A segment's
+    pages are allocated at creation (posix_fallocate), so the second one is refused instead."""
+    seg = shm.Segment.create(8 << 20, "c")
+    try:
+        assert os.fstat(seg.fd).st_blocks * 512 >= 8 << 20
+    finally:
+        seg.close()
+
+
+def test_a_segment_that_cannot_be_reserved_is_refused_and_leaves_nothing(monkeypatch):
+    """Another process may take the space between the check and the reservation: ENOSPC from
+    posix_fallocate is a DeviceError naming it, and the half-made segment is unlinked."""
+    import errno
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    before = {n for n in os.listdir("/dev/shm") if n.startswith(f"hurray-{os.getuid()}-{os.getpid()}-")}
+    monkeypatch.setattr(shm.os, "posix_fallocate", full)
+    with pytest.raises(DeviceError, match="cannot reserve 4096 bytes in /dev/shm: No space left on device"):
+        shm.Segment.create(4096, "c")
+    assert {n for n in os.listdir("/dev/shm") if n.startswith(f"hurray-{os.getuid()}-{os.getpid()}-")} == before
+
+
+_TWO_SEGMENTS = """
+import os, sys
+import numpy as np
+from hurray_ipc.devices import shm, DeviceError
+a = shm.Segment.create(60 << 20, "c")
+try:
+    b = shm.Segment.create(60 << 20, "c")  # fits the free-space check: nothing is written yet
+except DeviceError as e:
+    print("REFUSED", e)
+    b = None
+np.frombuffer(a.map, dtype=np.uint8)[:] = 1
+if b is not None:
+    np.frombuffer(b.map, dtype=np.uint8)[:] = 1  # without the reservation: SIGBUS here
+left = sorted(os.listdir("/dev/shm"))
+print("LEFT", len(left), left[0].startswith("hurray-") if left else None)
+"""
+
+
+def test_two_allocations_that_fit_alone_but_not_together_refuse_the_second_not_sigbus(tmp_path):
+    """The same, end to end: a 96 MiB /dev/shm (a tmpfs in a private mount namespace) and two
+    60 MiB segments. With 16 MiB headroom each fits alone; the second is refused with a
+    DeviceError naming the space, the first is written whole, nothing is left behind."""
+    import shutil
+    import subprocess
+    import sys
+
+    cmd = ["unshare", "--user", "--map-root-user", "--mount"]
+    if shutil.which("unshare") is None or subprocess.run([*cmd, "true"], capture_output=True).returncode != 0:
+        pytest.skip("this machine does not let this user create user+mount namespaces")
+    script = tmp_path / "two.py"
+    script.write_text(_TWO_SEGMENTS)
+    mount = "mount -t tmpfs -o size=96m tmpfs /dev/shm"
+    r = subprocess.run([*cmd, "sh", "-c", f"{mount} && exec {sys.executable} {script}"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"rc {r.returncode} (-7: SIGBUS): {r.stdout} {r.stderr[-2000:]}"
+    assert "REFUSED shm_open: not enough space" in r.stdout, r.stdout
+    assert "LEFT 1 True" in r.stdout, r.stdout
+
+
 def test_group_mode_option(monkeypatch):
     monkeypatch.setenv("HURRAY_SHM_MODE", "0660")
     seg = shm.Segment.create(10, "c")
