@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -83,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
                    "the 'metrics' extra, prometheus-client)")
     p.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
                    help="address the metrics endpoint binds (default %(default)s)")
+    p.add_argument("--metrics-token-file", metavar="PATH",
+                   help="where to write the bearer token every scrape must send (mode 0600, 0640 with "
+                   "--group; Prometheus: authorization.credentials_file). Default for an ipc:// endpoint: "
+                   "SOCKET.metrics-token beside the socket; required for a tcp:// one")
     a = p.parse_args(argv)
     ep = a.endpoint or default_endpoint()
     if (a.daemon and not a.detached_child) or a.stop:
@@ -107,12 +112,21 @@ def main(argv: list[str] | None = None) -> int:
     handler.setFormatter(formatter(a.log_format))
     logging.basicConfig(level=a.log_level.upper(), handlers=[handler])
     serve_metrics: Any = None
+    token_file: Path | None = None
     if a.metrics_port:
         try:
-            from .metrics import serve_metrics
+            from .metrics import serve_metrics, write_token
         except ImportError as e:
             print(f"hurray-broker: --metrics-port needs prometheus-client ({e}); install hurray-ipc[metrics]",
                   file=sys.stderr)
+            return 2
+        if a.metrics_token_file:
+            token_file = Path(a.metrics_token_file)
+        elif ep.startswith("ipc://"):
+            token_file = Path(ep[len("ipc://"):] + ".metrics-token")
+        else:
+            print(f"hurray-broker: --metrics-port with {ep} needs --metrics-token-file PATH (the bearer token "
+                  "every scrape must send)", file=sys.stderr)
             return 2
     try:
         b = Broker(ep, timeout_s=a.timeout, heartbeat_s=a.heartbeat, group=a.group,
@@ -126,15 +140,22 @@ def main(argv: list[str] | None = None) -> int:
     b.install_signal_handlers()
     if serve_metrics is not None:
         b.publish()
+        assert token_file is not None
         try:
-            serve_metrics(lambda: b.published, a.metrics_port, a.metrics_addr)
+            token = write_token(token_file, a.group)  # after the broker checked and made its socket directory
+        except OSError as e:
+            print(f"hurray-broker: metrics token file {token_file}: {e.strerror or e}", file=sys.stderr)
+            b.shutdown("metrics token file unavailable")
+            return 2
+        try:
+            serve_metrics(lambda: b.published, a.metrics_port, a.metrics_addr, token)
         except OSError as e:
             print(f"hurray-broker: metrics endpoint {a.metrics_addr}:{a.metrics_port}: {e.strerror or e}",
                   file=sys.stderr)
             b.shutdown("metrics endpoint unavailable")
             return 2
         logging.getLogger("hurray.broker").info(json.dumps({"event": "metrics_listening", "addr": a.metrics_addr,
-                                                            "port": a.metrics_port}))
+                                                            "port": a.metrics_port, "token_file": str(token_file)}))
     try:
         bridges = _bridges(a, b.endpoint)
     except ValueError as e:

@@ -1,18 +1,30 @@
 """The broker's numbers in Prometheus text format (``hurray-broker --metrics-port N``).
 
-The same numbers as STATS_REPLY (docs/spec/ipc-protocol.md §2.3), read at scrape time by a custom
-collector from the snapshot the broker loop publishes (``Broker.publish``): the scrape runs in
-prometheus-client's HTTP thread and never touches the core, whose state only the loop's thread
-may walk. Needs the optional extra ``hurray-ipc[metrics]`` (prometheus-client); importing this
-module without it raises ImportError, which ``hurray-broker`` turns into one line and exit 2.
+The same numbers as STATS_REPLY (docs/spec/ipc-protocol.md §2.3), rendered by a custom collector
+from the snapshot the broker loop publishes once a second (``Broker.publish``). The HTTP thread
+never touches the core, whose state only the loop's thread may walk, and renders each published
+snapshot once: a scrape flood costs a cached body and a socket write per request, not a render.
+
+Owner-only: a TCP port is open to every local user, and the metrics name channels and clients. So
+every request must carry ``Authorization: Bearer <token>``, the token read from a file only the
+broker's user (and group, with ``--group``) can read (Prometheus: ``authorization:
+{credentials_file: ...}``); any other request gets 401 and nothing else. Needs the optional extra
+``hurray-ipc[metrics]`` (prometheus-client, for the exposition format); importing this module
+without it raises ImportError, which ``hurray-broker`` turns into one line and exit 2.
 """
 
 from __future__ import annotations
 
+import hmac
+import os
+import secrets
+import threading
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
 Snapshot = Callable[[], "dict[str, Any] | None"]
@@ -111,8 +123,70 @@ class StatsCollector:
         yield unresponsive
 
 
-def serve_metrics(snapshot: Snapshot, port: int, addr: str = "127.0.0.1") -> None:
-    """Serve /metrics on ``addr:port`` from a daemon thread (OSError when it cannot bind)."""
-    registry = CollectorRegistry()
-    registry.register(StatsCollector(snapshot))
-    start_http_server(port, addr=addr, registry=registry)
+def write_token(path: Path, group: bool = False) -> str:
+    """A new random token, written to ``path`` (mode 0600, 0640 with ``group``) by replacing the
+    file: a reader sees the old token or the new one, never a partial one."""
+    token = secrets.token_hex(32)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o640 if group else 0o600)
+    try:
+        os.fchmod(fd, 0o640 if group else 0o600)  # whatever the umask
+        os.write(fd, token.encode() + b"\n")
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return token
+
+
+class _Rendered:
+    """The exposition text of the latest published snapshot, rendered once per snapshot."""
+
+    def __init__(self, snapshot: Snapshot):
+        self.snapshot = snapshot
+        self.registry = CollectorRegistry()
+        self.registry.register(StatsCollector(lambda: self._snap))
+        self._snap: dict[str, Any] | None = None
+        self._body = b""
+        self._lock = threading.Lock()
+
+    def body(self) -> bytes:
+        with self._lock:
+            snap = self.snapshot()
+            if snap is not self._snap or not self._body:
+                self._snap = snap
+                self._body = generate_latest(self.registry)
+            return self._body
+
+
+def serve_metrics(snapshot: Snapshot, port: int, addr: str, token: str) -> ThreadingHTTPServer:
+    """Serve GET /metrics on ``addr:port`` from a daemon thread, to requests that carry
+    ``Authorization: Bearer <token>`` (401 otherwise). OSError when it cannot bind."""
+    rendered = _Rendered(snapshot)
+    expected = f"Bearer {token}".encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the http.server API
+            given = self.headers.get("Authorization", "").encode(errors="replace")
+            if not hmac.compare_digest(given, expected):
+                self._reply(401, b"a bearer token is required (hurray-broker --metrics-token-file)\n",
+                            {"WWW-Authenticate": "Bearer"})
+            elif self.path.split("?", 1)[0] != "/metrics":
+                self._reply(404, b"not found: try /metrics\n")
+            else:
+                self._reply(200, rendered.body(), {"Content-Type": CONTENT_TYPE_LATEST})
+
+        def _reply(self, code: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+            self.send_response(code)
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet: the broker logs JSON
+            pass
+
+    server = ThreadingHTTPServer((addr, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="hurray-metrics", daemon=True).start()
+    return server

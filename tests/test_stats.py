@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -428,8 +429,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+def scrape(port: int, token: str) -> dict[str, float]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=5) as resp:
         text = resp.read().decode()
     out = {}
     for line in text.splitlines():
@@ -441,12 +443,14 @@ def scrape(port: int) -> dict[str, float]:
 
 def test_metrics_endpoint_serves_the_same_numbers(tmp_path):
     pytest.importorskip("prometheus_client")
+    token_file = tmp_path / "m.sock.metrics-token"
     for _attempt in range(3):  # a free port can be taken between the probe and the broker's bind
         port = _free_port()
         b = BrokerProcess(f"ipc://{tmp_path}/m.sock", timeout=30,
                           extra_args=["--metrics-port", str(port)]).start()
         try:
-            wait_for("the metrics endpoint", lambda p=port: _try_scrape(p), lambda m: m is not None, timeout=10)
+            wait_for("the metrics endpoint", lambda p=port: _try_scrape(p, token_file), lambda m: m is not None,
+                     timeout=10)
             break
         except AssertionError:
             b.stop()
@@ -455,7 +459,8 @@ def test_metrics_endpoint_serves_the_same_numbers(tmp_path):
     ctx = zmq.Context()
     try:
         traffic(ctx, b.endpoint)
-        m = wait_for("metrics after the traffic", lambda: scrape(port),
+        token = token_file.read_text().strip()
+        m = wait_for("metrics after the traffic", lambda: scrape(port, token),
                      lambda m: m.get("hurray_broker_handoffs_total") == 3.0
                      and m.get('hurray_broker_errors_total{code="not_registered"}') == 1.0)
         assert m["hurray_broker_releases_total"] == 1.0
@@ -467,16 +472,43 @@ def test_metrics_endpoint_serves_the_same_numbers(tmp_path):
         assert m[key] == 2.0
         assert m["hurray_broker_uptime_seconds"] > 0
         assert any(k.startswith("hurray_broker_info{") and f'pid="{b.proc.pid}"' in k for k in m)
+        # Red team item 10: owner-only. The token file is the owner's alone, and a request without
+        # its token (any other local user) learns nothing, not even a channel's name.
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        for headers in ({}, {"Authorization": "Bearer " + "0" * 64}, {"Authorization": token}):
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers)
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=5)
+            assert e.value.code == 401 and b"frames" not in e.value.read()
     finally:
         ctx.destroy(linger=0)
         b.stop()
 
 
-def _try_scrape(port: int) -> dict[str, float] | None:
+def _try_scrape(port: int, token_file) -> dict[str, float] | None:
     try:
-        return scrape(port)
+        return scrape(port, token_file.read_text().strip())
     except OSError:
         return None
+
+
+def test_a_scrape_renders_each_published_snapshot_once(monkeypatch):
+    """Red team item 10's flood: a scrape is a cached body, rendered once per snapshot the loop
+    publishes (once a second), so many scrapes cost the broker no renders of their own."""
+    pytest.importorskip("prometheus_client")
+    from hurray_ipc.broker import metrics
+
+    core = BrokerCore(host=HOST, timeout_s=3.0, heartbeat_s=0.5, started=0.0, pid=1)
+    published = [core.snapshot(1.0)]
+    renders = []
+    real = metrics.generate_latest
+    monkeypatch.setattr(metrics, "generate_latest", lambda registry: renders.append(1) or real(registry))
+    rendered = metrics._Rendered(lambda: published[0])
+    bodies = {rendered.body() for _ in range(100)}
+    assert len(renders) == 1 and len(bodies) == 1 and b"hurray_broker_clients 0.0" in bodies.pop()
+    published[0] = core.snapshot(2.0)  # the loop publishes a new snapshot
+    rendered.body()
+    assert len(renders) == 2
 
 
 def test_metrics_port_without_prometheus_client_is_one_line_exit_2(tmp_path):
