@@ -299,6 +299,13 @@ class BrokerMachine(RuleBasedStateMachine):
     def time_passes(self, dt: float) -> None:
         self.now += dt
         self.feed(self.core.tick(self.now, lambda c: True))  # every process lives: silence is no death
+        for rid, v in self.views.items():
+            if v.registered and rid not in self.core.clients:
+                # Silent past the timeout holding nothing (spec §5): deregistered. Its next message
+                # would get not_registered; the library then says HELLO again, as register does.
+                assert not v.held and not v.outstanding, f"{rid!r} was dropped while it held something"
+                v.registered = False
+                v.grants.clear()
 
     @rule(order=st.permutations(PRODUCERS + CONSUMERS), late=st.sets(st.sampled_from(PRODUCERS + CONSUMERS)))
     def broker_restart(self, order: list[bytes], late: set[bytes]) -> None:
