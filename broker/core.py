@@ -68,6 +68,14 @@ MAX_CLIENTS = 16384             # registrations in all
 MAX_CLIENTS_PER_PROCESS = 256   # registrations of one process (by lease, else by host and pid)
 MAX_OUTSTANDING_CLAIMS = MAX_CREDITS  # handoffs a re-registering producer may list
 MAX_RATE = 50_000.0  # messages per second one registered client may send (sustained; burst of one second)
+# Bytes of STATS_REPLY and CAPS_REPLY headers per second (spec §6a `query_bytes`): per connection,
+# registered or not, and for all together. Answers are built, encoded and queued until their peer
+# reads them (one that never reads keeps them all), so their size is what a query flood costs;
+# small answers (a CAPS, a STATS of a small broker) are never limited in practice. An over-budget
+# query gets at most one ERROR a second per connection; the rest are dropped unanswered.
+QUERY_BYTES = 2 << 20
+QUERY_BYTES_TOTAL = 16 << 20
+MAX_QUERY_PEERS = 16384  # connections whose query rate is remembered (the least recent are forgotten)
 MAX_ROUTING_ID = 32  # bytes: a DELIVER names its producer in a 32-byte field (spec §2.2)
 _RELEASED_MEMORY = 100_000  # released tokens remembered, to tell "already released" from "unknown"
 MAX_STATS_CLIENTS = 1000   # clients listed in one STATS_REPLY (the rest are counted in clients_truncated)
@@ -138,7 +146,7 @@ class Channel:
     requests: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     grants: OrderedDict[int, None] = field(default_factory=OrderedDict)  # unused grants, oldest first
     producers: OrderedDict[bytes, None] = field(default_factory=OrderedDict)  # round-robin order
-    members: int = 0
+    members: dict[bytes, None] = field(default_factory=dict)  # its registered clients, in registration order
     ended: bool = False  # every registered producer ended, and none registered since (spec §4.9)
 
 
@@ -239,7 +247,8 @@ class BrokerCore:
 
     def __init__(self, *, host: str, timeout_s: float = 3.0, heartbeat_s: float = 0.5, session: str | None = None,
                  token: Callable[[], str] | None = None, started: float | None = None, pid: int = 0,
-                 stats_cache_s: float = 0.0):
+                 stats_cache_s: float = 0.0, query_bytes: int = QUERY_BYTES,
+                 query_bytes_total: int = QUERY_BYTES_TOTAL):
         self.host = host
         self.started = started  # the loop's clock at start (None: the first event's ``now``)
         self.pid = pid  # the broker's pid, for STATS only (the core never uses it)
@@ -248,6 +257,12 @@ class BrokerCore:
         self.stats_cache_s = stats_cache_s
         self._snap: dict[str, Any] | None = None
         self._snap_at = 0.0
+        self._snap_bytes = 0  # the cached snapshot's size as JSON (what a STATS_REPLY costs, §6a)
+        # query_bytes buckets (bytes a second, bursts of a second's worth): routing id ->
+        # [allowance, at, last ERROR at]; and all together. An answer may overdraw them.
+        self.query_bytes, self.query_bytes_total = float(query_bytes), float(query_bytes_total)
+        self._queries: OrderedDict[bytes, list[float]] = OrderedDict()
+        self._queries_total = [self.query_bytes_total, 0.0]
         # (now, handoffs, releases, messages_in, messages_out), one a second: the recent rates.
         self._samples: deque[tuple[float, int, int, int, int]] = deque(
             maxlen=int(STATS_WINDOW_S / _SAMPLE_EVERY_S) + 2)
@@ -367,10 +382,15 @@ class BrokerCore:
                 log.info(json.dumps({"event": "client_responsive", "client": rid.decode(errors="replace")}))
         if msg.verb == "HELLO":
             self.on_hello(rid, msg, now)
-        elif msg.verb == "CAPS":
-            self.on_caps(rid, msg)
-        elif msg.verb == "STATS":
-            self.on_stats(rid, msg, now)
+        elif msg.verb in ("CAPS", "STATS"):
+            if not self._may_answer_query(rid, now):
+                return
+            if msg.verb == "CAPS":
+                size = self.on_caps(rid, msg)
+            else:
+                size = self.on_stats(rid, msg, now)
+            self._queries[rid][0] -= size
+            self._queries_total[0] -= size
         elif client is None:
             if msg.verb == "BYE":
                 return  # nothing registered to end: silently done (spec §2)
@@ -550,7 +570,7 @@ class BrokerCore:
         self.clients[rid] = c
         self.per_process[c.process] = self.per_process.get(c.process, 0) + 1
         ch = self._channel(channel)
-        ch.members += 1
+        ch.members[rid] = None
         if role == "producer":
             ch.producers[rid] = None
             c.ended = ended
@@ -1008,8 +1028,41 @@ class BrokerCore:
         d = msg.header["route"]
         c.route = None if d is None else Route.parse(d, c.role)
 
-    def on_caps(self, rid: bytes, msg: Message) -> None:
-        """CAPS {device: endpoint, peer?: endpoint, channel?, transport?} -> CAPS_REPLY."""
+    def _may_answer_query(self, rid: bytes, now: float) -> bool:
+        """Whether a STATS or CAPS from ``rid`` may be answered: neither its connection's nor the
+        broker's ``query_bytes`` budget is overdrawn (spec §6a; the caller then charges the answer's
+        size). Refused: ERROR limit_exceeded at most once a second per connection (raises
+        ProtocolError), else dropped unanswered (False), so a peer that floods and never reads
+        gets nothing more queued for it."""
+        b = self._queries.pop(rid, None)
+        if b is None:
+            b = [self.query_bytes, now, float("-inf")]
+            if len(self._queries) >= MAX_QUERY_PEERS:
+                self._queries.popitem(last=False)
+        self._queries[rid] = b
+        b[0] = min(self.query_bytes, b[0] + max(0.0, now - b[1]) * self.query_bytes)
+        b[1] = now
+        t = self._queries_total
+        t[0] = min(self.query_bytes_total, t[0] + max(0.0, now - t[1]) * self.query_bytes_total)
+        t[1] = now
+        if b[0] > 0 and t[0] > 0:
+            return True
+        self.stats.limits_refused += 1
+        if now - b[2] < 1.0:
+            return False
+        b[2] = now
+        if b[0] <= 0:
+            raise ProtocolError("limit_exceeded", f"one connection is sent at most {int(self.query_bytes)} bytes of "
+                                "STATS and CAPS answers a second; further queries this second are not answered",
+                                limit="query_bytes", value=int(self.query_bytes))
+        raise ProtocolError("limit_exceeded", f"this broker sends at most {int(self.query_bytes_total)} bytes of "
+                            "STATS and CAPS answers a second to all connections; further queries from this one "
+                            "this second are not answered", limit="query_bytes_total",
+                            value=int(self.query_bytes_total))
+
+    def on_caps(self, rid: bytes, msg: Message) -> int:
+        """CAPS {device: endpoint, peer?: endpoint, channel?, transport?} -> CAPS_REPLY; returns
+        the answer's size (§6a)."""
         request_id = msg.header.get("request_id")
         if request_id is not None and not isinstance(request_id, str | int):
             raise ProtocolError("bad_header", "request_id must be a string or an integer", field="request_id")
@@ -1030,13 +1083,12 @@ class BrokerCore:
         if peer is not None:
             reply.update(pair_modes(me, peer, t).to_dict())
         elif isinstance(channel, str) and channel in self.channels:
-            per = []
-            for cl in self.clients.values():
-                if cl.channel == channel and cl.role == "consumer":
-                    per.append({"consumer_id": cl.label, "name": cl.name, **pair_modes(me, cl.endpoint, t).to_dict()})
+            members = [self.clients[r] for r in self.channels[channel].members]  # not every client (red team 9)
+            per = [{"consumer_id": cl.label, "name": cl.name, **pair_modes(me, cl.endpoint, t).to_dict()}
+                   for cl in members if cl.role == "consumer"]
             reply["consumers"] = per
             reply["bridges"] = [{"client_id": cl.label, "name": cl.name, "role": cl.role, **cl.route.to_dict()}
-                                for cl in self.clients.values() if cl.channel == channel and cl.route is not None]
+                                for cl in members if cl.route is not None]
             if per:
                 reply.update({k: per[0][k] for k in ("transport", "device_tag", "valid_sync_modes", "excluded",
                                                      "host_staged")})
@@ -1044,10 +1096,12 @@ class BrokerCore:
             # No consumer named: answer for a consumer on the same device, as hurray-caps does.
             reply.update(pair_modes(me, me, t or Transport.IPC).to_dict())
         self._send(rid, Message("CAPS_REPLY", reply))
+        return len(json.dumps(reply))
 
     # --- observability (STATS, spec §2.3) ----------------------------------------------------
-    def on_stats(self, rid: bytes, msg: Message, now: float) -> None:
-        """STATS {request_id?} -> STATS_REPLY: the snapshot of :meth:`snapshot`."""
+    def on_stats(self, rid: bytes, msg: Message, now: float) -> int:
+        """STATS {request_id?} -> STATS_REPLY: the snapshot of :meth:`snapshot`; returns the
+        answer's size (§6a)."""
         request_id = msg.header.get("request_id")
         if request_id is not None and (not isinstance(request_id, str | int) or isinstance(request_id, bool)):
             raise ProtocolError("bad_header", "request_id must be a string or an integer", field="request_id")
@@ -1055,7 +1109,9 @@ class BrokerCore:
         if snap is None or not 0.0 <= now - self._snap_at < self.stats_cache_s:
             snap = self._snap = self.snapshot(now)
             self._snap_at = now
+            self._snap_bytes = len(json.dumps(snap))
         self._send(rid, Message("STATS_REPLY", {"request_id": request_id, **snap}))
+        return self._snap_bytes
 
     def note_sweep(self, segments: int, removed: int) -> None:
         """The loop swept stale segments: ``segments`` of this uid remain, ``removed`` went."""
@@ -1107,7 +1163,7 @@ class BrokerCore:
             queued += n_queued
             if len(channels) < MAX_STATS_CHANNELS:
                 channels.append({
-                    "name": name, "producers": len(ch.producers), "consumers": ch.members - len(ch.producers),
+                    "name": name, "producers": len(ch.producers), "consumers": len(ch.members) - len(ch.producers),
                     "queued": n_queued, "ready": sum(clients[p].credits for p in ch.producers),
                     "grants": grants_of.get(name, 0), "in_flight": in_flight.get(name, 0), "ended": ch.ended})
         counts = (s.handoffs, s.releases, s.messages_in, s.messages_out)
@@ -1195,8 +1251,8 @@ class BrokerCore:
             self.per_process.pop(c.process, None)
         ch = self.channels.get(c.channel)
         if ch is not None:
-            ch.members -= 1
-            if ch.members <= 0 and not ch.requests and not ch.producers and not ch.grants:
+            ch.members.pop(c.rid, None)
+            if not ch.members and not ch.requests and not ch.producers and not ch.grants:
                 del self.channels[c.channel]
         if c.unresponsive:
             self.stats.unresponsive -= 1
@@ -1237,9 +1293,11 @@ class BrokerCore:
                 c = self.clients.get(rid)
                 assert c is not None and c.channel == name and c.role == "consumer", f"{name}: request of a stranger"
                 assert c.credits > 0, f"{rid!r} queued with no credit"
+        assert sum(len(ch.members) for ch in self.channels.values()) == len(self.clients), "channel members: count"
         for c in self.clients.values():
             assert 0 <= c.credits <= MAX_CREDITS, f"credits out of range: {c}"
             assert c.channel in self.channels, f"{c.rid!r}: channel {c.channel!r} missing"
+            assert c.rid in self.channels[c.channel].members, f"{c.rid!r}: not a member of {c.channel!r}"
             if c.role == "consumer":
                 assert (c.credits > 0) == (c.rid in self.channels[c.channel].requests), f"{c.rid!r}: credits unqueued"
             assert all(self.grants.get(gid) is not None and self.grants[gid].producer == c.rid for gid in c.grants), \

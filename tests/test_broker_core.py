@@ -19,7 +19,13 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from hurray_ipc.broker.core import MAX_CREDITS, MAX_HELD, BrokerCore, Send
+from hurray_ipc.broker.core import (
+    MAX_CREDITS,
+    MAX_HELD,
+    MAX_QUERY_PEERS,
+    BrokerCore,
+    Send,
+)
 from hurray_ipc.devices.base import host_id
 from hurray_ipc.transport.protocol import ERROR_CODES, HOT_VERBS, PROTOCOL_VERSION, Message, encode_batch
 
@@ -920,3 +926,61 @@ def test_a_grant_unused_for_the_timeout_is_revoked_and_the_credit_goes_back():
     assert err["code"] == "unknown_grant"
     assert _grants_to(core.receive(b"p", frames("READY", {"credits": 1}), 4.0)) == [b"p"]  # asks again: served
     core.check_invariants()
+
+
+def test_query_answers_are_budgeted_per_connection_and_a_flood_gets_one_error_a_second():
+    """Red team items 4 and 9: STATS from a socket that never reads grew the broker by 500 MB in
+    5 s, and a reading client's STATS/CAPS flood left the good pair a tenth of its rate. One
+    connection, registered or not, is sent at most ``query_bytes`` of answers a second (2 MiB; a
+    small budget here so a few answers reach it); the query that finds the budget spent is refused
+    with ERROR limit_exceeded, and every further one that second goes unanswered, so a peer that
+    never reads has nothing more queued for it. Others are answered meanwhile."""
+    core = BrokerCore(host=HOST, timeout_s=TIMEOUT, query_bytes=5000, query_bytes_total=1 << 30)
+    answers = [_sent(core.receive(b"mon", frames("STATS", {"request_id": i}), 1.0)) for i in range(100)]
+    size = len(json.dumps(core.snapshot(1.0)))
+    n = -(-5000 // size)  # answered while the budget is not overdrawn
+    assert 1 < n < 10
+    assert all(a[0][1] == "STATS_REPLY" for a in answers[:n])
+    (err,) = [h for _, verb, h in answers[n]]
+    assert (err["code"], err["limit"], err["value"], err["request_id"]) == ("limit_exceeded", "query_bytes", 5000, n)
+    assert all(a == [] for a in answers[n + 1:]), "a flood gets one ERROR a second, nothing else"
+    assert core.stats.limits_refused == 100 - n
+    assert _sent(core.receive(b"other", frames("STATS", {}), 1.0))[0][1] == "STATS_REPLY"
+    assert _sent(core.receive(b"mon", frames("STATS", {}), 1.0 + 0.1 * size / 5000)) == []  # not refilled yet
+    assert _sent(core.receive(b"mon", frames("STATS", {}), 3.0))[0][1] == "STATS_REPLY"  # refilled
+    core.check_invariants()
+
+
+def test_all_connections_together_get_at_most_the_total_query_budget_and_handoffs_go_on():
+    """Many connections (a socket each) cannot multiply the per-connection budget: the broker
+    sends ``query_bytes_total`` of answers a second in all, and handoffs never count against it."""
+    core = BrokerCore(host=HOST, timeout_s=TIMEOUT, query_bytes=1 << 20, query_bytes_total=20_000)
+    _hello(core, b"p", "producer", pid=5)
+    _hello(core, b"c", "consumer", pid=6, credits=1)
+    verbs = [_sent(core.receive(f"q{i}".encode(), frames("CAPS", {"device": endpoint(9)}), 1.0)) for i in range(200)]
+    answered = sum(1 for v in verbs if v and v[0][1] == "CAPS_REPLY")
+    refused = [v[0][2] for v in verbs if v and v[0][1] == "ERROR"]
+    assert 1 < answered < 200 and len(refused) == 200 - answered
+    assert {h["limit"] for h in refused} == {"query_bytes_total"}
+    out = core.receive(b"p", frames("READY", {"credits": 1}), 1.0)
+    (gid,) = [h["grant_id"] for _, verb, h in _sent(out) if verb == "GRANT"]
+    handoff = {"grant_id": gid, "handoff_id": 1, "offset": 0}
+    out = core.receive(b"p", frames("HANDOFF", handoff, cpu_handle(), b"M" * 64), 1.0)
+    assert [(rid, verb) for rid, verb, _ in _sent(out)] == [(b"c", "DELIVER")]
+    core.check_invariants()
+
+
+def test_a_small_answer_is_never_limited_at_the_default_budget():
+    """The default budget (2 MiB a second per connection) is about answers' bytes, not their
+    count: a harness that syncs with a CAPS after every step, thousands a second, is answered."""
+    core = _core()
+    caps = frames("CAPS", {"device": endpoint(9)})
+    for i in range(2000):
+        assert _sent(core.receive(b"sync", caps, 1.0 + i * 1e-4))[0][1] == "CAPS_REPLY"
+
+
+def test_the_query_budget_table_is_bounded():
+    core = _core()
+    for i in range(MAX_QUERY_PEERS + 10):
+        core.receive(f"q{i}".encode(), frames("CAPS", {"device": endpoint(9)}), float(i))
+    assert len(core._queries) == MAX_QUERY_PEERS
