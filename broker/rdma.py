@@ -163,6 +163,58 @@ class Registration:
         return f"Registration({self.kind} 0x{self.ptr:x}+{self.size} dev {self.device}, {state})"
 
 
+def _serdes_str(md: bytes, at: int, tag: bytes) -> tuple[bytes, int]:
+    """One ``tag``, 8-byte little-endian length, value entry of NIXL's serialisation (nixlSerDes)
+    at ``at``: the value and where the next entry starts; RdmaError if it is not there whole."""
+    if md[at:at + len(tag)] != tag:
+        raise RdmaError(f"bad offer: metadata lacks {tag.decode()!r} at byte {at}")
+    at += len(tag)
+    if at + 8 > len(md):
+        raise RdmaError(f"bad offer: metadata ends inside the length of {tag.decode()!r}")
+    n = int.from_bytes(md[at:at + 8], "little")
+    at += 8
+    if n > len(md) - at:
+        raise RdmaError(f"bad offer: metadata entry {tag.decode()!r} of {n} bytes runs past its end")
+    return md[at:at + n], at + n
+
+
+MAX_CONNS = 16  # backends one agent's metadata may list
+
+
+def check_metadata(md: bytes, agent: str) -> None:
+    """Check the head of an offer's NIXL metadata before NIXL parses it: its agent name, and for
+    each backend connection entry that the UCX worker address names a UCX address version this
+    UCX knows (V1 or V2, the low 4 bits of its first byte). UCX asserts on any other version and
+    aborts the whole process (red team item 1: one RDMA_REGISTER killed an exporting broker).
+    This is a check of the entries a malformed offer was seen to crash NIXL with, not a proof
+    that NIXL cannot crash on the rest (the memory section, the address's inner fields)."""
+    at = len(_SERDES_MAGIC)
+    if md[:at] != _SERDES_MAGIC:
+        raise RdmaError("bad offer: metadata is not NIXL's serialisation (no 'nixlSerDes' header)")
+    name, at = _serdes_str(md, at, b"|Agent")
+    if name != agent.encode():
+        raise RdmaError(f"bad offer: offer names agent {agent} but its metadata is agent "
+                        f"{name[:64].decode(errors='replace')}")
+    raw, at = _serdes_str(md, at, b"|Conns")
+    conns = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+    if not 0 < conns <= MAX_CONNS:
+        raise RdmaError(f"bad offer: metadata lists {conns} backend connections (1..{MAX_CONNS})")
+    for _ in range(conns):
+        backend, at = _serdes_str(md, at, b"|t")
+        address, at = _serdes_str(md, at, b"|c")
+        if backend == BACKEND.encode():
+            if not address:
+                raise RdmaError("bad offer: empty UCX worker address")
+            version = address[0] & 0x0F
+            if version not in _UCX_ADDRESS_VERSIONS:
+                raise RdmaError(f"bad offer: UCX worker address version {version} (byte 0x{address[0]:02x}); "
+                                f"this UCX reads versions {sorted(_UCX_ADDRESS_VERSIONS)}")
+
+
+_SERDES_MAGIC = b"nixlSerDes"
+_UCX_ADDRESS_VERSIONS = frozenset({0, 1})  # UCP_OBJECT_VERSION_V1, _V2 (ucp_address.c)
+
+
 @dataclass(frozen=True)
 class Offer:
     """A receiver's destination region as the sender sees it (RDMA_REGISTER's content)."""
@@ -212,6 +264,7 @@ class Offer:
         offer = cls(agent, kind, tuple(descs), bytes(metadata))
         if size != offer.size:
             raise RdmaError(f"bad offer: 'size' {size!r} is not the descriptors' total {offer.size}")
+        check_metadata(offer.metadata, agent)
         return offer
 
 

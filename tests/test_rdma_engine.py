@@ -356,3 +356,51 @@ def test_vram_round_trip():
     finally:
         rt.stream_destroy(stream)
         rt.free(dptr)
+
+
+_CORRUPT_OFFER = """
+import numpy as np
+from hurray_ipc.broker import rdma
+tx = rdma.RdmaEngine("tx")
+rx = rdma.RdmaEngine("rx")
+offer = rx.expose(rx.register_array(np.zeros(4096, np.uint8)))
+md = bytearray(offer["frames"][0])
+md[md.index(b"|c") + 2 + 8] = 0x4D  # the UCX worker address's first byte: version 13
+try:
+    tx.write(tx.register_array(np.zeros(4096, np.uint8)), {"header": offer["header"], "frames": [bytes(md)]})
+    print("POSTED")
+except rdma.RdmaError as e:
+    print("REFUSED", e)
+good = rx.expose(rx.register_array(np.zeros(4096, np.uint8)))
+tx.write(tx.register_array(np.ones(4096, np.uint8)), good).wait(30)
+print("ALIVE")
+"""
+
+
+def test_an_offer_whose_ucx_address_version_is_unknown_is_refused_not_an_abort(tmp_path):
+    """Red team item 1: a linked receiver's RDMA_REGISTER whose UCX worker address starts with
+    0x4d made UCX assert inside add_remote_agent (SIGABRT of the exporting broker and every local
+    client). The offer's metadata head is checked first: refused with RdmaError, and the engine
+    goes on writing to a good offer. In a child process, so a regression fails this test only."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "corrupt.py"
+    script.write_text(_CORRUPT_OFFER)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"rc {r.returncode} (-6: SIGABRT): {r.stdout} {r.stderr[-1500:]}"
+    assert "REFUSED bad offer: UCX worker address version 13" in r.stdout and "ALIVE" in r.stdout, r.stdout
+
+
+def test_metadata_head_checks():
+    md = b"nixlSerDes|Agent\x02\x00\x00\x00\x00\x00\x00\x00ab|Conns\x08\x00\x00\x00\x00\x00\x00\x00" \
+         b"\x01\x00\x00\x00\x00\x00\x00\x00|t\x03\x00\x00\x00\x00\x00\x00\x00UCX|c\x01\x00\x00\x00\x00\x00\x00\x00\x21"
+    rdma.check_metadata(md, "ab")
+    for bad, match in [(md[:5], "nixlSerDes"), (md.replace(b"|Agent", b"|Agenx"), "lacks '|Agent'"),
+                       (md[:-1], "runs past its end"), (md[:-1] + b"\x4d", "version 13"),
+                       (md.replace(b"\x01\x00\x00\x00\x00\x00\x00\x00|t", b"\x00\x00\x00\x00\x00\x00\x00\x00|t"),
+                        "0 backend connections")]:
+        with pytest.raises(RdmaError, match=match):
+            rdma.check_metadata(bad, "ab")
+    with pytest.raises(RdmaError, match="metadata is agent ab"):
+        rdma.check_metadata(md, "someone")
