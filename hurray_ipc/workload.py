@@ -74,6 +74,54 @@ CONSUMER_INJECTIONS = ("skip-wait", "wrong-stream", "early-release")
 PRODUCER_INJECTIONS = ("no-host-wait", "record-wrong-stream")
 
 
+#: What ``paths="mixed"`` varies, per buffer, on CUDA devices (the stress runner's ``--paths``):
+#: the producer writes on its own stream, on another one given as ``send(stream=)``, through a
+#: CUDA Array Interface v3 object naming its stream, or through a DLPack-only object that orders
+#: the producer's stream itself; it cycles the preferred mode over (cheapest valid, EVENT,
+#: CONSUMER_STREAM, PRODUCER_SYNCED; CONSUMER_STREAM is valid in-process only, so between the
+#: stress runner's processes it falls back). The consumer reads on its own stream after waiting and its
+#: host wait, on another stream given to ``wait(s)``, or on a stream ordered by
+#: ``__dlpack__(stream=)``, and in the last two releases with its reads still pending, so the
+#: library's release-after-work must fence them. Each is a rule the plain workload never touches.
+PATHS = ("plain", "mixed")
+_MODES = (None, SyncMode.EVENT, SyncMode.CONSUMER_STREAM, SyncMode.PRODUCER_SYNCED)
+
+
+class _CaiView:
+    """A CuPy-like view of a device buffer written on ``stream`` (CUDA Array Interface v3)."""
+
+    def __init__(self, buf: Buffer, stream: Any):
+        self.buf, self.stream = buf, stream
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"shape": (self.buf.size,), "typestr": "|u1", "data": (self.buf.ptr, False), "version": 3,
+                "strides": None, "stream": self.stream.handle}
+
+
+class _DlpackView:
+    """A JAX-like DLPack-only view of a device buffer written on ``stream``: ``__dlpack__(stream=s)``
+    makes ``s`` wait for those writes (the array API's exporter duty)."""
+
+    def __init__(self, dev: CudaDevice, buf: Buffer, stream: Any):
+        self.dev, self.buf, self.stream = dev, buf, stream
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        from .interop import dlpack
+
+        return (dlpack.KDL_CUDA, self.dev.ordinal)
+
+    def __dlpack__(self, stream: Any = None, **_kw: Any) -> Any:
+        from .interop import dlpack
+
+        if stream != -1:
+            ev = self.dev.create_event(interprocess=False)
+            ev.record(self.stream)
+            self.dev.as_stream(1 if stream is None else stream).wait(ev)
+            ev.close()
+        return dlpack.make_capsule(self.buf.ptr, (self.buf.size,), "|u1", dlpack.KDL_CUDA, self.dev.ordinal, self)
+
+
 def check_injection(inject: str | None, role: str) -> None:
     if inject is not None and inject not in INJECTIONS:
         raise ValueError(f"inject={inject!r}: expected one of {', '.join(INJECTIONS)}")
@@ -134,7 +182,7 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
                  tag: int | None = None, pool: int = 4, duration: float | None = None, timeout: float = 30.0,
                  env: dict[str, str] | None = None, counters: Any = None, broker_grace: float = 15.0,
                  inject: str | None = None, deadline: float | None = None,
-                 end_stream: bool = False) -> dict[str, Any]:
+                 end_stream: bool = False, paths: str = "plain") -> dict[str, Any]:
     """Send ``count`` checksummed buffers (or until ``duration``); wait for their releases.
 
     ``end_stream``: end the channel's stream when done (ipc-protocol.md §4.9). Off by default: with
@@ -148,6 +196,7 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
     Survives a broker outage of up to ``broker_grace`` seconds: a send refused because the broker
     went away moves on to the next buffer (the refused one comes back through its release).
     ``inject``: one of :data:`PRODUCER_INJECTIONS` (fault injection; the run must fail).
+    ``paths``: "plain", or "mixed" to vary how each buffer is written and sent (:data:`PATHS`).
     """
     check_injection(inject, "producer")
     if env:
@@ -167,6 +216,8 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
                 p.stream.synchronize = lambda: None  # type: ignore[method-assign]  # the skipped host wait
             elif inject == "record-wrong-stream" and p.gpu is not None:
                 writer = p.gpu.create_stream()  # writes go here; send() is told the idle p.stream
+            mixed = paths == "mixed" and inject is None and p.gpu is not None
+            side = p.gpu.create_stream() if mixed and p.gpu is not None else None
             free: list[Buffer] = [p.allocate(size) for _ in range(pool)]
             host: list[Any] = [None] * pool
             end = None if duration is None else time.monotonic() + duration
@@ -194,15 +245,28 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
                         continue
                     buf = free.pop()
                     data = pattern(tag, seq, size)
+                    obj: Any = buf
+                    kw: dict[str, Any] = {}
+                    want = pref
                     if isinstance(p.device, CudaDevice):
                         if writer is None:  # Producer gives every CUDA device a stream; never expected
                             raise RuntimeError(f"producer on {p.device.identity} has no CUDA stream to write on")
-                        writer.copy(buf, data)  # async: still in flight when the handle leaves
+                        style = seq % 4 if side is not None else 0
+                        on = side if style and side is not None else writer
+                        on.copy(buf, data)  # async: still in flight when the handle leaves
                         host[seq % pool] = data  # an async copy's source must outlive it
+                        if style == 1:
+                            kw["stream"] = side
+                        elif style == 2:
+                            obj = _CaiView(buf, side)
+                        elif style == 3 and p.gpu is not None:
+                            obj = _DlpackView(p.gpu, buf, side)
+                        if side is not None and pref is None:
+                            want = _MODES[(seq // 4) % len(_MODES)]
                     else:
                         np.frombuffer(buf.host_view(), dtype=np.uint8)[:] = data
                     seq += 1
-                    t = p.send(buf, pref, timeout=timeout, on_release=partial(back, buf=buf))
+                    t = p.send(obj, want, timeout=timeout, on_release=partial(back, buf=buf), **kw)
                     outage = None
                     rep.sent += 1
                     _bump(counters, P_SENT)
@@ -238,9 +302,10 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
 def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *, timeout: float = 30.0,
                  idle_stop: float | None = None, hold: float = 0.0, env: dict[str, str] | None = None,
                  keep_seen: bool = True, inject: str | None = None, counters: Any = None,
-                 broker_grace: float = 15.0) -> dict[str, Any]:
+                 broker_grace: float = 15.0, paths: str = "plain") -> dict[str, Any]:
     """Receive up to ``count`` buffers (or until ``idle_stop`` s pass with none, or until the end of
-    the stream, ipc-protocol.md §4.9), checking each.
+    the stream, ipc-protocol.md §4.9), checking each. ``paths``: "plain", or "mixed" to vary how
+    each buffer is waited for, read and released (:data:`PATHS`).
 
     ``inject``: one of :data:`CONSUMER_INJECTIONS`: the consumer breaks the contract, which the
     emulation's race checker (and, when the timing exposes it, the checksums) must catch.
@@ -260,6 +325,8 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
             reader = c.gpu.create_stream() if inject == "wrong-stream" and c.gpu is not None else c.stream
             # early-release: the stream the release is (wrongly) fenced on; nothing runs on it.
             fence = c.gpu.create_stream() if inject == "early-release" and c.gpu is not None else None
+            mixed = paths == "mixed" and inject is None and c.gpu is not None
+            s1, s2 = (c.gpu.create_stream(), c.gpu.create_stream()) if mixed and c.gpu is not None else (None, None)
             outage: float | None = None
             while count is None or rep.received < count:
                 try:
@@ -283,6 +350,18 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
                 rep.modes[h.sync_mode.wire_name] = rep.modes.get(h.sync_mode.wire_name, 0) + 1
                 rep.staged += h.staged
                 try:
+                    style = rep.received % 3 if s1 is not None and not h.buffer.on_host else 0
+                    if style:
+                        out = _read_elsewhere(h, style, s1, s2)
+                        if hold:
+                            time.sleep(hold)
+                        tag, seq, ok = verify(out)
+                        rep.intact += ok
+                        rep.corrupt += not ok
+                        _bump(counters, C_INTACT if ok else C_CORRUPT)
+                        if keep_seen:
+                            rep.seen.append((tag, seq))
+                        continue
                     if inject != "skip-wait":
                         h.wait()
                     elif h.sync_mode is SyncMode.EVENT:
@@ -331,3 +410,20 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
     # the exporter's free, ...): reads that raised RaceError are among them.
     rep.races = max(rep.races, emulated_races(dev))
     return asdict(rep)
+
+
+def _read_elsewhere(h: Any, style: int, s1: Any, s2: Any) -> np.ndarray:
+    """``paths="mixed"``, consumer: read ``h`` on a stream of our own, ordered by ``h.wait(s1)``
+    (style 1) or by ``__dlpack__(stream=s1)`` after a wait on ``s2`` (style 2), and release it
+    while the read may still run: the library's release fences every stream the handoff was
+    ordered on. Then the host waits for the read (after the release) and returns the bytes."""
+    out = np.empty(h.handle.size, dtype=np.uint8)
+    if style == 1:
+        h.wait(s1)
+    else:
+        h.wait(s2)
+        h.buffer.__dlpack__(stream=s1.handle, max_version=(1, 0))  # orders s1; the capsule is dropped
+    s1.copy(out, h.buffer.device_buffer)
+    release(h)
+    s1.synchronize()
+    return out

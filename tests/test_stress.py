@@ -40,6 +40,20 @@ def test_stress_cpu_with_consumer_kills():
     assert s.consumers_killed > 0
 
 
+@pytest.mark.parametrize("delay_ms", [0.0, 50.0])
+def test_stress_mixed_paths_are_clean(delay_ms):
+    """hurray-stress --paths mixed: writes on other streams and through CUDA Array Interface and
+    DLPack-only objects, every preferred mode, reads on streams given to wait() or __dlpack__ and
+    released while pending. The issue-22 mutants of those rules (release fencing only the
+    consumer's stream or the last fence, PRODUCER_SYNCED host-waiting the wrong stream) make this
+    run fail; scripts/check-sync-mutants runs it against them."""
+    s = check(StressConfig(producers=1, consumers=1, count=48, size=4096, device="cuda:0", emulated=True,
+                           emu_delay_ms=delay_ms, progress=False, paths="mixed"))
+    # CONSUMER_STREAM is asked for too, but between processes no device offers it (CUDA has no IPC
+    # streams): the producer falls back to the cheapest valid mode, as the spec says.
+    assert set(s.modes) == {"SYNC_EVENT", "SYNC_PRODUCER_SYNCED"}, s.modes
+
+
 @pytest.mark.parametrize("delay_ms", [0.0, 100.0])
 def test_stress_skip_wait_fails_at_any_delay(delay_ms):
     """The stress checks can fail: a run whose consumers skip the wait fails on every handoff."""

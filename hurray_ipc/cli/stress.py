@@ -73,6 +73,7 @@ class StressConfig:
     timeout: float = 2.0  # broker's client timeout
     progress: bool | None = None  # None: a progress bar when stderr is a terminal
     inject: str | None = None  # fault injection (workload.INJECTIONS): the run must FAIL
+    paths: str = "plain"  # workload.PATHS: "mixed" varies streams, CAI, DLPack, modes and release paths
 
 
 @dataclass
@@ -110,6 +111,7 @@ class StressSummary:
     events_left: int = 0
     broker_rss_kib_start: int = 0
     broker_rss_kib_end: int = 0
+    modes: dict[str, int] = field(default_factory=dict)  # handoffs by sync mode (producers that lived to the end)
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -193,7 +195,7 @@ class Runner:
     def _spawn(self, role: str, share: int = 0) -> Worker:
         counters = workload.SPAWN.Array("q", workload.COUNTERS)
         common = dict(endpoint=self.endpoint, channel="stress", device=self.spec, env=self.env, counters=counters,
-                      broker_grace=4 * self.cfg.timeout + 10)
+                      broker_grace=4 * self.cfg.timeout + 10, paths=self.cfg.paths)
         if role == "producer":
             kw = dict(common, count=share, size=self.cfg.size, mode=self.cfg.mode, deadline=self.deadline,
                       timeout=30.0, inject=self.cfg.inject if self.cfg.inject in workload.PRODUCER_INJECTIONS else None)
@@ -317,6 +319,9 @@ class Runner:
             w.proc.join(10)
             if w.result.get("error"):
                 s.errors.append(f"{w.role} pid {w.proc.pid}: {w.result['error'].strip().splitlines()[-1]}")
+            if w.role == "producer":
+                for mode, n in (w.result.get("modes") or {}).items():
+                    s.modes[mode] = s.modes.get(mode, 0) + n
         s.handoffs = self._sum("producer", workload.P_SENT)
         s.verified = self._sum("consumer", workload.C_INTACT)
         s.corrupt = self._sum("consumer", workload.C_CORRUPT)
@@ -337,6 +342,7 @@ def render(s: StressSummary) -> str:
             ("producers killed", s.producers_killed), ("broker restarts", s.broker_restarts),
             ("shm segments left behind", s.segments_left), ("events left behind", s.events_left),
             ("broker RSS start / end (KiB)", f"{s.broker_rss_kib_start} / {s.broker_rss_kib_end}"),
+            ("sync modes", ", ".join(f"{k} {v}" for k, v in sorted(s.modes.items())) or "-"),
             ("seconds", s.seconds)]
     out = [f"{k:<42} {v}" for k, v in rows]
     out += [f"error: {e}" for e in s.errors]
@@ -385,6 +391,12 @@ def main(argv: list[str] | None = None) -> int:
                         + "; ".join(f"{k}: {v}" for k, v in workload.INJECTIONS.items()))
     p.add_argument("--inject-skip-wait", action="store_const", dest="inject", const="skip-wait",
                    help="the same as --inject skip-wait")
+    p.add_argument("--paths", choices=workload.PATHS, default=d.paths,
+                   help="plain: every buffer written on the producer's stream, sent in the cheapest mode, read "
+                        "after wait() on the consumer's stream; mixed (CUDA devices): per buffer, another "
+                        "stream, a CUDA Array Interface or DLPack-only object, each preferred mode, reads on "
+                        "streams given to wait() or __dlpack__(stream=) released while pending "
+                        "(default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction,
                    help="a live progress bar on stderr (default: only when stderr is a terminal and "
@@ -395,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         emulated = backend_name() == "emulated"
         cfg = StressConfig(a.producers, a.consumers, a.count, a.duration, a.size, a.mode, a.device, emulated,
                            a.kill_consumers, a.kill_producers, a.broker_restarts, a.seed, a.emu_delay_ms,
-                           progress=progress, inject=a.inject)
+                           progress=progress, inject=a.inject, paths=a.paths)
         runner = Runner(cfg)  # checks the device before the broker or any worker starts
     except DeviceError as e:
         print(f"hurray-stress: {cuda_hint(str(e))}", file=sys.stderr)
