@@ -88,6 +88,7 @@ POLL_QUEUED_S = 0.005  # ... at queued zmq frames (their trackers have no descri
 POLL_IDLE_S = 0.05
 MAX_BOUNCES = 8  # times a receiver hands one buffer on again because its consumer went before it arrived
 DRAIN_S = 0.05  # at most this long handling link messages before a receiver's loop goes round again
+MAX_FAILED_WRITES = 32  # failed NIXL transfers after which a sending bridge renews its agent (_renew_engine)
 SENDER_ENDED = ("rdma_failed", "rdma_timeout", "link_lost")  # a sender's REJECTs that end a transfer (R4.6)
 
 
@@ -187,6 +188,7 @@ class BridgeOut:
         self.staging = DestinationPool(open_device("cpu"), keep=MAX_IN_FLIGHT)
         self.engine = open_engine(rdma, "out", channel)
         self.planes = PLANES if self.engine is not None else ("zmq",)
+        self.failed_writes = 0  # NIXL transfers that failed or timed out on the current engine
         self.rdma: dict[tuple[bytes, int], RdmaSend] = {}  # NIXL transfers: descriptor sent, not yet ended
         # Source registrations kept between transfers, one per region of an imported mapping, each
         # released once the mapping is unmapped (the key then lands in ``unmapped``, from any thread)
@@ -459,6 +461,8 @@ class BridgeOut:
         of the source) release the registration and the handoff; with ``reason``, REJECT it."""
         if self.rdma.pop((s.rid, s.tid), None) is None:
             return
+        if reason in ("rdma_failed", "rdma_timeout"):
+            self.failed_writes += 1
         try:
             while s.writes:  # NIXL cancels an in-flight one (R4.1)
                 s.writes[-1][0].release()
@@ -481,6 +485,32 @@ class BridgeOut:
             log.warning(json.dumps({"event": "rdma_release_failed", "transfer_id": s.tid, "error": str(e)}))
         finally:
             s.src.done()
+
+    def _renew_engine(self) -> None:
+        """Replace the NIXL agent once MAX_FAILED_WRITES transfers failed on it and none is in
+        flight. UCX keeps a socket for every connection attempt that failed (an offer of an agent
+        that is gone: about one per transfer, red team item 14) until its worker closes; only a
+        new agent gives them back. Peers notice nothing: the next offer loads into the new agent."""
+        if self.engine is None or self.failed_writes < MAX_FAILED_WRITES or self.rdma:
+            return
+        old, self.engine = self.engine, None
+        for reg in self.kept.values():
+            try:
+                old.release(reg)
+            except RdmaError as e:
+                log.warning(json.dumps({"event": "rdma_release_failed", "error": str(e)}))
+        self.kept.clear()
+        try:
+            old.close()
+        except RdmaError as e:
+            log.warning(json.dumps({"event": "rdma_close_failed", "error": str(e)}))
+        self.engine = open_engine(True, "out", self.channel)
+        log.info(json.dumps({"event": "rdma_agent_renewed", "failed_writes": self.failed_writes,
+                             "data_planes": list(PLANES if self.engine is not None else ("zmq",))}))
+        self.failed_writes = 0
+        if self.engine is None:  # NIXL would not start again: zmq from now on, as _give_up_rdma
+            self.planes = ("zmq",)
+            self.peers.clear()
 
     def _give_up_rdma(self, stuck: RdmaSend) -> None:
         """R4.5: NIXL could not cancel a WRITE. Close the agent (its sources are released only
@@ -628,6 +658,7 @@ class BridgeOut:
                     self.consumer.session.set_route(self.route().to_dict())  # sent only when it changed
                 self._reap()
                 self._forget_unmapped()
+                self._renew_engine()
                 taking = self._take_handoffs(now)
                 poller = zmq.Poller()
                 poller.register(self.sock, zmq.POLLIN)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import zmq
 
@@ -949,3 +950,47 @@ def test_nixl_plane_keeps_a_window_of_transfers_in_flight(two_brokers):
     finally:
         s.close()
         stop(out)
+
+
+@NEEDS_NIXL
+def test_offers_of_a_gone_agent_do_not_leak_the_sending_bridges_sockets(two_brokers):
+    """Red team item 14: a linked receiver answering every descriptor with an offer of a NIXL
+    agent that is gone made each failed WRITE leave a UCX socket in the exporting bridge (~1 fd
+    per transfer, without bound). The bridge now renews its agent after MAX_FAILED_WRITES failed
+    transfers with none in flight, which closes them: over 100 such transfers its descriptors
+    grow by less than that bound, and every handoff still goes back to its producer."""
+    from hurray_ipc.broker.bridge import MAX_FAILED_WRITES
+    from hurray_ipc.broker.rdma import RdmaEngine
+
+    a, _ = two_brokers
+    url = f"tcp://127.0.0.1:{free_port()}"
+    out = bridge("out", "--channel", "gone", "--endpoint", a.endpoint, "--listen", url, "--insecure", "--rdma")
+    s, say, expect = raw_receiver(url)
+    with RdmaEngine("gone-rx") as rx:
+        offer = rx.expose(rx.register_array(np.zeros(4096, np.uint8)))
+    n = 100
+    p = Proc(workload.run_producer, endpoint=a.endpoint, channel="gone", device="cpu", count=n, size=4096, env={},
+             timeout=60)
+
+    def fds() -> int:
+        return len(os.listdir(f"/proc/{out.pid}/fd"))
+
+    try:
+        say("LINK_HELLO", {"protocol": 1, "channel": "gone", "data_planes": ["nixl", "zmq"], "window": 1})
+        assert expect("LINK_WELCOME")["data_plane"] == "nixl"
+        say("CREDIT", {"n": 1})
+        counts = []
+        for _ in range(n):
+            d = expect("TENSOR_DESCRIPTOR")
+            say("RDMA_REGISTER", {"transfer_id": d["transfer_id"], **offer["header"]}, *offer["frames"])
+            rej = expect("REJECT")
+            assert rej["transfer_id"] == d["transfer_id"] and rej["reason"] == "rdma_failed", rej
+            counts.append(fds())
+            say("CREDIT", {"n": 1})
+        pr = p.result()
+        assert pr["error"] is None and pr["sent"] == pr["released"] == n, pr
+        assert max(counts) - counts[0] < MAX_FAILED_WRITES + 8, counts
+    finally:
+        s.close()
+        err = stop(out)
+    assert "rdma_agent_renewed" in err, err[-2000:]
