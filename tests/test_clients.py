@@ -475,3 +475,24 @@ def test_a_send_whose_grant_was_revoked_in_flight_is_sent_again(broker):
             assert probe.expect("STATS_REPLY")[0]["totals"]["grants_revoked"] == 1
     finally:
         ctx.destroy(linger=0)
+
+
+def test_iterating_a_closed_consumer_says_so(broker):
+    """Issue 21's tail: ``for h in c`` after ``c.close()`` ended silently, as an empty stream
+    would. It raises ClosedError, naming the channel (sync and async alike)."""
+    import asyncio
+
+    from hurray_ipc import ClosedError
+
+    c = Consumer(broker.endpoint, "closed-iter", "cpu")
+    c.close()
+    with pytest.raises(ClosedError, match="channel 'closed-iter' was closed before iterating over it"):
+        for _ in c:
+            pass
+
+    async def loop() -> None:
+        async for _ in c:
+            pass
+
+    with pytest.raises(ClosedError, match="closed before iterating"):
+        asyncio.run(loop())

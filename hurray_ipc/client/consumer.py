@@ -780,7 +780,12 @@ class Consumer:
         """``for handoff in consumer:`` receives until the end of the stream (every producer of
         the channel ended, §4.9), until the consumer is closed (from another thread) or the broker
         shuts down in order (SHUTDOWN); a broker that vanishes raises BrokerUnavailable. Each
-        handoff is yours to release (``with handoff:``)."""
+        handoff is yours to release (``with handoff:``). Iterating a consumer closed before the
+        loop raises ClosedError (a mistake, not an empty stream)."""
+        self.session.check_open("iterating over it")
+        return self._iter()
+
+    def _iter(self) -> Iterator[ReceivedHandoff]:
         while not self.session.closed:
             try:
                 yield self.receive()
@@ -835,7 +840,9 @@ class Consumer:
             self.session.wakers.remove(wake)
 
     def __aiter__(self) -> AsyncIterator[ReceivedHandoff]:
-        """``async for handoff in consumer:`` — :meth:`areceive` until closed or shut down."""
+        """``async for handoff in consumer:`` — :meth:`areceive` until closed or shut down;
+        ClosedError when it was closed before the loop."""
+        self.session.check_open("iterating over it")
         return self._aiter()
 
     async def _aiter(self) -> AsyncIterator[ReceivedHandoff]:
