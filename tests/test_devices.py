@@ -206,7 +206,9 @@ def test_cross_process_event_wait(cuda_impl):
     s.memset(buf, 0xAB)
     ev.record(s)
     exp = dev.export_memory(buf)
-    data, race = run_child(workers.wait_and_read, spec, env, exp.blob, exp.offset, exp.size, ev.export(), True)
+    dev.order_send("test-devices-event-wait")  # the record is ordered before the child's wait
+    data, race = run_child(workers.wait_and_read, spec, env, exp.blob, exp.offset, exp.size, ev.export(), True,
+                           "test-devices-event-wait")
     assert race is None
     assert data == b"\xab" * (1 << 16)
     s.synchronize()
@@ -228,8 +230,10 @@ def test_cross_process_missing_wait_is_caught_every_time(delay, waits):
     s.memset(buf, 0xCD)
     ev.record(s)
     exp = dev.export_memory(buf)
+    key = f"test-devices-missing-wait-{os.getpid()}-{delay}-{waits}"
+    dev.order_send(key)  # the DELIVER: the record is ordered before the child's (possible) wait
     data, race = run_child(workers.wait_and_read, "cuda:0", cfg.to_env(), exp.blob, exp.offset, exp.size,
-                           ev.export(), waits)
+                           ev.export(), waits, key)
     if waits:
         assert race is None and data == b"\xcd" * 4096
     else:

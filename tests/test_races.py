@@ -270,10 +270,30 @@ def host_learns_by_query(w: World, broken: bool):
     return race, np.array_equal(out, data)
 
 
+def record_after_the_message_left(w: World, broken: bool):
+    """A wait orders after the latest record that happens-before it (the DELIVER carries it),
+    not the latest in wall-clock time: a producer that records the event after the DELIVER left
+    is racy (in CUDA the consumer's wait may be issued before that record) even when, as here,
+    the consumer's wait comes after the record in time. Issue 22's checker limit A: before, the
+    wait joined whatever record was latest when it was called, and this went unreported."""
+    buf = w.P.allocate(N)
+    data = workload.pattern(4, next(_keys), N)
+    w.ps.copy(buf, data)
+    ev = w.P.create_event(interprocess=True)
+    if not broken:
+        ev.record(w.ps)
+    w.message(w.P, w.C)  # DELIVER
+    if broken:
+        ev.record(w.ps)  # recorded after the DELIVER left; the consumer's wait below is later still
+    race, out = consume(w, buf, ev)
+    give_back(w, buf, ev)
+    return race, np.array_equal(out, data)
+
+
 SCENARIOS = [skip_wait, wait_one_read_another, producer_synced_without_host_wait, record_on_wrong_stream,
              undeclared_consumer_stream, release_before_work_then_rewrite, release_before_work_then_free,
              release_before_unmap_then_free, two_streams_write_same_bytes, wait_orders_after_latest_record_at_call_time,
-             host_learns_by_query]
+             host_learns_by_query, record_after_the_message_left]
 
 
 @pytest.mark.parametrize("delay", [0.0, LARGE_DELAY], ids=["delay0", "delay250ms"])

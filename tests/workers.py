@@ -44,12 +44,15 @@ def import_and_read(spec, env, blob, parts, key, q):
         q.put(("error", traceback.format_exc()))
 
 
-def wait_and_read(spec, env, mem_blob, offset, size, ev_blob, do_wait, q):
-    """Import a buffer and an event; stream-wait on it (unless told not to), read, report."""
+def wait_and_read(spec, env, mem_blob, offset, size, ev_blob, do_wait, key, q):
+    """Import a buffer and an event; stream-wait on it (unless told not to), read, report.
+    ``key``: the parent's order_send key, as a DELIVER would carry it (the blobs travel as
+    process arguments, which the race checker does not see)."""
     try:
         from hurray_ipc.devices import MemoryExport, RaceError
 
         dev = _device(spec, env)
+        dev.order_receive(key)
         stream = dev.create_stream()
         buf = dev.import_memory(MemoryExport(mem_blob, offset, size))
         ev = dev.import_event(ev_blob)

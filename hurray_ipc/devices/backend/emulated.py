@@ -236,9 +236,14 @@ def _mapping_end(a: _Alloc) -> int:
     return a.base + max(a.size, 1)
 
 
+_RECORDS_KEPT = 4  # records an event remembers for the race check (a wait picks among them)
+
+
 class _Event:
-    """Shared state: [magic, recorded, completed, owner_pid] counters, then (the latest record's
-    clock, the stream-waits other processes issued on it since that record: their access records)."""
+    """Shared state: [magic, recorded, completed, owner_pid] counters, then (its latest records,
+    newest last, each ``(sequence number, clock of its operation, recording host agent, that
+    host's count at the call)``; the stream-waits other processes issued on it since the latest
+    record: their access records)."""
 
     def __init__(self, seg: Segment, owner: bool, interprocess: bool, device: int):
         self.seg = seg
@@ -252,26 +257,44 @@ class _Event:
     def owner_pid(self) -> int:
         return int(self.words[3])
 
-    def record(self, clock: hb.Clock | None) -> int:
-        """Note a record (at call time) whose operation runs with ``clock``; its sequence number."""
+    def record(self, clock: hb.Clock | None, host: int = 0, stamp: int = 0) -> int:
+        """Note a record (at call time) whose operation runs with ``clock``, called by ``host`` at
+        its count ``stamp``; its sequence number."""
         with self.lock:
             seq = int(self.words[1]) + 1
             self.words[1] = seq
             if clock is not None:
-                _store(self.seg, EVENT_SEGMENT, (_small(clock), []), "an event's clock")
+                records: list[Any] = (_load(self.seg, EVENT_SEGMENT) or ([], []))[0]
+                records = [*records[-(_RECORDS_KEPT - 1):], (seq, _small(clock), host, stamp)]
+                _store(self.seg, EVENT_SEGMENT, (records, []), "an event's clock")
             return seq
 
     def latest(self) -> tuple[int, hb.Clock]:
-        """(sequence number, clock) of the latest record: what a wait issued now orders after."""
+        """(sequence number, clock) of the latest record: what a wait issued now blocks on, and
+        what a host that saw the event complete (synchronize, query) learns."""
         with self.lock:
-            return int(self.words[1]), (_load(self.seg, EVENT_SEGMENT) or ({}, []))[0]
+            records: list[Any] = (_load(self.seg, EVENT_SEGMENT) or ([], []))[0]
+            return int(self.words[1]), (records[-1][1] if records else {})
+
+    def ordered(self, known: hb.Clock) -> hb.Clock:
+        """The clock of the latest record whose *call* happens-before a host that knows ``known``
+        (its recording host's count at the call is covered): what a stream-wait issued by that
+        host orders after in the race check. A record made after the handoff message left is
+        later in time but not ordered before the wait: joining it would hide the race (the
+        checker's limit A), so it is passed over; none known: the wait orders after nothing."""
+        with self.lock:
+            records: list[Any] = (_load(self.seg, EVENT_SEGMENT) or ([], []))[0]
+        for _seq, clock, host, stamp in reversed(records):
+            if known.get(host, 0) >= stamp:
+                return dict(clock)
+        return {}
 
     def note_wait(self, rec: hb.Record) -> None:
         """A stream-wait on this (interprocess) event, by another process than its exporter."""
         with self.lock:
-            clock, waits = _load(self.seg, EVENT_SEGMENT) or ({}, [])
+            records, waits = _load(self.seg, EVENT_SEGMENT) or ([], [])
             waits = [*waits, rec]
-            _store(self.seg, EVENT_SEGMENT, (clock, waits), "an event's stream-waits")
+            _store(self.seg, EVENT_SEGMENT, (records, waits), "an event's stream-waits")
 
     def waits(self) -> list[hb.Record]:
         with self.lock:
@@ -728,8 +751,9 @@ class EmulatedRuntime(Runtime):
         st = self._stream(stream)
         owner = ev.owner_pid()
         with self._hb:
-            target, clock = ev.latest()  # the latest record at the time of this call
-            hb.join(st.clock, clock)
+            target, _ = ev.latest()  # CUDA: the wait blocks on the latest record at the time of this call
+            if self.checking:  # the race check: only a record that happens-before this call orders it
+                hb.join(st.clock, ev.ordered(self._host_clock))
             self._tick(st)
             if self.checking and ev.interprocess and not ev.owner:  # the exporter's destroy must follow it
                 ev.note_wait(self._record(st.agent, st.count, f"{st.label} cudaStreamWaitEvent"))
@@ -834,7 +858,12 @@ class EmulatedRuntime(Runtime):
         ev = self._event(event, "cudaEventRecord")
         st = self._stream(stream)
         with self._hb:
-            seq = ev.record(self._tick(st) if self.checking else None)
+            if self.checking:
+                self._host_count += 1  # the call is a host event: a message sent after it carries it
+                self._host_clock[self._host] = self._host_count
+                seq = ev.record(self._tick(st), self._host, self._host_count)
+            else:
+                seq = ev.record(None)
 
             def complete() -> None:
                 with ev.lock:
