@@ -770,23 +770,24 @@ class BrokerCore:
             return
         idle_since = self._now - self.heartbeat_s
         while True:
-            ready = [p for p in ch.producers if self.clients[p].credits > 0]
-            if not ready:
+            if not ch.requests:
+                # No credit left: a grant a passed-over producer sits on goes to one that can use it.
+                if ch.grants and self._revoke_for_an_able_producer(name, ch, idle_since):
+                    continue
                 return
             # Producers take turns, passing over one that sits on a grant unused for a heartbeat,
-            # or let one be revoked, while another can take the grant (a hoarder, §4.3).
-            able = [p for p in ready if not self._passed_over(self.clients[p], idle_since)]
-            if not ch.requests:
-                # No credit left: one a passed-over producer sits on goes to one that can use it.
-                oldest = self.grants[next(iter(ch.grants))] if ch.grants else None
-                if not able or oldest is None:
-                    return
-                if oldest.issued >= idle_since:  # not idle yet: look again when it will be
-                    self._rechecks[name] = min(self._rechecks.get(name, float("inf")), oldest.issued + self.heartbeat_s)
-                    return
-                self._revoke(oldest)
-                continue
-            producer = (able or ready)[0]
+            # or let one be revoked, while another can take the grant (a hoarder, §4.3a).
+            producer = first_ready = None
+            for rid in ch.producers:
+                c = self.clients[rid]
+                if c.credits > 0:
+                    if not self._passed_over(c, idle_since):
+                        producer = rid
+                        break
+                    first_ready = first_ready or rid
+            producer = producer or first_ready
+            if producer is None:
+                return
             ch.producers.move_to_end(producer)
             consumer_rid = next(iter(ch.requests))  # round robin over consumers too: one greedy one
             consumer = self.clients[consumer_rid]   # (4096 credits, never reading) does not starve others
@@ -795,10 +796,10 @@ class BrokerCore:
                 ch.requests.move_to_end(consumer_rid)
             else:
                 del ch.requests[consumer_rid]
-            self.clients[producer].credits -= 1
+            p = self.clients[producer]
+            p.credits -= 1
             g = Grant(next(self._gids), producer, consumer_rid, name, issued=self._now)
             self.grants[g.gid] = g
-            p = self.clients[producer]
             p.grants[g.gid] = None
             ch.grants[g.gid] = None
             grant: dict[str, Any] = {"grant_id": g.gid, "epoch": p.epoch, "consumer_id": consumer.label}
@@ -807,6 +808,20 @@ class BrokerCore:
                 p.endpoints_sent[consumer_rid] = consumer.endpoint
                 grant["consumer"] = consumer.endpoint.to_dict()
             self._send(producer, Message("GRANT", grant))
+
+    def _revoke_for_an_able_producer(self, name: str, ch: Channel, idle_since: float) -> bool:
+        """No credit is queued on channel ``name``: revoke its oldest unused grant if it sat a
+        heartbeat and a producer that is not passed over asks (True: match again); if it has not
+        sat a heartbeat yet, look again when it will have (§4.3a)."""
+        oldest = self.grants[next(iter(ch.grants))]
+        if oldest.issued >= idle_since:  # scheduled whether or not a producer waits: no walk per handoff
+            self._rechecks[name] = min(self._rechecks.get(name, float("inf")), oldest.issued + self.heartbeat_s)
+            return False
+        if not any(self.clients[r].credits > 0 and not self._passed_over(self.clients[r], idle_since)
+                   for r in ch.producers):
+            return False
+        self._revoke(oldest)
+        return True
 
     def _passed_over(self, p: Client, idle_since: float) -> bool:
         oldest = next(iter(p.grants), None)

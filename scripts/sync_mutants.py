@@ -173,9 +173,9 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                      "tests/test_broker_core.py"),
     # A producer that asks and never sends keeps the only credit: no revocation on contention.
     "grant-never-revoked": ("broker/core.py",
-                            "                self._revoke(oldest)\n"
-                            "                continue\n",
-                            "                return  # MUTANT: an idle grant is never taken back\n",
+                            "        self._revoke(oldest)\n"
+                            "        return True\n",
+                            "        return False  # MUTANT: an idle grant is never taken back\n",
                             "tests/test_broker_core.py", "tests/test_broker_attacks.py"),
     # A HANDOFF that crossed its grant's REVOKE is refused unknown_grant: send() must send again.
     "revoked-not-resent": ("hurray_ipc/client/producer.py",
