@@ -162,7 +162,7 @@ class Stats:
     undeliverable: int = 0     # sends to a peer that had disconnected (EHOSTUNREACH)
     dropped_full: int = 0      # sends refused because the peer's queue was full (EAGAIN)
     limits_refused: int = 0
-    grants_revoked: int = 0    # grants a producer did not use within timeout_s (§4)
+    grants_revoked: int = 0    # grants taken back from a producer that did not use them (§4.3a)
     # Messages as the core sees them: a binary batch's entries count one each (also a message too
     # malformed to split: one). wire_in: ZeroMQ messages received; wire_out: sent (the loop counts
     # those, after batching).
