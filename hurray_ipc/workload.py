@@ -352,31 +352,24 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
                 try:
                     style = rep.received % 3 if s1 is not None and not h.buffer.on_host else 0
                     if style:
-                        out = _read_elsewhere(h, style, s1, s2)
-                        if hold:
-                            time.sleep(hold)
-                        tag, seq, ok = verify(out)
-                        rep.intact += ok
-                        rep.corrupt += not ok
-                        _bump(counters, C_INTACT if ok else C_CORRUPT)
-                        if keep_seen:
-                            rep.seen.append((tag, seq))
-                        continue
-                    if inject != "skip-wait":
-                        h.wait()
-                    elif h.sync_mode is SyncMode.EVENT:
-                        h.release_event()  # give the event back without having waited on it
-                    out = np.empty(h.handle.size, dtype=np.uint8)
-                    if h.buffer.on_host:
-                        out[:] = h.buffer.numpy().reshape(-1).view(np.uint8)
+                        out = _read_elsewhere(h, style, s1, s2)  # released there, with the read pending
                     else:
-                        if reader is None:  # a device-memory handoff only reaches a CUDA consumer
-                            raise RuntimeError(f"device-memory handoff on {c.device.identity}, which has no stream")
-                        reader.copy(out, h.buffer.device_buffer)  # our own read, on our stream
-                        if fence is not None:
-                            h.release(stream=fence)  # the injected fault: fenced on the wrong stream
-                            c.flush_releases()  # RELEASE is out while the read may still run
-                        reader.synchronize()  # our device work is complete: now we may release
+                        if inject != "skip-wait":
+                            h.wait()
+                        elif h.sync_mode is SyncMode.EVENT:
+                            h.release_event()  # give the event back without having waited on it
+                        out = np.empty(h.handle.size, dtype=np.uint8)
+                        if h.buffer.on_host:
+                            out[:] = h.buffer.numpy().reshape(-1).view(np.uint8)
+                        else:
+                            if reader is None:  # a device-memory handoff only reaches a CUDA consumer
+                                raise RuntimeError(f"device-memory handoff on {c.device.identity}, which has no "
+                                                   "stream")
+                            reader.copy(out, h.buffer.device_buffer)  # our own read, on our stream
+                            if fence is not None:
+                                h.release(stream=fence)  # the injected fault: fenced on the wrong stream
+                                c.flush_releases()  # RELEASE is out while the read may still run
+                            reader.synchronize()  # our device work is complete: now we may release
                     if hold:
                         time.sleep(hold)
                     tag, seq, ok = verify(out)
