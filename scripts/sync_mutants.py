@@ -116,7 +116,7 @@ MUTANTS: dict[str, tuple[str, ...]] = {
     "refusal-rematch": ("broker/core.py",
                         "            self._match(g.channel)\n            raise\n",
                         "            raise  # MUTANT: the returned credit waits for an unrelated REQUEST/READY\n",
-                        *GIVE_BACK),
+                        *GIVE_BACK, "tests/test_broker_core.py"),
     # End of stream (ipc-protocol.md 4.9).
     "eos-never-ends": ("broker/core.py",
                        "        if all(self.clients[p].ended for p in ch.producers):\n",

@@ -984,3 +984,23 @@ def test_the_query_budget_table_is_bounded():
     for i in range(MAX_QUERY_PEERS + 10):
         core.receive(f"q{i}".encode(), frames("CAPS", {"device": endpoint(9)}), float(i))
     assert len(core._queries) == MAX_QUERY_PEERS
+
+
+def test_a_refused_handoffs_credit_is_matched_in_the_same_step():
+    """A HANDOFF refused after its grant was taken gives the consumer's credit back to the front
+    of the queue and matches it at once: the producer's READY carried on that very HANDOFF gets
+    its GRANT in the broker's answer to it, not at a later tick (mutant refusal-rematch; the live
+    channel would otherwise heal only when a recheck or the grant timeout comes round)."""
+    import struct
+
+    core = _core()
+    _hello(core, b"p", "producer", pid=5)
+    _hello(core, b"c", "consumer", pid=6, credits=1)
+    (gid,) = [h["grant_id"] for _, verb, h in _sent(core.receive(b"p", frames("READY", {"credits": 1}), 0.0))
+              if verb == "GRANT"]
+    bad_mode = struct.pack("<QIBB2s", 4096, 256, 0, 7, b"\0\0")  # sync_mode 7: bad_handle
+    out = _sent(core.receive(b"p", frames("HANDOFF", {"grant_id": gid, "handoff_id": 1, "offset": 0, "ready": 1},
+                                          bad_mode, b"M" * 64), 0.0))
+    assert sorted((rid, verb) for rid, verb, _ in out) == [(b"p", "ERROR"), (b"p", "GRANT")], out
+    assert next(h for _, verb, h in out if verb == "ERROR")["code"] == "bad_handle"
+    core.check_invariants()

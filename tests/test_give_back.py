@@ -8,8 +8,10 @@ every buffer intact; and that nothing stayed taken: no staging slot, no pooled e
 in-process reference, no shared-memory copy.
 
 Why a removed give-back fails every run, not by timing: the consumer asks for one buffer at a
-time (prefetch 1), so a grant the producer loses is never replaced; the next ``send`` then waits
-for a consumer request that never comes and raises HurrayTimeout. Leaks are counted, not timed.
+time (prefetch 1), so a grant the producer loses is never replaced; the next ``send`` can only
+complete once the broker revoked that grant for sitting unused past its timeout (spec §4.3a), or
+raises HurrayTimeout first; either way the broker's ``grants_revoked`` is not 0, which
+:func:`nothing_taken` asserts. Leaks are counted, not timed.
 ``scripts/check-sync-mutants`` applies each give-back mutant and checks that this file fails.
 """
 
@@ -75,7 +77,29 @@ def send_good(p: Producer, first: int, n: int) -> None:
             p.send(data, timeout=5)
 
 
+def grants_revoked(endpoint: str) -> int:
+    """The broker's count of grants it took back because their producer did not use them."""
+    import zmq
+
+    from hurray_ipc.transport.protocol import Message, decode_all
+
+    ctx = zmq.Context()
+    try:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(endpoint)
+        s.send_multipart(Message("STATS", {"request_id": "revoked"}).encode())
+        assert s.poll(10_000), "the broker did not answer STATS"
+        (reply,) = decode_all(s.recv_multipart())
+        return int(reply.header["totals"]["grants_revoked"])
+    finally:
+        ctx.destroy(linger=0)
+
+
 def nothing_taken(p: Producer, c: Proc, received: int, before: set[str]) -> None:
+    # A grant the failed send kept would be taken back by the broker after its timeout (spec
+    # §4.3a), and the channel would flow again: that safety net must not have been needed.
+    assert grants_revoked(p.session.endpoint) == 0, "a grant was not given back: the broker had to revoke it"
     r = c.result()
     assert r["error"] is None, r["error"]
     assert r["received"] == r["intact"] == received and r["corrupt"] == 0
