@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 import struct
+from typing import Any
 
 import hypothesis.strategies as st
 import pytest
@@ -372,6 +373,17 @@ def _errors(outs: list) -> list[dict]:
     return [o.msg.header for o in outs if isinstance(o, Send) and o.msg.verb == "ERROR"]
 
 
+def _grant_ids(outs: list) -> list[int]:
+    return [o.msg.header["grant_id"] for o in outs if isinstance(o, Send) and o.msg.verb == "GRANT"]
+
+
+def _handoff(core: BrokerCore, gid: int, now: float = 0.0, *, hid: int = 1, handle: bytes | None = None,
+             blobs: tuple[bytes, ...] = (b"M" * 64,), **extra: Any) -> list:
+    """Producer ``p`` hands off on grant ``gid``: a CPU buffer (or ``handle``) at offset 0."""
+    header = {"grant_id": gid, "handoff_id": hid, "offset": 0, **extra}
+    return core.receive(b"p", frames("HANDOFF", header, handle or cpu_handle(), *blobs), now)
+
+
 def test_deeply_nested_json_is_refused_not_fatal():
     core = _core()
     for raw in ([b"NOPE", b"[" * 100_000], [b"HELLO", b"[" * 100_000], [b"HELLO", b'{"a":' * 50_000]):
@@ -433,10 +445,10 @@ def test_a_piggybacked_ready_past_the_limit_is_refused_alone():
     _hello(core, b"p", "producer", pid=5)
     _hello(core, b"c", "consumer", pid=6)
     core.receive(b"c", frames("REQUEST", {"credits": 1}), 0.0)
-    (g,) = [o.msg for o in core.receive(b"p", frames("READY", {"credits": 1}), 0.0) if o.msg.verb == "GRANT"]
+    (gid,) = _grant_ids(core.receive(b"p", frames("READY", {"credits": 1}), 0.0))
     core.receive(b"p", frames("READY", {"credits": MAX_CREDITS}), 0.0)
     handle = bytes.fromhex("0010000000000000" "00010000" "00" "00" "0000")
-    outs = core.receive(b"p", encode_batch([Message("HANDOFF", {"grant_id": g.header["grant_id"], "handoff_id": 1,
+    outs = core.receive(b"p", encode_batch([Message("HANDOFF", {"grant_id": gid, "handoff_id": 1,
                                                                    "offset": 0, "ready": 5},
                                                     {"handle": handle, "memory": b"M" * 64})]), 0.0)
     (err,) = _errors(outs)
@@ -470,9 +482,8 @@ def test_unresponsive_client_keeps_its_deliveries_until_it_dies():
     core = _core()
     _hello(core, b"p", "producer", pid=5)
     _hello(core, b"c", "consumer", pid=6, credits=1)
-    (g,) = [o.msg for o in core.receive(b"p", frames("READY", {"credits": 1}), 0.0) if o.msg.verb == "GRANT"]
-    outs = core.receive(b"p", frames("HANDOFF", {"grant_id": g.header["grant_id"], "handoff_id": 1, "ack": True,
-                                                 "offset": 0}, cpu_handle(), b"M" * 64), 0.0)
+    (gid,) = _grant_ids(core.receive(b"p", frames("READY", {"credits": 1}), 0.0))
+    outs = _handoff(core, gid, ack=True)
     assert [o.msg.verb for o in outs] == ["DELIVER", "ACCEPTED"]
     alive = {b"p": True, b"c": True}
     outs = core.tick(10 * TIMEOUT, lambda c: alive[c.rid])  # silent far past the timeout, but alive
@@ -588,12 +599,11 @@ def test_mode_cache_does_not_confuse_consumers_that_come_and_go():
         events = i % 2 == 0
         ep = dict(gpu, pid=6, caps=dict(gpu["caps"], ipc_events=events))
         _hello(core, b"c%d" % i, "consumer", pid=6, endpoint=ep, credits=1)
-        (g,) = [o.msg for o in core.receive(b"p", frames("READY", {"credits": 1}), 0.0) if o.msg.verb == "GRANT"]
+        (gid,) = _grant_ids(core.receive(b"p", frames("READY", {"credits": 1}), 0.0))
         mode = SyncMode.EVENT if events else SyncMode.PRODUCER_SYNCED
         hd = BufferHandle(4096, 256, DeviceTag.CUDA, mode).encode()
         blobs = [b"M" * 64] + ([b"E" * 64] if events else [])
-        outs = core.receive(b"p", frames("HANDOFF", {"grant_id": g.header["grant_id"], "handoff_id": i,
-                                                      "offset": 0, "ack": True}, hd, *blobs), 0.0)
+        outs = _handoff(core, gid, hid=i, handle=hd, blobs=tuple(blobs), ack=True)
         refused += bool(_errors(outs))
         core.client_gone(b"c%d" % i, "process gone")
     assert refused == 0
@@ -605,9 +615,8 @@ def test_a_refused_re_hello_changes_nothing():
     core = _core()
     _hello(core, b"p", "producer", pid=5)
     _hello(core, b"c", "consumer", pid=6, credits=2)
-    (g,) = [o.msg for o in core.receive(b"p", frames("READY", {"credits": 1}), 0.0) if o.msg.verb == "GRANT"]
-    core.receive(b"p", frames("HANDOFF", {"grant_id": g.header["grant_id"], "handoff_id": 1, "ack": True,
-                                          "offset": 0}, cpu_handle(), b"M" * 64), 0.0)
+    (gid,) = _grant_ids(core.receive(b"p", frames("READY", {"credits": 1}), 0.0))
+    _handoff(core, gid, ack=True)
     before = (core.clients[b"c"].credits, core.clients[b"c"].held, len(core.deliveries))
     for who, role, pid, bad in ((b"c", "consumer", 6, {"held": "all of them"}),
                                 (b"p", "producer", 5, {"outstanding": [{"handoff_id": "x"}]})):
@@ -638,10 +647,9 @@ def test_bad_handle_error_names_the_handle_field_and_offset():
     core = _core()
     _hello(core, b"p", "producer", pid=5)
     _hello(core, b"c", "consumer", pid=6, credits=1)
-    (g,) = [o.msg for o in core.receive(b"p", frames("READY", {"credits": 1}), 0.0) if o.msg.verb == "GRANT"]
+    (gid,) = _grant_ids(core.receive(b"p", frames("READY", {"credits": 1}), 0.0))
     bad = struct.pack("<QIBB2s", 4096, 256, 0, 0x7F, b"\0\0")  # sync_mode 0x7f
-    (err,) = _errors(core.receive(b"p", frames("HANDOFF", {"grant_id": g.header["grant_id"], "handoff_id": 1,
-                                                           "offset": 0, "ack": True}, bad, b"M" * 64), 0.0))
+    (err,) = _errors(_handoff(core, gid, handle=bad, ack=True))
     assert (err["code"], err["handle_field"], err["handle_offset"], err["value"]) == (
         "bad_handle", "sync_mode", 13, 0x7F), err
 
@@ -650,10 +658,8 @@ def test_release_after_producer_gone_is_unknown_token():
     core = _core()
     _hello(core, b"p", "producer", pid=5)
     _hello(core, b"c", "consumer", pid=6, credits=1)
-    (g,) = [o.msg for o in core.receive(b"p", frames("READY", {"credits": 1}), 0.0) if o.msg.verb == "GRANT"]
-    (d, _) = [o.msg for o in core.receive(b"p", frames("HANDOFF", {"grant_id": g.header["grant_id"], "handoff_id": 1,
-                                                                    "offset": 0, "ack": True}, cpu_handle(),
-                                                         b"M" * 64), 0.0)]
+    (gid,) = _grant_ids(core.receive(b"p", frames("READY", {"credits": 1}), 0.0))
+    (d, _) = [o.msg for o in _handoff(core, gid, ack=True)]
     gone = [o.msg for o in core.client_gone(b"p", "process gone") if isinstance(o, Send)]
     assert [(m.verb, m.header["tokens"]) for m in gone] == [("PRODUCER_GONE", [d.header["token"]])]
     (err,) = _errors(core.receive(b"c", frames("RELEASE", {"token": d.header["token"]}), 0.0))
@@ -821,10 +827,8 @@ def test_a_deliver_that_could_not_be_sent_goes_back_to_its_producer_and_the_cred
     core = _core()
     _hello(core, b"p", "producer", pid=5)
     _hello(core, b"c", "consumer", pid=6, credits=1)
-    (g,) = [o.msg for o in core.receive(b"p", frames("READY", {"credits": 2}), 0.0) if o.msg.verb == "GRANT"]
-    (d, _) = [o.msg for o in core.receive(b"p", frames("HANDOFF", {"grant_id": g.header["grant_id"], "handoff_id": 1,
-                                                                    "offset": 0, "ack": True}, cpu_handle(),
-                                                         b"M" * 64), 0.0)]
+    (gid,) = _grant_ids(core.receive(b"p", frames("READY", {"credits": 2}), 0.0))
+    (d, _) = [o.msg for o in _handoff(core, gid, ack=True)]
     assert d.verb == "DELIVER" and core.clients[b"c"].held == 1
     sent = _sent(core.undeliverable(b"c", d, why))
     # The credit is back, so the producer's second READY credit is granted to the same consumer.
@@ -899,14 +903,12 @@ def test_a_grant_a_producer_sits_on_goes_to_one_that_asks_after_a_heartbeat():
     # The consumer's next credits go to the producer that uses them, not to the hoarder.
     for i in range(3):
         t = 1.0 + i
-        core.receive(b"p", frames("HANDOFF", {"grant_id": gid, "handoff_id": i + 1, "offset": 0, "ready": 1},
-                                  cpu_handle(), b"M" * 64), t)
+        _handoff(core, gid, t, hid=i + 1, ready=1)
         core.receive(b"c", frames("REQUEST", {"credits": 1}), t)
         (gid,) = [gid for gid, g in core.grants.items() if g.producer == b"p"]
         assert not core.clients[b"hoard"].grants
     # Asking again, it takes turns like anyone.
-    core.receive(b"p", frames("HANDOFF", {"grant_id": gid, "handoff_id": 9, "offset": 0}, cpu_handle(), b"M" * 64),
-                 5.0)
+    _handoff(core, gid, 5.0, hid=9)
     assert _grants_to(core.receive(b"hoard", frames("READY", {"credits": 1}), 5.0)) == []
     assert _grants_to(core.receive(b"c", frames("REQUEST", {"credits": 1}), 5.0)) == [b"hoard"]
     core.check_invariants()
@@ -916,13 +918,12 @@ def test_a_grant_unused_for_the_timeout_is_revoked_and_the_credit_goes_back():
     core = _core()
     _hello(core, b"p", "producer", pid=5)
     _hello(core, b"c", "consumer", pid=6, credits=1)
-    (g,) = [o.msg for o in core.receive(b"p", frames("READY", {"credits": 1}), 0.0) if o.msg.verb == "GRANT"]
+    (gid,) = _grant_ids(core.receive(b"p", frames("READY", {"credits": 1}), 0.0))
     assert not _sent(core.tick(TIMEOUT, lambda c: True))
     core.receive(b"c", frames("PING", {}), TIMEOUT)  # a live consumer pings; the producer is busy
-    assert _sent(core.tick(TIMEOUT + 0.01, lambda c: True)) == [(b"p", "REVOKE", {"grant_ids": [g.header["grant_id"]]})]
+    assert _sent(core.tick(TIMEOUT + 0.01, lambda c: True)) == [(b"p", "REVOKE", {"grant_ids": [gid]})]
     assert core.clients[b"c"].credits == 1 and not core.grants
-    (err,) = _errors(core.receive(b"p", frames("HANDOFF", {"grant_id": g.header["grant_id"], "handoff_id": 1,
-                                                           "offset": 0}, cpu_handle(), b"M" * 64), 4.0))
+    (err,) = _errors(_handoff(core, gid, 4.0))
     assert err["code"] == "unknown_grant"
     assert _grants_to(core.receive(b"p", frames("READY", {"credits": 1}), 4.0)) == [b"p"]  # asks again: served
     core.check_invariants()
@@ -963,9 +964,8 @@ def test_all_connections_together_get_at_most_the_total_query_budget_and_handoff
     assert 1 < answered < 200 and len(refused) == 200 - answered
     assert {h["limit"] for h in refused} == {"query_bytes_total"}
     out = core.receive(b"p", frames("READY", {"credits": 1}), 1.0)
-    (gid,) = [h["grant_id"] for _, verb, h in _sent(out) if verb == "GRANT"]
-    handoff = {"grant_id": gid, "handoff_id": 1, "offset": 0}
-    out = core.receive(b"p", frames("HANDOFF", handoff, cpu_handle(), b"M" * 64), 1.0)
+    (gid,) = _grant_ids(out)
+    out = _handoff(core, gid, 1.0)
     assert [(rid, verb) for rid, verb, _ in _sent(out)] == [(b"c", "DELIVER")]
     core.check_invariants()
 
@@ -996,11 +996,9 @@ def test_a_refused_handoffs_credit_is_matched_in_the_same_step():
     core = _core()
     _hello(core, b"p", "producer", pid=5)
     _hello(core, b"c", "consumer", pid=6, credits=1)
-    (gid,) = [h["grant_id"] for _, verb, h in _sent(core.receive(b"p", frames("READY", {"credits": 1}), 0.0))
-              if verb == "GRANT"]
+    (gid,) = _grant_ids(core.receive(b"p", frames("READY", {"credits": 1}), 0.0))
     bad_mode = struct.pack("<QIBB2s", 4096, 256, 0, 7, b"\0\0")  # sync_mode 7: bad_handle
-    out = _sent(core.receive(b"p", frames("HANDOFF", {"grant_id": gid, "handoff_id": 1, "offset": 0, "ready": 1},
-                                          bad_mode, b"M" * 64), 0.0))
+    out = _sent(_handoff(core, gid, handle=bad_mode, ready=1))
     assert sorted((rid, verb) for rid, verb, _ in out) == [(b"p", "ERROR"), (b"p", "GRANT")], out
     assert next(h for _, verb, h in out if verb == "ERROR")["code"] == "bad_handle"
     core.check_invariants()
