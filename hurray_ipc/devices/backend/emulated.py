@@ -257,6 +257,11 @@ class _Event:
     def owner_pid(self) -> int:
         return int(self.words[3])
 
+    def _state(self) -> tuple[list[Any], list[hb.Record]]:
+        """(records, waits) from the shared segment (caller holds the lock)."""
+        records, waits = _load(self.seg, EVENT_SEGMENT) or ([], [])
+        return records, waits
+
     def record(self, clock: hb.Clock | None, host: int = 0, stamp: int = 0) -> int:
         """Note a record (at call time) whose operation runs with ``clock``, called by ``host`` at
         its count ``stamp``; its sequence number."""
@@ -264,8 +269,7 @@ class _Event:
             seq = int(self.words[1]) + 1
             self.words[1] = seq
             if clock is not None:
-                records: list[Any] = (_load(self.seg, EVENT_SEGMENT) or ([], []))[0]
-                records = [*records[-(_RECORDS_KEPT - 1):], (seq, _small(clock), host, stamp)]
+                records = [*self._state()[0][-(_RECORDS_KEPT - 1):], (seq, _small(clock), host, stamp)]
                 _store(self.seg, EVENT_SEGMENT, (records, []), "an event's clock")
             return seq
 
@@ -273,7 +277,7 @@ class _Event:
         """(sequence number, clock) of the latest record: what a wait issued now blocks on, and
         what a host that saw the event complete (synchronize, query) learns."""
         with self.lock:
-            records: list[Any] = (_load(self.seg, EVENT_SEGMENT) or ([], []))[0]
+            records = self._state()[0]
             return int(self.words[1]), (records[-1][1] if records else {})
 
     def ordered(self, known: hb.Clock) -> hb.Clock:
@@ -283,7 +287,7 @@ class _Event:
         later in time but not ordered before the wait: joining it would hide the race (the
         checker's limit A), so it is passed over; none known: the wait orders after nothing."""
         with self.lock:
-            records: list[Any] = (_load(self.seg, EVENT_SEGMENT) or ([], []))[0]
+            records = self._state()[0]
         for _seq, clock, host, stamp in reversed(records):
             if known.get(host, 0) >= stamp:
                 return dict(clock)
@@ -292,13 +296,13 @@ class _Event:
     def note_wait(self, rec: hb.Record) -> None:
         """A stream-wait on this (interprocess) event, by another process than its exporter."""
         with self.lock:
-            records, waits = _load(self.seg, EVENT_SEGMENT) or ([], [])
+            records, waits = self._state()
             waits = [*waits, rec]
             _store(self.seg, EVENT_SEGMENT, (records, waits), "an event's stream-waits")
 
     def waits(self) -> list[hb.Record]:
         with self.lock:
-            return list((_load(self.seg, EVENT_SEGMENT) or ({}, []))[1])
+            return list(self._state()[1])
 
     def done(self, seq: int) -> bool:
         return int(self.words[2]) >= seq
@@ -430,18 +434,22 @@ class EmulatedRuntime(Runtime):
             with self._hb:
                 for c in clocks:
                     hb.join(self._host_clock, c)
-                if len(self._host_clock) > PRUNE_AT:  # bounded by the live agents (a soak's dead ones go)
-                    self._host_clock = _small(self._host_clock)
+                self._host_clock = _small(self._host_clock)  # bounded by the live agents (a soak's dead ones go)
 
     def _tick(self, st: _Stream) -> hb.Clock:
         """The clock of the next operation on ``st`` (caller holds _hb): after the stream's
         previous operations and after everything the host knew when it enqueued this one."""
         hb.join(st.clock, self._host_clock)
-        if len(st.clock) > PRUNE_AT:
-            st.clock = _small(st.clock)
+        st.clock = _small(st.clock)
         st.count += 1
         st.clock[st.agent] = st.count
         return dict(st.clock)
+
+    def _host_tick(self) -> int:
+        """A host event (caller holds _hb): the host's count after it."""
+        self._host_count += 1
+        self._host_clock[self._host] = self._host_count
+        return self._host_count
 
     def _record(self, agent: int, count: int, what: str) -> hb.Record:
         return (agent, count, os.getpid(), _self_start(), f"pid {os.getpid()} {what}")
@@ -468,8 +476,7 @@ class EmulatedRuntime(Runtime):
                      is_write: bool = True) -> None:
         """A host operation on an allocation: the whole of it as a write (cudaFree), or a range."""
         with self._hb:
-            self._host_count += 1
-            self._host_clock[self._host] = self._host_count
+            self._host_tick()
             lo = a.base if ptr is None else ptr
             n = max(a.size, 1) if nbytes is None else nbytes
             self._check(a, lo, n, is_write, self._host, dict(self._host_clock), "host", call)
@@ -484,8 +491,7 @@ class EmulatedRuntime(Runtime):
         if not self.checking:
             return
         with self._hb:
-            self._host_count += 1
-            self._host_clock[self._host] = self._host_count
+            self._host_tick()
             raw = marshal.dumps(self._host_clock)
         os.makedirs(self._mailbox, mode=0o700, exist_ok=True)
         path = self._mail(key)
@@ -859,9 +865,8 @@ class EmulatedRuntime(Runtime):
         st = self._stream(stream)
         with self._hb:
             if self.checking:
-                self._host_count += 1  # the call is a host event: a message sent after it carries it
-                self._host_clock[self._host] = self._host_count
-                seq = ev.record(self._tick(st), self._host, self._host_count)
+                stamp = self._host_tick()  # the call is a host event: a message sent after it carries it
+                seq = ev.record(self._tick(st), self._host, stamp)
             else:
                 seq = ev.record(None)
 
