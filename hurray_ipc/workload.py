@@ -87,8 +87,9 @@ PATHS = ("plain", "mixed")
 _MODES = (None, SyncMode.EVENT, SyncMode.CONSUMER_STREAM, SyncMode.PRODUCER_SYNCED)
 
 
-class _CaiView:
-    """A CuPy-like view of a device buffer written on ``stream`` (CUDA Array Interface v3)."""
+class CaiView:
+    """A CuPy-like view of a device buffer written on ``stream`` (CUDA Array Interface v3): the
+    mixed stress paths and tests/test_paths.py send it."""
 
     def __init__(self, buf: Buffer, stream: Any):
         self.buf, self.stream = buf, stream
@@ -99,12 +100,14 @@ class _CaiView:
                 "strides": None, "stream": self.stream.handle}
 
 
-class _DlpackView:
+class DlpackView:
     """A JAX-like DLPack-only view of a device buffer written on ``stream``: ``__dlpack__(stream=s)``
-    makes ``s`` wait for those writes (the array API's exporter duty)."""
+    makes ``s`` wait for those writes (the array API's exporter duty), unless ``honest`` is False
+    (a broken exporter, for tests); ``asked`` records every ``stream`` it was given."""
 
-    def __init__(self, dev: CudaDevice, buf: Buffer, stream: Any):
-        self.dev, self.buf, self.stream = dev, buf, stream
+    def __init__(self, dev: CudaDevice, buf: Buffer, stream: Any, honest: bool = True):
+        self.dev, self.buf, self.stream, self.honest = dev, buf, stream, honest
+        self.asked: list[Any] = []
 
     def __dlpack_device__(self) -> tuple[int, int]:
         from .interop import dlpack
@@ -114,7 +117,8 @@ class _DlpackView:
     def __dlpack__(self, stream: Any = None, **_kw: Any) -> Any:
         from .interop import dlpack
 
-        if stream != -1:
+        self.asked.append(stream)
+        if self.honest and stream != -1:
             ev = self.dev.create_event(interprocess=False)
             ev.record(self.stream)
             self.dev.as_stream(1 if stream is None else stream).wait(ev)
@@ -258,9 +262,9 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
                         if style == 1:
                             kw["stream"] = side
                         elif style == 2:
-                            obj = _CaiView(buf, side)
+                            obj = CaiView(buf, side)
                         elif style == 3 and p.gpu is not None:
-                            obj = _DlpackView(p.gpu, buf, side)
+                            obj = DlpackView(p.gpu, buf, side)
                         if side is not None and pref is None:
                             want = _MODES[(seq // 4) % len(_MODES)]
                     else:

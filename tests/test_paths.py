@@ -65,43 +65,21 @@ class CudaStreamLike:
         return (0, self._handle)
 
 
-class FakeCaiArray:
+class FakeCaiArray(workload.CaiView):
     """A CuPy-like array: its bytes were written on its own stream, which CAI v3 exports."""
 
     def __init__(self, dev: CudaDevice, seq: int, stream: CudaStream | None = None):
-        self.buf = dev.allocate(SIZE)
-        self.stream = stream or dev.create_stream()
+        super().__init__(dev.allocate(SIZE), stream or dev.create_stream())
         self.stream.copy(self.buf, workload.pattern(7, seq, SIZE))  # still in flight at send
 
-    @property
-    def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {"shape": (SIZE,), "typestr": "|u1", "data": (self.buf.ptr, False), "version": 3,
-                "strides": None, "stream": self.stream.handle}
 
-
-class FakeDlpackArray:
+class FakeDlpackArray(workload.DlpackView):
     """A JAX-like CUDA array that only speaks DLPack; ``__dlpack__(stream=s)`` makes ``s`` wait
     for its writes (array API convention) unless ``honest`` is False."""
 
     def __init__(self, dev: CudaDevice, seq: int, honest: bool = True):
-        self.dev = dev
-        self.buf = dev.allocate(SIZE)
-        self.stream = dev.create_stream()
+        super().__init__(dev, dev.allocate(SIZE), dev.create_stream(), honest)
         self.stream.copy(self.buf, workload.pattern(7, seq, SIZE))
-        self.honest = honest
-        self.asked: list[Any] = []
-
-    def __dlpack_device__(self) -> tuple[int, int]:
-        return (dlpack.KDL_CUDA, 0)
-
-    def __dlpack__(self, stream: Any = None, **_kw: Any) -> Any:
-        self.asked.append(stream)
-        if self.honest and stream != -1:
-            ev = self.dev.create_event(interprocess=False)
-            ev.record(self.stream)
-            self.dev.as_stream(1 if stream is None else stream).wait(ev)
-            ev.close()
-        return dlpack.make_capsule(self.buf.ptr, (SIZE,), "|u1", dlpack.KDL_CUDA, 0, self)
 
 
 def _drain(rt: EmulatedRuntime, *streams: CudaStream) -> list[RaceError]:
