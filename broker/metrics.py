@@ -127,10 +127,11 @@ def write_token(path: Path, group: bool = False) -> str:
     """A new random token, written to ``path`` (mode 0600, 0640 with ``group``) by replacing the
     file: a reader sees the old token or the new one, never a partial one."""
     token = secrets.token_hex(32)
+    mode = 0o640 if group else 0o600
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o640 if group else 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
-        os.fchmod(fd, 0o640 if group else 0o600)  # whatever the umask
+        os.fchmod(fd, mode)  # whatever the umask
         os.write(fd, token.encode() + b"\n")
     finally:
         os.close(fd)
