@@ -964,7 +964,10 @@ def test_offers_of_a_gone_agent_do_not_leak_the_sending_bridges_sockets(two_brok
 
     a, _ = two_brokers
     url = f"tcp://127.0.0.1:{free_port()}"
-    out = bridge("out", "--channel", "gone", "--endpoint", a.endpoint, "--listen", url, "--insecure", "--rdma")
+    # A link timeout far past the run: this hand-driven receiver sends no LINK_PING, and under load
+    # 100 failed NIXL connects may leave it silent longer than the default (it was dropped, link_lost).
+    out = bridge("out", "--channel", "gone", "--endpoint", a.endpoint, "--listen", url, "--insecure", "--rdma",
+                 "--timeout", "60")
     s, say, expect = raw_receiver(url)
     with RdmaEngine("gone-rx") as rx:
         offer = rx.expose(rx.register_array(np.zeros(4096, np.uint8)))
