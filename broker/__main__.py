@@ -64,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
                    "Default: %(default)s")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds of client silence before it is dead")
     p.add_argument("--heartbeat", type=float, default=0.5, help="heartbeat interval clients are told")
+    p.add_argument("--fence", type=float, default=None, metavar="SECONDS",
+                   help="a live consumer silent this long while it holds buffers is fenced: deregistered, "
+                   "its buffers retired by their producers, never reused under it (spec §5). "
+                   "Default: 20 timeouts; at least --timeout")
     p.add_argument("--group", action="store_true", help="socket 0660 and directory 0750 (default owner-only)")
     p.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="default: %(default)s")
@@ -89,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
                    "--group; Prometheus: authorization.credentials_file). Default for an ipc:// endpoint: "
                    "SOCKET.metrics-token beside the socket; required for a tcp:// one")
     a = p.parse_args(argv)
+    if a.fence is not None and not a.fence >= a.timeout:
+        p.error(f"--fence {a.fence} must be at least --timeout ({a.timeout}): a consumer is fenced only "
+                "after it was found unresponsive")
     ep = a.endpoint or default_endpoint()
     if (a.daemon and not a.detached_child) or a.stop:
         try:
@@ -130,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         b = Broker(ep, timeout_s=a.timeout, heartbeat_s=a.heartbeat, group=a.group,
-                   publish_every_s=1.0 if a.metrics_port else None)
+                   publish_every_s=1.0 if a.metrics_port else None, fence_s=a.fence)
     except BrokerAlreadyRunning as e:
         print(f"hurray-broker: {e}", file=sys.stderr)
         return 1

@@ -14,8 +14,9 @@ Invariants (:meth:`BrokerCore.check_invariants`, asserted after every step of th
 2. Every delivery is owned by exactly one registered consumer (its token is in ``deliveries`` once,
    bound to that consumer's routing id), and by at most ``MAX_HELD`` per consumer.
 3. Every handoff ends exactly once: a delivery leaves ``deliveries`` either by RELEASE (RELEASED to
-   its producer), by its consumer's death (RELEASED, reason consumer_gone) or by its producer's
-   death (PRODUCER_GONE to its consumer), and its token is never live and released at once.
+   its producer), by its consumer's death (RELEASED, reason consumer_gone), by its consumer's fence
+   (RELEASED consumer_fenced, and PRODUCER_GONE fenced to the consumer) or by its producer's death
+   (PRODUCER_GONE to its consumer), and its token is never live and released at once.
 4. Tokens are never reused: each is ``<session>.<random>``, and a released token is remembered.
 5. A grant is used once; every grant names a registered producer, is indexed by its producer and
    its channel, and grants are kept in issue order (so the oldest, which a tick may revoke, is first).
@@ -73,6 +74,8 @@ MAX_RATE = 50_000.0  # messages per second one registered client may send (susta
 # reads them (one that never reads keeps them all), so their size is what a query flood costs;
 # small answers (a CAPS, a STATS of a small broker) are never limited in practice. An over-budget
 # query gets at most one ERROR a second per connection; the rest are dropped unanswered.
+# A consumer alive but silent for this many timeouts while holding buffers is fenced (§5).
+FENCE_TIMEOUTS = 20
 QUERY_BYTES = 2 << 20
 QUERY_BYTES_TOTAL = 16 << 20
 MAX_QUERY_PEERS = 16384  # connections whose query rate is remembered (the least recent are forgotten)
@@ -163,6 +166,7 @@ class Stats:
     dropped_full: int = 0      # sends refused because the peer's queue was full (EAGAIN)
     limits_refused: int = 0
     grants_revoked: int = 0    # grants taken back from a producer that did not use them (§4.3a)
+    consumers_fenced: int = 0  # consumers deregistered holding buffers while they may live (§5)
     # Messages as the core sees them: a binary batch's entries count one each (also a message too
     # malformed to split: one). wire_in: ZeroMQ messages received; wire_out: sent (the loop counts
     # those, after batching).
@@ -248,7 +252,7 @@ class BrokerCore:
     def __init__(self, *, host: str, timeout_s: float = 3.0, heartbeat_s: float = 0.5, session: str | None = None,
                  token: Callable[[], str] | None = None, started: float | None = None, pid: int = 0,
                  stats_cache_s: float = 0.0, query_bytes: int = QUERY_BYTES,
-                 query_bytes_total: int = QUERY_BYTES_TOTAL):
+                 query_bytes_total: int = QUERY_BYTES_TOTAL, fence_s: float | None = None):
         self.host = host
         self.started = started  # the loop's clock at start (None: the first event's ``now``)
         self.pid = pid  # the broker's pid, for STATS only (the core never uses it)
@@ -268,6 +272,9 @@ class BrokerCore:
             maxlen=int(STATS_WINDOW_S / _SAMPLE_EVERY_S) + 2)
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
+        # A live consumer silent this long while it holds buffers is fenced (spec §5): never sooner
+        # than the timeout, which decides when it is unresponsive.
+        self.fence_s = max(timeout_s, FENCE_TIMEOUTS * timeout_s if fence_s is None else fence_s)
         self.session = session or secrets.token_hex(8)
         self._token = token or _random_hex32
         self.clients: dict[bytes, Client] = {}
@@ -279,6 +286,7 @@ class BrokerCore:
         self.handed_by: dict[bytes, dict[str, Delivery]] = {}
         self.by_handoff: dict[tuple[bytes, int], str] = {}  # (producer, handoff) -> token
         self.released: OrderedDict[str, bytes] = OrderedDict()
+        self.fenced: OrderedDict[str, None] = OrderedDict()  # tokens of fenced deliveries (§5)
         self.orphans: dict[tuple[bytes, int], float] = {}  # (producer, handoff) -> release deadline
         # Orphans whose deadline passed (their producer got RELEASED): a late claim must not revive them.
         self.expired: OrderedDict[tuple[bytes, int], None] = OrderedDict()
@@ -437,7 +445,11 @@ class BrokerCore:
                         # connection (squatters fill the table so); it re-registers when it speaks.
                         self._drop(rid, "silent, holding nothing")
                         continue
-                if verdict is True:
+                if verdict is True and c.role == "consumer" and now - c.last_seen > self.fence_s:
+                    # Alive (as far as anyone can tell) but silent past the fence while holding
+                    # others' buffers: they go back to their producers as consumer_fenced.
+                    self._drop(rid, "fenced")
+                elif verdict is True:
                     if not c.unresponsive:
                         c.unresponsive = True
                         self.stats.unresponsive += 1
@@ -583,7 +595,8 @@ class BrokerCore:
             self._queue_credits(c, min(credits, MAX_HELD - c.held))
         self._send(rid, Message("WELCOME", {"protocol": PROTOCOL_VERSION, "session": self.session,
                                             "heartbeat_ms": int(self.heartbeat_s * 1000),
-                                            "timeout_ms": int(self.timeout_s * 1000)}))
+                                            "timeout_ms": int(self.timeout_s * 1000),
+                                            "fence_ms": int(self.fence_s * 1000)}))
         log.info(json.dumps({"event": "hello", "client": rid.decode(errors="replace"), "role": role,
                              "channel": channel, "device": endpoint.identity.spec, "pid": endpoint.pid}))
         if role == "producer":
@@ -619,6 +632,9 @@ class BrokerCore:
             if not isinstance(item, dict) or not isinstance(item.get("token"), str):
                 continue
             token = item["token"]
+            if token in self.fenced and token not in self.deliveries:
+                self._send(c.rid, Message("PRODUCER_GONE", {"tokens": [token], "reason": "fenced"}))
+                continue
             if token in self.deliveries or token in self.released or token.startswith(prefix) or not is_token(token):
                 continue  # ours: still bound to whoever it was delivered to (the same client, unchanged)
             prod, hid = item.get("producer_id"), item.get("handoff_id")
@@ -1016,6 +1032,16 @@ class BrokerCore:
             except ProtocolError as limit:
                 self._error(c.rid, limit.code, str(limit), ref="RELEASE", field="credits", **limit.extra)
 
+    def _fence(self, d: Delivery) -> None:
+        """Unbind ``d`` from a consumer that may still read it: RELEASED ``consumer_fenced`` (and no
+        EVENT_RELEASED, as its wait may not have been issued); remembered, so that a re-HELLO listing
+        the token is told PRODUCER_GONE ``fenced`` again."""
+        self.fenced[d.token] = None
+        while len(self.fenced) > _RELEASED_MEMORY:
+            self.fenced.popitem(last=False)
+        d.event_pending = False
+        self._release(d, "consumer_fenced")
+
     def _release(self, d: Delivery, reason: str) -> None:
         if self.claim_of.get((d.consumer, d.token)) is d:
             self._drop_claim(d)  # withdrawn before its producer decided: nothing to tell anyone
@@ -1200,7 +1226,7 @@ class BrokerCore:
                        "wire_out": s.wire_out, "errors": s.errors, "consumers_lost": s.consumers_lost,
                        "producers_lost": s.producers_lost, "undeliverable": s.undeliverable,
                        "dropped_full": s.dropped_full, "limits_refused": s.limits_refused,
-                       "grants_revoked": s.grants_revoked},
+                       "grants_revoked": s.grants_revoked, "consumers_fenced": s.consumers_fenced},
             "rates": {"life": {k: round(n / uptime, 3) if uptime > 0 else 0.0 for k, n in zip(names, counts,
                                                                                                 strict=True)},
                       "window": {k: round((n - b) / span, 3) if span > 0 else 0.0
@@ -1288,8 +1314,17 @@ class BrokerCore:
             self.stats.consumers_lost += why != "bye"
             for x in [x for x in self.claim_of.values() if x.consumer == rid]:
                 self._drop_claim(x)
-            for d in list(self.held_by.get(rid, {}).values()):
-                self._release(d, "consumer_gone")
+            held = list(self.held_by.get(rid, {}).values())
+            # Gone only when proven (its lease or pid, or its BYE); otherwise it may still read
+            # what it holds: fenced (spec §5), and its producers retire those buffers.
+            if why in ("bye", "process gone") or not held:
+                for d in held:
+                    self._release(d, "consumer_gone")
+            else:
+                self.stats.consumers_fenced += 1
+                self._send(rid, Message("PRODUCER_GONE", {"tokens": [d.token for d in held], "reason": "fenced"}))
+                for d in held:
+                    self._fence(d)
         else:
             self.stats.producers_lost += why != "bye"
             self._producer_gone(list(self.handed_by.get(rid, {}).values()))

@@ -57,6 +57,8 @@ _COUNTERS = {
     "dropped_full": ("hurray_broker_dropped_full", "Sends refused because the peer's queue was full"),
     "limits_refused": ("hurray_broker_limits_refused", "Messages refused by a limit"),
     "grants_revoked": ("hurray_broker_grants_revoked", "Grants revoked because their producer did not use them"),
+    "consumers_fenced": ("hurray_broker_consumers_fenced",
+                         "Consumers deregistered holding buffers while they may live (spec 5)"),
 }
 _CHANNEL = ("producers", "consumers", "queued", "ready", "grants", "in_flight")
 _CLIENT = ("credits", "outstanding", "events_outstanding", "silent_s")

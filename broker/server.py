@@ -52,10 +52,12 @@ class Broker:
     """Bind ``endpoint`` and serve. ``group``: share the socket (and its directory) with the group."""
 
     def __init__(self, endpoint: str, *, timeout_s: float = 3.0, heartbeat_s: float = 0.5, group: bool = False,
-                 ctx: zmq.Context | None = None, publish_every_s: float | None = None):
+                 ctx: zmq.Context | None = None, publish_every_s: float | None = None,
+                 fence_s: float | None = None):
         self.endpoint = endpoint
         self.core = BrokerCore(host=host_id(), timeout_s=timeout_s, heartbeat_s=heartbeat_s,
-                               started=time.monotonic(), pid=os.getpid(), stats_cache_s=STATS_CACHE_S)
+                               started=time.monotonic(), pid=os.getpid(), stats_cache_s=STATS_CACHE_S,
+                               fence_s=fence_s)
         # publish_every_s: how often the loop publishes core.snapshot() as ``published`` for
         # readers in other threads (the metrics endpoint, broker/metrics.py); None: never.
         self.publish_every_s = publish_every_s

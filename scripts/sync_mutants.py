@@ -32,6 +32,7 @@ PATHS = ["tests/test_paths.py", "tests/test_stress.py::test_stress_mixed_paths_a
 GIVE_BACK = ["tests/test_give_back.py"]
 END_OF_STREAM = ["tests/test_end_of_stream.py"]
 GPU_READABLE = ["tests/test_gpu_readable.py"]
+FENCING = ["tests/test_fencing.py", "tests/test_broker_core.py"]
 
 # name -> (file, the exact text of the step, what replaces it[, the tests to run; default TESTS])
 MUTANTS: dict[str, tuple[str, ...]] = {
@@ -182,6 +183,28 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                            'if ticket.error is not None and ticket.error.code in ("consumer_gone", "unknown_grant"):',
                            'if ticket.error is not None and ticket.error.code in ("consumer_gone",):  # MUTANT',
                            "tests/test_clients.py"),
+    # Fencing (ipc-protocol.md 5): a consumer that may still read is fenced, never "gone", and its
+    # producer retires what it may read: the slot, the memory, the event.
+    "fence-as-gone": ("broker/core.py",
+                      '        self._release(d, "consumer_fenced")\n',
+                      '        self._release(d, "consumer_gone")  # MUTANT: a fenced consumer counts as dead\n',
+                      *FENCING),
+    "fence-event-released": ("broker/core.py",
+                             "        d.event_pending = False\n        self._release(d, \"consumer_fenced\")\n",
+                             "        self._release(d, \"consumer_fenced\")  # MUTANT: EVENT_RELEASED too\n",
+                             *FENCING),
+    "fenced-slot-pooled": ("hurray_ipc/client/producer.py",
+                           "            self.staging.retire(o.slot)\n",
+                           "            self.staging.release(o.slot)  # MUTANT: back to the pool\n",
+                           *FENCING),
+    "fenced-memory-kept": ("hurray_ipc/client/producer.py",
+                           "                buf.device.retire_memory(buf)\n",
+                           "                pass  # MUTANT: the caller's pages stay under the consumer\n",
+                           *FENCING),
+    "fenced-device-freed": ("hurray_ipc/client/producer.py",
+                            "        self._fenced.append(o.source)\n",
+                            "        pass  # MUTANT: mapped device memory handed back for reuse\n",
+                            *FENCING),
 }
 
 

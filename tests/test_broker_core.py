@@ -90,8 +90,9 @@ class BrokerMachine(RuleBasedStateMachine):
         sorted tokens, and hypothesis needs a replayed run to draw the same."""
         self.brokers = getattr(self, "brokers", 0) + 1
         n = itertools.count(1)
+        # A fence a few timeouts long, so that silent holders are fenced within a run (spec §5).
         return BrokerCore(host=HOST, timeout_s=TIMEOUT, session=f"{self.brokers:016x}",
-                          token=lambda: f"{next(n):032x}")
+                          token=lambda: f"{next(n):032x}", fence_s=3 * TIMEOUT)
 
     def feed(self, outs: list) -> None:
         for o in outs:
@@ -302,13 +303,15 @@ class BrokerMachine(RuleBasedStateMachine):
         self.send(who, "BYE", {})
         self.views[who] = View()  # a producer's BYE ends its handoffs (PRODUCER_GONE): a clean slate
 
-    @rule(dt=st.floats(0.0, 2 * TIMEOUT))
+    @rule(dt=st.floats(0.0, 4 * TIMEOUT))  # past the fence (3 timeouts) in one step, too
     def time_passes(self, dt: float) -> None:
         self.now += dt
         self.feed(self.core.tick(self.now, lambda c: True))  # every process lives: silence is no death
         for rid, v in self.views.items():
             if v.registered and rid not in self.core.clients:
-                # Silent past the timeout holding nothing (spec §5): deregistered. Its next message
+                # Silent past the timeout holding nothing, or a consumer silent past the fence
+                # (spec §5): deregistered; a fenced one was told PRODUCER_GONE for all it held
+                # before its producers got RELEASED (feed checks the order). Its next message
                 # would get not_registered; the library then says HELLO again, as register does.
                 assert not v.held and not v.outstanding, f"{rid!r} was dropped while it held something"
                 v.registered = False
@@ -494,6 +497,63 @@ def test_unresponsive_client_keeps_its_deliveries_until_it_dies():
     assert [(o.msg.verb, o.msg.header.get("reason")) for o in outs if isinstance(o, Send)] == [
         ("RELEASED", "consumer_gone")]
     core.check_invariants()
+
+
+def _event_handoff(core: BrokerCore) -> str:
+    """Producer ``p`` hands consumer ``c`` an EVENT-mode CUDA buffer at time 0; its token."""
+    from hurray_ipc.format.handle import BufferHandle, DeviceTag, SyncMode
+    gpu = dict(endpoint(5), device={"kind": "cuda", "ordinal": 0, "uuid": "GPU-x", "pci_bus_id": "", "emulated": True,
+                                     "host": HOST}, caps=dict(endpoint(5)["caps"], ipc_events=True))
+    _hello(core, b"p", "producer", pid=5, endpoint=gpu)
+    _hello(core, b"c", "consumer", pid=6, endpoint=dict(gpu, pid=6), credits=1)
+    (gid,) = _grant_ids(core.receive(b"p", frames("READY", {"credits": 1}), 0.0))
+    hd = BufferHandle(4096, 256, DeviceTag.CUDA, SyncMode.EVENT).encode()
+    outs = _handoff(core, gid, handle=hd, blobs=(b"M" * 64, b"E" * 64))
+    (deliver,) = [o.msg for o in outs if o.msg.verb == "DELIVER"]
+    return deliver.header["token"]
+
+
+def test_a_live_consumer_silent_past_the_fence_is_fenced():
+    """Spec §5: a consumer whose process lives (its lease) but which is silent past ``fence_s``
+    while it holds a buffer is fenced: told PRODUCER_GONE (reason fenced) for everything it
+    holds, then its producer gets RELEASED ``consumer_fenced`` (never ``consumer_gone``, which
+    allows reuse) and no EVENT_RELEASED (its wait may not have been issued). Before the fence it
+    only becomes unresponsive. It is deregistered; re-registering, a listing of the token is told
+    PRODUCER_GONE fenced again, and a RELEASE of it is already_released."""
+    core = BrokerCore(host=HOST, timeout_s=TIMEOUT, fence_s=5 * TIMEOUT)
+    token = _event_handoff(core)
+    assert not _sent(core.tick(5 * TIMEOUT, lambda c: True))  # unresponsive, not fenced yet
+    assert core.clients[b"c"].unresponsive
+    core.receive(b"p", frames("PING", {}), 5 * TIMEOUT)  # the producer is not silent
+    sent = _sent(core.tick(5 * TIMEOUT + 0.01, lambda c: True))
+    assert sent == [(b"c", "PRODUCER_GONE", {"tokens": [token], "reason": "fenced"}),
+                    (b"p", "RELEASED", {"handoff_id": 1, "reason": "consumer_fenced"})]
+    assert b"c" not in core.clients and b"p" in core.clients and core.stats.consumers_fenced == 1
+    assert [e["code"] for e in _errors(core.receive(b"c", frames("PING", {}), 6 * TIMEOUT))] == ["not_registered"]
+    held = [{"token": token, "producer_id": "p", "handoff_id": 1, "event_pending": True}]
+    sent = _sent(_hello(core, b"c", "consumer", pid=6, held=held))
+    assert sent == [(b"c", "PRODUCER_GONE", {"tokens": [token], "reason": "fenced"})]
+    assert core.clients[b"c"].held == 0
+    (err,) = _errors(core.receive(b"c", frames("RELEASE", {"token": token}), 6 * TIMEOUT))
+    assert err["code"] == "already_released"
+    core.check_invariants()
+
+
+def test_a_consumer_judged_by_heartbeats_alone_is_fenced_not_gone():
+    """Spec §5: a consumer the broker cannot judge by its process (no lease, another host) that
+    falls silent is dropped after the timeout, but nothing proves it dead: what it holds goes back
+    ``consumer_fenced``. A proven death (its lease free) is ``consumer_gone``, which allows reuse."""
+    core = _core()
+    token = _event_handoff(core)
+    core.receive(b"p", frames("PING", {}), 2 * TIMEOUT)
+    sent = _sent(core.tick(2 * TIMEOUT, lambda c: None if c.rid == b"c" else True))
+    assert sent == [(b"c", "PRODUCER_GONE", {"tokens": [token], "reason": "fenced"}),
+                    (b"p", "RELEASED", {"handoff_id": 1, "reason": "consumer_fenced"})]
+    core = _core()
+    _event_handoff(core)
+    sent = _sent(core.tick(0.0, lambda c: c.rid != b"c"))
+    assert sent == [(b"p", "EVENT_RELEASED", {"handoff_id": 1, "reason": "consumer_gone"}),
+                    (b"p", "RELEASED", {"handoff_id": 1, "reason": "consumer_gone"})]
 
 
 def test_heartbeat_alone_drops_only_peers_it_cannot_judge():

@@ -96,6 +96,41 @@ def hold_one_buffer(endpoint, channel, ready, go):
         return {"error": traceback.format_exc()}
 
 
+def hold_while_fenced(endpoint, channel, ready, go, device="cpu", env=None):
+    """Receive one buffer and keep a zero-copy view of it (host buffers) and a copy of its bytes;
+    say so on ``ready``, wait for ``go`` (the fencing test stops this process in between, until the
+    broker fenced it and the producer reused what it could), then report whether the view still
+    shows the bytes as delivered and what the library says of the handoff."""
+    import time
+
+    import numpy as np
+
+    os.environ.update(env or {})
+    from hurray_ipc.client import Consumer, ProducerGone
+    try:
+        with Consumer(endpoint, channel, device) as c:
+            h = c.receive(timeout=30)
+            view = np.frombuffer(h.buffer.host_view(), dtype=np.uint8) if device == "cpu" else None
+            first = view.copy() if view is not None else h.buffer.copy_to_host()
+            ready.set()
+            go.wait(60)
+            same = bool(view is None or np.array_equal(view, first))
+            deadline = time.monotonic() + 30
+            while not h.fenced and time.monotonic() < deadline:  # the pump thread reads PRODUCER_GONE
+                time.sleep(0.01)
+            try:
+                h.buffer.host_view() if view is not None else h.buffer.copy_to_host()
+                refused = ""
+            except ProducerGone as e:
+                refused = str(e)
+            h.release()
+            return {"same": same, "fenced": h.fenced, "times_fenced": c.fenced, "refused": refused,
+                    "errors": [e.code for e in c.errors], "error": None}
+    except Exception:  # noqa: BLE001 - reported to the parent
+        import traceback
+        return {"error": traceback.format_exc()}
+
+
 def copy_to_host_consumer(endpoint, channel, device, count, env, q):
     """A consumer process that reads each buffer with copy_to_host() (no framework): (tag, seq, ok)
     per buffer, and the races its emulated runtime recorded."""

@@ -49,7 +49,8 @@ log = logging.getLogger("hurray.consumer")
 
 
 class ProducerGone(HurrayError, RuntimeError):
-    """The producer of this handoff died; its memory may no longer be valid."""
+    """The producer of this handoff died, or took it back from this consumer because it was
+    fenced (silent past the broker's ``fence_ms`` while holding it, spec §5): the handoff is over."""
 
 
 _UNSET: Any = object()  # __dlpack__ called without a stream keyword
@@ -320,6 +321,10 @@ class ReceivedHandoff(Handoff):
         #: What the producer passed as ``send(meta=)``, exactly as sent; None when it passed none.
         self.meta: Any = self.wire_meta.get("user")
         self.producer_gone = False
+        #: This consumer was fenced while it held the handoff (spec §5): its producer took it back
+        #: and retired the memory. Views taken before still read the bytes as delivered (that memory
+        #: is never written again); the handoff itself is over (``producer_gone`` is also true).
+        self.fenced = False
         self._event = event  # in-process: the producer's CudaEvent
         self._event_blob = event_blob
         self._waited: list[CudaStream] = []  # streams ordered after the producer, in order of ordering
@@ -378,6 +383,10 @@ class ReceivedHandoff(Handoff):
 
     # --- the sync rule -----------------------------------------------------------------------
     def _check_usable(self) -> None:
+        if self.fenced:
+            raise ProducerGone(f"this consumer was fenced: it was silent past the broker's fence_ms while it "
+                               f"held handoff {self.handoff_id}, so its producer took the buffer back; release "
+                               "this handoff (views taken before keep the bytes as delivered)")
         if self.producer_gone:
             raise ProducerGone(f"the producer of handoff {self.handoff_id} ({self.producer_id[:8]}) went away; its "
                                "buffer is no longer valid: release this handoff")
@@ -580,6 +589,7 @@ class Consumer:
         self.name = name or f"consumer-{os.getpid()}"
         self.errors: deque[RemoteError] = deque(maxlen=256)
         self._gone_tokens: deque[str] = deque(maxlen=4096)  # told PRODUCER_GONE: a RELEASE may cross it
+        self.fenced = 0  # times the broker fenced this consumer (PRODUCER_GONE reason fenced, spec §5)
         self.ended = False  # the broker said every producer of the channel ended (CHANNEL_STATE, §4.9)
         self._releasing: list[tuple[ReceivedHandoff, list[CudaEvent]]] = []  # RELEASE owed once these complete
         self._fences: list[CudaEvent] = []  # completed fence events, recorded again by later releases
@@ -670,21 +680,25 @@ class Consumer:
                     self.session.send(Message("RELEASE", rel))
         elif msg.verb == "PRODUCER_GONE":
             self._gone_tokens.extend(t for t in h.get("tokens", []) if isinstance(t, str))
+            fenced = h.get("reason") == "fenced"
+            self.fenced += fenced
             for token in h.get("tokens", []):
                 ho = self._held.pop(token, None)
                 if ho is not None:
                     ho.producer_gone = True
+                    ho.fenced = fenced
             gone = set(h.get("tokens", []))
             for ho in list(self._dropped):
                 if ho.token in gone:
                     ho.producer_gone = True
+                    ho.fenced = fenced
             for ho in [x for x in self._inbox if x.producer_gone]:
                 self._inbox.remove(ho)  # in place: a waiting receive() watches this deque
         elif msg.verb == "CHANNEL_STATE":
             self.ended = h.get("ended") is True
         elif msg.verb == "ERROR":
             err = RemoteError(str(h.get("code")), str(h.get("message")), h)
-            if err.code == "unknown_token" and h.get("token") in self._gone_tokens:
+            if err.code in ("unknown_token", "already_released") and h.get("token") in self._gone_tokens:
                 log.debug("RELEASE crossed PRODUCER_GONE: %s", err)  # expected: nothing to report
             else:
                 self.errors.append(err)

@@ -28,6 +28,7 @@ from ..devices import Device, open_device
 from ..devices.base import Buffer
 from ..devices.cpu import CpuDevice
 from ..devices.cuda import CudaDevice, CudaEvent, CudaStream
+from ..devices.errors import DeviceError
 from ..errors import ClosedError, InvalidArgument
 from ..format.handle import BufferHandle, DeviceTag, SyncMode
 from ..interop.source import Source, check_user_meta, resolve
@@ -90,6 +91,7 @@ class EventPool:
         self.device = device
         self.pooled = pooled
         self.created = 0  # events created so far
+        self.retired = 0  # events kept out of use for fenced consumers (retire)
         self._idle: list[CudaEvent] = []
         self._all: list[CudaEvent] = []
         self._lock = threading.Lock()
@@ -112,6 +114,12 @@ class EventPool:
             self._all.remove(ev)
         ev.close()
 
+    def retire(self, ev: CudaEvent) -> None:
+        """An event a fenced consumer may still wait on (spec §5): neither re-recorded nor
+        destroyed before :meth:`close`."""
+        with self._lock:
+            self.retired += 1
+
     @property
     def size(self) -> int:
         """Events alive (idle in the pool or out with a handoff)."""
@@ -128,7 +136,9 @@ class EventPool:
 @dataclass
 class Ticket:
     """One handoff as the producer sees it. ``outcome`` once released: 'released' (by the
-    consumer), 'consumer_gone' (broker released it for a dead consumer), or 'rejected'.
+    consumer), 'consumer_gone' (broker released it for a dead consumer), 'consumer_fenced' (its
+    consumer was deregistered while it may still read the buffer: see :meth:`Producer.holds`), or
+    'rejected'.
     ``obj``: what was sent (so an ``on_release`` callback knows what it may reuse).
     ``accepted``: the broker said so (only a ``send(block=True)`` asks, spec §4.6)."""
 
@@ -227,6 +237,9 @@ class Producer:
         self._modes = ModeCache()
         self.name = name or f"producer-{os.getpid()}"
         self.unknown_releases = 0  # RELEASED for a handoff already finished: a double release
+        # Sources a fenced consumer may still read that could not be moved (_retire):
+        # kept alive until close.
+        self._fenced: list[Source] = []
         self.ended = False  # end() was called: no more handoffs (spec §4.9)
         self.session = Session(endpoint, "producer", channel, self._hello, self._dispatch,
                                heartbeat_s=heartbeat_s, timeout_s=timeout_s)
@@ -328,6 +341,8 @@ class Producer:
             log.warning("release of handoff %s that is not outstanding", handoff_id)
             return []
         self.device.order_forget(order_key(self.session.client_id, handoff_id, "handoff"))
+        if outcome == "consumer_fenced":
+            self._retire(o)
         self._undo(o)
         if free_source and o.source.cleanup is not None:
             o.source.cleanup()
@@ -336,6 +351,32 @@ class Producer:
             return []  # re-sent: on_release belongs to the handoff that is delivered
         cb = o.on_release
         return [lambda: cb(o.ticket)] if cb is not None else []
+
+    def _retire(self, o: _Outgoing) -> None:
+        """A fenced consumer may still read this handoff (spec §5): nothing it may read or wait on
+        is written, re-recorded or handed out again while this producer lives. Its event is kept
+        idle until close; its staging slot, or the copy the library made, is freed (the pages stay
+        with the consumer's mapping and are never handed out again). The caller's own shared
+        memory gets fresh pages in place, so the caller may reuse it. Anything else (device
+        memory, memory another process exported) cannot be moved: it is kept alive and
+        :meth:`holds` stays true for it until :meth:`close` (cudaFree under an importer's mapping
+        is undefined)."""
+        if o.event is not None:
+            self.events.retire(o.event)  # type: ignore[union-attr]
+            o.event = None
+        if o.slot is not None:
+            self.staging.retire(o.slot)
+            o.slot = None
+        buf = o.source.buffer
+        if o.ticket.staged or o.source.copied:
+            return  # the consumer maps the slot or the copy, not the caller's memory
+        if isinstance(buf.device, CpuDevice) and not buf.imported:
+            try:
+                buf.device.retire_memory(buf)
+                return
+            except DeviceError as e:
+                log.warning("a fenced consumer may still read %r, which cannot be moved (%s): kept until close", buf, e)
+        self._fenced.append(o.source)
 
     def _undo(self, o: _Outgoing) -> None:
         """Give back what one handoff took (its event, staging slot, in-process reference), at its
@@ -357,9 +398,13 @@ class Producer:
         return len(self._out)
 
     def holds(self, obj: Any) -> bool:
-        """True while ``obj`` is part of a handoff not yet released (it will come back through on_release)."""
+        """True while ``obj`` is part of a handoff not yet released (it will come back through
+        on_release), and for good when a fenced consumer may still read it and its memory could
+        not be moved (device memory: spec §5): never write or free such an object while this
+        producer lives. Host shared memory from :meth:`allocate` is moved instead, so it is free."""
         with self.session.lock:
-            return any(o.source.keep is obj for o in self._out.values())
+            return (any(o.source.keep is obj for o in self._out.values())
+                    or any(src.keep is obj for src in self._fenced))
 
     def allocate(self, size: int) -> Buffer:
         """A buffer of ``size`` bytes (an int >= 0) on the producer's device that hands off without
@@ -743,6 +788,7 @@ class Producer:
                 self.events.close()
             if not self._out:
                 self.staging.close()
+                self._fenced.clear()
 
     def __enter__(self) -> Producer:
         return self

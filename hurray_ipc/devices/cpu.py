@@ -94,12 +94,22 @@ class CpuDevice(Device):
         raise DeviceError("export_memory", f"{buf!r} is not in shared memory this process allocated")
 
     def export_memory(self, buf: Buffer) -> MemoryExport:
-        exp: MemoryExport | None = getattr(buf, "_export", None)
-        if exp is None:  # a buffer's segment and offset never change: found once, then remembered
-            seg, offset = self.segment_of(buf)
-            exp = MemoryExport(_BLOB.pack(CPU_MAGIC, seg.size, seg.name.encode()), offset, buf.size)
-            buf._export = exp  # type: ignore[attr-defined]
+        cached: tuple[Segment, str, MemoryExport] | None = getattr(buf, "_export", None)
+        # A buffer's segment and offset never change: found once, then remembered; its name
+        # changes when the segment is renewed (retire_memory).
+        if cached is not None and cached[0].name is cached[1]:
+            return cached[2]
+        seg, offset = self.segment_of(buf)
+        exp = MemoryExport(_BLOB.pack(CPU_MAGIC, seg.size, seg.name.encode()), offset, buf.size)
+        buf._export = (seg, seg.name, exp)  # type: ignore[attr-defined]
         return exp
+
+    def retire_memory(self, buf: Buffer) -> None:
+        """A fenced consumer may still read ``buf`` (spec §5): give the segment holding it fresh
+        pages in place (:meth:`Segment.renew`), so the caller may go on writing ``buf`` while that
+        consumer keeps the old pages, unchanged. Its next export names the new segment."""
+        seg, _ = self.segment_of(buf)
+        seg.renew()
 
     def import_memory(self, exp: MemoryExport) -> Buffer:
         blob = bytes(exp.blob)

@@ -137,6 +137,38 @@ class Segment:
             self._pin = (ctypes.c_char * self.size).from_buffer(self.map)
         return ctypes.addressof(self._pin)
 
+    def renew(self) -> None:
+        """Put fresh pages under this owner's mapping, in place: same address, same size, same
+        bytes, a new name. Whoever else maps the old segment keeps its pages, and this process never
+        writes them again (a fenced consumer's buffer, spec §5). The old name is unlinked; its pages
+        are freed when the last other mapping goes (and this mapping's own descriptor closes)."""
+        if not self.owner or self.closed:
+            raise DeviceError("shm_renew", f"{self.name} is not a live segment this process created")
+        parsed = parse_name(self.name)
+        fresh = Segment.create(self.size, parsed[2] if parsed else "c")
+        try:
+            fresh.map[:] = self.map[:]
+            addr = self.address()
+            got = _libc.mmap(ctypes.c_void_p(addr), ctypes.c_size_t(len(self.map)),
+                             mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED, fresh.fd, 0)
+            if got != addr:
+                raise DeviceError("shm_renew", f"cannot map {fresh.name} over {self.name}: "
+                                  f"{os.strerror(ctypes.get_errno())}")
+        except BaseException:
+            fresh.close()
+            raise
+        fresh.map.close()  # its own second mapping; the descriptor and the name pass to self
+        old_shm, old_finalizer = self._shm, self._finalizer
+        self.name, self._shm, self.fd = fresh.name, fresh._shm, fresh.fd
+        self._finalizer, fresh._finalizer = fresh._finalizer, None
+        fresh.closed = True
+        try:
+            old_shm.close_fd()
+        except (posix_ipc.Error, OSError):
+            pass
+        if old_finalizer is not None:
+            old_finalizer()  # unlinks the old name, once
+
     def close(self) -> None:
         if self.closed:
             return
@@ -163,7 +195,10 @@ class Segment:
 
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14; Python's mmap names it only from 3.13 on
+_MAP_FIXED = 0x10
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 
 
 def reserve(fd: int, size: int) -> None:

@@ -108,6 +108,15 @@ class StagingPool:
             self._busy.discard(id(slot))
             self._free.setdefault(slot.size, []).append(slot)
 
+    def retire(self, slot: Buffer) -> None:
+        """Free a busy slot instead of pooling it: a fenced consumer may still read it (spec §5).
+        Its pages live on in that consumer's mapping and are never handed out again."""
+        with self._lock:
+            if id(slot) not in self._busy:
+                raise DeviceError("staging", "slot retired twice or not from this pool")
+            self._busy.discard(id(slot))
+            self._close_slot(slot)
+
     @property
     def in_use(self) -> int:
         return len(self._busy)

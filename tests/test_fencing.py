@@ -1,0 +1,122 @@
+"""Fencing (spec §5): a consumer that lives but stays silent past the broker's fence while it holds
+a buffer loses the buffer, and can never read memory its producer reused.
+
+The consumer process is stopped with SIGSTOP while it holds a zero-copy view. Its producer gets
+the buffer back (RELEASED ``consumer_fenced``) and then does what a producer does with a buffer
+it got back: it writes new bytes into the same ``allocate()``d buffer and hands it on, or stages
+the next handoff of the same size. Only then does the stopped consumer resume and look at its old
+view. Every step waits on the one before (a release, a received handoff, a pipe), so the check
+is decided by what the library does, never by timing: a producer that reused the memory under
+the consumer fails it every run (mutants fence-as-gone, fenced-slot-pooled, fenced-memory-kept in
+scripts/check-sync-mutants).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from brokerproc import BrokerProcess
+from conftest import Proc, emu_config
+from hurray_ipc import workload
+from hurray_ipc.client import Consumer, Producer
+from hurray_ipc.devices import CudaDevice, set_runtime
+from hurray_ipc.devices.backend.emulated import EmulatedRuntime
+from workers import hold_while_fenced
+
+SIZE = 64 << 10
+TIMEOUT_S, FENCE_S = 1.0, 3.0
+
+
+@pytest.fixture
+def fencing(tmp_path):
+    b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=TIMEOUT_S, extra_args=["--fence", str(FENCE_S)]).start()
+    yield b
+    assert b.proc is not None and b.proc.poll() is None, "the broker died"
+    b.stop()
+
+
+@contextlib.contextmanager
+def emulated_gpu(delay: float):
+    """An emulated GPU in this process whose device operations each take ``delay`` seconds."""
+    rt = EmulatedRuntime(emu_config(op_delay_s=delay))
+    set_runtime(rt)
+    try:
+        yield CudaDevice(0, runtime=rt)
+    finally:
+        set_runtime(None)
+
+
+def _write(p: Producer, buf, seq: int) -> None:
+    data = workload.pattern(7, seq, SIZE)
+    if p.gpu is not None:
+        p.stream.copy(buf, data)  # type: ignore[union-attr]
+    else:
+        np.frombuffer(buf.host_view(), dtype=np.uint8)[:] = data
+
+
+@pytest.mark.parametrize("path,delay", [("allocated", None), ("staged", 0.0), ("staged", 0.05), ("device", 0.0)])
+def test_a_fenced_consumer_never_reads_memory_its_producer_reused(fencing, path, delay):
+    """``allocated``: a CPU producer's own shared-memory buffer, written again and sent again once
+    it came back (the library moved it to fresh pages). ``staged``: a GPU producer's buffer
+    staged for a CPU consumer; the next staged handoff of the same size must not get the fenced
+    consumer's slot. ``device``: a GPU buffer a GPU consumer maps cannot be moved: the producer
+    keeps it out of reach (``holds`` stays true) instead."""
+    with contextlib.ExitStack() as stack:  # emulated device operations taking no time, and 50 ms each
+        device = stack.enter_context(emulated_gpu(delay)) if path != "allocated" else "cpu"
+        _fence_and_reuse(fencing, device, "cuda:0" if path == "device" else "cpu", delay)
+
+
+def _fence_and_reuse(fencing: BrokerProcess, device, consumer_device: str, delay: float | None) -> None:
+    ctx = mp.get_context("spawn")
+    ready, go = ctx.Event(), ctx.Event()
+    env = emu_config(op_delay_s=delay).to_env() if consumer_device != "cpu" else None
+    c = Proc(hold_while_fenced, endpoint=fencing.endpoint, channel="fence", ready=ready, go=go,
+             device=consumer_device, env=env)
+    stopped = False
+    with Producer(fencing.endpoint, "fence", device) as p:
+        buf = p.allocate(SIZE)
+        _write(p, buf, 1)
+        t = p.send(buf, timeout=30)
+        if not ready.wait(60):
+            pytest.fail(f"the consumer never held the buffer: {c.result(timeout=5)}")
+        os.kill(c.p.pid, signal.SIGSTOP)
+        stopped = True
+        try:
+            p.wait_released(timeout=FENCE_S + 30)  # the fence gives it back
+            assert t.outcome == "consumer_fenced", t
+            if consumer_device != "cpu":  # mapped device memory: never to be written or freed again
+                assert p.holds(buf) and not t.staged
+            else:
+                assert not p.holds(buf)
+                _reuse(fencing, p, buf)
+        finally:
+            if stopped:
+                os.kill(c.p.pid, signal.SIGCONT)
+        go.set()
+        res = c.result()
+    assert res["error"] is None, res["error"]
+    assert res["same"], "the fenced consumer's view changed under it: its producer reused the memory"
+    assert res["fenced"] and res["times_fenced"] == 1 and "fenced" in res["refused"], res
+    assert res["errors"] == [], res
+
+
+def _reuse(fencing: BrokerProcess, p: Producer, buf) -> None:
+    """What any producer does with a buffer it got back: write it and send it again (here while
+    the fenced consumer is stopped), to another consumer, which must read the new bytes."""
+    with Consumer(fencing.endpoint, "fence", "cpu") as other, ThreadPoolExecutor(1) as pool:
+        got = pool.submit(other.receive, timeout=30)  # its request is what send() waits for
+        _write(p, buf, 2)
+        t2 = p.send(buf, timeout=30)
+        with got.result(timeout=60) as h:
+            _tag, seq, ok = workload.verify(np.frombuffer(h.buffer.host_view(), dtype=np.uint8))
+            assert ok and seq == 2, "the next handoff did not carry the producer's new bytes"
+        p.wait_released(timeout=30)
+        assert t2.outcome == "released"
+
