@@ -201,6 +201,11 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                            "                buf.device.retire_memory(buf)\n",
                            "                pass  # MUTANT: the caller's pages stay under the consumer\n",
                            *FENCING),
+    # The checker itself (issue 22, limit B): an exited writer's unordered write is still a race.
+    "exited-writer-forgiven": ("hurray_ipc/devices/backend/hb.py",
+                               "            conflict(race_kind(is_write, True), w, a, b, forgive_gone=False)\n",
+                               "            conflict(race_kind(is_write, True), w, a, b, True)  # MUTANT\n",
+                               "tests/test_races.py"),
     "fenced-device-freed": ("hurray_ipc/client/producer.py",
                             "        self._fenced.append(o.source)\n",
                             "        pass  # MUTANT: mapped device memory handed back for reuse\n",

@@ -14,6 +14,8 @@ stress workload's fault injections.
 from __future__ import annotations
 
 import itertools
+import multiprocessing as mp
+import os
 
 import numpy as np
 import pytest
@@ -367,10 +369,61 @@ def test_shadow_write_after_unordered_read_whichever_ran_first():
     assert races == [], "a write ordered after the read is no race"
 
 
-def test_shadow_forgets_processes_that_exited():
+def test_shadow_forgets_the_reads_of_processes_that_exited():
+    """An exited reader reads nothing more: a write after its read is no race."""
     sh, _ = hb.access([], 0, 8, False, rec(2, 5), {2: 5}, never_gone)
     _, races = hb.access(sh, 0, 8, True, rec(1, 1), {1: 1}, lambda r: r[0] == 2)
     assert races == []
+
+
+@pytest.mark.parametrize("is_write", [False, True], ids=["read", "write"])
+def test_shadow_keeps_the_writes_of_processes_that_exited(is_write):
+    """Issue 22's checker limit B: an unsynchronised writer was a race while it lived and clean once
+    it exited, so the verdict depended on when the reader ran. Its write keeps its history now: an
+    access nobody ordered after it is a race whether or not the writer still lives."""
+    sh, _ = hb.access([], 0, 8, True, rec(2, 5), {2: 5}, never_gone)
+    for gone in (never_gone, lambda r: r[0] == 2):
+        _, races = hb.access(sh, 0, 8, is_write, rec(1, 1), {1: 1}, gone)
+        assert [r[0] for r in races] == ["write-after-write" if is_write else "read-after-write"]
+        _, races = hb.access(sh, 0, 8, is_write, rec(1, 1), {1: 1, 2: 5}, gone)
+        assert races == [], "an access ordered after the write is no race"
+
+
+@pytest.mark.parametrize("delay", [0.0, LARGE_DELAY], ids=["delay0", "delay250ms"])
+@pytest.mark.parametrize("host_wait", [False, True], ids=["unsynchronised", "host-waited"])
+def test_a_writer_that_exited_is_still_a_race_unless_ordered(host_wait, delay):
+    """Checker limit B as a program: a process writes device memory on a stream, tells another
+    process about it before (race) or after (clean) host-waiting the write, and exits; only then
+    does the other process read. The verdict used to flip to clean once the writer had exited."""
+    from hurray_ipc.devices.base import MemoryExport
+    from workers import emulated_writer_that_exits
+    ctx = mp.get_context("spawn")
+    q, done = ctx.Queue(), ctx.Event()
+    key = f"test-races-exited-{os.getpid()}-{next(_keys)}"
+    child = ctx.Process(target=emulated_writer_that_exits, args=(delay, host_wait, key, q, done))
+    child.start()
+    try:
+        msg = q.get(timeout=60)
+        assert msg[0] == "ok", msg[1]
+        dev = CudaDevice(0, runtime=EmulatedRuntime(emu_config(op_delay_s=delay)))
+        dev.order_receive(key)
+        cbuf = dev.import_memory(MemoryExport(*msg[1:]))
+        done.set()
+        child.join(30)
+        assert child.exitcode == 0
+        out = np.empty(N, dtype=np.uint8)
+        s = dev.create_stream()
+        s.copy(out, cbuf)
+        race = sync(s)
+        cbuf.close()
+        s.close()
+    finally:
+        done.set()
+        child.join(10)
+    if host_wait:
+        assert race is None and (out == 0x5A).all()
+    else:
+        assert race is not None and "read-after-write" in race, "the exited writer's write was forgiven"
 
 
 def test_shadow_merges_adjacent_equal_intervals():

@@ -131,6 +131,28 @@ def hold_while_fenced(endpoint, channel, ready, go, device="cpu", env=None):
         return {"error": traceback.format_exc()}
 
 
+def emulated_writer_that_exits(delay, host_wait, key, q, done):
+    """Write a pattern into emulated device memory on a stream, host-wait it before telling the
+    parent (``host_wait``) or only after, hand the parent the memory (a queue message, annotated as
+    the broker's would be), and exit once the parent imported it (``done``)."""
+    try:
+        from hurray_ipc.devices import CudaDevice
+        from hurray_ipc.devices.backend.emulated import EmulatedRuntime, EmulationConfig
+        dev = CudaDevice(0, runtime=EmulatedRuntime(EmulationConfig(op_delay_s=delay)))
+        s = dev.create_stream()
+        buf = dev.allocate(4096)
+        s.memset(buf, 0x5A)
+        if host_wait:
+            s.synchronize()
+        dev.order_send(key)
+        exp = dev.export_memory(buf)
+        q.put(("ok", exp.blob, exp.offset, exp.size))
+        s.synchronize()  # the write ran, but the parent was told before: nothing orders its read after it
+        done.wait(60)
+    except Exception:  # noqa: BLE001 - reported to the parent
+        q.put(("error", traceback.format_exc()))
+
+
 def copy_to_host_consumer(endpoint, channel, device, count, env, q):
     """A consumer process that reads each buffer with copy_to_host() (no framework): (tag, seq, ok)
     per buffer, and the races its emulated runtime recorded."""

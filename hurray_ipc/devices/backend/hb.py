@@ -67,15 +67,18 @@ def access(shadow: list[Interval], lo: int, hi: int, is_write: bool, rec: Record
     Returns the new shadow and the races found: ``(kind, other record, lo, hi)`` for each earlier
     access that conflicts (at least one is a write, the byte ranges overlap) and is not ordered
     before this one. ``gone(rec)`` says that the record's process has exited: its streams ran to
-    completion or were torn down with it, so nothing of it can still race.
+    completion or were torn down with it, so a *read* of it can no longer see a later write (its
+    write-after-read is forgiven). Its *writes* keep their history: an exited writer whose write
+    nobody ordered an access after is still a race (what that access sees depends on whether the
+    writer's work ran before it exited), so the verdict does not change when the writer exits.
     """
     if hi <= lo:
         return shadow, []
     races: list[tuple[str, Record, int, int]] = []
     seen: set[tuple[int, int]] = set()
 
-    def conflict(kind: str, other: Record, a: int, b: int) -> None:
-        if other[0] == rec[0] or ordered(clock, other) or gone(other):
+    def conflict(kind: str, other: Record, a: int, b: int, forgive_gone: bool) -> None:
+        if other[0] == rec[0] or ordered(clock, other) or forgive_gone and gone(other):
             return
         key = (other[0], other[1])
         if key not in seen:
@@ -84,10 +87,10 @@ def access(shadow: list[Interval], lo: int, hi: int, is_write: bool, rec: Record
 
     def touched(a: int, b: int, w: Record | None, reads: list[Record]) -> Interval:
         if w is not None:
-            conflict(race_kind(is_write, True), w, a, b)
+            conflict(race_kind(is_write, True), w, a, b, forgive_gone=False)
         if is_write:
             for r in reads:
-                conflict(race_kind(True, False), r, a, b)
+                conflict(race_kind(True, False), r, a, b, forgive_gone=True)
             return [a, b, rec, []]
         kept = [r for r in reads if not (r[0] == rec[0] or ordered(clock, r) or gone(r))]
         kept.append(rec)
