@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     token_file: Path | None = None
     if a.metrics_port:
         try:
-            from .metrics import serve_metrics, write_token
+            from .keyfile import write_token
+            from .metrics import serve_metrics
         except ImportError as e:
             print(f"hurray-broker: --metrics-port needs prometheus-client ({e}); install hurray-ipc[metrics]",
                   file=sys.stderr)
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("hurray.broker").info(json.dumps({"event": "metrics_listening", "addr": a.metrics_addr,
                                                             "port": a.metrics_port, "token_file": str(token_file)}))
     try:
-        bridges = _bridges(a, b.endpoint)
+        bridges = _bridges(a, b.endpoint, b.core.route_key)
     except ValueError as e:
         print(f"hurray-broker: {e}", file=sys.stderr)
         b.shutdown("bad bridge options")
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _bridges(a: argparse.Namespace, endpoint: str) -> list[BridgeOut | BridgeIn]:
+def _bridges(a: argparse.Namespace, endpoint: str, route_key: str) -> list[BridgeOut | BridgeIn]:
     """The bridge threads asked for, each a client of this broker (see broker/bridge.py)."""
     if not (a.export or a.imports):
         return []
@@ -202,12 +203,12 @@ def _bridges(a: argparse.Namespace, endpoint: str) -> list[BridgeOut | BridgeIn]
         if make == "out":
             curve = Curve.server(str(keys / "server.key_secret"), str(keys / "clients")) if keys else None
             out.append(BridgeOut(channel, url, endpoint=endpoint, curve=curve, timeout_s=a.timeout,
-                                 rdma=a.bridge_rdma, device=a.export_device))
+                                 rdma=a.bridge_rdma, device=a.export_device, route_key=route_key))
         else:
             curve = Curve.client(str(keys / "client.key_secret"), str(keys / "server.key")) if keys else None
             out.append(
                 BridgeIn(channel, url, endpoint=endpoint, curve=curve, device=a.import_device, timeout_s=a.timeout,
-                         rdma=a.bridge_rdma)
+                         rdma=a.bridge_rdma, route_key=route_key)
             )
     return out
 

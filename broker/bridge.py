@@ -70,6 +70,7 @@ from hurray_ipc.transport.protocol import (
 )
 from hurray_ipc.transport.route import MAX_LINKS, MAX_PEER_CHARS, MAX_WINDOW, Link, Route
 
+from .keyfile import route_key_path
 from .rdma import Offer, RdmaEngine, RdmaError, Registration, Transfer, nixl_available, nixl_info
 
 log = logging.getLogger("hurray.bridge")
@@ -151,13 +152,29 @@ def keygen(directory: str) -> None:
         os.chmod(f, 0o600)
 
 
+def read_route_key(endpoint: str | None, given: str | None) -> str:
+    """The key a bridge's ROUTE carries (ipc-protocol.md §2.4): ``given`` (a bridge in the broker's
+    own process), else the content of the broker's owner-only ``<socket>.route-key``, else "" (the
+    broker then refuses the route, not_authorized, and says so in its ERROR, which the log shows)."""
+    if given:
+        return given
+    path = route_key_path(endpoint or default_endpoint())
+    try:
+        return path.read_text().strip() if path is not None else ""
+    except OSError as e:
+        log.warning("cannot read the broker's route key %s (%s): this bridge's route will not be announced", path, e)
+        return ""
+
+
 class BridgeOut:
     """Host A: a consumer of ``channel`` on the local broker (on ``device``: cpu, or cuda:N to take
     GPU buffers by IPC), streaming each buffer to peers."""
 
     def __init__(self, channel: str, listen: str, *, endpoint: str | None = None, curve: Curve | None = None,
-                 timeout_s: float = 3.0, chunk: int = CHUNK, rdma: bool = False, device: str = "cpu"):
+                 timeout_s: float = 3.0, chunk: int = CHUNK, rdma: bool = False, device: str = "cpu",
+                 route_key: str | None = None):
         self.channel, self.chunk, self.timeout_s, self.device = channel, chunk, timeout_s, device
+        self.route_key = read_route_key(endpoint, route_key)
         self.ctx = zmq.Context()
         self.auth = None
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -655,7 +672,7 @@ class BridgeOut:
                     self.consumer.close()
                     self.consumer = None
                 if self.consumer is not None:
-                    self.consumer.session.set_route(self.route().to_dict())  # sent only when it changed
+                    self.consumer.session.set_route(self.route().to_dict(), self.route_key)  # sent when it changed
                 self._reap()
                 self._forget_unmapped()
                 self._renew_engine()
@@ -899,7 +916,7 @@ class BridgeIn:
 
     def __init__(self, channel: str, connect: str, *, endpoint: str | None = None, curve: Curve | None = None,
                  device: str = "cpu", timeout_s: float = 3.0, max_bytes: int = MAX_TENSOR, rdma: bool = False,
-                 window: int = WINDOW):
+                 window: int = WINDOW, route_key: str | None = None):
         if not 1 <= window <= MAX_WINDOW:
             raise ValueError(f"window {window} is outside 1-{MAX_WINDOW}")
         self.channel, self.timeout_s, self.max_bytes, self.window = channel, timeout_s, max_bytes, window
@@ -913,6 +930,7 @@ class BridgeIn:
         self.connect = connect
         self.cpu = open_device("cpu")
         self.producer = Producer(endpoint, channel, device, name=f"bridge-in:{channel}")
+        self.route_key = read_route_key(endpoint, route_key)
         self.gpu = self.producer.gpu
         # transfer_id -> partial transfer, in descriptor order; at most ``window`` (interchange.md §3 receiver 4)
         self.partials: dict[int, dict[str, Any]] = {}
@@ -953,7 +971,7 @@ class BridgeIn:
         return Route("import", (Link(self.connect[:MAX_PEER_CHARS], self.plane, gpu, self.window),))
 
     def _announce(self) -> None:
-        self.producer.session.set_route(self.route().to_dict())  # sent only when it changed
+        self.producer.session.set_route(self.route().to_dict(), self.route_key)  # sent only when it changed
 
     def _device_destinations(self, window: int) -> DestinationPool | None:
         """A pool of GPU destinations for the NIXL plane (R5), or None (host-staged), saying why in the log."""

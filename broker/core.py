@@ -33,6 +33,7 @@ connection take over (no ROUTER_HANDOVER); a re-HELLO claims only what that rout
 from __future__ import annotations
 
 import hashlib
+import hmac
 import itertools
 import json
 import logging
@@ -252,8 +253,13 @@ class BrokerCore:
     def __init__(self, *, host: str, timeout_s: float = 3.0, heartbeat_s: float = 0.5, session: str | None = None,
                  token: Callable[[], str] | None = None, started: float | None = None, pid: int = 0,
                  stats_cache_s: float = 0.0, query_bytes: int = QUERY_BYTES,
-                 query_bytes_total: int = QUERY_BYTES_TOTAL, fence_s: float | None = None):
+                 query_bytes_total: int = QUERY_BYTES_TOTAL, fence_s: float | None = None,
+                 route_key: str | None = None):
         self.host = host
+        # What a ROUTE must carry (§2.4): the server writes it to an owner-only file beside the
+        # socket and hands it to the broker's own bridges; a client that cannot read it cannot
+        # announce a bridge.
+        self.route_key = route_key or secrets.token_hex(32)
         self.started = started  # the loop's clock at start (None: the first event's ``now``)
         self.pid = pid  # the broker's pid, for STATS only (the core never uses it)
         # STATS_REPLY reuses a snapshot younger than this (0: always fresh); bounds what a STATS
@@ -1063,6 +1069,11 @@ class BrokerCore:
     def on_route(self, c: Client, msg: Message) -> None:
         """ROUTE {route: object | null}: the client's route across machines (spec §2.4), replacing
         the one it announced before; no reply. A refused one leaves the earlier route in place."""
+        key = msg.header.get("key")
+        if not isinstance(key, str) or not hmac.compare_digest(key.encode(), self.route_key.encode()):
+            raise ProtocolError("not_authorized", "a ROUTE must carry the broker's route key ('key': the content "
+                                "of the owner-only file <socket>.route-key): only the broker's user may announce "
+                                "a bridge", field="key", value=_field_value(msg.header, "key"))
         if "route" not in msg.header:
             raise ProtocolError("bad_header", "ROUTE header lacks 'route' (an object, or null to withdraw)",
                                 field="route")

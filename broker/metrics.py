@@ -16,12 +16,9 @@ without it raises ImportError, which ``hurray-broker`` turns into one line and e
 from __future__ import annotations
 
 import hmac
-import os
-import secrets
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -123,22 +120,6 @@ class StatsCollector:
             unresponsive.add_metric(values, 1 if c["state"] == "unresponsive" else 0)
         yield from per_client.values()
         yield unresponsive
-
-
-def write_token(path: Path, group: bool = False) -> str:
-    """A new random token, written to ``path`` (mode 0600, 0640 with ``group``) by replacing the
-    file: a reader sees the old token or the new one, never a partial one."""
-    token = secrets.token_hex(32)
-    mode = 0o640 if group else 0o600
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
-    try:
-        os.fchmod(fd, mode)  # whatever the umask
-        os.write(fd, token.encode() + b"\n")
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    return token
 
 
 class _Rendered:

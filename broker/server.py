@@ -36,6 +36,7 @@ from hurray_ipc.transport.protocol import Message, coalesce, encode_group
 from hurray_ipc.transport.sockets import NOBLOCK, readable, recv_frames, send_frames
 
 from .core import MAX_CREDITS, BrokerCore, CleanSegments, Client, Out, Send
+from .keyfile import kept_token, route_key_path
 from .lock import BrokerAlreadyRunning, EndpointLock, acquire_endpoint
 
 __all__ = ["MAX_CREDITS", "Broker", "BrokerAlreadyRunning"]
@@ -76,6 +77,9 @@ class Broker:
         self.sock.setsockopt(zmq.LINGER, 0)
         try:
             self._bind(group)
+            key_file = route_key_path(self.endpoint)
+            if key_file is not None:  # owner-only even with --group: group members may not ROUTE
+                self.core.route_key = kept_token(key_file)
         except BaseException:
             self.sock.close(linger=0)
             if self._lock is not None:

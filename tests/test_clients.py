@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ import pytest
 from brokerproc import BrokerProcess
 from conftest import Proc, emu_config, emu_env
 from hurray_ipc import workload
+from hurray_ipc.broker.bridge import read_route_key
 from hurray_ipc.client import BrokerUnavailable, Consumer, Producer, ProducerGone
 from hurray_ipc.devices import shm
 
@@ -231,12 +234,14 @@ def test_route_is_announced_again_to_a_restarted_broker(tmp_path):
 
     try:
         assert _until("registered", lambda: p.session.registered)  # so ROUTE goes now, not at WELCOME
-        p.session.set_route({"direction": "import", "links": [link]})
+        key_file = Path(b.endpoint[len("ipc://"):] + ".route-key")
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600  # only the broker's user may ROUTE
+        p.session.set_route({"direction": "import", "links": [link]}, read_route_key(b.endpoint, None))
         assert _until("the route reached the broker", lambda: links() == [[link]])
         b.stop(signal.SIGKILL)
         b.start()
         assert _until("the route reached the restarted broker", lambda: links() == [[link]])
-        p.session.set_route(None)
+        p.session.set_route(None, p.session.route_key)
         assert _until("the route withdrawn", lambda: links() == [])
     finally:
         p.close()

@@ -58,8 +58,10 @@ class Driver:
     def send(self, who: str, frames: list[bytes]) -> list[Message]:
         raise NotImplementedError
 
+    route_key = ""
+
     def setup(self, kind: str) -> dict[str, Any]:
-        env: dict[str, Any] = {"$host": HOST}
+        env: dict[str, Any] = {"$host": HOST, "$route_key": self.route_key}
         if kind == "none":
             return env
         for who, role, pid in (("p", "producer", 100), ("c", "consumer", 200), ("c2", "consumer", 201)):
@@ -84,6 +86,7 @@ class Driver:
 class CoreDriver(Driver):
     def __init__(self) -> None:
         self.core = BrokerCore(host=HOST)
+        self.route_key = self.core.route_key
         self.pending: dict[str, list[Message]] = {}
 
     def send(self, who: str, frames: list[bytes]) -> list[Message]:
@@ -100,6 +103,7 @@ class CoreDriver(Driver):
 class LiveDriver(Driver):
     def __init__(self, endpoint: str, ctx: zmq.Context, run: int) -> None:
         self.endpoint, self.ctx, self.run = endpoint, ctx, run
+        self.route_key = Path(endpoint[len("ipc://"):] + ".route-key").read_text().strip()
         self.pids = {100: os.getppid(), 200: os.getpid(), 201: os.getpid()}
         self.socks: dict[str, zmq.Socket] = {}
         self.pending: dict[str, list[Message]] = {}

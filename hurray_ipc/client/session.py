@@ -164,6 +164,7 @@ class Session:
         self.closed = False
         self.deferred: list[Callback] = []  # callbacks the owner queued outside a dispatch
         self.route: dict[str, Any] | None = None  # announced again after every WELCOME (set_route)
+        self.route_key = ""
         # The owner's own work to check on every pump round (e.g. deferred releases); it returns
         # True while work is pending, and the pump then polls the socket briefly to come back soon.
         self._poll = poll
@@ -207,16 +208,19 @@ class Session:
                 self.messages_sent += 1
             self.last_tx = time.monotonic()
 
-    def set_route(self, route: dict[str, Any] | None) -> None:
+    def set_route(self, route: dict[str, Any] | None, key: str) -> None:
         """Announce this client's route across machines (ROUTE, spec §2.4; a bridge's, see
-        transport/route.py), replacing the last one; None withdraws it. Sent now when it changed and
-        the broker knows us, and again after every WELCOME: a restarted broker knows no route."""
+        transport/route.py), replacing the last one; None withdraws it. ``key``: the broker's route
+        key (its owner-only ``<socket>.route-key`` file; the broker's own bridges are given it). Sent
+        now when it changed and the broker knows us, and again after every WELCOME: a restarted
+        broker knows no route (and has a new key: a refused ROUTE is logged, as any ERROR)."""
         with self.lock:
+            self.route_key = key
             if route == self.route:
                 return
             self.route = route
             if self.registered:
-                self.send(Message("ROUTE", {"route": route}))
+                self.send(Message("ROUTE", {"route": route, "key": key}))
 
     def _register(self) -> None:
         # The epoch tells this registration's GRANTs from those of an earlier one still in flight.
@@ -245,7 +249,7 @@ class Session:
             self.shutdown_reason = None
             self.broker_session = msg.header.get("session")
             if self.route is not None:
-                self.send(Message("ROUTE", {"route": self.route}))
+                self.send(Message("ROUTE", {"route": self.route, "key": self.route_key}))
             return
         if msg.verb == "PONG":
             return

@@ -104,6 +104,7 @@ ERROR_CODES = frozenset({
     "consumer_gone",     # the consumer of a grant died before the handoff arrived
     "limit_exceeded",    # a per-client or broker-wide limit (clients, held deliveries): the message is refused
     "ended",             # READY or HANDOFF from a producer that ended its stream (END, §4.9)
+    "not_authorized",    # a ROUTE without the broker's route key (§2.4)
     "internal",          # a broker bug cost this one message; the broker and every other client carry on
 })
 MAX_HEADER_DEPTH = 16  # JSON nesting of a header (objects and arrays); our deepest is 4

@@ -1,0 +1,53 @@
+"""Secrets the broker hands to its own user through owner-only files beside its socket.
+
+Two: the metrics bearer token (``<socket>.metrics-token``, broker/metrics.py) and the route key
+(``<socket>.route-key``): only a client that can read the key may announce a bridge route (ROUTE,
+ipc-protocol.md §2.4), so clients of a ``--group`` broker cannot put a made-up bridge into CAPS
+answers. Who can read the file is who the operating system says: the broker's uid (and its group
+with ``group=True``); no protocol of ours decides it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import stat
+from pathlib import Path
+
+
+def write_token(path: Path, group: bool = False) -> str:
+    """A new random token, written to ``path`` (mode 0600, 0640 with ``group``) by replacing the
+    file: a reader sees the old token or the new one, never a partial one."""
+    token = secrets.token_hex(32)
+    mode = 0o640 if group else 0o600
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+    try:
+        os.fchmod(fd, mode)  # whatever the umask
+        os.write(fd, token.encode() + b"\n")
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return token
+
+
+def kept_token(path: Path) -> str:
+    """The token ``path`` holds when it is a regular file of this uid, mode 0600, holding one (64
+    lowercase hex digits): a restarted broker keeps its route key, so bridges in other processes
+    that read it once go on announcing routes; otherwise a new one written there."""
+    try:
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) == 0o600:
+            token = path.read_text().strip()
+            if re.fullmatch(r"[0-9a-f]{64}", token):
+                return token
+    except OSError:
+        pass
+    return write_token(path)
+
+
+def route_key_path(endpoint: str) -> Path | None:
+    """Where the broker of ``endpoint`` keeps its route key: beside an ipc:// socket; None for
+    other endpoints (only the broker's own bridges, given the key in memory, may ROUTE there)."""
+    return Path(endpoint[len("ipc://"):] + ".route-key") if endpoint.startswith("ipc://") else None
