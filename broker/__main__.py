@@ -15,9 +15,8 @@ import json
 import logging
 import os
 import sys
-import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 
@@ -25,11 +24,10 @@ from hurray_ipc.cli.common import LOG_LEVELS, add_version, device, endpoint
 from hurray_ipc.client.endpoint import default_endpoint
 
 from . import daemon
-from .logfmt import FORMATS, formatter, open_log
+from .logfmt import FORMATS
+from .logfmt import configure as configure_logging
 from .server import Broker, BrokerAlreadyRunning
-
-if TYPE_CHECKING:  # bridge.py (and its zmq.auth) is imported only when a bridge is asked for
-    from .bridge import BridgeIn, BridgeOut
+from .supervise import Child, Supervisor
 
 
 def _port(value: str) -> int:
@@ -106,18 +104,10 @@ def main(argv: list[str] | None = None) -> int:
             return e.status
         print(line)
         return 0
-    handler: logging.Handler
-    if a.log_file:
-        try:
-            os.close(open_log(a.log_file))  # created owner-only, before logging opens it
-        except OSError as e:
-            print(f"hurray-broker: log file {a.log_file}: {e.strerror}", file=sys.stderr)
-            return 1
-        handler = logging.FileHandler(a.log_file, mode="a")
-    else:
-        handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(formatter(a.log_format))
-    logging.basicConfig(level=a.log_level.upper(), handlers=[handler])
+    why = configure_logging(a.log_file, a.log_format, a.log_level)
+    if why is not None:
+        print(f"hurray-broker: {why}", file=sys.stderr)
+        return 1
     serve_metrics: Any = None
     token_file: Path | None = None
     if a.metrics_port:
@@ -165,51 +155,57 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("hurray.broker").info(json.dumps({"event": "metrics_listening", "addr": a.metrics_addr,
                                                             "port": a.metrics_port, "token_file": str(token_file)}))
     try:
-        bridges = _bridges(a, b.endpoint, b.core.route_key)
-    except ValueError as e:
+        bridges = _bridges(a, b.endpoint)
+    except (ValueError, OSError) as e:
         print(f"hurray-broker: {e}", file=sys.stderr)
         b.shutdown("bad bridge options")
         return 2
-    stop = threading.Event()
-    threads = [threading.Thread(target=br.serve, args=(stop,), name=f"bridge-{i}", daemon=True)
-               for i, br in enumerate(bridges)]
-    for t in threads:
-        t.start()
+    # Each bridge in a process of its own (broker/supervise.py): a native abort in its NIXL
+    # engine costs that link, not this broker and every client's connection.
+    supervisor = Supervisor(bridges, {"HURRAY_ROUTE_KEY": b.core.route_key}) if bridges else None
+    if supervisor is not None:
+        supervisor.start()
     try:
         b.serve(stop_after=a.duration)
     finally:
-        stop.set()
-        for t in threads:
-            t.join(10)
+        if supervisor is not None:
+            supervisor.stop()
     return 0
 
 
-def _bridges(a: argparse.Namespace, endpoint: str, route_key: str) -> list[BridgeOut | BridgeIn]:
-    """The bridge threads asked for, each a client of this broker (see broker/bridge.py)."""
+def _bridges(a: argparse.Namespace, endpoint: str) -> list[Child]:
+    """The bridge processes asked for, each a client of this broker (see broker/bridge.py), with
+    their options checked here first: a mistake is this command's exit status 2, not a child's."""
     if not (a.export or a.imports):
         return []
     from pathlib import Path
 
-    from .bridge import BridgeIn, BridgeOut, Curve
+    from .bridge import Curve
 
     if not a.bridge_keys and not a.bridge_insecure:
         raise ValueError("--export/--import need --bridge-keys DIR (CurveZMQ) or --bridge-insecure")
     keys = Path(a.bridge_keys) if a.bridge_keys else None
-    out: list[BridgeOut | BridgeIn] = []
+    common = ["--endpoint", endpoint, "--timeout", str(a.timeout), "--log-format", a.log_format,
+              "--log-level", a.log_level, "--parent", str(os.getpid()),
+              *(["--log-file", a.log_file] if a.log_file else []), *(["--rdma"] if a.bridge_rdma else [])]
+    out: list[Child] = []
     for spec, make in [(s, "out") for s in a.export] + [(s, "in") for s in a.imports]:
         channel, sep, url = spec.partition("=")
         if not sep or not channel or not url.startswith("tcp://"):
             raise ValueError(f"bridge {spec!r}: expected CHANNEL=tcp://ADDRESS:PORT")
         if make == "out":
-            curve = Curve.server(str(keys / "server.key_secret"), str(keys / "clients")) if keys else None
-            out.append(BridgeOut(channel, url, endpoint=endpoint, curve=curve, timeout_s=a.timeout,
-                                 rdma=a.bridge_rdma, device=a.export_device, route_key=route_key))
+            if keys:
+                Curve.server(str(keys / "server.key_secret"), str(keys / "clients"))  # readable, or ValueError/OSError
+            auth = ["--server-key", str(keys / "server.key_secret"), "--clients", str(keys / "clients")] if keys \
+                else ["--insecure"]
+            argv = ["out", "--channel", channel, "--listen", url, "--device", a.export_device, *auth, *common]
         else:
-            curve = Curve.client(str(keys / "client.key_secret"), str(keys / "server.key")) if keys else None
-            out.append(
-                BridgeIn(channel, url, endpoint=endpoint, curve=curve, device=a.import_device, timeout_s=a.timeout,
-                         rdma=a.bridge_rdma, route_key=route_key)
-            )
+            if keys:
+                Curve.client(str(keys / "client.key_secret"), str(keys / "server.key"))
+            auth = ["--client-key", str(keys / "client.key_secret"), "--server-public", str(keys / "server.key")] \
+                if keys else ["--insecure"]
+            argv = ["in", "--channel", channel, "--connect", url, "--device", a.import_device, *auth, *common]
+        out.append(Child(f"{make}:{channel}={url}", argv))
     return out
 
 

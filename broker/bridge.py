@@ -52,6 +52,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from hurray_ipc.cli.common import LOG_LEVELS
 from hurray_ipc.client import BrokerUnavailable, Consumer, Producer, Ticket
 from hurray_ipc.client.endpoint import default_endpoint
 from hurray_ipc.contract.sync import check_network_handle
@@ -71,6 +72,8 @@ from hurray_ipc.transport.protocol import (
 from hurray_ipc.transport.route import MAX_LINKS, MAX_PEER_CHARS, MAX_WINDOW, Link, Route
 
 from .keyfile import route_key_path
+from .logfmt import FORMATS
+from .logfmt import configure as configure_logging
 from .rdma import Offer, RdmaEngine, RdmaError, Registration, Transfer, nixl_available, nixl_info
 
 log = logging.getLogger("hurray.bridge")
@@ -1376,6 +1379,11 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--rdma", action="store_true",
                        help="offer NIXL (UCX) as the data plane; its bytes do not ride CurveZMQ, so use it only "
                             "on a trusted fabric (interchange.md R1.5); without nixl the link stays on zmq")
+        s.add_argument("--log-file", metavar="PATH", help="append the log to PATH instead of stderr")
+        s.add_argument("--log-format", choices=FORMATS, default="json")
+        s.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+        # The broker that runs this bridge (broker/supervise.py): leave when it is gone.
+        s.add_argument("--parent", type=int, default=None, help=argparse.SUPPRESS)
     o, i = sub.choices["out"], sub.choices["in"]
     o.add_argument("--listen", required=True)
     o.add_argument("--device", default="cpu",
@@ -1390,23 +1398,29 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--window", type=int, default=WINDOW,
                    help=f"transfers granted ahead and held at once (1-{MAX_WINDOW}); memory: window x buffer size")
     a = ap.parse_args(argv)
-    logging.basicConfig(level="INFO", format="%(message)s")
     if a.cmd == "keygen":
         keygen(a.dir)
         print(f"certificates written to {a.dir}")
         return 0
+    why = configure_logging(a.log_file, a.log_format, a.log_level)
+    if why is not None:
+        print(f"bridge: {why}", file=sys.stderr)
+        return 2
+    # The key its ROUTE needs (ipc-protocol.md §2.4): from the broker that started it, else read
+    # from the broker's owner-only file.
+    route_key = os.environ.pop("HURRAY_ROUTE_KEY", None)
     try:
         if a.cmd == "out":
             curve = None if a.insecure else Curve.server(a.server_key or "", a.clients or "")
             bridge: Any = BridgeOut(a.channel, a.listen, endpoint=a.endpoint, curve=curve, timeout_s=a.timeout,
-                                    rdma=a.rdma, device=a.device)
+                                    rdma=a.rdma, device=a.device, route_key=route_key)
         else:
             curve = None if a.insecure else Curve.client(a.client_key or "", a.server_public or "")
             bridge = BridgeIn(
                 a.channel, a.connect, endpoint=a.endpoint, curve=curve, device=a.device, timeout_s=a.timeout,
-                rdma=a.rdma, window=a.window,
+                rdma=a.rdma, window=a.window, route_key=route_key,
             )
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, zmq.ZMQError) as e:
         print(f"bridge: {e} (CurveZMQ keys are required unless --insecure)", file=sys.stderr)
         return 2
     except DeviceError as e:
@@ -1419,8 +1433,19 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     if a.duration:
         threading.Timer(a.duration, stop.set).start()
+    if a.parent is not None:
+        threading.Thread(target=_leave_with, args=(a.parent, stop), name="parent-watch", daemon=True).start()
     bridge.serve(stop)
     return 0
+
+
+def _leave_with(parent: int, stop: threading.Event) -> None:
+    """Set ``stop`` once ``parent`` (the broker that started this bridge) is no longer our parent:
+    a broker killed outright must not leave its bridges holding their ports and handoffs."""
+    while not stop.wait(0.5):
+        if os.getppid() != parent:
+            log.warning(json.dumps({"event": "broker_gone", "parent": parent}))
+            stop.set()
 
 
 if __name__ == "__main__":

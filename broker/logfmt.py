@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import re
+import sys
 import time
 from typing import Any
 
@@ -98,3 +99,21 @@ def formatter(name: str) -> logging.Formatter:
 def open_log(path: str | os.PathLike[str]) -> int:
     """``path`` opened for appending, created owner-only (a broker log names clients and pids)."""
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+
+
+def configure(log_file: str | None, log_format: str, log_level: str) -> str | None:
+    """Send this process's log to ``log_file`` (appended, created owner-only) or stderr, in
+    ``log_format`` at ``log_level``: the broker's options, which its bridges are given too. Returns
+    why the file cannot be opened, or None."""
+    handler: logging.Handler
+    if log_file:
+        try:
+            os.close(open_log(log_file))  # created owner-only, before logging opens it
+        except OSError as e:
+            return f"log file {log_file}: {e.strerror}"
+        handler = logging.FileHandler(log_file, mode="a")
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter(log_format))
+    logging.basicConfig(level=log_level.upper(), handlers=[handler])
+    return None

@@ -10,7 +10,9 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ import zmq
 from brokerproc import BrokerProcess
 from conftest import SPAWN, emu_config
 from hurray_ipc import workload
+from hurray_ipc.client import Consumer, Producer
 from test_clients import Proc
 
 
@@ -29,8 +32,13 @@ def free_port() -> int:
 
 
 def bridge(*args, env=None):
-    return subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker.bridge", *args], stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, **(env or {})})
+    """A bridge process whose log goes to a file (``stop`` returns it): a pipe nobody drains fills
+    at 64 KiB and then blocks the bridge in its next log line."""
+    log = tempfile.TemporaryFile("w+")
+    p = subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker.bridge", *args], stderr=log, text=True,
+                         env={**os.environ, **(env or {})})
+    p.log = log  # type: ignore[attr-defined]
+    return p
 
 
 @pytest.fixture
@@ -50,13 +58,22 @@ def keys(tmp_path):
 
 
 def stop(p):
+    """SIGTERM ``p``, wait for it (SIGKILL after 10 s), and return its log."""
     if p.poll() is None:
         p.send_signal(signal.SIGTERM)
     try:
-        return p.communicate(timeout=10)[1]
+        err = p.communicate(timeout=10)[1]
     except subprocess.TimeoutExpired:
         p.kill()
-        return p.communicate()[1]
+        err = p.communicate()[1]
+    log = getattr(p, "log", None)
+    if log is not None:  # kept: a test may stop a bridge twice
+        if not log.closed:
+            log.seek(0)
+            p.log_text = log.read()
+            log.close()
+        err = p.log_text
+    return err
 
 
 def test_bridged_handoffs_curve(two_brokers, keys):
@@ -146,7 +163,7 @@ def test_an_ended_stream_on_one_side_neither_stops_nor_ends_the_bridge(two_broke
 def test_keys_required_unless_insecure(two_brokers):
     a, _ = two_brokers
     p = bridge("out", "--channel", "x", "--endpoint", a.endpoint, "--listen", f"tcp://127.0.0.1:{free_port()}")
-    assert p.wait(30) == 2 and "--insecure" in p.stderr.read()
+    assert p.wait(30) == 2 and "--insecure" in stop(p)
 
 
 def raw_sender(url):
@@ -660,6 +677,65 @@ def test_brokers_bridge_channels_themselves(tmp_path, keys, plane):
         errs = [stop(x) for x in procs]
     assert all(x.returncode == 0 for x in procs), errs
     assert f'"data_plane": "{plane}"' in errs[1], errs[1][-1500:]
+
+
+def _log_events(path, event: str) -> list[dict]:
+    out = []
+    for line in (path.read_text() if path.exists() else "").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("event") == event:
+            out.append(rec)
+    return out
+
+
+def _until_logged(path, event: str, n: int, proc, timeout: float = 60.0) -> list[dict]:
+    """The broker's log lines of ``event`` once there are ``n`` (waiting on the log, bounded)."""
+    deadline = time.monotonic() + timeout
+    while len(found := _log_events(path, event)) < n:
+        assert proc.poll() is None, f"the broker died (status {proc.returncode}): {path.read_text()[-2000:]}"
+        assert time.monotonic() < deadline, f"no {n} '{event}' in the broker's log: {path.read_text()[-2000:]}"
+        time.sleep(0.05)
+    return found
+
+
+def test_an_aborting_bridge_costs_its_link_not_the_broker(tmp_path, keys):
+    """Red team item 1: one malformed NIXL offer made UCX assert inside the bridge, and the SIGABRT
+    took the exporting broker and every local client with it. The broker's bridges now run in
+    processes of their own (broker/supervise.py): a bridge that aborts is logged and started again,
+    the broker and its local clients carry on, and the channel flows across the restarted link."""
+    url = f"tcp://127.0.0.1:{free_port()}"
+    a_ep, b_ep = f"ipc://{tmp_path}/ea.sock", f"ipc://{tmp_path}/eb.sock"
+    a_log = tmp_path / "a.log"
+    a = subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker", "--endpoint", a_ep, "--log-format", "json",
+                          "--log-file", str(a_log), "--export", f"e={url}", "--bridge-keys", str(keys)])
+    b = subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker", "--endpoint", b_ep, "--log-level", "warning",
+                          "--import", f"e={url}", "--bridge-keys", str(keys)], stderr=subprocess.PIPE, text=True)
+    try:
+        (started,) = _until_logged(a_log, "bridge_started", 1, a)
+        os.kill(started["pid"], signal.SIGABRT)  # what a UCX assertion does
+        (exited,) = _until_logged(a_log, "bridge_exited", 1, a)
+        assert exited["signal"] == "SIGABRT" and exited["restart_in_s"] > 0, exited
+        again = _until_logged(a_log, "bridge_started", 2, a)[1]
+        assert again["restarts"] == 1 and again["pid"] != started["pid"]
+        with Producer(a_ep, "local", "cpu") as p, Consumer(a_ep, "local", "cpu") as c, \
+                ThreadPoolExecutor(1) as pool:  # local clients: unharmed
+            got = pool.submit(c.receive, timeout=30)
+            p.send(workload.pattern(3, 1, 4096), timeout=30)
+            with got.result(timeout=60) as h:
+                assert workload.verify(h.numpy())[2]
+        cr = Proc(workload.run_consumer, endpoint=b_ep, channel="e", device="cpu", count=3, env={})
+        pr = Proc(workload.run_producer, endpoint=a_ep, channel="e", device="cpu", count=3, size=1 << 16, env={})
+        pres, cres = pr.result(), cr.result()
+        assert pres["error"] is None and cres["error"] is None, (pres["error"], cres["error"])
+        assert cres["intact"] == 3 and pres["released"] == 3
+        assert a.poll() is None, "the exporting broker died"
+    finally:
+        stop(b)
+        stop(a)
+    assert a.returncode == 0, a_log.read_text()[-2000:]
 
 
 def test_broker_bridge_needs_keys_or_insecure(tmp_path):
