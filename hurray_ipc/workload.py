@@ -79,10 +79,11 @@ PRODUCER_INJECTIONS = ("no-host-wait", "record-wrong-stream")
 #: CUDA Array Interface v3 object naming its stream, or through a DLPack-only object that orders
 #: the producer's stream itself; it cycles the preferred mode over (cheapest valid, EVENT,
 #: CONSUMER_STREAM, PRODUCER_SYNCED; CONSUMER_STREAM is valid in-process only, so between the
-#: stress runner's processes it falls back). The consumer reads on its own stream after waiting and its
-#: host wait, on another stream given to ``wait(s)``, or on a stream ordered by
-#: ``__dlpack__(stream=)``, and in the last two releases with its reads still pending, so the
-#: library's release-after-work must fence them. Each is a rule the plain workload never touches.
+#: stress runner's processes it falls back, and its ``--pairs`` (:func:`run_pair`) use it). The
+#: consumer reads on its own stream after waiting and its host wait, on another stream given to
+#: ``wait(s)``, or on a stream ordered by ``__dlpack__(stream=)``, and in the last two releases
+#: with its reads still pending, so the library's release-after-work must fence them. Each is a
+#: rule the plain workload never touches.
 PATHS = ("plain", "mixed")
 _MODES = (None, SyncMode.EVENT, SyncMode.CONSUMER_STREAM, SyncMode.PRODUCER_SYNCED)
 
@@ -303,13 +304,34 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
     return asdict(rep)
 
 
+def run_pair(endpoint: str, channel: str, device: str, count: int, size: int, *, env: dict[str, str] | None = None,
+             counters: Any = None, consumer_counters: Any = None, paths: str = "plain", timeout: float = 30.0,
+             broker_grace: float = 15.0, deadline: float | None = None) -> dict[str, Any]:
+    """A producer and a consumer in one process, alone on ``channel``: the pair between which
+    CONSUMER_STREAM is valid (the producer makes the consumer's declared stream wait for its
+    writes; no event crosses a process), so that stress covers that mode too. The consumer runs
+    in a thread until the producer ends the stream. Returns ``{"producer": ..., "consumer": ...}``,
+    each as :func:`run_producer` and :func:`run_consumer` report."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1, thread_name_prefix="pair-consumer") as pool:
+        c = pool.submit(run_consumer, endpoint, channel, device, None, timeout=timeout, env=env,
+                        counters=consumer_counters, broker_grace=broker_grace, paths=paths, declare_stream=True,
+                        keep_seen=False)
+        p = run_producer(endpoint, channel, device, count, size, env=env, counters=counters, timeout=timeout,
+                         broker_grace=broker_grace, paths=paths, deadline=deadline, end_stream=True)
+        return {"producer": p, "consumer": c.result()}
+
+
 def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *, timeout: float = 30.0,
                  idle_stop: float | None = None, hold: float = 0.0, env: dict[str, str] | None = None,
                  keep_seen: bool = True, inject: str | None = None, counters: Any = None,
-                 broker_grace: float = 15.0, paths: str = "plain") -> dict[str, Any]:
+                 broker_grace: float = 15.0, paths: str = "plain", declare_stream: bool = False) -> dict[str, Any]:
     """Receive up to ``count`` buffers (or until ``idle_stop`` s pass with none, or until the end of
     the stream, ipc-protocol.md §4.9), checking each. ``paths``: "plain", or "mixed" to vary how
-    each buffer is waited for, read and released (:data:`PATHS`).
+    each buffer is waited for, read and released (:data:`PATHS`). ``declare_stream``: name the
+    consumer's stream at request time, so that an in-process producer may order it itself
+    (CONSUMER_STREAM, :func:`run_pair`).
 
     ``inject``: one of :data:`CONSUMER_INJECTIONS`: the consumer breaks the contract, which the
     emulation's race checker (and, when the timing exposes it, the checksums) must catch.
@@ -324,7 +346,12 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
     rep = ConsumerReport()
     dev: Any = None
     try:
-        with Consumer(endpoint, channel, device) as c:
+        declared = None
+        if declare_stream:
+            from .devices import open_device
+            gpu = open_device(device)
+            declared = gpu.create_stream() if isinstance(gpu, CudaDevice) else None
+        with Consumer(endpoint, channel, device, stream=declared) as c:
             dev = c.device
             reader = c.gpu.create_stream() if inject == "wrong-stream" and c.gpu is not None else c.stream
             # early-release: the stream the release is (wrongly) fenced on; nothing runs on it.

@@ -206,6 +206,11 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                                "            conflict(race_kind(is_write, True), w, a, b, forgive_gone=False)\n",
                                "            conflict(race_kind(is_write, True), w, a, b, True)  # MUTANT\n",
                                "tests/test_races.py"),
+    # CONSUMER_STREAM (in-process): the producer must make the consumer's declared stream wait.
+    "consumer-stream-no-wait": ("hurray_ipc/client/producer.py",
+                                "            inproc.stream(consumer.stream).wait(ev)  # type: ignore[arg-type]\n",
+                                "            pass  # MUTANT: the consumer's stream is not ordered\n",
+                                "tests/test_paths.py", "tests/test_stress.py"),
     "fenced-device-freed": ("hurray_ipc/client/producer.py",
                             "        self._fenced.append(o.source)\n",
                             "        pass  # MUTANT: mapped device memory handed back for reuse\n",

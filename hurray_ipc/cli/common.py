@@ -33,14 +33,22 @@ def device(value: str) -> str:
     return value
 
 
-def positive_int(value: str) -> int:
+def _int_at_least(value: str, least: int, what: str) -> int:
     try:
         n = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} is not a positive integer (at least 1)")
+    if n < least:
+        raise argparse.ArgumentTypeError(f"{n} is not {what} (at least {least})")
     return n
+
+
+def non_negative_int(value: str) -> int:
+    return _int_at_least(value, 0, "a count")
+
+
+def positive_int(value: str) -> int:
+    return _int_at_least(value, 1, "a positive integer")
 
 
 def sync_mode(value: str) -> str:

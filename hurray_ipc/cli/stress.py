@@ -38,7 +38,7 @@ from typing import Any
 
 from .. import workload
 from ..devices import DeviceError, backend_name, parse_spec, shm
-from .common import add_version, cuda_hint, device, positive_int, sync_mode
+from .common import add_version, cuda_hint, device, non_negative_int, positive_int, sync_mode
 
 # After the deadline of a --duration run: producers send nothing new and wait for their releases,
 # consumers stop after this many seconds without a buffer. The run ends within duration plus that,
@@ -74,6 +74,7 @@ class StressConfig:
     progress: bool | None = None  # None: a progress bar when stderr is a terminal
     inject: str | None = None  # fault injection (workload.INJECTIONS): the run must FAIL
     paths: str = "plain"  # workload.PATHS: "mixed" varies streams, CAI, DLPack, modes and release paths
+    pairs: int = 0  # in-process producer+consumer pairs, each on a channel of its own (CONSUMER_STREAM)
 
 
 @dataclass
@@ -85,11 +86,16 @@ class Worker:
     killed: bool = False
     result: Any = None
     queue: Any = None
+    consumer_counters: Any = None  # a "pair" worker's consumer half (its producer half: counters)
 
-    def count(self, i: int) -> int:
+    def count(self, i: int, consumer: bool = False) -> int:
         """Counter ``i``, read without the array's lock: a worker SIGKILLed inside its _bump holds
         that lock for ever, and taking it here hung the whole run. The worker is the only writer."""
-        return int(self.counters.get_obj()[i])
+        return int((self.consumer_counters if consumer and self.role == "pair" else self.counters).get_obj()[i])
+
+    def counts_as(self, role: str) -> bool:
+        """Whether this worker's counters include ``role``'s (a pair counts as both)."""
+        return self.role in (role, "pair")
 
 
 @dataclass
@@ -196,6 +202,16 @@ class Runner:
         counters = workload.SPAWN.Array("q", workload.COUNTERS)
         common = dict(endpoint=self.endpoint, channel="stress", device=self.spec, env=self.env, counters=counters,
                       broker_grace=4 * self.cfg.timeout + 10, paths=self.cfg.paths)
+        if role == "pair":
+            cc = workload.SPAWN.Array("q", workload.COUNTERS)
+            p, q = workload.spawn(workload.run_pair, endpoint=self.endpoint, channel=f"stress-pair-{share}",
+                                  device=self.spec, count=self.cfg.count if not self.cfg.duration else 1 << 40,
+                                  size=self.cfg.size, env=self.env, counters=counters, consumer_counters=cc,
+                                  paths=self.cfg.paths, broker_grace=4 * self.cfg.timeout + 10,
+                                  deadline=self.deadline)
+            w = Worker(role, p, counters, queue=q, consumer_counters=cc)
+            self.workers.append(w)
+            return w
         if role == "producer":
             kw = dict(common, count=share, size=self.cfg.size, mode=self.cfg.mode, deadline=self.deadline,
                       timeout=30.0, inject=self.cfg.inject if self.cfg.inject in workload.PRODUCER_INJECTIONS else None)
@@ -239,7 +255,7 @@ class Runner:
         self.summary.broker_restarts += 1
 
     def _sum(self, role: str, i: int) -> int:
-        return sum(w.count(i) for w in self.workers if w.role == role)
+        return sum(w.count(i, consumer=role == "consumer") for w in self.workers if w.counts_as(role))
 
     # --- the run ---------------------------------------------------------------------------
     def run(self) -> StressSummary:
@@ -257,6 +273,8 @@ class Runner:
         per = [cfg.count // cfg.producers + (i < cfg.count % cfg.producers) for i in range(cfg.producers)]
         for n in per:
             self._spawn("producer", n if not cfg.duration else 1 << 40)
+        for i in range(cfg.pairs):
+            self._spawn("pair", i)
         bar = None
         if cfg.progress if cfg.progress is not None else sys.stderr.isatty():
             from tqdm import tqdm
@@ -317,11 +335,14 @@ class Runner:
                 w.proc.kill()
                 continue
             w.proc.join(10)
-            if w.result.get("error"):
-                s.errors.append(f"{w.role} pid {w.proc.pid}: {w.result['error'].strip().splitlines()[-1]}")
-            if w.role == "producer":
-                for mode, n in (w.result.get("modes") or {}).items():
-                    s.modes[mode] = s.modes.get(mode, 0) + n
+            halves = [("producer", w.result["producer"]), ("consumer", w.result["consumer"])] if w.role == "pair" \
+                else [(w.role, w.result)]
+            for role, res in halves:
+                if res.get("error"):
+                    s.errors.append(f"{w.role} pid {w.proc.pid} ({role}): {res['error'].strip().splitlines()[-1]}")
+                if role == "producer":
+                    for mode, n in (res.get("modes") or {}).items():
+                        s.modes[mode] = s.modes.get(mode, 0) + n
         s.handoffs = self._sum("producer", workload.P_SENT)
         s.verified = self._sum("consumer", workload.C_INTACT)
         s.corrupt = self._sum("consumer", workload.C_CORRUPT)
@@ -331,7 +352,7 @@ class Runner:
         s.consumer_gone_releases = self._sum("producer", workload.P_CONSUMER_GONE)
         # Lost: handed off by a producer that lived to the end, and never released back to it.
         s.lost = sum(w.count(workload.P_SENT) - w.count(workload.P_RELEASED)
-                     for w in self.workers if w.role == "producer" and not w.killed)
+                     for w in self.workers if w.counts_as("producer") and not w.killed)
 
 
 def render(s: StressSummary) -> str:
@@ -397,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
                         "stream, a CUDA Array Interface or DLPack-only object, each preferred mode, reads on "
                         "streams given to wait() or __dlpack__(stream=) released while pending "
                         "(default: %(default)s)")
+    p.add_argument("--pairs", type=non_negative_int, default=d.pairs, metavar="N",
+                   help="also run N in-process producer+consumer pairs, each alone on a channel of its own: "
+                        "the only pairing where CONSUMER_STREAM is valid (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction,
                    help="a live progress bar on stderr (default: only when stderr is a terminal and "
@@ -407,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         emulated = backend_name() == "emulated"
         cfg = StressConfig(a.producers, a.consumers, a.count, a.duration, a.size, a.mode, a.device, emulated,
                            a.kill_consumers, a.kill_producers, a.broker_restarts, a.seed, a.emu_delay_ms,
-                           progress=progress, inject=a.inject, paths=a.paths)
+                           progress=progress, inject=a.inject, paths=a.paths, pairs=a.pairs)
         runner = Runner(cfg)  # checks the device before the broker or any worker starts
     except DeviceError as e:
         print(f"hurray-stress: {cuda_hint(str(e))}", file=sys.stderr)
