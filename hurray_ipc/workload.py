@@ -232,7 +232,10 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
             outage: float | None = None
 
             def back(t: Any, buf: Buffer) -> None:
-                free.append(buf)
+                if t.outcome == "consumer_fenced" and p.holds(buf):
+                    free.append(p.allocate(size))  # a fenced consumer may still read it: never reuse (§5)
+                else:
+                    free.append(buf)
                 if t.outcome == "rejected":  # never delivered (send raised): not a handoff
                     _bump(counters, P_REJECTED)
                     return
