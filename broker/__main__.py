@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                    "--group; Prometheus: authorization.credentials_file). Default for an ipc:// endpoint: "
                    "SOCKET.metrics-token beside the socket; required for a tcp:// one")
     a = p.parse_args(argv)
-    if a.fence is not None and not a.fence >= a.timeout:
+    if a.fence is not None and not (math.isfinite(a.fence) and a.fence >= a.timeout):
         p.error(f"--fence {a.fence} must be at least --timeout ({a.timeout}): a consumer is fenced only "
                 "after it was found unresponsive")
     ep = a.endpoint or default_endpoint()
@@ -163,9 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     # Each bridge in a process of its own (broker/supervise.py): a native abort in its NIXL
     # engine costs that link, not this broker and every client's connection.
     supervisor = Supervisor(bridges, {"HURRAY_ROUTE_KEY": b.core.route_key}) if bridges else None
-    if supervisor is not None:
-        supervisor.start()
     try:
+        if supervisor is not None:
+            supervisor.start()
         b.serve(stop_after=a.duration)
     finally:
         if supervisor is not None:

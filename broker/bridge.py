@@ -945,6 +945,7 @@ class BridgeIn:
         self.last_ping = 0.0
         self.last_tx = 0.0
         self.stats = {"delivered": 0, "rejected": 0, "discarded": 0}
+        self.fenced_buffers: list[Any] = []  # handed on to a consumer that was fenced: kept, never reused
         self.engine = open_engine(rdma, "in", channel)
         self.planes = PLANES if self.engine is not None else ("zmq",)
         self.plane = "zmq"
@@ -1274,6 +1275,11 @@ class BridgeIn:
             if err is not None:
                 self.stats["discarded"] += 1
                 log.warning(json.dumps({"event": "hand_on_refused", "transfer_id": p["tid"], "error": str(err)[:200]}))
+            if ticket.outcome == "consumer_fenced":
+                # Its consumer may still read it (ipc-protocol.md §5): never pooled, written by the
+                # NIC (a registration pins its pages) or freed again while this bridge runs.
+                self.fenced_buffers.append(buf)
+                return
             back(buf)
 
         p.setdefault("bounces", 0)

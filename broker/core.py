@@ -488,7 +488,9 @@ class BrokerCore:
                 while len(self.expired) > _RELEASED_MEMORY:
                     self.expired.popitem(last=False)
                 if key[0] in self.clients:
-                    self._send(key[0], Message("RELEASED", {"handoff_id": key[1], "reason": "consumer_gone"}))
+                    # Nobody claimed it, but nothing proves its holder gone (stopped across the
+                    # restart, it has not spoken yet): the producer retires it (§5, §6).
+                    self._send(key[0], Message("RELEASED", {"handoff_id": key[1], "reason": "consumer_fenced"}))
         # Claims to handoffs whose producer never came back to this broker.
         lost = [x for prod, by_hid in self.claims.items() if not self._is_producer(prod)
                 for xs in by_hid.values() for x in xs if now - x.since > self.timeout_s]

@@ -21,14 +21,18 @@ def write_token(path: Path, group: bool = False) -> str:
     file: a reader sees the old token or the new one, never a partial one."""
     token = secrets.token_hex(32)
     mode = 0o640 if group else 0o600
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")  # not guessable beforehand
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
-        os.fchmod(fd, mode)  # whatever the umask
-        os.write(fd, token.encode() + b"\n")
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            os.fchmod(fd, mode)  # whatever the umask
+            os.write(fd, token.encode() + b"\n")
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # never leave a copy of the secret behind
+        raise
     return token
 
 

@@ -10,8 +10,8 @@ broker (interchange.md), given the broker's route key in its environment (``HURR
 /proc/<pid>/environ is readable by the same uid only) and the broker's log options. A child that
 exits while the broker runs is logged (``bridge_exited``, with its exit status or signal) and
 started again after a back-off: 1 s, doubling to 30 s while it keeps dying young, back to 1 s once
-it ran for a minute. One that exits with status 2 (bad options: unreadable keys, a port in use)
-is not restarted: that does not mend itself, and the log says why.
+it ran for a minute. Whatever its exit status: the broker checked the options before it started
+any bridge, so a failure is of the moment (a port its predecessor still holds, a full table).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ log = logging.getLogger("hurray.broker")
 
 BACKOFF_S = (1.0, 30.0)  # first and longest wait before a restart
 HEALTHY_S = 60.0  # a child that ran this long starts its back-off again from the first wait
-BAD_OPTIONS = 2  # the bridge CLI's exit status for options that cannot work
 
 
 @dataclass
@@ -44,7 +43,6 @@ class Child:
     restart_at: float | None = None
     backoff: float = BACKOFF_S[0]
     restarts: int = 0
-    given_up: bool = False
     exits: list[int] = field(default_factory=list)  # every exit status seen (negative: the signal)
 
 
@@ -79,24 +77,29 @@ class Supervisor:
         while not self._stop.wait(0.1):
             now = time.monotonic()
             for c in self.children:
-                if c.proc is not None and c.restart_at is None and not c.given_up:
-                    code = c.proc.poll()
-                    if code is None:
-                        continue
-                    self._exited(c, code, now)
-                if c.restart_at is not None and now >= c.restart_at:
-                    c.restarts += 1
-                    self._spawn(c)
+                try:
+                    if c.proc is not None and c.restart_at is None:
+                        code = c.proc.poll()
+                        if code is None:
+                            continue
+                        self._exited(c, code, now)
+                    if c.restart_at is not None and now >= c.restart_at:
+                        c.restarts += 1
+                        self._spawn(c)
+                except Exception as e:  # noqa: BLE001 - e.g. fork failing (EAGAIN): try again later
+                    c.restart_at = now + c.backoff
+                    log.error(json.dumps({"event": "bridge_restart_failed", "bridge": c.name,
+                                          "error": f"{type(e).__name__}: {e}", "retry_in_s": c.backoff}))
 
     def _exited(self, c: Child, code: int, now: float) -> None:
         c.exits.append(code)
         lived = now - c.started
-        why: dict[str, object] = {"signal": signal.Signals(-code).name} if code < 0 else {"exit_status": code}
-        if code == BAD_OPTIONS:
-            c.given_up = True
-            log.error(json.dumps({"event": "bridge_exited", "bridge": c.name, **why, "lived_s": round(lived, 3),
-                                  "restart": False, "why": "its options cannot work (see its log above)"}))
-            return
+        why: dict[str, object] = {"exit_status": code}
+        if code < 0:
+            try:
+                why = {"signal": signal.Signals(-code).name}
+            except ValueError:  # a real-time signal has no name
+                why = {"signal": -code}
         if lived >= HEALTHY_S:
             c.backoff = BACKOFF_S[0]
         c.restart_at = now + c.backoff

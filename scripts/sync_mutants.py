@@ -203,7 +203,8 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                            *FENCING),
     # The checker itself (issue 22, limit B): an exited writer's unordered write is still a race.
     "exited-writer-forgiven": ("hurray_ipc/devices/backend/hb.py",
-                               "            conflict(race_kind(is_write, True), w, a, b, forgive_gone=False)\n",
+                               "            conflict(race_kind(is_write, True), w, a, b, "
+                               "forgive_gone=PRUNED in clock)\n",
                                "            conflict(race_kind(is_write, True), w, a, b, True)  # MUTANT\n",
                                "tests/test_races.py"),
     # CONSUMER_STREAM (in-process): the producer must make the consumer's declared stream wait.

@@ -556,6 +556,18 @@ def test_a_consumer_judged_by_heartbeats_alone_is_fenced_not_gone():
                     (b"p", "RELEASED", {"handoff_id": 1, "reason": "consumer_gone"})]
 
 
+def test_an_unclaimed_handoff_after_a_restart_comes_back_fenced_not_gone():
+    """Spec §6 with §5: after a broker restart, a handoff its producer lists and no consumer claims
+    within the timeout goes back to the producer, but nothing proves its holder gone (stopped
+    across the restart, it has not spoken yet): RELEASED consumer_fenced, never consumer_gone."""
+    core = _core()
+    _hello(core, b"p", "producer", pid=5, outstanding=[{"handoff_id": 3, "consumer_id": "0" * 16}])
+    assert not _sent(core.tick(TIMEOUT - 0.01, lambda c: True))
+    assert _sent(core.tick(TIMEOUT, lambda c: True)) == [
+        (b"p", "RELEASED", {"handoff_id": 3, "reason": "consumer_fenced"})]
+    core.check_invariants()
+
+
 def test_heartbeat_alone_drops_only_peers_it_cannot_judge():
     core = _core()
     _hello(core, b"c", "consumer")

@@ -17,7 +17,6 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -25,7 +24,7 @@ import pytest
 from brokerproc import BrokerProcess
 from conftest import Proc, emu_config
 from hurray_ipc import workload
-from hurray_ipc.client import Consumer, Producer
+from hurray_ipc.client import Producer
 from hurray_ipc.devices import CudaDevice, set_runtime
 from hurray_ipc.devices.backend.emulated import EmulatedRuntime
 from workers import hold_while_fenced
@@ -109,14 +108,13 @@ def _fence_and_reuse(fencing: BrokerProcess, device, consumer_device: str, delay
 
 def _reuse(fencing: BrokerProcess, p: Producer, buf) -> None:
     """What any producer does with a buffer it got back: write it and send it again (here while
-    the fenced consumer is stopped), to another consumer, which must read the new bytes."""
-    with Consumer(fencing.endpoint, "fence", "cpu") as other, ThreadPoolExecutor(1) as pool:
-        got = pool.submit(other.receive, timeout=30)  # its request is what send() waits for
-        _write(p, buf, 2)
-        t2 = p.send(buf, timeout=30)
-        with got.result(timeout=60) as h:
-            _tag, seq, ok = workload.verify(np.frombuffer(h.buffer.host_view(), dtype=np.uint8))
-            assert ok and seq == 2, "the next handoff did not carry the producer's new bytes"
-        p.wait_released(timeout=30)
-        assert t2.outcome == "released"
-
+    the fenced consumer is stopped), to a consumer in another process, which must attach it (a
+    renewed segment under a new name) and read the new bytes."""
+    other = Proc(workload.run_consumer, endpoint=fencing.endpoint, channel="fence", device="cpu", count=1, env={})
+    _write(p, buf, 2)
+    t2 = p.send(buf, timeout=30)
+    r = other.result()
+    assert r["error"] is None, r["error"]
+    assert r["intact"] == 1 and [tuple(x) for x in r["seen"]] == [(7, 2)], "the next handoff lost the new bytes"
+    p.wait_released(timeout=30)
+    assert t2.outcome == "released"

@@ -301,8 +301,8 @@ def wait_for(cond: Any, seconds: float, what: str) -> None:
 def test_broker_death_during_a_send_then_the_channel_flows_again(tmp_path):
     """The HANDOFF goes to a broker that is stopped and then killed: send raises
     BrokerUnavailable; once a new broker runs, both clients register again by themselves, the
-    swallowed handoff comes back to its producer (RELEASED consumer_gone, spec §6) and the next
-    send is delivered."""
+    swallowed handoff comes back to its producer (RELEASED consumer_fenced, spec §6: nothing proves
+    its holder gone, so the producer retires it) and the next send is delivered."""
     b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=1.0).start()
     try:
         before = segments()
@@ -331,7 +331,7 @@ def test_broker_death_during_a_send_then_the_channel_flows_again(tmp_path):
             h.release()
             assert workload.verify(data) == (TAG, 1, True)
             p.flush(10)  # the handoff the dead broker swallowed came back
-            assert outcomes == ["consumer_gone"]
+            assert outcomes == ["consumer_fenced"]
             assert p.outstanding == 0 and p.staging.in_use == 0
         assert segments() <= before
     finally:

@@ -335,8 +335,8 @@ class Runner:
                 w.proc.kill()
                 continue
             w.proc.join(10)
-            halves = [("producer", w.result["producer"]), ("consumer", w.result["consumer"])] if w.role == "pair" \
-                else [(w.role, w.result)]
+            halves = [("producer", w.result.get("producer", w.result)), ("consumer", w.result.get("consumer", {}))] \
+                if w.role == "pair" else [(w.role, w.result)]
             for role, res in halves:
                 if res.get("error"):
                     s.errors.append(f"{w.role} pid {w.proc.pid} ({role}): {res['error'].strip().splitlines()[-1]}")

@@ -28,7 +28,6 @@ from ..devices import Device, open_device
 from ..devices.base import Buffer
 from ..devices.cpu import CpuDevice
 from ..devices.cuda import CudaDevice, CudaEvent, CudaStream
-from ..devices.errors import DeviceError
 from ..errors import ClosedError, InvalidArgument
 from ..format.handle import BufferHandle, DeviceTag, SyncMode
 from ..interop.source import Source, check_user_meta, resolve
@@ -354,7 +353,7 @@ class Producer:
 
     def _retire(self, o: _Outgoing) -> None:
         """A fenced consumer may still read this handoff (spec §5): nothing it may read or wait on
-        is written, re-recorded or handed out again while this producer lives. Its event is kept
+        is written, re-recorded or handed out again until this producer closes. Its event is kept
         idle until close; its staging slot, or the copy the library made, is freed (the pages stay
         with the consumer's mapping and are never handed out again). The caller's own shared
         memory gets fresh pages in place, so the caller may reuse it. Anything else (device
@@ -370,11 +369,12 @@ class Producer:
         buf = o.source.buffer
         if o.ticket.staged or o.source.copied:
             return  # the consumer maps the slot or the copy, not the caller's memory
-        if isinstance(buf.device, CpuDevice) and not buf.imported:
+        # In process the consumer reads our own mapping: new pages under it would not help.
+        if isinstance(buf.device, CpuDevice) and not buf.imported and o.inproc_key is None:
             try:
                 buf.device.retire_memory(buf)
                 return
-            except DeviceError as e:
+            except Exception as e:  # noqa: BLE001 - it runs on the pump thread: keep the buffer instead
                 log.warning("a fenced consumer may still read %r, which cannot be moved (%s): kept until close", buf, e)
         self._fenced.append(o.source)
 
@@ -401,7 +401,7 @@ class Producer:
         """True while ``obj`` is part of a handoff not yet released (it will come back through
         on_release), and for good when a fenced consumer may still read it and its memory could
         not be moved (device memory: spec §5): never write or free such an object while this
-        producer lives. Host shared memory from :meth:`allocate` is moved instead, so it is free."""
+        producer is open. Host shared memory from :meth:`allocate` is moved instead, so it is free."""
         with self.session.lock:
             return (any(o.source.keep is obj for o in self._out.values())
                     or any(src.keep is obj for src in self._fenced))

@@ -88,7 +88,7 @@ class CpuDevice(Device):
         return Buffer(self, ptr, size, closer=free, host=memoryview(seg.map)[:size])
 
     def segment_of(self, buf: Buffer) -> tuple[Segment, int]:
-        for base, seg in self._segments.items():
+        for base, seg in list(self._segments.items()):  # a copy: another thread may allocate or free
             if base <= buf.ptr < base + seg.size or (buf.size == 0 and buf.ptr == base):
                 return seg, buf.ptr - base
         raise DeviceError("export_memory", f"{buf!r} is not in shared memory this process allocated")

@@ -147,8 +147,9 @@ class Segment:
         parsed = parse_name(self.name)
         fresh = Segment.create(self.size, parsed[2] if parsed else "c")
         try:
-            fresh.map[:] = self.map[:]
             addr = self.address()
+            ctypes.memmove(fresh.address(), addr, len(self.map))  # no temporary copy of the whole buffer
+            fresh._pin = None
             got = _libc.mmap(ctypes.c_void_p(addr), ctypes.c_size_t(len(self.map)),
                              mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED, fresh.fd, 0)
             if got != addr:
@@ -160,7 +161,12 @@ class Segment:
         fresh.map.close()  # its own second mapping; the descriptor and the name pass to self
         old_shm, old_finalizer = self._shm, self._finalizer
         self.name, self._shm, self.fd = fresh.name, fresh._shm, fresh.fd
-        self._finalizer, fresh._finalizer = fresh._finalizer, None
+        # The new name's unlink belongs to self now: fresh's finalizer would run when fresh is
+        # collected (at once) and unlink the name under every later attach.
+        if fresh._finalizer is not None:
+            fresh._finalizer.detach()
+        fresh._finalizer = None
+        self._finalizer = weakref.finalize(self, unlink, self.name)
         fresh.closed = True
         try:
             old_shm.close_fd()

@@ -41,12 +41,21 @@ def join(into: Clock, other: Clock) -> None:
             into[agent] = count
 
 
+# A clock key no agent has (agents are positive): present when the clock, or one it joined,
+# forgot exited agents (prune), so that what it knew of their writes is no longer known.
+PRUNED = -1
+
+
 def prune(clock: Clock, gone: Callable[[int], bool]) -> Clock:
-    """``clock`` without the agents ``gone`` says belong to exited processes. Verdicts do not
-    change: an access by an exited process is forgiven anyway (``access``'s ``gone``), so what a
-    clock knows of its agents is never asked again; a clock stays as small as the live agents it
-    has met, however many processes came and went (a soak of thousands of lifetimes)."""
-    return {a: n for a, n in clock.items() if not gone(a)}
+    """``clock`` without the agents ``gone`` says belong to exited processes, marked PRUNED. A
+    read by an exited process is forgiven anyway (``access``), so what a clock knows of it is never
+    asked again; a write by one is judged by the accessor's clock, which no longer knows it once
+    pruned: such a clock forgives exited writers again (the price of a clock as small as the live
+    agents it has met, however many processes came and went: a soak of thousands of lifetimes)."""
+    kept = {a: n for a, n in clock.items() if not gone(a)}
+    if len(kept) < len(clock):
+        kept[PRUNED] = 1
+    return kept
 
 
 def ordered(clock: Clock, rec: Record) -> bool:
@@ -87,7 +96,7 @@ def access(shadow: list[Interval], lo: int, hi: int, is_write: bool, rec: Record
 
     def touched(a: int, b: int, w: Record | None, reads: list[Record]) -> Interval:
         if w is not None:
-            conflict(race_kind(is_write, True), w, a, b, forgive_gone=False)
+            conflict(race_kind(is_write, True), w, a, b, forgive_gone=PRUNED in clock)
         if is_write:
             for r in reads:
                 conflict(race_kind(True, False), r, a, b, forgive_gone=True)
