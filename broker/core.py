@@ -70,13 +70,12 @@ MAX_CLIENTS = 16384             # registrations in all
 MAX_CLIENTS_PER_PROCESS = 256   # registrations of one process (by lease, else by host and pid)
 MAX_OUTSTANDING_CLAIMS = MAX_CREDITS  # handoffs a re-registering producer may list
 MAX_RATE = 50_000.0  # messages per second one registered client may send (sustained; burst of one second)
+FENCE_TIMEOUTS = 20  # a consumer alive but silent this many timeouts while holding buffers is fenced (§5)
 # Bytes of STATS_REPLY and CAPS_REPLY headers per second (spec §6a `query_bytes`): per connection,
 # registered or not, and for all together. Answers are built, encoded and queued until their peer
 # reads them (one that never reads keeps them all), so their size is what a query flood costs;
 # small answers (a CAPS, a STATS of a small broker) are never limited in practice. An over-budget
 # query gets at most one ERROR a second per connection; the rest are dropped unanswered.
-# A consumer alive but silent for this many timeouts while holding buffers is fenced (§5).
-FENCE_TIMEOUTS = 20
 QUERY_BYTES = 2 << 20
 QUERY_BYTES_TOTAL = 16 << 20
 MAX_QUERY_PEERS = 16384  # connections whose query rate is remembered (the least recent are forgotten)
