@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 log = logging.getLogger("hurray.broker")
 
@@ -43,7 +43,6 @@ class Child:
     restart_at: float | None = None
     backoff: float = BACKOFF_S[0]
     restarts: int = 0
-    exits: list[int] = field(default_factory=list)  # every exit status seen (negative: the signal)
 
 
 class Supervisor:
@@ -92,7 +91,6 @@ class Supervisor:
                                           "error": f"{type(e).__name__}: {e}", "retry_in_s": c.backoff}))
 
     def _exited(self, c: Child, code: int, now: float) -> None:
-        c.exits.append(code)
         lived = now - c.started
         why: dict[str, object] = {"exit_status": code}
         if code < 0:

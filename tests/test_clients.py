@@ -8,7 +8,6 @@ import signal
 import stat
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ from brokerproc import BrokerProcess
 from conftest import Proc, emu_config, emu_env
 from hurray_ipc import workload
 from hurray_ipc.broker.bridge import read_route_key
+from hurray_ipc.broker.keyfile import route_key_path
 from hurray_ipc.client import BrokerUnavailable, Consumer, Producer, ProducerGone
 from hurray_ipc.devices import shm
 
@@ -234,7 +234,7 @@ def test_route_is_announced_again_to_a_restarted_broker(tmp_path):
 
     try:
         assert _until("registered", lambda: p.session.registered)  # so ROUTE goes now, not at WELCOME
-        key_file = Path(b.endpoint[len("ipc://"):] + ".route-key")
+        key_file = route_key_path(b.endpoint)
         assert stat.S_IMODE(key_file.stat().st_mode) == 0o600  # only the broker's user may ROUTE
         p.session.set_route({"direction": "import", "links": [link]}, read_route_key(b.endpoint, None))
         assert _until("the route reached the broker", lambda: links() == [[link]])

@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from hurray_ipc.broker.core import BrokerCore, Send
+from hurray_ipc.broker.keyfile import route_key_path
 from hurray_ipc.devices.base import host_id
 from hurray_ipc.transport.protocol import Message, decode_all
 from test_protocol_raw import pack_hot
@@ -103,7 +104,7 @@ class CoreDriver(Driver):
 class LiveDriver(Driver):
     def __init__(self, endpoint: str, ctx: zmq.Context, run: int) -> None:
         self.endpoint, self.ctx, self.run = endpoint, ctx, run
-        self.route_key = Path(endpoint[len("ipc://"):] + ".route-key").read_text().strip()
+        self.route_key = route_key_path(endpoint).read_text().strip()  # type: ignore[union-attr]
         self.pids = {100: os.getppid(), 200: os.getpid(), 201: os.getpid()}
         self.socks: dict[str, zmq.Socket] = {}
         self.pending: dict[str, list[Message]] = {}

@@ -90,7 +90,6 @@ class EventPool:
         self.device = device
         self.pooled = pooled
         self.created = 0  # events created so far
-        self.retired = 0  # events kept out of use for fenced consumers (retire)
         self._idle: list[CudaEvent] = []
         self._all: list[CudaEvent] = []
         self._lock = threading.Lock()
@@ -112,12 +111,6 @@ class EventPool:
                 return
             self._all.remove(ev)
         ev.close()
-
-    def retire(self, ev: CudaEvent) -> None:
-        """An event a fenced consumer may still wait on (spec §5): neither re-recorded nor
-        destroyed before :meth:`close`."""
-        with self._lock:
-            self.retired += 1
 
     @property
     def size(self) -> int:
@@ -360,9 +353,9 @@ class Producer:
         memory, memory another process exported) cannot be moved: it is kept alive and
         :meth:`holds` stays true for it until :meth:`close` (cudaFree under an importer's mapping
         is undefined)."""
-        if o.event is not None:
-            self.events.retire(o.event)  # type: ignore[union-attr]
-            o.event = None
+        # Not given back: still in the pool's list of all its events, so neither re-recorded
+        # nor destroyed before close().
+        o.event = None
         if o.slot is not None:
             self.staging.retire(o.slot)
             o.slot = None
