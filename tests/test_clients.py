@@ -375,17 +375,29 @@ def test_delivery_that_cannot_be_mapped_is_rejected_naming_the_cuda_call(broker)
         set_runtime(None)
 
 
-@pytest.mark.parametrize("pooled", [True, False], ids=["event-pool", "event-per-handoff"])
-def test_event_pool_and_event_per_handoff(broker, pooled):
-    """Pooled: one event serves sequential handoffs (re-recorded after its release). Unpooled: one
-    event per handoff, destroyed when it is released; no event is left alive either way."""
+@pytest.mark.parametrize("pooled", [True, False, None], ids=["event-pool", "event-per-handoff", "default"])
+def test_event_pool_and_event_per_handoff(broker, pooled, monkeypatch):
+    """Pooled (opt-in): one event serves sequential handoffs (re-recorded after its release).
+    Unpooled, the default: one event per handoff, recorded once (cuda.core's rule for IPC events)
+    and destroyed when its handoff is released. No event is left alive either way."""
     from hurray_ipc.devices import CudaDevice, set_runtime
     from hurray_ipc.devices.backend.emulated import EmulatedRuntime
 
     def live_events():  # an emulated event is one "v" segment of its creating process
         return {n for n in shm.list_segments(pid=os.getpid()) if shm.parse_name(n)[2] == "v"}
 
+    monkeypatch.delenv("HURRAY_EVENT_POOL", raising=False)
     rt = EmulatedRuntime(emu_config())
+    records: dict[int, int] = {}  # event object id -> cudaEventRecord calls on it
+    recorded = []  # the events themselves, kept so that no id is reused
+    real_record = rt.event_record
+
+    def counting_record(event, stream):
+        recorded.append(event)
+        records[id(event)] = records.get(id(event), 0) + 1
+        return real_record(event, stream)
+
+    monkeypatch.setattr(rt, "event_record", counting_record)
     set_runtime(rt)
     try:
         c = Proc(workload.run_consumer, endpoint=broker.endpoint, channel="evp", device="cuda:0", count=4,
@@ -404,6 +416,10 @@ def test_event_pool_and_event_per_handoff(broker, pooled):
             assert p.events.created == (1 if pooled else 4)
             assert p.events.size == (1 if pooled else 0)
         assert not live_events() - before, "every event destroyed"
+        if pooled:
+            assert sorted(records.values()) == [4]
+        else:
+            assert sorted(records.values()) == [1, 1, 1, 1], "each IPC event is recorded exactly once"
         cr = c.result()
         assert cr["error"] is None, cr["error"]
         assert cr["intact"] == 4 and cr["races"] == 0 and cr["modes"] == {"SYNC_EVENT": 4}
@@ -415,7 +431,9 @@ def test_event_pool_setting_from_env(monkeypatch):
     from hurray_ipc.client.producer import event_pool_setting
 
     monkeypatch.delenv("HURRAY_EVENT_POOL", raising=False)
-    assert event_pool_setting(None) is True
+    assert event_pool_setting(None) is False  # record-once events unless asked
+    monkeypatch.setenv("HURRAY_EVENT_POOL", "1")
+    assert event_pool_setting(None) is True and event_pool_setting(False) is False
     monkeypatch.setenv("HURRAY_EVENT_POOL", "0")
     assert event_pool_setting(None) is False and event_pool_setting(True) is True
     monkeypatch.setenv("HURRAY_EVENT_POOL", "maybe")

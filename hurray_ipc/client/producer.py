@@ -4,9 +4,9 @@ Contract (ADR-018 §1, docs/spec/sync-contract.md): before a handle leaves ``sen
 has either host-waited the writing stream (PRODUCER_SYNCED), recorded an event on it (EVENT), or
 made the consumer's declared stream wait on it (CONSUMER_STREAM, in-process). The producer keeps
 the buffer (and an EVENT's event) alive until the consumer releases it; then ``on_release`` fires
-exactly once. Events come from a pool and are re-recorded after their release, or, with
-``Producer(event_pool=False)`` / ``HURRAY_EVENT_POOL=0``, are created per handoff and destroyed at
-their release (see :class:`EventPool`).
+exactly once. Each SYNC_EVENT handoff gets an IPC event of its own, recorded once and destroyed at
+the handoff's RELEASED; ``Producer(event_pool=True)`` / ``HURRAY_EVENT_POOL=1`` instead re-records
+released events for later handoffs (see :class:`EventPool`).
 """
 
 from __future__ import annotations
@@ -57,10 +57,11 @@ def _fewer_in_use(staging: StagingPool, before: int) -> bool:
 
 
 def event_pool_setting(event_pool: bool | None) -> bool:
-    """``event_pool`` if given, else ``HURRAY_EVENT_POOL`` (1, the default: pool; 0: one per handoff)."""
+    """``event_pool`` if given, else ``HURRAY_EVENT_POOL`` (0, the default: one event per handoff,
+    recorded once; 1: re-record released events)."""
     if event_pool is not None:
         return bool(event_pool)
-    raw = os.environ.get("HURRAY_EVENT_POOL", "1").strip().lower()
+    raw = os.environ.get("HURRAY_EVENT_POOL", "0").strip().lower()
     if raw in ("1", "true", "yes", "on"):
         return True
     if raw in ("0", "false", "no", "off"):
@@ -74,19 +75,21 @@ class EventPool:
     handoff and records it; it releases it when the consumer's EVENT_RELEASED (or the handoff's
     RELEASED) arrives.
 
-    ``pooled=True``: a released event is re-recorded for a later handoff. The CUDA Runtime API
+    ``pooled=False`` (the default): one event per handoff, recorded once and destroyed with its
+    buffer (RELEASED, not EVENT_RELEASED: an importer's wait may be issued but not yet run at
+    EVENT_RELEASED, and an imported event whose exporter destroyed it is undefined). cuda.core
+    refuses to re-record IPC events ("IPC-enabled events should not be re-recorded"); the default
+    follows that reading. The cost is a cudaEventCreate + cudaIpcGetEventHandle per handoff on the
+    producer; the consumer opens (cudaIpcOpenEventHandle) each handoff's event in either mode.
+    ``pooled=True`` (opt-in): a released event is re-recorded for a later handoff. The CUDA Runtime API
     allows this: cudaEventRecord may be called on an event again and overwrites its captured
     state, and cudaStreamWaitEvent waits for the state captured by the most recent
     cudaEventRecord *at the time of the wait call*, unaffected by later records. The consumer
     releases the event only after issuing its stream-waits (sync-contract §3), so a re-record
     after the release cannot change what those waits order after.
-    ``pooled=False``: one event per handoff, destroyed with its buffer (RELEASED: an importer's
-    wait may still be pending at EVENT_RELEASED). cuda.core refuses to
-    re-record IPC events ("IPC-enabled events should not be re-recorded"); this mode follows that
-    stricter reading, at the cost of a cudaEventCreate + cudaIpcGetEventHandle per handoff.
     """
 
-    def __init__(self, device: CudaDevice, pooled: bool = True):
+    def __init__(self, device: CudaDevice, pooled: bool = False):
         self.device = device
         self.pooled = pooled
         self.created = 0  # events created so far
@@ -189,9 +192,8 @@ class Producer:
     non-blocking stream is created if omitted; see :attr:`stream` and :meth:`send`);
     ``prefetch``: how many consumer requests to hold ahead (one held unused for a heartbeat while
     another producer of the channel waits is taken back by the broker, REVOKE: spec §4.3a);
-    ``event_pool``: reuse released
-    SYNC_EVENT events (True) or create and destroy one per handoff (False); default from
-    ``HURRAY_EVENT_POOL`` (1). See :class:`EventPool`.
+    ``event_pool``: create, record once and destroy one SYNC_EVENT event per handoff (False) or
+    re-record released events (True); default from ``HURRAY_EVENT_POOL`` (0). See :class:`EventPool`.
 
     Thread-safe: ``send``, ``flush``, ``wait_released`` and ``holds`` may be called from several
     threads at once (each grant is taken by exactly one ``send``); ``close`` must not race them.
