@@ -197,6 +197,11 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                            "            self.staging.retire(o.slot)\n",
                            "            self.staging.release(o.slot)  # MUTANT: back to the pool\n",
                            *FENCING),
+    "fenced-event-destroyed": ("hurray_ipc/client/producer.py",
+                               "        # nor destroyed before close().\n        o.event = None\n",
+                               "        if o.event is not None:  # MUTANT: destroyed under the fenced consumer\n"
+                               "            self.events.release(o.event)\n        o.event = None\n",
+                               *FENCING),
     "fenced-memory-kept": ("hurray_ipc/client/producer.py",
                            "                buf.device.retire_memory(buf)\n",
                            "                pass  # MUTANT: the caller's pages stay under the consumer\n",
