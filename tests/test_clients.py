@@ -29,6 +29,7 @@ def run_pair(broker, pdev, cdev, env, n=12, size=64 << 10, mode=None, channel="c
     assert pr["error"] is None, pr["error"]
     assert cr["error"] is None, cr["error"]
     assert pr["sent"] == pr["released"] == n
+    assert pr["races"] == 0, "the producer's checker found a race (e.g. a staged copy read before it retired)"
     assert cr["received"] == cr["intact"] == n and cr["corrupt"] == 0 and cr["races"] == 0
     assert sorted(s for _, s in cr["seen"]) == list(range(n))
     return pr, cr
@@ -68,6 +69,17 @@ def test_host_staged_fallback(broker, cdev, env):
     pr, cr = run_pair(broker, "cuda:0", cdev, env, n=8)
     assert cr["staged"] == 8 and cr["modes"] == {"SYNC_PRODUCER_SYNCED": 8}
     assert pr["staged"] == 8
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05], ids=["delay0", "delay50ms"])
+def test_host_staged_copy_is_host_waited_before_the_handle_leaves(broker, delay):
+    """The consumer reads a staging slot on its host, and its only edge to the producer's stream
+    is the HANDOFF: the producer must host-wait the device-to-host copy before the handle leaves
+    (ADR-018 §6). The checker judges it at the send (``hb_publish_host``), whatever the timing:
+    without the wait, every handoff is a race at 0 ms, where the bytes happen to arrive intact, as
+    at 50 ms, where they do not (mutant staged-no-host-wait)."""
+    pr, cr = run_pair(broker, "cuda:0", "cpu", emu_env(op_delay_s=delay), n=4)
+    assert pr["staged"] == cr["staged"] == 4
 
 
 def test_two_producers_two_consumers_each_handoff_owned_once(broker):

@@ -292,10 +292,30 @@ def record_after_the_message_left(w: World, broken: bool):
     return race, np.array_equal(out, data)
 
 
+def staged_copy_without_host_wait(w: World, broken: bool):
+    """The host-staged fallback: the consumer reads the staging slot on its host, and its only
+    edge to the producer's copy is the message. So the copy must be host-waited before the handle
+    leaves; the checker judges it when the producer publishes the slot (``publish_host``), not by
+    whether the bytes happened to land. Issue 22's checker limit C: host reads were not modelled,
+    and only a slow copy's checksum caught a missing wait."""
+    buf = w.P.allocate(N)
+    data = workload.pattern(5, next(_keys), N)
+    w.ps.copy(buf, data)
+    slot = np.zeros(N, dtype=np.uint8)
+    w.ps.copy(slot, buf)  # device to host, into what the consumer will read
+    if not broken:
+        w.ps.synchronize()
+    w.P.publish_host(slot.ctypes.data, N, "a staging slot")
+    w.message(w.P, w.C)  # DELIVER
+    race = sync(w.ps)  # the producer's runtime raises what it found at its next synchronize
+    buf.close()
+    return race, np.array_equal(slot, data)
+
+
 SCENARIOS = [skip_wait, wait_one_read_another, producer_synced_without_host_wait, record_on_wrong_stream,
              undeclared_consumer_stream, release_before_work_then_rewrite, release_before_work_then_free,
              release_before_unmap_then_free, two_streams_write_same_bytes, wait_orders_after_latest_record_at_call_time,
-             host_learns_by_query, record_after_the_message_left]
+             host_learns_by_query, record_after_the_message_left, staged_copy_without_host_wait]
 
 
 @pytest.mark.parametrize("delay", [0.0, LARGE_DELAY], ids=["delay0", "delay250ms"])

@@ -46,14 +46,15 @@ def test_stress_mixed_paths_are_clean(delay_ms):
     Interface and DLPack-only objects, every preferred mode, reads on streams given to wait() or
     __dlpack__ and released while pending. The issue-22 mutants of those rules (release fencing only
     the consumer's stream or the last fence, PRODUCER_SYNCED host-waiting the wrong stream, the
-    consumer's stream not made to wait in CONSUMER_STREAM) make this run fail;
-    scripts/check-sync-mutants runs it against them."""
-    s = check(StressConfig(producers=1, consumers=1, count=48, size=4096, device="cuda:0", emulated=True,
+    consumer's stream not made to wait in CONSUMER_STREAM, a staged copy not host-waited for the
+    second consumer, which runs on the CPU) make this run fail; scripts/check-sync-mutants runs it
+    against them."""
+    s = check(StressConfig(producers=1, consumers=2, count=48, size=4096, device="cuda:0", emulated=True,
                            emu_delay_ms=delay_ms, progress=False, paths="mixed", pairs=1))
     # Between processes no device offers CONSUMER_STREAM (CUDA has no IPC streams): those producers
     # fall back to the cheapest valid mode, as the spec says. The in-process pair uses it.
     assert set(s.modes) == {"SYNC_EVENT", "SYNC_PRODUCER_SYNCED", "SYNC_CONSUMER_STREAM"}, s.modes
-    assert s.handoffs == 2 * 48
+    assert s.handoffs == 2 * 48 and s.staged > 0
 
 
 @pytest.mark.parametrize("delay_ms", [0.0, 100.0])

@@ -118,6 +118,7 @@ class StressSummary:
     broker_rss_kib_start: int = 0
     broker_rss_kib_end: int = 0
     modes: dict[str, int] = field(default_factory=dict)  # handoffs by sync mode (producers that lived to the end)
+    staged: int = 0  # of those, host-staged copies (for CPU consumers, in --paths mixed)
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -183,6 +184,7 @@ class Runner:
         self.rng = random.Random(cfg.seed)
         self.deadline: float | None = None  # time.time() at which a --duration run stops sending
         self.workers: list[Worker] = []
+        self.consumers_started = 0
         self.broker: subprocess.Popen | None = None
         self.summary = StressSummary(asdict(cfg))
 
@@ -217,6 +219,11 @@ class Runner:
                       timeout=30.0, inject=self.cfg.inject if self.cfg.inject in workload.PRODUCER_INJECTIONS else None)
             fn: Callable[..., dict[str, Any]] = workload.run_producer
         else:
+            # Mixed paths on CUDA: every other consumer (replacements too) runs on the CPU, so the
+            # producers' host-staged fallback runs under the same kills and checks.
+            if self.cfg.paths == "mixed" and self.spec.startswith("cuda") and self.consumers_started % 2:
+                common["device"] = "cpu"
+            self.consumers_started += 1
             kw = dict(common, count=None, idle_stop=max(IDLE_STOP_MIN, 2 * self.cfg.timeout), keep_seen=False,
                       timeout=30.0,
                       inject=self.cfg.inject if self.cfg.inject in workload.CONSUMER_INJECTIONS else None)
@@ -366,6 +373,7 @@ class Runner:
                 if role == "producer":
                     for mode, n in (res.get("modes") or {}).items():
                         s.modes[mode] = s.modes.get(mode, 0) + n
+                    s.staged += res.get("staged", 0)
         s.handoffs = self._sum("producer", workload.P_SENT)
         s.verified = self._sum("consumer", workload.C_INTACT)
         s.corrupt = self._sum("consumer", workload.C_CORRUPT)
@@ -387,6 +395,7 @@ def render(s: StressSummary) -> str:
             ("shm segments left behind", s.segments_left), ("events left behind", s.events_left),
             ("broker RSS start / end (KiB)", f"{s.broker_rss_kib_start} / {s.broker_rss_kib_end}"),
             ("sync modes", ", ".join(f"{k} {v}" for k, v in sorted(s.modes.items())) or "-"),
+            ("host-staged copies", s.staged),
             ("seconds", s.seconds)]
     out = [f"{k:<42} {v}" for k, v in rows]
     out += [f"error: {e}" for e in s.errors]
@@ -439,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="plain: every buffer written on the producer's stream, sent in the cheapest mode, read "
                         "after wait() on the consumer's stream; mixed (CUDA devices): per buffer, another "
                         "stream, a CUDA Array Interface or DLPack-only object, each preferred mode, reads on "
-                        "streams given to wait() or __dlpack__(stream=) released while pending "
+                        "streams given to wait() or __dlpack__(stream=) released while pending, and every "
+                        "other consumer on the CPU (host-staged copies) "
                         "(default: %(default)s)")
     p.add_argument("--pairs", type=non_negative_int, default=d.pairs, metavar="N",
                    help="also run N in-process producer+consumer pairs, each alone on a channel of its own: "

@@ -626,6 +626,9 @@ class Producer:
             for out, _msg in batch:
                 hid = out.ticket.handoff_id
                 self._out[hid] = out
+                if out.slot is not None:  # the consumer reads the staged copy on its host
+                    out.source.buffer.device.publish_host(  # type: ignore[attr-defined]
+                        out.slot.ptr, out.source.buffer.size, "a staging slot")
                 self.device.order_send(order_key(self.session.client_id, hid, "handoff"))
             sent_before = self.session.messages_sent
             try:

@@ -341,6 +341,12 @@ class CudaDevice(Device):
     def order_forget(self, key: str) -> None:
         self.rt.hb_forget(key)
 
+    def publish_host(self, ptr: int, nbytes: int, what: str) -> None:
+        """Host memory this device's streams wrote leaves with the next message, for another
+        process's host to read: the caller must have host-waited those writes (the race checker
+        reports it otherwise; real CUDA: nothing to do)."""
+        self.rt.hb_publish_host(ptr, nbytes, what)
+
     # --- GPUDirect RDMA destinations (interchange.md R5) ----------------------------------------
     def rdma_write_ordering(self) -> str | None:
         """Why NIC writes into this device's memory cannot be made visible to it (None: they can)."""

@@ -184,6 +184,11 @@ class Runtime(ABC):
     def hb_forget(self, key: str) -> None:
         """The message named ``key`` will never be received (its handoff ended another way)."""
 
+    def hb_publish_host(self, ptr: int, nbytes: int, what: str) -> None:
+        """Host memory ``[ptr, ptr + nbytes)`` leaves with the next message: the receiver's host
+        reads it once that message arrives (a host-staged copy). Every device write to it must have
+        retired before now, by a host wait (ADR-018 §6). Real CUDA: nothing to check."""
+
 
 def check_blob(blob: bytes, what: str, *, emulated: bool) -> bytes:
     """Refuse a blob of the wrong length or from the other backend."""

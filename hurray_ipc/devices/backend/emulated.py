@@ -386,6 +386,9 @@ class EmulatedRuntime(Runtime):
         self._host = new_agent()
         self._host_clock: hb.Clock = {}
         self._host_count = 0
+        # Device writes of host memory (device-to-host copies) not yet known to have retired, as
+        # (lo, hi, record): what hb_publish_host checks another process's host read against.
+        self._host_writes: list[tuple[int, int, hb.Record]] = []
         self._mailbox = os.path.join(SHM_DIR, f"hurray-{os.getuid()}-hb")
         self.sweep_mailbox()
 
@@ -514,6 +517,37 @@ class EmulatedRuntime(Runtime):
             return False
         self._learn(clock)
         return True
+
+    HOST_WRITES_MAX = 4096  # device-to-host copies remembered unretired (the oldest are forgotten)
+
+    def _note_host_write(self, lo: int, hi: int, rec: hb.Record) -> None:
+        """A device operation writes host memory [lo, hi) (caller holds _hb)."""
+        self._host_writes.append((lo, hi, rec))
+        if len(self._host_writes) > self.HOST_WRITES_MAX // 4:
+            host = self._host_clock
+            self._host_writes = [w for w in self._host_writes if not hb.ordered(host, w[2])][-self.HOST_WRITES_MAX:]
+
+    def hb_publish_host(self, ptr: int, nbytes: int, what: str) -> None:
+        """Another process reads ``[ptr, ptr + nbytes)`` on its host once the next message arrives:
+        a device write of it that does not happen-before this host's present is a read-after-write
+        race, whatever the timing (the reader's only edge to this process is the message)."""
+        if not self.checking or nbytes <= 0:
+            return
+        with self._hb:
+            self._host_tick()
+            host, keep = self._host_clock, []
+            for lo, hi, rec in self._host_writes:
+                if hb.ordered(host, rec):
+                    continue  # retired: nothing can race with it any more
+                if lo < ptr + nbytes and ptr < hi:
+                    why = (f"read-after-write race on host memory [0x{ptr:x}, +{nbytes}): {what} is read by "
+                           f"another process's host, not ordered after {rec[4]} (host-wait the stream before "
+                           "the message leaves)")
+                    self.races.append(why)
+                    self._unraised.append(why)
+                    continue  # reported once
+                keep.append((lo, hi, rec))
+            self._host_writes = keep
 
     def hb_forget(self, key: str) -> None:
         """The message ``key`` will not be received (its handoff ended another way)."""
@@ -805,6 +839,9 @@ class EmulatedRuntime(Runtime):
                     self._check(s, src, nbytes, False, st.agent, clock, st.label, "cudaMemcpyAsync")
                 if d is not None:
                     self._check(d, dst, nbytes, True, st.agent, clock, st.label, "cudaMemcpyAsync")
+                else:  # device to host: a host reader in another process must be ordered after it
+                    self._note_host_write(dst, dst + nbytes, self._record(
+                        st.agent, clock[st.agent], f"{st.label} cudaMemcpyAsync write of host [0x{dst:x}, +{nbytes})"))
             st.enqueue(copy)
 
     def memset_async(self, ptr: int, value: int, nbytes: int, stream: Any) -> None:
