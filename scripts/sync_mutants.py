@@ -70,8 +70,8 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                              "        self._raw.close()  # MUTANT: the mapping outlives the RELEASE\n", *PATHS),
     # The host-staged fallback: the consumer reads the slot on its host (checker limit C, removed).
     "staged-no-host-wait": ("hurray_ipc/client/producer.py",
-                            "        s.synchronize()  # type: ignore[union-attr]\n        return slot\n",
-                            "        return slot  # MUTANT: the staged copy is not host-waited\n",
+                            "        s.synchronize()\n        s.device.publish_host(",
+                            "        s.device.publish_host(  # MUTANT: the staged copy is not host-waited\n",
                             "tests/test_clients.py", *PATHS),
     "event-destroyed-early": ("hurray_ipc/client/producer.py",
                               "            if o is not None and o.event is not None and self.events.pooled:",

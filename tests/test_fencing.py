@@ -68,8 +68,8 @@ def test_a_fenced_consumer_never_reads_memory_its_producer_reused(fencing, path,
     staged for a CPU consumer; the next staged handoff of the same size must not get the fenced
     consumer's slot. ``device``: a GPU buffer a GPU consumer maps cannot be moved: the producer
     keeps it out of reach (``holds`` stays true) instead, and keeps its event alive until close:
-    the stopped consumer's stream-wait on it has not run, so destroying it is the checker's
-    destroy-before-wait race (conftest's no_unexpected_races fails the test on it)."""
+    no RELEASE ever orders the stopped consumer's stream-wait on it before a destroy, so destroying
+    it is the checker's destroy-before-wait race (conftest's no_unexpected_races fails the test)."""
     with contextlib.ExitStack() as stack:  # emulated device operations taking no time, and 50 ms each
         device = stack.enter_context(emulated_gpu(delay)) if path != "allocated" else "cpu"
         _fence_and_reuse(fencing, device, "cuda:0" if path == "device" else "cpu", delay)

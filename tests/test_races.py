@@ -463,7 +463,7 @@ def test_shadow_merges_adjacent_equal_intervals():
 @pytest.mark.parametrize("delay", [0.0, 0.2], ids=["delay0", "delay200ms"])
 @pytest.mark.parametrize("inject", [None, *workload.INJECTIONS])
 def test_injected_fault_fails_every_time_correct_run_passes(broker, inject, delay):
-    env = emu_env(op_delay_s=delay)
+    env = {**emu_env(op_delay_s=delay), "HURRAY_EVENT_POOL": "0"}  # the counts below are for the default
     n = 4
     channel = f"inj-{inject}"
     c = Proc(workload.run_consumer, endpoint=broker.endpoint, channel=channel, device="cuda:0", count=n, env=env,

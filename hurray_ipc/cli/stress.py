@@ -293,6 +293,11 @@ class Runner:
         self.summary.broker_rss_kib_start = _rss(self.broker.pid)  # type: ignore[union-attr]
         for _ in range(cfg.consumers):
             self._spawn("consumer")
+        # Producers start once every consumer registered (30 s at most), so each consumer, the CPU
+        # ones of --paths mixed too, is there to take a share from the first handoff on.
+        registered_by = time.monotonic() + 30
+        while not self._all_registered() and time.monotonic() < registered_by:
+            time.sleep(0.05)
         per = [cfg.count // cfg.producers + (i < cfg.count % cfg.producers) for i in range(cfg.producers)]
         for n in per:
             self._spawn("producer", n if not cfg.duration else 1 << 40)

@@ -87,28 +87,42 @@ class EventPool:
     cudaEventRecord *at the time of the wait call*, unaffected by later records. The consumer
     releases the event only after issuing its stream-waits (sync-contract §3), so a re-record
     after the release cannot change what those waits order after.
+
+    In-process handoffs (EVENT and CONSUMER_STREAM to a consumer in this process) take ordinary
+    events (``interprocess=False``), always pooled: no other process imports them, so neither
+    cuda.core's rule nor an export applies, and a re-record after the waits were issued is safe.
+    ``created`` and ``size`` count interprocess events only.
     """
 
     def __init__(self, device: CudaDevice, pooled: bool = False):
         self.device = device
         self.pooled = pooled
-        self.created = 0  # events created so far
+        self.created = 0  # interprocess events created so far
         self._idle: list[CudaEvent] = []
         self._all: list[CudaEvent] = []
+        self._local: list[CudaEvent] = []  # every in-process event (all pooled)
+        self._local_idle: list[CudaEvent] = []
         self._lock = threading.Lock()
 
-    def acquire(self) -> CudaEvent:
+    def acquire(self, interprocess: bool = True) -> CudaEvent:
         with self._lock:
-            if self._idle:
-                return self._idle.pop()
-            ev = self.device.create_event(interprocess=True)
-            self._all.append(ev)
-            self.created += 1
+            idle = self._idle if interprocess else self._local_idle
+            if idle:
+                return idle.pop()
+            ev = self.device.create_event(interprocess=interprocess)
+            if interprocess:
+                self._all.append(ev)
+                self.created += 1
+            else:
+                self._local.append(ev)
             return ev
 
     def release(self, ev: CudaEvent) -> None:
         """Back to the pool, or (unpooled) destroyed; the consumer's waits were already issued."""
         with self._lock:
+            if not ev.interprocess:
+                self._local_idle.append(ev)
+                return
             if self.pooled:
                 self._idle.append(ev)
                 return
@@ -117,15 +131,15 @@ class EventPool:
 
     @property
     def size(self) -> int:
-        """Events alive (idle in the pool or out with a handoff)."""
+        """Interprocess events alive (idle in the pool or out with a handoff)."""
         return len(self._all)
 
     def close(self) -> None:
         with self._lock:
-            for ev in self._all:
+            for ev in self._all + self._local:
                 ev.close()
-            self._all.clear()
-            self._idle.clear()
+            for events in (self._all, self._idle, self._local, self._local_idle):
+                events.clear()
 
 
 @dataclass
@@ -626,9 +640,6 @@ class Producer:
             for out, _msg in batch:
                 hid = out.ticket.handoff_id
                 self._out[hid] = out
-                if out.slot is not None:  # the consumer reads the staged copy on its host
-                    out.source.buffer.device.publish_host(  # type: ignore[attr-defined]
-                        out.slot.ptr, out.source.buffer.size, "a staging slot")
                 self.device.order_send(order_key(self.session.client_id, hid, "handoff"))
             sent_before = self.session.messages_sent
             try:
@@ -699,7 +710,7 @@ class Producer:
         if mode is SyncMode.PRODUCER_SYNCED:
             stream.synchronize()
             return
-        ev = out.event = self.events.acquire()  # type: ignore[union-attr]
+        ev = out.event = self.events.acquire(transport is not Transport.IN_PROCESS)  # type: ignore[union-attr]
         ev.record(stream)
         if mode is SyncMode.EVENT:
             if transport is Transport.IN_PROCESS:
@@ -722,8 +733,10 @@ class Producer:
                 self.session.pump(partial(_fewer_in_use, self.staging, before), self.session.timeout_s * 4,
                                   "waiting for a staging slot to be released")
         s = stream or self.stream
-        s.copy(slot, buf, buf.size)  # type: ignore[union-attr]
-        s.synchronize()  # type: ignore[union-attr]
+        assert s is not None
+        s.copy(slot, buf, buf.size)
+        s.synchronize()
+        s.device.publish_host(slot.ptr, buf.size, "a staging slot")  # the consumer's host reads it
         return slot
 
     def wait_released(self, timeout: float | None = None) -> None:

@@ -389,6 +389,7 @@ class EmulatedRuntime(Runtime):
         # Device writes of host memory (device-to-host copies) not yet known to have retired, as
         # (lo, hi, record): what hb_publish_host checks another process's host read against.
         self._host_writes: list[tuple[int, int, hb.Record]] = []
+        self._host_writes_prune_at = self.HOST_WRITES_MAX // 4
         self._mailbox = os.path.join(SHM_DIR, f"hurray-{os.getuid()}-hb")
         self.sweep_mailbox()
 
@@ -521,11 +522,13 @@ class EmulatedRuntime(Runtime):
     HOST_WRITES_MAX = 4096  # device-to-host copies remembered unretired (the oldest are forgotten)
 
     def _note_host_write(self, lo: int, hi: int, rec: hb.Record) -> None:
-        """A device operation writes host memory [lo, hi) (caller holds _hb)."""
+        """A device operation writes host memory [lo, hi) (caller holds _hb). The retired ones
+        are dropped whenever the list doubled since the last pass (amortised O(1) per copy)."""
         self._host_writes.append((lo, hi, rec))
-        if len(self._host_writes) > self.HOST_WRITES_MAX // 4:
+        if len(self._host_writes) >= self._host_writes_prune_at:
             host = self._host_clock
             self._host_writes = [w for w in self._host_writes if not hb.ordered(host, w[2])][-self.HOST_WRITES_MAX:]
+            self._host_writes_prune_at = max(self.HOST_WRITES_MAX // 4, 2 * len(self._host_writes))
 
     def hb_publish_host(self, ptr: int, nbytes: int, what: str) -> None:
         """Another process reads ``[ptr, ptr + nbytes)`` on its host once the next message arrives:
