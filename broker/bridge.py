@@ -71,7 +71,7 @@ from hurray_ipc.transport.protocol import (
 )
 from hurray_ipc.transport.route import MAX_LINKS, MAX_PEER_CHARS, MAX_WINDOW, Link, Route
 
-from .keyfile import route_key_path
+from .keyfile import read_token, route_key_path
 from .logfmt import FORMATS
 from .logfmt import configure as configure_logging
 from .rdma import Offer, RdmaEngine, RdmaError, Registration, Transfer, nixl_available, nixl_info
@@ -162,11 +162,17 @@ def read_route_key(endpoint: str | None, given: str | None) -> str:
     if given:
         return given
     path = route_key_path(endpoint or default_endpoint())
+    if path is None:
+        return ""
     try:
-        return path.read_text().strip() if path is not None else ""
+        token = read_token(path)
     except OSError as e:
         log.warning("cannot read the broker's route key %s (%s): this bridge's route will not be announced", path, e)
         return ""
+    if token is None:  # not the broker's file: another uid's, a link, a wrong mode or content
+        log.warning("%s is not an owner-only route key of this user: this bridge's route will not be announced", path)
+        return ""
+    return token
 
 
 class BridgeOut:

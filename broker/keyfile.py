@@ -36,19 +36,31 @@ def write_token(path: Path, group: bool = False) -> str:
     return token
 
 
-def kept_token(path: Path) -> str:
-    """The token ``path`` holds when it is a regular file of this uid, mode 0600, holding one (64
-    lowercase hex digits): a restarted broker keeps its route key, so bridges in other processes
-    that read it once go on announcing routes; otherwise a new one written there."""
+def read_token(path: Path) -> str | None:
+    """The token ``path`` holds, only when it is a regular file (not a link) of this uid, mode
+    0600, holding one token (64 lowercase hex digits); else None. Raises OSError when it cannot be
+    read at all (e.g. missing, or a link: O_NOFOLLOW)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block
     try:
-        st = os.lstat(path)
-        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) == 0o600:
-            token = path.read_text().strip()
-            if re.fullmatch(r"[0-9a-f]{64}", token):
-                return token
+        st = os.fstat(fd)  # the file opened, not whatever the name points to by now
+        if not (stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) == 0o600):
+            return None
+        raw = os.read(fd, 130)  # a token and a newline, with room to see that there is more
+    finally:
+        os.close(fd)
+    token = raw.decode("ascii", "replace").strip()
+    return token if re.fullmatch(r"[0-9a-f]{64}", token) else None
+
+
+def kept_token(path: Path) -> str:
+    """The token ``path`` holds (:func:`read_token`): a restarted broker keeps its route key, so
+    bridges in other processes that read it once go on announcing routes; otherwise a new one
+    written there."""
+    try:
+        token = read_token(path)
     except OSError:
-        pass
-    return write_token(path)
+        token = None
+    return token if token is not None else write_token(path)
 
 
 def route_key_path(endpoint: str) -> Path | None:

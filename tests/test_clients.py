@@ -531,3 +531,34 @@ def test_iterating_a_closed_consumer_says_so(broker):
 
     with pytest.raises(ClosedError, match="closed before iterating"):
         asyncio.run(loop())
+
+
+def test_a_bridge_reads_only_an_owner_only_route_key(tmp_path, caplog):
+    """A bridge in another process announces routes with the key the broker wrote beside its
+    socket, and only from the file the broker would keep (keyfile.read_token): a regular file of
+    this uid, mode 0600, one token. A link, another mode, other content or a FIFO (which must not
+    block) give no key, and the bridge says so instead of sending what it read."""
+    from hurray_ipc.broker.keyfile import kept_token
+
+    ep = f"ipc://{tmp_path}/b.sock"
+    path = route_key_path(ep)
+    token = kept_token(path)
+    assert read_route_key(ep, None) == token and read_route_key(ep, "given") == "given"
+    assert kept_token(path) == token  # a restarted broker keeps it
+    path.chmod(0o644)
+    assert read_route_key(ep, None) == ""
+    path.chmod(0o600)
+    path.write_text("not a token\n")
+    assert read_route_key(ep, None) == ""
+    real = tmp_path / "elsewhere"
+    real.write_text(token)
+    real.chmod(0o600)
+    path.unlink()
+    path.symlink_to(real)
+    assert read_route_key(ep, None) == ""
+    path.unlink()
+    os.mkfifo(path, 0o600)
+    assert read_route_key(ep, None) == ""
+    assert "route will not be announced" in caplog.text
+    path.unlink()
+    assert read_route_key(ep, None) == ""  # missing: logged, not raised
