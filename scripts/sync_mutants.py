@@ -32,7 +32,7 @@ PATHS = ["tests/test_paths.py", "tests/test_stress.py::test_stress_mixed_paths_a
 GIVE_BACK = ["tests/test_give_back.py"]
 END_OF_STREAM = ["tests/test_end_of_stream.py"]
 GPU_READABLE = ["tests/test_gpu_readable.py"]
-FENCING = ["tests/test_fencing.py", "tests/test_broker_core.py"]
+FENCING = ["tests/test_fencing.py", "tests/test_broker_core.py", "tests/test_end_of_stream.py::test_vector_on_the_core"]
 
 # name -> (file, the exact text of the step, what replaces it[, the tests to run; default TESTS])
 MUTANTS: dict[str, tuple[str, ...]] = {

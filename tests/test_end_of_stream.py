@@ -49,6 +49,7 @@ class Driver:
 
     def __init__(self) -> None:
         self.grants: dict[str, list[int]] = {}  # producer -> GRANT ids received, not yet used
+        self.delivered: dict[str, list[str]] = {}  # consumer -> tokens of the DELIVERs it received
         self.hids: dict[str, int] = {}
         self.pids: dict[str, int] = {}
 
@@ -61,7 +62,7 @@ class Driver:
             if "ended" in act:
                 h["ended"] = act["ended"]
             if "held" in act:  # claims to handoffs of an earlier broker (§6): 'producer' is a client's name
-                h["held"] = [{"token": x["token"], "producer_id": self.rid(x["producer"]).decode(),
+                h["held"] = [{"token": self.token(who, x), "producer_id": self.rid(x["producer"]).decode(),
                               "handoff_id": x["handoff_id"], "event_pending": False} for x in act["held"]]
             if "outstanding" in act:  # 'holder' is a client's name, sent as its label
                 h["outstanding"] = [{"handoff_id": x["handoff_id"],
@@ -78,16 +79,21 @@ class Driver:
         if a in ("end", "bye"):
             return [a.upper().encode(), b"{}"]
         if a == "release":
-            return pack_hot("RELEASE", {"token": act["token"]}, [])
+            return pack_hot("RELEASE", {"token": self.token(who, act)}, [])
         raise AssertionError(a)
 
     def rid(self, who: str) -> bytes:
         """The routing id client ``who`` speaks with."""
         return who.encode()
 
+    def token(self, who: str, act: dict[str, Any]) -> str:
+        """``act``'s token: given, or ``delivered: N``, that of the N-th DELIVER ``who`` received."""
+        return act["token"] if "token" in act else self.delivered[who][act["delivered"] - 1]
+
     def note(self, got: dict[str, list[Message]]) -> None:
         for who, msgs in got.items():
             self.grants.setdefault(who, []).extend(m.header["grant_id"] for m in msgs if m.verb == "GRANT")
+            self.delivered.setdefault(who, []).extend(m.header["token"] for m in msgs if m.verb == "DELIVER")
 
     def pid(self, who: str) -> int:
         """Each client its own process: same-process clients would pair in-process (§3)."""
@@ -101,14 +107,22 @@ class CoreDriver(Driver):
     def __init__(self) -> None:
         super().__init__()
         self.core = BrokerCore(host=HOST)
+        self.now = 0.0
 
     def step(self, who: str, acts: list[dict[str, Any]]) -> dict[str, list[Message]]:
         got: dict[str, list[Message]] = {}
         for act in acts:
             if act["action"] == "die":
                 out = self.core.client_gone(who.encode(), "process gone")
+            elif act["action"] == "silent":  # the others PING past the timeout; then the clock ticks
+                self.now += self.core.timeout_s + 0.1
+                out = []
+                for other in [rid for rid in self.core.clients if rid != who.encode()]:
+                    out += [o for o in self.core.receive(other, [b"PING", b"{}"], self.now)
+                            if not (isinstance(o, Send) and o.msg.verb == "PONG")]
+                out += self.core.tick(self.now, lambda c: None)  # no leases: heartbeats alone (§5)
             else:
-                out = self.core.receive(who.encode(), self.frames(who, act), 0.0)
+                out = self.core.receive(who.encode(), self.frames(who, act), self.now)
             for o in out:
                 if isinstance(o, Send):
                     got.setdefault(o.rid.decode(), []).append(o.msg)
@@ -165,20 +179,26 @@ class LiveDriver(Driver):
 
     def step(self, who: str, acts: list[dict[str, Any]]) -> dict[str, list[Message]]:
         for act in acts:
-            if act["action"] == "die":
-                self.procs[who].kill()
-                self.procs[who].wait()
+            if act["action"] in ("die", "silent"):
+                if act["action"] == "die":
+                    self.procs[who].kill()
+                    self.procs[who].wait()
                 # These raw clients have no lease: the broker judges them by heartbeats (§5), so
-                # the dead one goes after timeout_ms of silence while the others keep pinging.
-                deadline, pinged = time.monotonic() + 15, 0.0
-                while not self.gone(who):
-                    assert time.monotonic() < deadline, "the broker did not notice the death"
+                # the silent (or dead) one goes after timeout_ms while the others keep pinging.
+                # STATS may be a snapshot up to 0.25 s old (§2.3): seen listed first, then gone.
+                deadline, pinged, seen = time.monotonic() + 15, 0.0, False
+                while True:
+                    listed = not self.gone(who)
+                    seen = seen or listed
+                    if seen and not listed:
+                        break
+                    assert time.monotonic() < deadline, "the broker did not drop the silent client"
                     if time.monotonic() - pinged > 0.2:
                         pinged = time.monotonic()
                         for other, sock in self.socks.items():
                             if other not in (who, "stats"):
                                 sock.send_multipart([b"PING", b"{}"])
-                    time.sleep(0.02)
+                    time.sleep(0.02)  # polling the broker's STATS, an observable condition
             else:
                 self.sock(who).send_multipart(self.frames(who, act))
         got = {who: self.sync(who)} if acts[0]["action"] != "die" else {}
