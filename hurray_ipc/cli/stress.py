@@ -184,7 +184,6 @@ class Runner:
         self.rng = random.Random(cfg.seed)
         self.deadline: float | None = None  # time.time() at which a --duration run stops sending
         self.workers: list[Worker] = []
-        self.consumers_started = 0
         self.broker: subprocess.Popen | None = None
         self.summary = StressSummary(asdict(cfg))
 
@@ -206,11 +205,9 @@ class Runner:
                       broker_grace=4 * self.cfg.timeout + 10, paths=self.cfg.paths)
         if role == "pair":
             cc = workload.SPAWN.Array("q", workload.COUNTERS)
-            p, q = workload.spawn(workload.run_pair, endpoint=self.endpoint, channel=f"stress-pair-{share}",
-                                  device=self.spec, count=self.cfg.count if not self.cfg.duration else 1 << 40,
-                                  size=self.cfg.size, env=self.env, counters=counters, consumer_counters=cc,
-                                  paths=self.cfg.paths, broker_grace=4 * self.cfg.timeout + 10,
-                                  deadline=self.deadline)
+            p, q = workload.spawn(workload.run_pair, **dict(
+                common, channel=f"stress-pair-{share}", count=self.cfg.count if not self.cfg.duration else 1 << 40,
+                size=self.cfg.size, consumer_counters=cc, deadline=self.deadline))
             w = Worker(role, p, counters, queue=q, consumer_counters=cc)
             self.workers.append(w)
             return w
@@ -221,9 +218,9 @@ class Runner:
         else:
             # Mixed paths on CUDA: every other consumer (replacements too) runs on the CPU, so the
             # producers' host-staged fallback runs under the same kills and checks.
-            if self.cfg.paths == "mixed" and self.spec.startswith("cuda") and self.consumers_started % 2:
+            started = sum(w.role == "consumer" for w in self.workers)
+            if self.cfg.paths == "mixed" and self.spec.startswith("cuda") and started % 2:
                 common["device"] = "cpu"
-            self.consumers_started += 1
             kw = dict(common, count=None, idle_stop=max(IDLE_STOP_MIN, 2 * self.cfg.timeout), keep_seen=False,
                       timeout=30.0,
                       inject=self.cfg.inject if self.cfg.inject in workload.CONSUMER_INJECTIONS else None)
