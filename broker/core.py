@@ -78,7 +78,18 @@ FENCE_TIMEOUTS = 20  # a consumer alive but silent this many timeouts while hold
 # query gets at most one ERROR a second per connection; the rest are dropped unanswered.
 QUERY_BYTES = 2 << 20
 QUERY_BYTES_TOTAL = 16 << 20
-MAX_QUERY_PEERS = 16384  # connections whose query rate is remembered (the least recent are forgotten)
+MAX_QUERY_PEERS = 16384  # connections whose queries are remembered (the least recent idle ones are forgotten)
+# What waits for a peer that does not read (spec §6a `unread_answers`, `unread_bytes_total`): every
+# answer to a STATS or CAPS (reply or ERROR) carries a ticket, and a query shows which answers its
+# connection read by naming the latest ticket it saw. ZeroMQ never says whether a peer reads, so
+# this proof is the only bound on what a deaf peer makes the broker keep: answers are queued in
+# the broker until read, and the high-water mark is counted in messages, not bytes.
+MAX_UNREAD = 8                      # answers one connection may have unread; past it, no answer
+UNREAD_BYTES_TOTAL = 64 << 20       # bytes of unread answers, all connections; past it, ERROR
+# A connection with unread answers is sent PONG after 2, 4, 8, ... s without proof that it reads
+# (at most hourly): a send to a closed connection fails, and that frees its unread answers.
+PROBE_FIRST_S = 2.0
+PROBE_MAX_S = 3600.0
 MAX_ROUTING_ID = 32  # bytes: a DELIVER names its producer in a 32-byte field (spec §2.2)
 _RELEASED_MEMORY = 100_000  # released tokens remembered, to tell "already released" from "unknown"
 MAX_STATS_CLIENTS = 1000   # clients listed in one STATS_REPLY (the rest are counted in clients_truncated)
@@ -153,6 +164,19 @@ class Channel:
     ended: bool = False  # every registered producer ended, and none registered since (spec §4.9)
 
 
+@dataclass(eq=False)
+class Asker:
+    """A connection that sent STATS or CAPS: its query-rate budget and its unread answers."""
+
+    rid: bytes
+    allowance: float  # query_bytes it may still be sent this second (§6a); may go negative
+    at: float  # when ``allowance`` was last refilled
+    refused_at: float = float("-inf")  # when it was last sent ERROR limit_exceeded query_bytes
+    unread: deque[tuple[str, int]] = field(default_factory=deque)  # (ticket, bytes), oldest first
+    probe_at: float = float("inf")  # when to check that it is still connected (while unread)
+    probe_gap: float = PROBE_FIRST_S
+
+
 @dataclass
 class Stats:
     handoffs: int = 0
@@ -165,6 +189,7 @@ class Stats:
     undeliverable: int = 0     # sends to a peer that had disconnected (EHOSTUNREACH)
     dropped_full: int = 0      # sends refused because the peer's queue was full (EAGAIN)
     limits_refused: int = 0
+    answers_withheld: int = 0  # STATS/CAPS left unanswered: their connection had MAX_UNREAD unread (§6a)
     grants_revoked: int = 0    # grants taken back from a producer that did not use them (§4.3a)
     consumers_fenced: int = 0  # consumers deregistered holding buffers while they may live (§5)
     # Messages as the core sees them: a binary batch's entries count one each (also a message too
@@ -253,7 +278,7 @@ class BrokerCore:
                  token: Callable[[], str] | None = None, started: float | None = None, pid: int = 0,
                  stats_cache_s: float = 0.0, query_bytes: int = QUERY_BYTES,
                  query_bytes_total: int = QUERY_BYTES_TOTAL, fence_s: float | None = None,
-                 route_key: str | None = None):
+                 route_key: str | None = None, unread_bytes_total: int = UNREAD_BYTES_TOTAL):
         self.host = host
         # What a ROUTE must carry (§2.4): the server writes it to an owner-only file beside the
         # socket and hands it to the broker's own bridges; a client that cannot read it cannot
@@ -267,11 +292,18 @@ class BrokerCore:
         self._snap: dict[str, Any] | None = None
         self._snap_at = 0.0
         self._snap_bytes = 0  # the cached snapshot's size as JSON (what a STATS_REPLY costs, §6a)
-        # query_bytes buckets (bytes a second, bursts of a second's worth): routing id ->
-        # [allowance, at, last ERROR at]; and all together. An answer may overdraw them.
+        # Connections that asked (STATS, CAPS): their query_bytes buckets (bytes a second, bursts
+        # of a second's worth; an answer may overdraw one) and their unread answers (§6a). Idle
+        # ones (nothing unread) in least-recently-asked order, the first to be forgotten; those
+        # with unread answers are forgotten only once a send to them fails (unreachable).
         self.query_bytes, self.query_bytes_total = float(query_bytes), float(query_bytes_total)
-        self._queries: OrderedDict[bytes, list[float]] = OrderedDict()
+        self._idle: OrderedDict[bytes, Asker] = OrderedDict()
+        self._waiting: dict[bytes, Asker] = {}
         self._queries_total = [self.query_bytes_total, 0.0]
+        self.unread_bytes_total = unread_bytes_total
+        self._unread_bytes = 0
+        self._asking: Asker | None = None  # the connection whose STATS/CAPS is being answered
+        self._probed_at = 0.0
         # (now, handoffs, releases, messages_in, messages_out), one a second: the recent rates.
         self._samples: deque[tuple[float, int, int, int, int]] = deque(
             maxlen=int(STATS_WINDOW_S / _SAMPLE_EVERY_S) + 2)
@@ -310,7 +342,19 @@ class BrokerCore:
         self._rechecks: dict[str, float] = {}  # channel -> when a grant there will have sat a heartbeat
 
     # --- outputs ---------------------------------------------------------------------------
-    def _send(self, rid: bytes, msg: Message) -> None:
+    def _send(self, rid: bytes, msg: Message, size: int | None = None) -> None:
+        a = self._asking
+        if a is not None and a.rid == rid and msg.verb in ("CAPS_REPLY", "STATS_REPLY", "ERROR"):
+            # An answer to a query: it carries a ticket and waits unread until a query names it.
+            ticket = secrets.token_hex(8)
+            msg.header["ticket"] = ticket
+            size = len(json.dumps(msg.header)) if size is None else size + 32
+            if not a.unread:
+                self._idle.pop(rid, None)
+                self._waiting[rid] = a
+                a.probe_at, a.probe_gap = self._now + PROBE_FIRST_S, PROBE_FIRST_S
+            a.unread.append((ticket, size))
+            self._unread_bytes += size
         self._out.append(Send(rid, msg))
         self.stats.messages_out += 1
 
@@ -364,6 +408,7 @@ class BrokerCore:
             return self._take()
         self.stats.messages_in += len(msgs)
         for msg in msgs:
+            self._asking = None
             try:
                 self._dispatch(rid, msg, now)
             except ProtocolError as e:
@@ -377,6 +422,7 @@ class BrokerCore:
             except Exception as e:  # noqa: BLE001 - a bug must cost one message, never the broker
                 log.exception("internal error handling a message")
                 self._error(rid, "internal", f"internal error: {type(e).__name__}")
+        self._asking = None
         return self._take()
 
     def _dispatch(self, rid: bytes, msg: Message, now: float) -> None:
@@ -396,13 +442,17 @@ class BrokerCore:
         if msg.verb == "HELLO":
             self.on_hello(rid, msg, now)
         elif msg.verb in ("CAPS", "STATS"):
-            if not self._may_answer_query(rid, now):
+            a = self._asker(rid, msg)
+            if a is None:
+                return
+            self._asking = a
+            if not self._may_answer_query(a, now):
                 return
             if msg.verb == "CAPS":
                 size = self.on_caps(rid, msg)
             else:
                 size = self.on_stats(rid, msg, now)
-            self._queries[rid][0] -= size
+            a.allowance -= size
             self._queries_total[0] -= size
         elif client is None:
             if msg.verb == "BYE":
@@ -436,6 +486,8 @@ class BrokerCore:
         if not self._samples or now - self._samples[-1][0] >= _SAMPLE_EVERY_S:
             s = self.stats
             self._samples.append((now, s.handoffs, s.releases, s.messages_in, s.messages_out))
+        if self._waiting:
+            self._probe_askers(now)
         granted: set[bytes] | None = None
         for rid, c in list(self.clients.items()):
             verdict = alive(c) if c.endpoint.identity.host == self.host else None
@@ -519,6 +571,8 @@ class BrokerCore:
             self.stats.dropped_full += 1
         else:
             self.stats.undeliverable += 1
+            if why == "unreachable":
+                self._forget_asker(rid)
         n = self.stats.dropped_full + self.stats.undeliverable
         if n & (n - 1) == 0 or n % 1000 == 0:  # 1, 2, 4, ... then every 1000th: a flood must not flood the log
             # A reply to a client that already left (a PONG crossing its BYE) is expected, not an anomaly.
@@ -1081,30 +1135,87 @@ class BrokerCore:
         d = msg.header["route"]
         c.route = None if d is None else Route.parse(d, c.role)
 
-    def _may_answer_query(self, rid: bytes, now: float) -> bool:
-        """Whether a STATS or CAPS from ``rid`` may be answered: neither its connection's nor the
-        broker's ``query_bytes`` budget is overdrawn (spec §6a; the caller then charges the answer's
-        size). Refused: ERROR limit_exceeded at most once a second per connection (raises
-        ProtocolError), else dropped unanswered (False), so a peer that floods and never reads
-        gets nothing more queued for it."""
-        b = self._queries.pop(rid, None)
-        if b is None:
-            b = [self.query_bytes, now, float("-inf")]
-            if len(self._queries) >= MAX_QUERY_PEERS:
-                self._queries.popitem(last=False)
-        self._queries[rid] = b
-        b[0] = min(self.query_bytes, b[0] + max(0.0, now - b[1]) * self.query_bytes)
-        b[1] = now
+    def _asker(self, rid: bytes, msg: Message) -> Asker | None:
+        """The connection ``rid`` asking ``msg`` (STATS or CAPS), its unread answers up to the
+        ticket the query names marked read; None when it may not be answered (spec §6a): it has
+        MAX_UNREAD answers unread (it does not read, or asks ahead of its answers), or every
+        remembered connection has unread answers and none is idle to forget."""
+        a = self._waiting.get(rid)
+        if a is None:
+            a = self._idle.pop(rid, None)
+            if a is None:
+                if len(self._idle) + len(self._waiting) >= MAX_QUERY_PEERS:
+                    if not self._idle:
+                        self.stats.answers_withheld += 1
+                        return None
+                    self._idle.popitem(last=False)
+                a = Asker(rid, self.query_bytes, self._now)
+            self._idle[rid] = a  # most recently asked last
+        ticket = msg.header.get("ticket")
+        if ticket is not None:
+            if not isinstance(ticket, str):
+                self._asking = a
+                raise ProtocolError("bad_header", "ticket must be a string: the 'ticket' of the latest answer "
+                                    "this connection read", field="ticket")
+            if any(t == ticket for t, _ in a.unread):
+                while a.unread:
+                    t, n = a.unread.popleft()
+                    self._unread_bytes -= n
+                    if t == ticket:
+                        break
+                if a.unread:
+                    a.probe_at, a.probe_gap = self._now + PROBE_FIRST_S, PROBE_FIRST_S
+                else:
+                    self._waiting.pop(rid, None)
+                    self._idle[rid] = a
+                    a.probe_at = float("inf")
+        if len(a.unread) >= MAX_UNREAD:
+            self.stats.answers_withheld += 1
+            return None
+        return a
+
+    def _forget_asker(self, rid: bytes) -> None:
+        """``rid`` is disconnected: what was queued for it is gone, so is its unread count."""
+        self._idle.pop(rid, None)
+        a = self._waiting.pop(rid, None)
+        if a is not None:
+            self._unread_bytes -= sum(n for _, n in a.unread)
+
+    def _probe_askers(self, now: float) -> None:
+        """PONG each connection whose unread answers are due a check: the send fails for a
+        closed one (``undeliverable`` then forgets it). Probes back off to at most one an hour."""
+        if now - self._probed_at < 1.0:
+            return
+        self._probed_at = now
+        for rid, a in self._waiting.items():
+            if a.probe_at <= now:
+                a.probe_gap = min(PROBE_MAX_S, a.probe_gap * 2)
+                a.probe_at = now + a.probe_gap
+                self._send(rid, Message("PONG", {}))
+
+    def _may_answer_query(self, a: Asker, now: float) -> bool:
+        """Whether a STATS or CAPS from ``a`` may be answered: neither its connection's nor the
+        broker's ``query_bytes`` budget is overdrawn, nor the unread answers of all connections
+        at ``unread_bytes_total`` (spec §6a; the caller then charges the answer's size).
+        Refused: ERROR limit_exceeded (raises ProtocolError); over a ``query_bytes`` budget at
+        most once a second per connection, else dropped unanswered (False)."""
+        a.allowance = min(self.query_bytes, a.allowance + max(0.0, now - a.at) * self.query_bytes)
+        a.at = now
         t = self._queries_total
         t[0] = min(self.query_bytes_total, t[0] + max(0.0, now - t[1]) * self.query_bytes_total)
         t[1] = now
-        if b[0] > 0 and t[0] > 0:
+        if self._unread_bytes >= self.unread_bytes_total:
+            self.stats.limits_refused += 1
+            raise ProtocolError("limit_exceeded", f"the broker holds {self._unread_bytes} bytes of STATS and CAPS "
+                                f"answers that their connections have not read (at most {self.unread_bytes_total}); "
+                                "ask again later", limit="unread_bytes_total", value=self._unread_bytes)
+        if a.allowance > 0 and t[0] > 0:
             return True
         self.stats.limits_refused += 1
-        if now - b[2] < 1.0:
+        if now - a.refused_at < 1.0:
             return False
-        b[2] = now
-        if b[0] <= 0:
+        a.refused_at = now
+        if a.allowance <= 0:
             raise ProtocolError("limit_exceeded", f"one connection is sent at most {int(self.query_bytes)} bytes of "
                                 "STATS and CAPS answers a second; further queries this second are not answered",
                                 limit="query_bytes", value=int(self.query_bytes))
@@ -1148,8 +1259,9 @@ class BrokerCore:
         if "valid_sync_modes" not in reply:
             # No consumer named: answer for a consumer on the same device, as hurray-caps does.
             reply.update(pair_modes(me, me, t or Transport.IPC).to_dict())
-        self._send(rid, Message("CAPS_REPLY", reply))
-        return len(json.dumps(reply))
+        size = len(json.dumps(reply))
+        self._send(rid, Message("CAPS_REPLY", reply), size)
+        return size
 
     # --- observability (STATS, spec §2.3) ----------------------------------------------------
     def on_stats(self, rid: bytes, msg: Message, now: float) -> int:
@@ -1163,7 +1275,7 @@ class BrokerCore:
             snap = self._snap = self.snapshot(now)
             self._snap_at = now
             self._snap_bytes = len(json.dumps(snap))
-        self._send(rid, Message("STATS_REPLY", {"request_id": request_id, **snap}))
+        self._send(rid, Message("STATS_REPLY", {"request_id": request_id, **snap}), self._snap_bytes)
         return self._snap_bytes
 
     def note_sweep(self, segments: int, removed: int) -> None:
@@ -1232,13 +1344,16 @@ class BrokerCore:
             "gauges": {"clients": len(clients), "producers": producers, "consumers": len(clients) - producers,
                        "channels": len(self.channels), "queued": queued, "grants": len(self.grants),
                        "outstanding": len(self.deliveries), "events_outstanding": events,
-                       "orphans": len(self.orphans), "unresponsive": s.unresponsive},
+                       "orphans": len(self.orphans), "unresponsive": s.unresponsive,
+                       "unread_answers": sum(len(a.unread) for a in self._waiting.values()),
+                       "unread_bytes": self._unread_bytes},
             "totals": {"handoffs": s.handoffs, "releases": s.releases, "rejected": s.rejected,
                        "messages_in": s.messages_in, "messages_out": s.messages_out, "wire_in": s.wire_in,
                        "wire_out": s.wire_out, "errors": s.errors, "consumers_lost": s.consumers_lost,
                        "producers_lost": s.producers_lost, "undeliverable": s.undeliverable,
                        "dropped_full": s.dropped_full, "limits_refused": s.limits_refused,
-                       "grants_revoked": s.grants_revoked, "consumers_fenced": s.consumers_fenced},
+                       "answers_withheld": s.answers_withheld, "grants_revoked": s.grants_revoked,
+                       "consumers_fenced": s.consumers_fenced},
             "rates": {"life": {k: round(n / uptime, 3) if uptime > 0 else 0.0 for k, n in zip(names, counts,
                                                                                                 strict=True)},
                       "window": {k: round((n - b) / span, 3) if span > 0 else 0.0

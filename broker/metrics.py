@@ -38,6 +38,9 @@ _GAUGES = {
     "events_outstanding": ("hurray_broker_outstanding_events", "SYNC_EVENT events not yet released"),
     "orphans": ("hurray_broker_orphans", "Handoffs a re-registered producer listed that no consumer claimed yet"),
     "unresponsive": ("hurray_broker_unresponsive_clients", "Clients silent past the timeout whose process lives"),
+    "unread_answers": ("hurray_broker_unread_answers", "STATS/CAPS answers queued that their connection has not "
+                       "shown it read (spec 6a)"),
+    "unread_bytes": ("hurray_broker_unread_answer_bytes", "Bytes of those answers"),
 }
 # STATS_REPLY "totals" key -> (counter name without _total, help)
 _COUNTERS = {
@@ -53,6 +56,7 @@ _COUNTERS = {
     "undeliverable": ("hurray_broker_undeliverable", "Sends to a disconnected peer"),
     "dropped_full": ("hurray_broker_dropped_full", "Sends refused because the peer's queue was full"),
     "limits_refused": ("hurray_broker_limits_refused", "Messages refused by a limit"),
+    "answers_withheld": ("hurray_broker_answers_withheld", "STATS/CAPS left unanswered: 8 answers unread (spec 6a)"),
     "grants_revoked": ("hurray_broker_grants_revoked", "Grants revoked because their producer did not use them"),
     "consumers_fenced": ("hurray_broker_consumers_fenced",
                          "Consumers deregistered holding buffers while they may live (spec 5)"),

@@ -24,6 +24,8 @@ from hurray_ipc.broker.core import (
     MAX_CREDITS,
     MAX_HELD,
     MAX_QUERY_PEERS,
+    MAX_UNREAD,
+    PROBE_FIRST_S,
     BrokerCore,
     Send,
 )
@@ -1064,18 +1066,133 @@ def test_all_connections_together_get_at_most_the_total_query_budget_and_handoff
 
 def test_a_small_answer_is_never_limited_at_the_default_budget():
     """The default budget (2 MiB a second per connection) is about answers' bytes, not their
-    count: a harness that syncs with a CAPS after every step, thousands a second, is answered."""
+    count: a harness that syncs with a CAPS after every step, thousands a second, is answered
+    (each CAPS names the ticket of the answer before it, §6a)."""
     core = _core()
-    caps = frames("CAPS", {"device": endpoint(9)})
+    ticket = None
     for i in range(2000):
-        assert _sent(core.receive(b"sync", caps, 1.0 + i * 1e-4))[0][1] == "CAPS_REPLY"
+        (ans,) = _sent(core.receive(b"sync", frames("CAPS", _ask({"device": endpoint(9)}, ticket)), 1.0 + i * 1e-4))
+        assert ans[1] == "CAPS_REPLY"
+        ticket = ans[2]["ticket"]
+    assert core.snapshot(2.0)["gauges"]["unread_answers"] == 1
 
 
-def test_the_query_budget_table_is_bounded():
+# --- what waits for a peer that never reads (spec §6a unread answers) ------------------------------
+
+def _ask(header: dict, ticket: str | None) -> dict:
+    return header if ticket is None else {**header, "ticket": ticket}
+
+
+def _stats(core: BrokerCore, rid: bytes, now: float, ticket: str | None = None) -> list[tuple[bytes, str, dict]]:
+    return _sent(core.receive(rid, frames("STATS", _ask({"request_id": 1}, ticket)), now))
+
+
+def test_a_connection_that_never_reads_is_sent_eight_answers_ever():
+    """Red team item 4: STATS from sockets that never read grew the broker by 500 MB. A rate
+    alone bounds that per second, not in all: here the deaf connection asks once a second for
+    an hour (its rate budget full every time) and is answered 8 times, never again, while a
+    connection that names its latest ticket is answered every time."""
     core = _core()
+    deaf = [_stats(core, b"deaf", 1.0 + i) for i in range(3600)]
+    assert [len(a) for a in deaf[:MAX_UNREAD]] == [1] * MAX_UNREAD
+    assert all(a == [] for a in deaf[MAX_UNREAD:]), "answers past the 8th wait for a peer that never reads"
+    assert core.stats.answers_withheld == 3600 - MAX_UNREAD
+    ticket = None
+    for i in range(100):
+        (ans,) = _stats(core, b"reader", 1.0 + i, ticket)
+        ticket = ans[2]["ticket"]
+    assert len({t for t in [ans[2]["ticket"]] + [a[0][2]["ticket"] for a in deaf[:MAX_UNREAD]]}) == MAX_UNREAD + 1
+    core.check_invariants()
+
+
+def test_a_ticket_shows_its_answer_and_every_earlier_one_read_and_no_other_ticket_does():
+    """A client may ask ahead of its answers: naming the 3rd of 8 unread frees 3. A ticket from
+    another connection, one already used, or a made-up one shows nothing; one that is not a
+    string is bad_header, itself an answer (with a ticket)."""
+    core = _core()
+    tickets = [_stats(core, b"c", 1.0)[0][2]["ticket"] for _ in range(MAX_UNREAD)]
+    other = _stats(core, b"other", 1.0)[0][2]["ticket"]
+    for wrong in (other, "0" * 16, "", tickets[0] + "0"):
+        assert _stats(core, b"c", 2.0, wrong) == [], wrong
+    assert [len(_stats(core, b"c", 3.0, tickets[2])) for _ in range(4)] == [1, 1, 1, 0]
+    assert _stats(core, b"c", 4.0, tickets[2]) == []  # used: shows nothing more
+    (err,) = _sent(core.receive(b"fresh", frames("STATS", {"ticket": 7}), 5.0))
+    assert (err[1], err[2]["code"], err[2]["field"], err[2]["value"]) == ("ERROR", "bad_header", "ticket", 7)
+    assert isinstance(err[2]["ticket"], str) and core.snapshot(5.0)["gauges"]["unread_answers"] == 8 + 1 + 1
+    assert core.stats.answers_withheld == 4 + 1 + 1
+
+
+def test_unread_answers_of_all_connections_are_bounded_in_bytes():
+    """Many deaf connections cannot multiply the 8 answers each: past ``unread_bytes_total``
+    a query is refused with a small ERROR (an answer too, so at most 8 of those per connection).
+    What the broker sent to deaf peers, summed from its own output, stays under the bound; a
+    reader that shows its answers read frees their bytes for others."""
+    core = BrokerCore(host=HOST, timeout_s=TIMEOUT, unread_bytes_total=200_000, query_bytes_total=1 << 40)
+    for i in range(40):
+        _hello(core, f"p{i}".encode(), "producer", pid=100 + i)  # a STATS of a few KB
+    size = len(json.dumps(core.snapshot(0.0)))
+    sent_to_deaf = 0
+    for i in range(300):
+        for _rid, verb, h in _stats(core, f"deaf{i}".encode(), 1.0 + i):
+            sent_to_deaf += len(json.dumps(h))
+            assert verb == "STATS_REPLY" or (h["code"], h["limit"]) == ("limit_exceeded", "unread_bytes_total")
+    assert 200_000 <= sent_to_deaf <= 200_000 + size + 300 * 400
+    assert core.snapshot(400.0)["gauges"]["unread_bytes"] >= 200_000
+    (refused,) = _stats(core, b"reader", 400.0)
+    assert refused[2]["limit"] == "unread_bytes_total"
+    for i in range(300):  # as undeliverable(unreachable) does once a probe finds them gone
+        core.undeliverable(f"deaf{i}".encode(), Message("PONG", {}), "unreachable")
+    assert core.snapshot(401.0)["gauges"]["unread_bytes"] == len(json.dumps(refused[2]))
+    (ans,) = _stats(core, b"reader", 401.0, refused[2]["ticket"])
+    assert ans[1] == "STATS_REPLY"
+    core.check_invariants()
+
+
+def test_a_connection_with_unread_answers_is_probed_and_forgotten_once_it_has_gone():
+    """A one-shot query tool never names its last ticket: its entry is probed with an unasked
+    PONG 2, 4, 8 s after its last proof of reading; a probe the socket could not deliver
+    (disconnected) forgets it and frees its bytes. A connection that keeps reading is never
+    probed; one still connected but deaf is probed ever more rarely."""
+    core = _core()
+    (ans,) = _stats(core, b"gone", 0.0)
+    ticket = None
+    pongs: list[tuple[float, bytes]] = []
+    for k in range(1, 40):
+        now = k * 0.5
+        reply = _stats(core, b"reader", now, ticket)
+        ticket = reply[0][2]["ticket"]
+        pongs += [(now, rid) for rid, verb, _ in _sent(core.tick(now, lambda c: True)) if verb == "PONG"]
+    assert [t for t, rid in pongs if rid == b"gone"] == [PROBE_FIRST_S, 3 * PROBE_FIRST_S, 7 * PROBE_FIRST_S]
+    assert all(rid == b"gone" for _, rid in pongs), "a reader is never probed"
+    before = core.snapshot(20.0)["gauges"]
+    assert before["unread_answers"] == 2
+    core.undeliverable(b"gone", Message("PONG", {}), "full")  # connected, not reading: kept
+    assert core.snapshot(20.0)["gauges"] == before
+    core.undeliverable(b"gone", Message("PONG", {}), "unreachable")
+    after = core.snapshot(20.0)["gauges"]
+    assert after["unread_answers"] == 1  # the reader's latest only
+    snap = {k: v for k, v in ans[2].items() if k not in ("request_id", "ticket")}
+    assert before["unread_bytes"] - after["unread_bytes"] == len(json.dumps(snap)) + 32
+
+
+def test_the_query_table_is_bounded_and_forgets_idle_connections_first():
+    """16384 connections are remembered. When every one has unread answers, a new connection is
+    not answered until a probe finds one of them gone; one with nothing unread (its answers read,
+    its last query dropped by the rate budget) is forgotten to make room at once."""
+    core = BrokerCore(host=HOST, timeout_s=TIMEOUT, query_bytes=1)  # every answer overdraws
     for i in range(MAX_QUERY_PEERS + 10):
-        core.receive(f"q{i}".encode(), frames("CAPS", {"device": endpoint(9)}), float(i))
-    assert len(core._queries) == MAX_QUERY_PEERS
+        core.receive(f"q{i}".encode(), frames("CAPS", {"device": endpoint(9)}), 1.0)
+    assert len(core._waiting) == MAX_QUERY_PEERS and not core._idle
+    assert core.stats.answers_withheld == 10
+    assert _stats(core, b"new", 1.0) == []
+    core.undeliverable(b"q0", Message("PONG", {}), "unreachable")  # a probe found q0 gone
+    (ans,) = _stats(core, b"new", 1.0)
+    (err,) = _stats(core, b"new", 1.0, ans[2]["ticket"])  # budget spent: the ERROR is an answer too
+    assert err[2]["limit"] == "query_bytes"
+    assert _stats(core, b"new", 1.0, err[2]["ticket"]) == []  # read both; this one dropped: idle
+    assert b"new" in core._idle and len(core._waiting) == MAX_QUERY_PEERS - 1
+    assert _stats(core, b"newer", 1.0)  # the idle one made room
+    assert b"new" not in core._idle and len(core._waiting) == MAX_QUERY_PEERS
 
 
 def test_a_refused_handoffs_credit_is_matched_in_the_same_step():

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import zmq
 
+from barrier import Barrier
 from brokerproc import BrokerProcess
 from conftest import Proc
 from hurray_ipc import ClosedError, Consumer, EndOfStream, HurrayTimeout, Producer, workload
@@ -139,6 +140,7 @@ class LiveDriver(Driver):
         super().__init__()
         self.endpoint, self.ctx, self.run = endpoint, ctx, run
         self.socks: dict[str, zmq.Socket] = {}
+        self.barriers: dict[str, Barrier] = {}
         self.procs: dict[str, subprocess.Popen] = {}
 
     def rid(self, who: str) -> bytes:
@@ -156,25 +158,28 @@ class LiveDriver(Driver):
             s.setsockopt(zmq.LINGER, 0)
             s.connect(self.endpoint)
             self.socks[who] = s
+            self.barriers[who] = Barrier(_endpoint(os.getpid()))
         return self.socks[who]
 
-    def sync(self, who: str) -> list[Message]:
-        s = self.sock(who)
-        s.send_multipart([b"CAPS", json.dumps({"device": _endpoint(os.getpid()), "request_id": "sync"}).encode()])
+    def _ask(self, who: str, verb: str) -> tuple[list[Message], Message]:
+        """``verb`` (CAPS or STATS) from ``who``: what came before its answer, and the answer."""
+        s, barrier = self.sock(who), self.barriers[who]
+        s.send_multipart(barrier.frames(verb))
         out: list[Message] = []
         while True:
             assert s.poll(10_000), "the broker did not answer"
-            msgs = decode_all(s.recv_multipart())
-            if msgs[0].verb == "CAPS_REPLY" and msgs[0].header.get("request_id") == "sync":
-                return out
+            parts = s.recv_multipart()
+            msgs = decode_all(parts)
+            if barrier.is_answer(parts):
+                return out, msgs[0]
             out.extend(m for m in msgs if m.verb != "PONG")  # our own keep-alives
+
+    def sync(self, who: str) -> list[Message]:
+        return self._ask(who, "CAPS")[0]
 
     def gone(self, who: str) -> bool:
         label = BrokerCore.label_of(self.rid(who))
-        s = self.sock("stats")
-        s.send_multipart([b"STATS", b"{}"])
-        assert s.poll(10_000)
-        (reply,) = decode_all(s.recv_multipart())
+        reply = self._ask("stats", "STATS")[1]
         return all(c["id"] != label for c in reply.header["clients"])
 
     def step(self, who: str, acts: list[dict[str, Any]]) -> dict[str, list[Message]]:

@@ -19,6 +19,7 @@ import zmq
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from barrier import Barrier
 from conftest import Proc
 from hurray_ipc import workload
 from hurray_ipc.devices.base import host_id
@@ -142,7 +143,6 @@ def mutated(draw: st.DrawFn) -> list[bytes]:
     return msg
 
 
-SYNC = json.dumps({"device": endpoint_dict(os.getpid()), "request_id": "fuzz-sync"}).encode()
 raw_frames = st.lists(st.binary(max_size=80), min_size=0, max_size=5)
 message = st.one_of(mutated(), raw_frames, st.sampled_from(valid_messages()))
 
@@ -174,6 +174,7 @@ def test_fuzz_broker_with_good_pair(broker: Any) -> None:
                 size=4096, timeout=60.0)
     ctx = zmq.Context()
     socks: dict[int, zmq.Socket] = {}
+    barriers: dict[int, Barrier] = {}
 
     def sock(i: int) -> zmq.Socket:
         if i not in socks:
@@ -202,7 +203,8 @@ def test_fuzz_broker_with_good_pair(broker: Any) -> None:
             # Synchronise on the broker: a CAPS from the same socket (it needs no HELLO; PING before
             # HELLO is not_registered) is answered after the message, so every reply has arrived
             # once its CAPS_REPLY has.
-            s.send_multipart([b"CAPS", SYNC])
+            barrier = barriers.setdefault(i, Barrier(endpoint_dict(os.getpid()), "fuzz-sync"))
+            s.send_multipart(barrier.frames())
             while True:
                 if not s.poll(10_000):
                     killer.append(parts)
@@ -214,7 +216,7 @@ def test_fuzz_broker_with_good_pair(broker: Any) -> None:
                     raise AssertionError(f"broker {f'died (exit {dead})' if dead is not None else 'hung'}"
                                          f", found after {[f[:200] for f in parts]!r}\n{tail}")
                 r = s.recv_multipart()
-                if r[0] == b"CAPS_REPLY" and json.loads(r[1]).get("request_id") == "fuzz-sync":
+                if barrier.is_answer(r):
                     break
                 check_reply(r, parts)
             assert broker.proc.poll() is None, f"broker died on {parts[:2]!r}"

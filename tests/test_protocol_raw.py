@@ -104,11 +104,14 @@ class Raw:
         self.s.setsockopt(zmq.LINGER, 0)
         self.s.connect(ep)
         self.pending = []
+        self.ticket = None  # of the latest STATS/CAPS answer read: the next query names it (spec §6a)
 
     def send(self, verb, header=None, *frames):
         if verb in ("HANDOFF", "RELEASE", "EVENT_RELEASE") and not isinstance(header, bytes):
             self.s.send_multipart(pack_hot(verb, header, list(frames)))
             return
+        if verb in ("CAPS", "STATS") and isinstance(header, dict) and self.ticket is not None:
+            header = {"ticket": self.ticket, **header}
         body = header if isinstance(header, bytes) else json.dumps(header or {}).encode()
         self.s.send_multipart([verb if isinstance(verb, bytes) else verb.encode(), body, *frames])
 
@@ -120,6 +123,8 @@ class Raw:
                 self.pending = unpack_hot(parts)
             else:
                 self.pending = [(parts[0].decode(), json.loads(parts[1]), parts[2:])]
+                if isinstance(self.pending[0][1].get("ticket"), str):
+                    self.ticket = self.pending[0][1]["ticket"]
         return self.pending.pop(0)
 
     def expect(self, verb, timeout=5000):

@@ -383,6 +383,46 @@ def test_stats_from_a_real_broker(busy_broker):
         "messages_in"])
 
 
+def test_a_socket_that_never_reads_is_sent_eight_answers_and_a_reading_one_every_answer(busy_broker):
+    """Red team item 4, end to end: a socket floods 2000 STATS and reads nothing (before, the
+    2 MiB/s budget answered about 1500 of them, 1.3 KB each, queued in the broker). The broker's
+    own counters say 1992 were withheld and 8 answers wait; reading the socket afterwards finds
+    exactly those 8. Meanwhile hurray-top's client, which names its latest ticket, is answered
+    every time on one connection."""
+    from hurray_ipc.cli.top import StatsClient
+
+    b, (_p, _c, obs) = busy_broker
+    deaf = zmq.Context.instance().socket(zmq.DEALER)
+    deaf.setsockopt(zmq.LINGER, 0)
+    deaf.connect(b.endpoint)
+    watcher = StatsClient(b.endpoint)
+    try:
+        for _ in range(2000):
+            deaf.send_multipart([b"STATS", b"{}"])
+        r = wait_for("the flood handled", lambda: watcher.query(10.0),
+                     lambda r: r["totals"]["answers_withheld"] >= 1992)
+        assert r["totals"]["answers_withheld"] == 1992 and r["gauges"]["unread_answers"] >= 8
+        for _ in range(30):
+            watcher.query(10.0)
+        replies = []
+        while deaf.poll(0 if len(replies) >= 8 else 10_000):
+            parts = deaf.recv_multipart()
+            if parts[0] != b"PONG":  # a probe of whether it is still connected
+                replies.append((parts[0], json.loads(parts[1])["ticket"]))
+        assert [verb for verb, _ in replies] == [b"STATS_REPLY"] * 8
+        # It read them now: naming the latest gets it answered again.
+        deaf.send_multipart([b"STATS", json.dumps({"ticket": replies[-1][1], "request_id": "again"}).encode()])
+        while True:
+            assert deaf.poll(10_000), "no answer after the ticket"
+            parts = deaf.recv_multipart()
+            if parts[0] != b"PONG":
+                assert json.loads(parts[1])["request_id"] == "again"
+                break
+    finally:
+        deaf.close(0)
+        watcher.close()
+
+
 def top(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "hurray_ipc.cli.top", *args], capture_output=True, text=True,
                           timeout=timeout)

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import zmq
 
+from barrier import Barrier
 from hurray_ipc.broker.core import BrokerCore, Send
 from hurray_ipc.broker.keyfile import route_key_path
 from hurray_ipc.devices.base import host_id
@@ -107,6 +108,7 @@ class LiveDriver(Driver):
         self.route_key = route_key_path(endpoint).read_text().strip()  # type: ignore[union-attr]
         self.pids = {100: os.getppid(), 200: os.getpid(), 201: os.getpid()}
         self.socks: dict[str, zmq.Socket] = {}
+        self.barriers: dict[str, Barrier] = {}
         self.pending: dict[str, list[Message]] = {}
 
     def _sock(self, who: str) -> zmq.Socket:
@@ -118,20 +120,22 @@ class LiveDriver(Driver):
             s.setsockopt(zmq.LINGER, 0)
             s.connect(self.endpoint)
             self.socks[who] = s
+            self.barriers[who] = Barrier(_ep(300), "vec-sync")
         return self.socks[who]
 
     def send(self, who: str, frames: list[bytes]) -> list[Message]:
         """Replies to ``who`` up to the answer to a CAPS sent right after (ordered on the socket)."""
         s = self._sock(who)
         s.send_multipart(frames)
-        s.send_multipart([b"CAPS", json.dumps({"device": _ep(300), "request_id": "vec-sync"}).encode()])
+        barrier = self.barriers[who]
+        s.send_multipart(barrier.frames())
         out: list[Message] = []
         while True:
             assert s.poll(10_000), "the broker did not answer"
-            msgs = decode_all(s.recv_multipart())
-            if msgs[0].verb == "CAPS_REPLY" and msgs[0].header.get("request_id") == "vec-sync":
+            parts = s.recv_multipart()
+            if barrier.is_answer(parts):
                 break
-            out.extend(msgs)
+            out.extend(decode_all(parts))
         if who == "p":  # deliveries to c arrive on c's socket: collect them for '$token'
             c = self._sock("c")
             while c.poll(200 if out and out[0].verb == "ACCEPTED" else 0):

@@ -72,6 +72,7 @@ def broker_answer(endpoint: str, device: str, peer: str | None, channel: str | N
         s.close()
     if msg.verb == "ERROR":
         raise ConnectionError(f"broker refused: {msg.header.get('code')}: {msg.header.get('message')}")
+    msg.header.pop("ticket", None)  # proof of reading for a next query (§6a); this socket asks once
     return {"source": f"broker {endpoint}", **msg.header}
 
 

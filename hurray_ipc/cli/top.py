@@ -32,7 +32,9 @@ class NoBroker(ConnectionError):
 
 
 class StatsClient:
-    """One DEALER socket that asks a broker for STATS (it needs no HELLO)."""
+    """One DEALER socket that asks a broker for STATS (it needs no HELLO). Each STATS names the
+    ticket of the latest answer read (spec §6a): a connection that does not is left unanswered
+    once it has 8 answers unread."""
 
     def __init__(self, ep: str):
         import zmq
@@ -42,6 +44,7 @@ class StatsClient:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.ticket: str | None = None  # of the latest answer read
         try:
             self.sock.connect(ep)
         except zmq.ZMQError as e:
@@ -56,8 +59,11 @@ class StatsClient:
         zmq = self._zmq
         rid = f"top-{next(_REQUEST_IDS)}"
         deadline = time.monotonic() + timeout
+        header: dict[str, Any] = {"request_id": rid}
+        if self.ticket is not None:
+            header["ticket"] = self.ticket
         try:
-            self.sock.send_multipart(Message("STATS", {"request_id": rid}).encode(), flags=zmq.NOBLOCK)
+            self.sock.send_multipart(Message("STATS", header).encode(), flags=zmq.NOBLOCK)
         except zmq.Again:
             raise NoBroker(f"no reply from broker at {self.endpoint} within {timeout:g} s") from None
         while True:
@@ -68,6 +74,8 @@ class StatsClient:
                 msg = decode(self.sock.recv_multipart(), allowed=BROKER_VERBS)
             except ProtocolError:
                 continue  # not something this tool understands: wait for the reply
+            if isinstance(msg.header.get("ticket"), str):  # also a stale answer's: it was read
+                self.ticket = msg.header["ticket"]
             if msg.header.get("request_id") != rid:
                 continue
             if msg.verb == "ERROR":
