@@ -25,8 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from hurray_ipc.cli.top import NoBroker, StatsClient
 from hurray_ipc.client.endpoint import check_socket_dir
+from hurray_ipc.client.query import BrokerQuery, NoAnswer
 
 from .lock import holder
 from .logfmt import open_log
@@ -56,15 +56,10 @@ def socket_path(endpoint: str, option: str) -> Path:
 def _answering(endpoint: str, timeout: float) -> int | None:
     """The pid STATS_REPLY names, when a broker answers on ``endpoint`` within ``timeout``."""
     try:
-        client = StatsClient(endpoint)
-    except NoBroker:
+        with BrokerQuery(endpoint) as q:
+            return int(q.stats(timeout)["broker"]["pid"])
+    except NoAnswer:
         return None
-    try:
-        return int(client.query(timeout)["broker"]["pid"])
-    except NoBroker:
-        return None
-    finally:
-        client.close()
 
 
 def _running(endpoint: str, sock: Path) -> int | None:
@@ -123,7 +118,7 @@ def start(argv: list[str], endpoint: str, log_file: str | None, group: bool) -> 
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=fd, start_new_session=True)
     finally:
         os.close(fd)
-    client = StatsClient(endpoint)
+    client = BrokerQuery(endpoint)
     deadline = time.monotonic() + START_TIMEOUT_S
     try:
         while True:
@@ -135,8 +130,8 @@ def start(argv: list[str], endpoint: str, log_file: str | None, group: bool) -> 
                     return f"{PROG}: already running at {endpoint} (pid {pid})"
                 raise Refused(f"the broker did not start (exit {rc}): {_last_line(log, offset)} (log {log})")
             try:
-                pid = int(client.query(0.25)["broker"]["pid"])
-            except NoBroker:
+                pid = int(client.stats(0.25)["broker"]["pid"])
+            except NoAnswer:
                 pid = None
             if pid == child.pid:
                 return f"{PROG}: running at {endpoint} (pid {pid}, log {log})"

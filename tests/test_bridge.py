@@ -126,9 +126,9 @@ def test_arrays_and_user_metadata_cross_the_bridges_as_sent(two_brokers):
 
 def _channel_state(endpoint, channel):
     """The broker's own view of ``channel`` (STATS): its producers and whether it is ended."""
-    from hurray_ipc.cli.top import StatsClient
+    from hurray_ipc.client.query import stats
 
-    ch = [x for x in StatsClient(endpoint).query(5.0)["channels"] if x["name"] == channel]
+    ch = [x for x in stats(endpoint, 5.0)["channels"] if x["name"] == channel]
     return (ch[0]["producers"], ch[0]["ended"]) if ch else (0, False)
 
 
@@ -365,7 +365,7 @@ def test_a_consumer_gone_before_its_handoff_arrived_neither_loses_it_nor_stops_t
     the broker refuses the handoff (consumer_gone). The receiving bridge hands the buffer on again
     to the next consumer, and meanwhile goes on answering the link (a send that waited for another
     consumer inside its loop fell silent: its sender would drop the link)."""
-    from hurray_ipc.cli.top import StatsClient
+    from hurray_ipc.client.query import BrokerQuery
     from test_vectors_refusals import _ep
 
     _, b = two_brokers
@@ -375,7 +375,7 @@ def test_a_consumer_gone_before_its_handoff_arrived_neither_loses_it_nor_stops_t
     data = workload.pattern(5, 0, 4096).tobytes()
     gone = zmq.Context.instance().socket(zmq.DEALER)
     gone.setsockopt(zmq.LINGER, 1000)
-    watcher = StatsClient(b.endpoint)
+    watcher = BrokerQuery(b.endpoint)
     try:
         rid, _ = recv(s, "LINK_HELLO")
         send(s, rid, "LINK_WELCOME", {"protocol": 1})
@@ -387,7 +387,7 @@ def test_a_consumer_gone_before_its_handoff_arrived_neither_loses_it_nor_stops_t
         gone.connect(b.endpoint)
 
         def ready():  # the bridge's READY the broker holds for channel v (STATS, spec §2.3)
-            reply = watcher.query(5.0)
+            reply = watcher.stats(5.0)
             return sum(c["ready"] for c in reply["channels"] if c["name"] == "v")
 
         deadline = time.monotonic() + 20

@@ -170,8 +170,8 @@ def test_paused_consumer_keeps_its_buffer_and_reads_it_intact(live):
 
 
 def _client_pids(endpoint: str) -> set[int]:
-    from hurray_ipc.cli.top import StatsClient
-    return {c["pid"] for c in StatsClient(endpoint).query(5.0)["clients"]}
+    from hurray_ipc.client.query import stats
+    return {c["pid"] for c in stats(endpoint, 5.0)["clients"]}
 
 
 def test_a_paused_consumer_holding_nothing_is_dropped_and_registers_again_when_it_resumes(live):

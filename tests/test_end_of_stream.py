@@ -270,9 +270,9 @@ def producer(broker: BrokerProcess, channel: str, count: int, end: bool = True) 
 
 def channel_state(endpoint: str, channel: str) -> tuple[int, bool]:
     """The broker's own view (STATS): the channel's registered producers, and whether it ended."""
-    from hurray_ipc.cli.top import StatsClient
+    from hurray_ipc.client.query import stats
 
-    ch = [x for x in StatsClient(endpoint).query(5.0)["channels"] if x["name"] == channel]
+    ch = [x for x in stats(endpoint, 5.0)["channels"] if x["name"] == channel]
     return (ch[0]["producers"], ch[0]["ended"]) if ch else (0, False)
 
 

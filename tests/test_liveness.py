@@ -164,9 +164,9 @@ def test_a_sweep_touches_only_regular_files_this_user_owns(tmp_path):
         if foreign:  # the broker starts (it sweeps at once) and keeps serving with them there
             b = BrokerProcess(f"ipc://{tmp_path}/b.sock").start()
             try:
-                from hurray_ipc.cli.top import StatsClient
+                from hurray_ipc.client.query import stats
 
-                assert StatsClient(b.endpoint).query(5.0)["broker"]["pid"] == b.proc.pid
+                assert stats(b.endpoint, 5.0)["broker"]["pid"] == b.proc.pid
             finally:
                 assert "stale_sweep_failed" not in b.stop()
     finally:

@@ -387,23 +387,23 @@ def test_a_socket_that_never_reads_is_sent_eight_answers_and_a_reading_one_every
     """Red team item 4, end to end: a socket floods 2000 STATS and reads nothing (before, the
     2 MiB/s budget answered about 1500 of them, 1.3 KB each, queued in the broker). The broker's
     own counters say 1992 were withheld and 8 answers wait; reading the socket afterwards finds
-    exactly those 8. Meanwhile hurray-top's client, which names its latest ticket, is answered
+    exactly those 8. Meanwhile a BrokerQuery (hurray-top's), which names its latest ticket, is answered
     every time on one connection."""
-    from hurray_ipc.cli.top import StatsClient
+    from hurray_ipc.client.query import BrokerQuery
 
     b, (_p, _c, obs) = busy_broker
     deaf = zmq.Context.instance().socket(zmq.DEALER)
     deaf.setsockopt(zmq.LINGER, 0)
     deaf.connect(b.endpoint)
-    watcher = StatsClient(b.endpoint)
+    watcher = BrokerQuery(b.endpoint)
     try:
         for _ in range(2000):
             deaf.send_multipart([b"STATS", b"{}"])
-        r = wait_for("the flood handled", lambda: watcher.query(10.0),
+        r = wait_for("the flood handled", lambda: watcher.stats(10.0),
                      lambda r: r["totals"]["answers_withheld"] >= 1992)
         assert r["totals"]["answers_withheld"] == 1992 and r["gauges"]["unread_answers"] >= 8
         for _ in range(30):
-            watcher.query(10.0)
+            watcher.stats(10.0)
         replies = []
         while deaf.poll(0 if len(replies) >= 8 else 10_000):
             parts = deaf.recv_multipart()
@@ -434,7 +434,7 @@ def test_top_once_and_json_against_a_real_broker(busy_broker):
     r = top("--endpoint", b.endpoint, "--json")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
-    assert expected(d) and d["request_id"].startswith("top-")
+    assert expected(d) and d["request_id"].startswith("q-")
     r = top("--endpoint", b.endpoint, "--once")
     assert r.returncode == 0, r.stderr
     out = r.stdout

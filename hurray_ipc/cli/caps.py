@@ -48,32 +48,21 @@ def local_answer(device: str, peer: str | None, transport: Transport, consumer_s
 
 def broker_answer(endpoint: str, device: str, peer: str | None, channel: str | None, transport: Transport | None,
                   timeout: float) -> dict[str, Any]:
-    import zmq
+    """The broker's CAPS_REPLY for ``device`` (and ``peer``, ``channel``, ``transport``); raises
+    NoAnswer (a ConnectionError) when none comes."""
+    from ..client.query import BrokerQuery
 
-    from ..transport.protocol import BROKER_VERBS, Message, decode
-
-    header: dict[str, Any] = {"request_id": 1, "device": local_endpoint(device, os.getpid(), False).to_dict()}
+    header: dict[str, Any] = {"device": local_endpoint(device, os.getpid(), False).to_dict()}
     if peer:
         header["peer"] = local_endpoint(peer, os.getpid() + 1, True).to_dict()
     if channel:
         header["channel"] = channel
     if transport:
         header["transport"] = transport.value
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(endpoint)
-    try:
-        s.send_multipart(Message("CAPS", header).encode())
-        if not s.poll(int(timeout * 1000)):
-            raise ConnectionError(f"no reply from broker at {endpoint} within {timeout} s")
-        msg = decode(s.recv_multipart(), allowed=BROKER_VERBS)
-    finally:
-        s.close()
-    if msg.verb == "ERROR":
-        raise ConnectionError(f"broker refused: {msg.header.get('code')}: {msg.header.get('message')}")
-    msg.header.pop("ticket", None)  # proof of reading for a next query (§6a); this socket asks once
-    return {"source": f"broker {endpoint}", **msg.header}
+    with BrokerQuery(endpoint) as q:
+        reply = q.caps(header, timeout)
+    reply.pop("ticket", None)  # a proof of reading for this connection's next query (§6a), not an answer
+    return {"source": f"broker {endpoint}", **reply}
 
 
 def render(d: dict[str, Any]) -> str:

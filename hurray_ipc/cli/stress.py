@@ -260,18 +260,12 @@ class Runner:
 
     def _all_registered(self) -> bool:
         """Whether every live worker is registered with the broker (its STATS client list)."""
-        from .top import NoBroker, StatsClient
+        from ..client.query import NoAnswer, stats
 
         try:
-            client = StatsClient(self.endpoint)
-        except NoBroker:
+            pids = {c["pid"] for c in stats(self.endpoint, 1.0)["clients"]}
+        except NoAnswer:
             return False
-        try:
-            pids = {c["pid"] for c in client.query(1.0)["clients"]}
-        except NoBroker:
-            return False
-        finally:
-            client.close()
         return all(w.proc.pid in pids for w in self.workers if not w.killed and w.proc.is_alive())
 
     def _sum(self, role: str, i: int) -> int:

@@ -13,7 +13,6 @@ a usage error (with --json, stdout then holds {"error": "...", "endpoint": "..."
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -22,72 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..client.endpoint import default_endpoint
+from ..client.query import BrokerQuery, NoAnswer
 from .common import add_version, endpoint
-
-_REQUEST_IDS = itertools.count(1)
-
-
-class NoBroker(ConnectionError):
-    """No STATS_REPLY came (no broker, or it refused)."""
-
-
-class StatsClient:
-    """One DEALER socket that asks a broker for STATS (it needs no HELLO). Each STATS names the
-    ticket of the latest answer read (spec §6a): a connection that does not is left unanswered
-    once it has 8 answers unread."""
-
-    def __init__(self, ep: str):
-        import zmq
-
-        self.endpoint = ep
-        self._zmq = zmq
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.ticket: str | None = None  # of the latest answer read
-        try:
-            self.sock.connect(ep)
-        except zmq.ZMQError as e:
-            self.close()
-            raise NoBroker(f"cannot connect to {ep}: {e.strerror}") from None
-
-    def query(self, timeout: float) -> dict[str, Any]:
-        """The broker's STATS_REPLY header, or NoBroker. Stale replies (to an earlier request that
-        timed out) are skipped by their request_id."""
-        from ..transport.protocol import BROKER_VERBS, Message, ProtocolError, decode
-
-        zmq = self._zmq
-        rid = f"top-{next(_REQUEST_IDS)}"
-        deadline = time.monotonic() + timeout
-        header: dict[str, Any] = {"request_id": rid}
-        if self.ticket is not None:
-            header["ticket"] = self.ticket
-        try:
-            self.sock.send_multipart(Message("STATS", header).encode(), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            raise NoBroker(f"no reply from broker at {self.endpoint} within {timeout:g} s") from None
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.sock.poll(max(1, int(left * 1000))):
-                raise NoBroker(f"no reply from broker at {self.endpoint} within {timeout:g} s")
-            try:
-                msg = decode(self.sock.recv_multipart(), allowed=BROKER_VERBS)
-            except ProtocolError:
-                continue  # not something this tool understands: wait for the reply
-            if isinstance(msg.header.get("ticket"), str):  # also a stale answer's: it was read
-                self.ticket = msg.header["ticket"]
-            if msg.header.get("request_id") != rid:
-                continue
-            if msg.verb == "ERROR":
-                raise NoBroker(f"broker at {self.endpoint} refused STATS: {msg.header.get('code')}: "
-                               f"{msg.header.get('message')}")
-            if msg.verb == "STATS_REPLY":
-                return msg.header
-
-    def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
-
 
 # --- rendering ----------------------------------------------------------------------------------
 
@@ -148,7 +83,7 @@ def render(d: dict[str, Any], endpoint: str = "") -> list[str]:
 
 # --- the live view ------------------------------------------------------------------------------
 
-def live(client: StatsClient, interval: float, timeout: float) -> int:
+def live(client: BrokerQuery, interval: float, timeout: float) -> int:
     import curses
 
     def run(scr: Any) -> int:
@@ -156,9 +91,9 @@ def live(client: StatsClient, interval: float, timeout: float) -> int:
         scr.timeout(int(interval * 1000))
         while True:
             try:
-                lines = render(client.query(timeout), client.endpoint)
+                lines = render(client.stats(timeout), client.endpoint)
                 status = f"every {interval:g} s, {time.strftime('%H:%M:%S')}; q quits"
-            except NoBroker as e:
+            except NoAnswer as e:
                 lines, status = [], f"{e}; retrying every {interval:g} s; q quits"
             scr.erase()
             height, width = scr.getmaxyx()
@@ -173,11 +108,11 @@ def live(client: StatsClient, interval: float, timeout: float) -> int:
     return int(curses.wrapper(run))
 
 
-def plain_loop(client: StatsClient, interval: float, timeout: float) -> int:
+def plain_loop(client: BrokerQuery, interval: float, timeout: float) -> int:
     while True:
         try:
-            print("\n".join(render(client.query(timeout), client.endpoint)), flush=True)
-        except NoBroker as e:
+            print("\n".join(render(client.stats(timeout), client.endpoint)), flush=True)
+        except NoAnswer as e:
             print(f"hurray-top: {e}", file=sys.stderr, flush=True)
         print(flush=True)
         time.sleep(interval)  # pacing the display, not synchronisation
@@ -207,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     ep = a.endpoint or default_endpoint()
 
-    def no_broker(e: NoBroker) -> int:
+    def no_broker(e: NoAnswer) -> int:
         """One line on stderr; with --json also an object on stdout, so a script reading stdout
         gets JSON whatever happened."""
         if a.json:
@@ -216,14 +151,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     try:
-        client = StatsClient(ep)
-    except NoBroker as e:
+        client = BrokerQuery(ep)
+    except NoAnswer as e:
         return no_broker(e)
     try:
         if a.once or a.json:
             try:
-                reply = client.query(a.timeout)
-            except NoBroker as e:
+                reply = client.stats(a.timeout)
+            except NoAnswer as e:
                 return no_broker(e)
             print(json.dumps(reply) if a.json else "\n".join(render(reply, client.endpoint)))
             return 0

@@ -1,0 +1,102 @@
+"""Asking a broker what it knows: STATS and CAPS (docs/spec/ipc-protocol.md §2, §2.3, §6a).
+
+A query needs no HELLO. One :class:`BrokerQuery` is one connection, and it may ask any number of
+times: each query names the ticket of the latest answer read on it (§6a), without which the
+broker stops answering a connection after 8 unread answers. An answer to an earlier query that
+timed out is skipped by its ``request_id`` (its ticket still counts: it was read), and so is an
+unasked PONG, the broker's check that a connection with unread answers is still there.
+
+Who uses it: ``hurray-top`` and ``hurray-caps --broker``, the daemon's start and status checks,
+``hurray-stress`` (waiting for its workers to register), and the tests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from types import TracebackType
+from typing import Any
+
+import zmq
+
+from ..transport.protocol import BROKER_VERBS, Message, ProtocolError, decode
+
+__all__ = ["BrokerQuery", "NoAnswer", "stats"]
+
+_REQUEST_IDS = itertools.count(1)
+
+
+class NoAnswer(ConnectionError):
+    """No answer came: no broker, it did not answer in time, or it refused (the message says which)."""
+
+
+class BrokerQuery:
+    """One DEALER connection to the broker at ``endpoint`` for STATS and CAPS. Raises
+    :class:`NoAnswer` when the endpoint cannot be connected to."""
+
+    def __init__(self, endpoint: str):
+        self.endpoint = endpoint
+        self.ticket: str | None = None  # of the latest answer read (§6a)
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        try:
+            self._sock.connect(endpoint)
+        except zmq.ZMQError as e:
+            self.close()
+            raise NoAnswer(f"cannot connect to {endpoint}: {e.strerror}") from None
+
+    def stats(self, timeout: float) -> dict[str, Any]:
+        """The broker's STATS_REPLY header (§2.3), or NoAnswer within ``timeout`` seconds."""
+        return self._ask("STATS", {}, timeout)
+
+    def caps(self, header: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """The CAPS_REPLY header for a CAPS of ``header`` (``device``, and ``peer``, ``channel``,
+        ``transport`` as §2 allows), or NoAnswer within ``timeout`` seconds."""
+        return self._ask("CAPS", header, timeout)
+
+    def _ask(self, verb: str, fields: dict[str, Any], timeout: float) -> dict[str, Any]:
+        request_id = f"q-{next(_REQUEST_IDS)}"
+        header = {**fields, "request_id": request_id}
+        if self.ticket is not None:
+            header["ticket"] = self.ticket
+        deadline = time.monotonic() + timeout
+        silent = NoAnswer(f"no reply from broker at {self.endpoint} within {timeout:g} s")
+        try:
+            self._sock.send_multipart(Message(verb, header).encode(), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise silent from None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(max(1, int(left * 1000))):
+                raise silent
+            try:
+                msg = decode(self._sock.recv_multipart(), allowed=BROKER_VERBS)
+            except ProtocolError:
+                continue  # not something a query understands: wait for the answer
+            if isinstance(msg.header.get("ticket"), str):
+                self.ticket = msg.header["ticket"]
+            if msg.header.get("request_id") != request_id:
+                continue
+            if msg.verb == "ERROR":
+                raise NoAnswer(f"broker at {self.endpoint} refused {verb}: {msg.header.get('code')}: "
+                               f"{msg.header.get('message')}")
+            if msg.verb == f"{verb}_REPLY":
+                return msg.header
+
+    def close(self) -> None:
+        self._sock.close(0)
+        self._ctx.term()
+
+    def __enter__(self) -> BrokerQuery:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+def stats(endpoint: str, timeout: float) -> dict[str, Any]:
+    """One STATS_REPLY from the broker at ``endpoint`` on a connection of its own (NoAnswer if none)."""
+    with BrokerQuery(endpoint) as q:
+        return q.stats(timeout)
