@@ -396,8 +396,8 @@ class BridgeOut:
         except RdmaError as e:
             self._end_rdma(s, "bad_offer" if "bad offer" in str(e) else "rdma_failed", str(e))
             return
-        s.offer, s.offered_at = offer, time.monotonic()
-        s.deadline = s.offered_at + transfer_bound(self.timeout_s, s.size)  # R4.1 and R4.3, from the first post
+        s.offer = offer
+        s.deadline = time.monotonic() + transfer_bound(self.timeout_s, s.size)  # R4.1 and R4.3, from the first post
         peer = self.peers.get(rid)
         if peer is not None:
             peer.setdefault("agents", set()).add(offer.agent)
@@ -800,7 +800,6 @@ class RdmaSend:
     deadline: float
     reg: Registration | None = None
     offer: Offer | None = None  # the receiver's RDMA_REGISTER, once it came
-    offered_at: float = 0.0
     next_off: int = 0  # bytes posted so far, one WRITE_CHUNK at a time
     writes: list[tuple[Transfer, int, int]] = dataclasses.field(default_factory=list)  # posted: (write, off, n)
 

@@ -638,7 +638,9 @@ class BrokerCore:
         elif old.role != role:
             raise ProtocolError("wrong_role", f"this client registered as a {old.role}; it cannot become a {role}")
         if old is not None:
-            self._reregister(rid)
+            # It said HELLO again (it thought us gone): its credits and grants are void, as this
+            # HELLO re-declares them; its deliveries stay bound: they are real.
+            self._forget(old)
             c.held = old.held
         self.clients[rid] = c
         self.per_process[c.process] = self.per_process.get(c.process, 0) + 1
@@ -1007,7 +1009,7 @@ class BrokerCore:
     def expected_modes(self, producer: Client, consumer: Client, handle: BufferHandle) -> Any:
         cpu = handle.device_tag is DeviceTag.CPU
         ep = host_side(producer.endpoint) if cpu else producer.endpoint
-        return self.modes.get(producer.rid, consumer.rid, ep, consumer.endpoint)
+        return self.modes.get(ep, consumer.endpoint)
 
     def _check_handoff(self, producer: Client, consumer: Client, msg: Message, handle: BufferHandle) -> None:
         """Spec §4.5, in this order: sync mode, transport payload, offset, meta."""
@@ -1278,6 +1280,10 @@ class BrokerCore:
         self._send(rid, Message("STATS_REPLY", {"request_id": request_id, **snap}), self._snap_bytes)
         return self._snap_bytes
 
+    def note_sent(self) -> None:
+        """The loop sent one ZeroMQ message (a batch counts one): ``totals.wire_out``."""
+        self.stats.wire_out += 1
+
     def note_sweep(self, segments: int, removed: int) -> None:
         """The loop swept stale segments: ``segments`` of this uid remain, ``removed`` went."""
         self.stats.sweeps += 1
@@ -1424,11 +1430,6 @@ class BrokerCore:
                 del self.channels[c.channel]
         if c.unresponsive:
             self.stats.unresponsive -= 1
-
-    def _reregister(self, rid: bytes) -> None:
-        """A registered client said HELLO again (it thought us gone). Its credits and grants are
-        void, as its HELLO re-declares them; its deliveries stay bound: they are real."""
-        self._forget(self.clients[rid])
 
     def _drop(self, rid: bytes, why: str) -> None:
         c = self.clients.get(rid)

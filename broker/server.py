@@ -94,22 +94,6 @@ class Broker:
         self._ns = liveness.pid_namespace()
         self._clean()
 
-    @property
-    def stats(self):  # noqa: ANN201 - the core's Stats
-        return self.core.stats
-
-    @property
-    def messages_sent(self) -> int:
-        return self.core.stats.wire_out
-
-    @property
-    def clients(self) -> dict[bytes, Client]:
-        return self.core.clients
-
-    @property
-    def deliveries(self):  # noqa: ANN201
-        return self.core.deliveries
-
     def _bind(self, group: bool) -> None:
         if self.endpoint.startswith("ipc://"):
             path = Path(self.endpoint[len("ipc://"):])
@@ -162,7 +146,7 @@ class Broker:
                         for m in group:
                             self._queue(self.core.undeliverable(rid, m, why))
                     else:
-                        self.core.stats.wire_out += 1
+                        self.core.note_sent()
 
     def _apply(self, outs: list[Out]) -> None:
         self._queue(outs)
@@ -244,12 +228,6 @@ class Broker:
         self._last_publish = time.monotonic() if now is None else now
         self.published = self.core.snapshot(self._last_publish)
 
-    def handle(self, parts: list[bytes]) -> None:
-        """One received message (routing id first). Never raises for anything a client sent."""
-        if len(parts) < 1:
-            return
-        self._apply(self.core.receive(parts[0], parts[1:], time.monotonic()))
-
     def stop(self) -> None:
         self.running = False
 
@@ -262,7 +240,7 @@ class Broker:
             return
         self._apply(self.core.shutdown(reason))
         log.info(json.dumps({"event": "shutdown", "reason": reason, "clients": len(self.core.clients),
-                             "messages_received": self.messages_received, "messages_sent": self.messages_sent,
+                             "messages_received": self.messages_received, "messages_sent": self.core.stats.wire_out,
                              **self.core.stats.__dict__, "errors_by_code": self.core.errors_by_code}))
         self.sock.close(linger=200)
         if self.endpoint.startswith("ipc://"):

@@ -576,7 +576,7 @@ class Producer:
         if consumer is None or grant.get("epoch") != self.session.epoch:
             raise _VoidGrant(grant)
         me = self.endpoint_info if on_gpu else host_side(self.endpoint_info)
-        return consumer, self._modes.get(self.session.client_id, label, me, consumer)
+        return consumer, self._modes.get(me, consumer)
 
     def send_many(self, objs: list[Any], mode: SyncMode | str | None = None, *, stream: Any = None,
                   timeout: float | None = None, on_release: Callable[[Ticket], None] | None = None,

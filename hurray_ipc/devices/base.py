@@ -49,11 +49,6 @@ class DeviceIdentity:
         return {"kind": self.kind, "ordinal": self.ordinal, "uuid": self.uuid, "pci_bus_id": self.pci_bus_id,
                 "emulated": self.emulated, "host": self.host}
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> DeviceIdentity:
-        return cls(str(d["kind"]), int(d["ordinal"]), str(d["uuid"]), str(d.get("pci_bus_id", "")),
-                   bool(d.get("emulated", False)), str(d.get("host", "")))
-
 
 @dataclass(frozen=True)
 class DeviceCapabilities:
@@ -71,12 +66,6 @@ class DeviceCapabilities:
         if self.why_not:
             d["why_not"] = dict(self.why_not)
         return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> DeviceCapabilities:
-        return cls(bool(d["ipc_memory"]), bool(d["ipc_events"]), bool(d.get("ipc_streams", False)),
-                   tuple(str(p) for p in d.get("peers", ())),
-                   tuple((str(k), str(v)) for k, v in dict(d.get("why_not") or {}).items()))
 
 
 @dataclass(frozen=True)

@@ -188,15 +188,14 @@ class ModeCache:
     """:func:`pair_modes` remembered per (producer endpoint, consumer endpoint), bounded (LRU).
 
     Keyed by the endpoints' values, never by object identity: a client that re-registers with
-    another device gets a fresh answer, and two clients with equal endpoints share one. The
-    ``producer_id``/``consumer_id`` arguments are accepted for callers' readability only.
+    another device gets a fresh answer, and two clients with equal endpoints share one.
     """
 
     def __init__(self, size: int = 4096):
         self.size = size
         self._hits: OrderedDict[tuple[Endpoint, Endpoint], PairModes] = OrderedDict()
 
-    def get(self, producer_id: object, consumer_id: object, producer: Endpoint, consumer: Endpoint) -> PairModes:
+    def get(self, producer: Endpoint, consumer: Endpoint) -> PairModes:
         key = (producer, consumer)
         pm = self._hits.get(key)
         if pm is None:
