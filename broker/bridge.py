@@ -1,4 +1,4 @@
-"""Cross-machine bridge between two brokers (docs/spec/interchange.md, ADR-018 §6).
+"""Cross-machine bridge between two brokers (docs/spec/interchange.md, docs/spec/sync-contract.md §6).
 
     # host A: take handoffs of channel "frames" from the local broker, serve them over TCP
     python -m hurray_ipc.broker.bridge out --channel frames --listen tcp://*:5555 --server-key keys/server.key_secret \\
@@ -312,7 +312,7 @@ class BridgeOut:
                                                 {"handle": handle.encode()}).encode()])
 
     def _source(self, h: Any, nic: bool) -> Source:
-        """What a transfer of handoff ``h`` reads, every write to it retired (ADR-018 §6), and how it
+        """What a transfer of handoff ``h`` reads, every write to it retired (sync-contract §6), and how it
         is given back. Host memory is read in place. GPU memory (``device`` cuda:N) is read in place
         by the NIC (``nic``) where NIXL takes it (VRAM; an emulated GPU's memory is host memory),
         else copied to a host buffer here (host-waited) and the handoff released at once."""
@@ -457,7 +457,7 @@ class BridgeOut:
 
     def _poll_rdma(self) -> None:
         """Each posted WRITE whose completion NIXL reports (DONE) is announced (RDMA_READY for its
-        range); once all are, the transfer ends with TENSOR_DATA_END (R3.4-R3.5, ADR-018 §6). ERR or
+        range); once all are, the transfer ends with TENSOR_DATA_END (R3.4-R3.5, sync-contract §6). ERR or
         the deadline end it with a REJECT."""
         now = time.monotonic()
         for s in list(self.rdma.values()):
@@ -1243,7 +1243,7 @@ class BridgeIn:
         """Only now, after TENSOR_DATA_END, may anyone read the buffer: hand it on, PRODUCER_SYNCED."""
         buf, back = p["buf"], p["pool"].give
         if p["pool"] is self.device_pool:
-            # R5.2, the receiver's half of ADR-018 §6: the sender saw its WRITE complete, which does
+            # R5.2, the receiver's half of sync-contract §6: the sender saw its WRITE complete, which does
             # not order the NIC's writes into our GPU before the consumers' kernels. This does.
             p["pool"].device.flush_rdma_writes()
         elif isinstance(self.producer.device, CudaDevice):

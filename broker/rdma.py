@@ -17,7 +17,7 @@ A small engine over one NIXL agent (UCX backend). One concept per class, every l
 Descriptors travel as JSON integers, never pickled: NIXL's own ``get_serialized_descs`` /
 ``deserialize_descs`` are ``pickle``, and unpickling what a peer sent runs the peer's code.
 
-Ordering (ADR-018 §6): the caller retires its writes to the source before :meth:`RdmaEngine.write`;
+Ordering (sync-contract §6): the caller retires its writes to the source before :meth:`RdmaEngine.write`;
 :meth:`Transfer.wait` returning is the sender observing the completion (NIXL state DONE), which must
 happen before TENSOR_DATA_END is sent. An engine is safe to share between threads (one lock around
 the agent) but is meant for one bridge thread.
@@ -512,7 +512,7 @@ class RdmaEngine:
               offset: int = 0, part: tuple[int, int] | None = None) -> Transfer:
         """Post a NIXL WRITE of all of ``local`` to ``offset`` bytes into the offered region; with
         ``part`` = (start, length), of those bytes of ``local`` only, to ``offset + start``. The
-        caller MUST have retired its writes to ``local`` (ADR-018 §6). ``notif`` reaches the peer's
+        caller MUST have retired its writes to ``local`` (sync-contract §6). ``notif`` reaches the peer's
         agent with the data. Returns the posted :class:`Transfer`; RdmaError names NIXL's state or
         error. On UCX's shared-memory transports the post itself copies: it returns after
         about ``length`` bytes' worth of memcpy."""

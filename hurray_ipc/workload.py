@@ -60,7 +60,7 @@ def verify(data: np.ndarray) -> tuple[int, int, bool]:
     return tag, seq, bool(np.array_equal(data, pattern(tag, seq, data.nbytes)))
 
 
-# Fault injection: each breaks one rule of the sync contract (ADR-018 §1, §2, §5). A run with any of
+# Fault injection: each breaks one rule of the sync contract (docs/spec/sync-contract.md §1-§3). A run with any of
 # them must fail, every time and at any emulated op delay, through the emulation's race checker.
 INJECTIONS = {
     "skip-wait": "consumer: no stream-wait on the producer's event (reads right away)",
@@ -68,7 +68,7 @@ INJECTIONS = {
     "no-host-wait": "producer: declares PRODUCER_SYNCED without host-waiting its writing stream",
     "record-wrong-stream": "producer: writes on one stream, records the event on another (idle) one",
     "early-release": "consumer: reads on its stream but releases fenced on another (idle) one, so RELEASE "
-                     "can reach the producer before the read finished (ADR-018 §5)",
+                     "can reach the producer before the read finished (sync-contract §3)",
 }
 CONSUMER_INJECTIONS = ("skip-wait", "wrong-stream", "early-release")
 PRODUCER_INJECTIONS = ("no-host-wait", "record-wrong-stream")

@@ -75,7 +75,7 @@ def test_host_staged_fallback(broker, cdev, env):
 def test_host_staged_copy_is_host_waited_before_the_handle_leaves(broker, delay):
     """The consumer reads a staging slot on its host, and its only edge to the producer's stream
     is the HANDOFF: the producer must host-wait the device-to-host copy before the handle leaves
-    (ADR-018 §6). The checker judges it at the send (``hb_publish_host``), whatever the timing:
+    (sync-contract §5). The checker judges it at the send (``hb_publish_host``), whatever the timing:
     without the wait, every handoff is a race at 0 ms, where the bytes happen to arrive intact, as
     at 50 ms, where they do not (mutant staged-no-host-wait)."""
     pr, cr = run_pair(broker, "cuda:0", "cpu", emu_env(op_delay_s=delay), n=4)

@@ -3,7 +3,7 @@ plane (NIXL)"). Two engines in this process, and a receiver in a spawned process
 that gets its offer to us over a queue, as RDMA_REGISTER would carry it over the link.
 
 Every wait is a poll with a deadline; nothing sleeps to synchronise. The sender observes DONE before
-anything reads the destination (ADR-018 §6: the receiver reads nothing before TENSOR_DATA_END)."""
+anything reads the destination (sync-contract §6: the receiver reads nothing before TENSOR_DATA_END)."""
 
 from __future__ import annotations
 
@@ -344,7 +344,7 @@ def test_vram_round_trip():
     stream = rt.stream_create()
     try:
         rt.memset_async(dptr, 0, size, stream)
-        rt.stream_synchronize(stream)  # ADR-018 §6: writes to the destination retired first
+        rt.stream_synchronize(stream)  # sync-contract §6: writes to the destination retired first
         with RdmaEngine("test-tx") as tx, RdmaEngine("test-rx") as rx:
             vram = rx.register(dptr, size, "VRAM", 0)
             with tx.write(tx.register_array(src), rx.expose(vram)) as t:

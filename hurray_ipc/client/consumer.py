@@ -1,10 +1,10 @@
 """The consumer: receives handoffs and applies the sync rule the handle declares.
 
-Contract (ADR-018 §2, §5): after ``receive``, call ``handoff.wait(stream, ...)`` before enqueuing
+Contract (docs/spec/sync-contract.md §2, §3): after ``receive``, call ``handoff.wait(stream, ...)`` before enqueuing
 work on the buffer — it stream-waits on the producer's event (EVENT) and then releases the event,
 or orders another stream after the declared one (CONSUMER_STREAM); PRODUCER_SYNCED needs nothing.
 ``handoff.release()`` gives the buffer back only after your device work on it has *completed*
-(ADR-018 §5) without blocking you: it records an event on each stream the handoff was ordered on
+(sync-contract §3) without blocking you: it records an event on each stream the handoff was ordered on
 (``release(stream=s)``: on ``s`` only) and the client's pump sends RELEASE once they completed.
 A released buffer must not be touched again.
 """

@@ -1,6 +1,6 @@
 """The producer: hands buffers to consumers through the broker, in the cheapest valid sync mode.
 
-Contract (ADR-018 §1, docs/spec/sync-contract.md): before a handle leaves ``send``, the producer
+Contract (docs/spec/sync-contract.md §1): before a handle leaves ``send``, the producer
 has either host-waited the writing stream (PRODUCER_SYNCED), recorded an event on it (EVENT), or
 made the consumer's declared stream wait on it (CONSUMER_STREAM, in-process). The producer keeps
 the buffer (and an EVENT's event) alive until the consumer releases it; then ``on_release`` fires
@@ -463,7 +463,7 @@ class Producer:
         ``mode``: preferred sync mode for a GPU buffer (a SyncMode or its name); the cheapest
         valid one is used where it is not valid for the consumer (EVENT, then CONSUMER_STREAM,
         then PRODUCER_SYNCED, then a host-staged copy): ``ticket.mode`` says which. A host buffer
-        is always PRODUCER_SYNCED (ADR-018 §1): another mode for one is refused.
+        is always PRODUCER_SYNCED (sync-contract §1): another mode for one is refused.
         ``stream``: where ``obj``'s writes were enqueued (a CudaStream, a ``__cuda_stream__``
         object or a cudaStream_t int). The producer orders the handoff after it: it host-waits it
         (PRODUCER_SYNCED, staged copies) or records the handoff's event on it (EVENT, CONSUMER_STREAM).
@@ -536,7 +536,7 @@ class Producer:
             if preferred is not None and preferred is not SyncMode.PRODUCER_SYNCED and not isinstance(
                     src.buffer.device, CudaDevice):
                 raise InvalidArgument(f"{preferred.wire_name} is for GPU buffers; a host buffer is always "
-                                      "SYNC_PRODUCER_SYNCED (ADR-018 §1): leave mode= out", where="send(mode=)",
+                                      "SYNC_PRODUCER_SYNCED (sync-contract §1): leave mode= out", where="send(mode=)",
                                       value=preferred.wire_name)
             if shape is not None or dtype is not None:
                 src.describe_as(shape, dtype)
@@ -661,7 +661,7 @@ class Producer:
     def _prepare(self, src: Source, grant: dict[str, Any], preferred: SyncMode | None,
                  on_release: Callable[[Ticket], None] | None, resend: bool,
                  ack: bool) -> tuple[_Outgoing, Message]:
-        """One handoff's mode, producer obligation (ADR-018 §1) and HANDOFF entry; not yet sent.
+        """One handoff's mode, producer obligation (sync-contract §1) and HANDOFF entry; not yet sent.
         What it takes (event, staging slot, in-process reference) is given back if it raises."""
         buf = src.buffer
         on_gpu = isinstance(buf.device, CudaDevice)
@@ -704,7 +704,7 @@ class Producer:
 
     def _order(self, mode: SyncMode, stream: CudaStream | None, out: _Outgoing, consumer: Endpoint,
                inproc_obj: dict[str, Any], frames: dict[str, bytes], transport: Transport) -> None:
-        """Make the buffer's writes visible per ``mode`` (ADR-018 §1), before the handle leaves."""
+        """Make the buffer's writes visible per ``mode`` (sync-contract §1), before the handle leaves."""
         if stream is None:
             raise InvalidArgument("a GPU buffer needs the stream its writes were enqueued on", where="send(stream=)")
         if mode is SyncMode.PRODUCER_SYNCED:

@@ -1,4 +1,4 @@
-"""The synchronisation contract (ADR-018 §1-§6): valid modes per transport, and the handoff object."""
+"""The synchronisation contract (docs/spec/sync-contract.md): valid modes per transport, and the handoff object."""
 
 from .handoff import AlreadyReleasedError, Handoff, HandoffError
 from .sync import (

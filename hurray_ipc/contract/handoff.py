@@ -1,4 +1,4 @@
-"""The handoff object: the Python form of ADR-018 §4's C ABI handoff structure.
+"""The handoff object: the Python form of the C ABI handoff structure (docs/spec/sync-contract.md §4).
 
 A :class:`Handoff` couples a buffer with its handle and the payload that the handle's
 ``sync_mode`` calls for, and owns the two release obligations:
@@ -6,7 +6,7 @@ A :class:`Handoff` couples a buffer with its handle and the payload that the han
 * the **event release** (SYNC_EVENT only): the consumer calls it exactly once, after it has
   issued its stream-wait on ``sync_handle`` (typically right after handoff);
 * the **buffer release**: the consumer calls it exactly once, after all its device work on the
-  buffer has completed (ADR-018 §5, ADR-009).
+  buffer has completed (docs/spec/sync-contract.md §3).
 
 Both are thread-safe and refuse a second call. A handoff garbage-collected with a release still
 owed warns (ResourceWarning) and then performs the owed releases, so nothing leaks silently and

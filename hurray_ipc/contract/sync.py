@@ -1,4 +1,4 @@
-"""Which sync modes are valid for a device on a transport (ADR-018 §6, docs/spec/sync-contract.md).
+"""Which sync modes are valid for a device on a transport (docs/spec/sync-contract.md §5).
 
 Pure functions over plain data: no devices, no sockets. The broker, the producer and
 ``hurray-caps`` all ask these functions, so there is one statement of the rules.
@@ -46,7 +46,7 @@ class EndpointCapabilities:
 
 STREAMS_NOT_EXPORTABLE = "device streams are not IPC-exportable (CUDA streams never are)"
 NO_IPC_EVENTS = "device has no IPC-exportable events"
-NETWORK_ONLY_P1 = "cross-machine transports allow only SYNC_PRODUCER_SYNCED (ADR-018 §6)"
+NETWORK_ONLY_P1 = "cross-machine transports allow only SYNC_PRODUCER_SYNCED (sync-contract §5)"
 CPU_ONLY_P1 = "CPU buffers MUST be SYNC_PRODUCER_SYNCED"
 NO_CONSUMER_STREAM = "the consumer named no stream at request time"
 
@@ -93,7 +93,7 @@ def valid_sync_modes(
     *,
     consumer_stream: bool = True,
 ) -> frozenset[SyncMode]:
-    """The modes a producer may declare; empty means "host-staged copy" (ADR-018 §6)."""
+    """The modes a producer may declare; empty means "host-staged copy" (sync-contract §5)."""
     reasons = explain_sync_modes(device_tag, transport, caps, consumer_stream=consumer_stream)
     return frozenset(m for m, why in reasons.items() if why is None)
 

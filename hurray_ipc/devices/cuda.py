@@ -359,13 +359,13 @@ class CudaDevice(Device):
 
     def rdma_source(self, buf: Buffer) -> None:
         """A NIC is about to read ``buf`` (a NIXL WRITE's source): the caller host-waited its writes
-        (ADR-018 §6); the emulation checks that it did."""
+        (sync-contract §6); the emulation checks that it did."""
         self.rt.rdma_source(buf.ptr, buf.size)
 
     @_on_device
     def flush_rdma_writes(self) -> None:
         """Block until every NIC write into this device's memory so far is visible to the device:
-        the receiver's half of ADR-018 §6's GPUDirect ordering, done before a buffer is handed on."""
+        the receiver's half of sync-contract §6's GPUDirect ordering, done before a buffer is handed on."""
         self.rt.flush_rdma_writes()
 
     def host_register_supported(self) -> bool:

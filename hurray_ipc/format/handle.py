@@ -103,7 +103,7 @@ class ReservedSyncMode:
 
 
 class SyncMode(enum.IntEnum):
-    """How the producer made its device writes visible before handoff (offset 13, ADR-018 §1)."""
+    """How the producer made its device writes visible before handoff (offset 13, docs/spec/buffer-handle.md)."""
 
     PRODUCER_SYNCED = 0x00
     EVENT = 0x01

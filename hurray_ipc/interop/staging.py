@@ -1,4 +1,4 @@
-"""The host-staged fallback's pool of POSIX shared-memory slots (ADR-018 §6).
+"""The host-staged fallback's pool of POSIX shared-memory slots (sync-contract §5).
 
 When no sync mode is valid for a GPU buffer, the producer copies it into a slot, host-waits the
 copy, and hands the slot off as a CPU buffer (SYNC_PRODUCER_SYNCED). Slots come in power-of-two

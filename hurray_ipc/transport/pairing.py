@@ -169,7 +169,7 @@ class PairModes:
 
 
 def pair_modes(producer: Endpoint, consumer: Endpoint, transport: Transport | None = None) -> PairModes:
-    """Valid sync modes for a buffer on ``producer``'s device handed to ``consumer`` (ADR-018 §6).
+    """Valid sync modes for a buffer on ``producer``'s device handed to ``consumer`` (sync-contract §5).
 
     Where the memory is not shareable at all (another host's process, a CPU-only consumer of a GPU
     buffer, another GPU without peer access) every mode is excluded and the handoff is host-staged,

@@ -163,7 +163,7 @@ class Runtime(ABC):
 
     def rdma_source(self, ptr: int, nbytes: int) -> None:
         """A NIC is about to read ``[ptr, ptr + nbytes)`` of device memory (a NIXL WRITE's source):
-        the writes to it must have retired, as for a host read (ADR-018 §6). Real CUDA: nothing to do."""
+        the writes to it must have retired, as for a host read (sync-contract §5). Real CUDA: nothing to do."""
 
     def flush_rdma_writes(self) -> None:
         """Block until every NIC write to the current device's memory issued so far is visible to
@@ -187,7 +187,7 @@ class Runtime(ABC):
     def hb_publish_host(self, ptr: int, nbytes: int, what: str) -> None:
         """Host memory ``[ptr, ptr + nbytes)`` leaves with the next message: the receiver's host
         reads it once that message arrives (a host-staged copy). Every device write to it must have
-        retired before now, by a host wait (ADR-018 §6). Real CUDA: nothing to check."""
+        retired before now, by a host wait (sync-contract §5). Real CUDA: nothing to check."""
 
 
 def check_blob(blob: bytes, what: str, *, emulated: bool) -> bytes:
