@@ -219,9 +219,9 @@ def test_send_many_batches_what_the_grants_allow(broker):
 
     with Producer(broker.endpoint, "many", prefetch=4) as p, Consumer(broker.endpoint, "many", prefetch=4) as c:
         c.session.send(Message("REQUEST", {"credits": 4}))
-        c._requested += 4
+        c.credits.ask(4)
         p.session.send(Message("READY", {"credits": 4}))
-        p._ready += 4
+        p.credits.ask(4)
         p.session.pump(lambda: len(p._grants) == 4, 10, "grants")
         bufs = [p.allocate(64) for _ in range(3)]
         back: list = []

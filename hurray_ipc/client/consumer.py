@@ -43,6 +43,7 @@ from ..interop import dlpack
 from ..transport import inproc
 from ..transport.pairing import Endpoint
 from ..transport.protocol import Message, check_meta, order_key
+from .credits import Credits
 from .session import BrokerUnavailable, RemoteError, Session, check_client_args, check_timeout
 
 log = logging.getLogger("hurray.consumer")
@@ -577,11 +578,10 @@ class Consumer:
         self.stream: CudaStream | None = stream or (self.gpu.create_stream() if self.gpu else None)
         if stream is not None:
             inproc.register_stream(stream)
-        self.prefetch = prefetch
+        self.credits = Credits(prefetch)  # REQUEST credits sent and not yet delivered
         self.endpoint_info = Endpoint(self.device.identity, self.device.capabilities(), os.getpid(),
                                       None if stream is None else stream.handle)
         self._inbox: deque[ReceivedHandoff] = deque()
-        self._requested = 0
         # Weak: a handoff the application drops is collected, and its finalizer queues it on
         # _dropped (see ReceivedHandoff.__del__) for the pump to release.
         self._held: weakref.WeakValueDictionary[str, ReceivedHandoff] = weakref.WeakValueDictionary()
@@ -660,12 +660,12 @@ class Consumer:
                 for t, h in live.items() if not h.producer_gone]
         # Credits travel in HELLO: a REQUEST sent to a broker that lost us is not lost with it.
         return {"name": self.name, "endpoint": self.endpoint_info.to_dict(), "held": held,
-                "credits": self._requested, **({"ended": True} if self.ended else {})}
+                "credits": self.credits.asked, **({"ended": True} if self.ended else {})}
 
     def _dispatch(self, msg: Message) -> list[Any]:
         h = msg.header
         if msg.verb == "DELIVER":
-            self._requested = max(0, self._requested - 1)
+            self.credits.answered()
             try:
                 self._inbox.append(self._accept(msg))
             except Exception as e:  # noqa: BLE001 - a bad delivery must not kill the pump
@@ -673,10 +673,9 @@ class Consumer:
                 token = h.get("token")
                 if isinstance(token, str):
                     rel: dict[str, Any] = {"token": token, "reason": f"rejected: {str(e)[:1000]}"}
-                    want = self.prefetch - len(self._inbox) - self._requested
+                    want = self.credits.ask_for(len(self._inbox))
                     if want > 0:  # the refused delivery used a credit: ask again, or receive() starves
                         rel["credits"] = want
-                        self._requested += want
                     self.session.send(Message("RELEASE", rel))
         elif msg.verb == "PRODUCER_GONE":
             self._gone_tokens.extend(t for t in h.get("tokens", []) if isinstance(t, str))
@@ -741,10 +740,9 @@ class Consumer:
                 return  # nobody to give it back to
             header: dict[str, Any] = {"token": ho.token}
             if verb == "RELEASE":
-                want = self.prefetch - len(self._inbox) - self._requested
+                want = self.credits.ask_for(len(self._inbox))
                 if want > 0:  # ask for the next buffers on this message instead of a REQUEST
                     header["credits"] = want
-                    self._requested += want
             try:
                 if verb == "RELEASE":
                     self.device.order_send(order_key(ho.producer_id, ho.handoff_id, "release"))
@@ -770,12 +768,8 @@ class Consumer:
         Thread-safe: concurrent callers each get a different handoff."""
         check_timeout(timeout, "receive(timeout=)")
 
-        def asked(n: int) -> None:
-            self._requested += n
-
-        got = self.session.pull(self._inbox, "REQUEST",
-                                lambda: max(self.prefetch, 1) - len(self._inbox) - self._requested,
-                                asked, timeout, f"waiting for a handoff on channel {self.session.channel!r}",
+        got = self.session.pull(self._inbox, "REQUEST", lambda: self.credits.want(len(self._inbox), at_least=1),
+                                self.credits.ask, timeout, f"waiting for a handoff on channel {self.session.channel!r}",
                                 stop=lambda: self.ended)
         if got is None:
             raise EndOfStream(f"every producer of channel {self.session.channel!r} ended its stream and every "

@@ -35,6 +35,7 @@ from ..interop.staging import StagingExhausted, StagingPool
 from ..transport import inproc
 from ..transport.pairing import Endpoint, ModeCache, PairModes, host_side
 from ..transport.protocol import MAX_BATCH, Message, order_key
+from .credits import Credits
 from .session import BrokerUnavailable, RemoteError, Session, check_client_args, check_timeout
 
 log = logging.getLogger("hurray.producer")
@@ -232,11 +233,10 @@ class Producer:
             self.stream = self.gpu.as_stream(stream) if stream is not None else self.gpu.create_stream()
         self.events = EventPool(self.gpu, event_pool_setting(event_pool)) if self.gpu else None
         self.staging = StagingPool(self.cpu, pin_with=self.gpu)
-        self.prefetch = prefetch
+        self.credits = Credits(prefetch)  # READY credits sent and not yet granted
         self.endpoint_info = Endpoint(self.device.identity, self.device.capabilities(), os.getpid())
         self._grants: deque[dict[str, Any]] = deque()
         self._revoked: deque[int] = deque(maxlen=1024)  # grant ids the broker took back (REVOKE, spec §4)
-        self._ready = 0  # READY credits sent and not yet granted
         self._ids = itertools.count(1)
         self._out: dict[int, _Outgoing] = {}
         # The consumer endpoints GRANTs carried (once per pairing and registration), by label, and
@@ -255,7 +255,7 @@ class Producer:
     # --- broker messages -------------------------------------------------------------------
     def _hello(self) -> dict[str, Any]:
         # Grants of a previous broker are void; ask the new one for as many again.
-        self._ready += len(self._grants)
+        self.credits.ask(len(self._grants))
         self._grants.clear()
         # A new registration is sent each consumer's endpoint again with its first GRANT.
         self._consumers.clear()
@@ -263,8 +263,8 @@ class Producer:
         # not know): one a consumer holds is claimed by it; one that never arrived comes back
         # after the timeout as RELEASED consumer_gone. None is freed before the broker says so.
         if self.ended:
-            self._ready = 0  # an ended producer asks for nothing; its HELLO says it ended (spec §4.9)
-        return {"name": self.name, "endpoint": self.endpoint_info.to_dict(), "credits": self._ready,
+            self.credits.reset()  # an ended producer asks for nothing; its HELLO says it ended (spec §4.9)
+        return {"name": self.name, "endpoint": self.endpoint_info.to_dict(), "credits": self.credits.asked,
                 **({"ended": True} if self.ended else {}),
                 # Which consumer holds each: the broker lets only that consumer claim it again.
                 "outstanding": [{"handoff_id": h, "consumer_id": o.ticket.consumer} for h, o in self._out.items()]}
@@ -274,7 +274,7 @@ class Producer:
         if msg.verb == "GRANT":
             if h.get("epoch") != self.session.epoch or self.ended:
                 return []  # issued to an earlier registration, or voided by our END: the broker voided it too
-            self._ready = max(0, self._ready - 1)
+            self.credits.answered()
             label = h["consumer_id"]
             if "consumer" in h:  # the first GRANT of this pairing carries the consumer's endpoint
                 self._consumers[label] = Endpoint.from_dict(h["consumer"])
@@ -330,7 +330,7 @@ class Producer:
                         continue
                     o.ticket.error = RemoteError(str(h.get("code")), str(h.get("message")), h)
                     self._regrant(o.grant)
-                    self._ready = max(0, self._ready - o.ready)  # its READY was not applied either
+                    self.credits.answered(o.ready)  # its READY was not applied either
                     out += self._finish(i, "rejected")
                 return out
             log.warning("broker error: %s: %s", h.get("code"), h.get("message"))
@@ -429,11 +429,9 @@ class Producer:
     def _take_grant(self, timeout: float | None) -> dict[str, Any]:
         """The next grant, waiting for a consumer to ask. ClosedError once this producer ended
         (also when another thread ends it meanwhile)."""
-        def asked(n: int) -> None:
-            self._ready += n
-
-        grant = self.session.pull(self._grants, "READY", lambda: self.prefetch - len(self._grants) - self._ready,
-                                  asked, timeout, f"waiting for a consumer request on channel {self.session.channel!r}",
+        grant = self.session.pull(self._grants, "READY", lambda: self.credits.want(len(self._grants)),
+                                  self.credits.ask, timeout,
+                                  f"waiting for a consumer request on channel {self.session.channel!r}",
                                   stop=lambda: self.ended)
         if grant is None:
             raise ClosedError(f"this producer of channel {self.session.channel!r} ended its stream (end()) while a "
@@ -633,10 +631,9 @@ class Producer:
         READY). If the message cannot be sent, nothing stays registered and each handoff gives
         back what it took, its grant included."""
         with self.session.lock:  # the background pump reads these too
-            want = self.prefetch - len(self._grants) - self._ready
+            want = self.credits.ask_for(len(self._grants))
             if want > 0:  # ask for the next grants on this message instead of a READY of their own
                 batch[-1][1].header["ready"] = batch[-1][0].ready = want
-                self._ready += want
             for out, _msg in batch:
                 hid = out.ticket.handoff_id
                 self._out[hid] = out
@@ -647,8 +644,7 @@ class Producer:
             except BaseException:
                 if self.session.messages_sent != sent_before:
                     raise  # it left (e.g. Ctrl-C just after): it is outstanding, its release comes back
-                if want > 0:
-                    self._ready -= want
+                self.credits.answered(want)
                 for out, _msg in batch:
                     hid = out.ticket.handoff_id
                     del self._out[hid]
@@ -762,7 +758,7 @@ class Producer:
             self.session.check_open("end()")
             self.ended = True
             self._grants.clear()
-            self._ready = 0
+            self.credits.reset()
             self.session.send(Message("END", {}))
 
     def close(self, timeout: float | None = None, *, end: bool = True) -> None:
