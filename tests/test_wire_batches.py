@@ -285,3 +285,12 @@ def test_a_lone_surrogate_in_a_name_is_sent_escaped():
     (reply,) = _to(outs, b"q")
     frames = reply.encode()
     assert json.loads(frames[1])["consumers"][0]["name"] == "\ud800x"
+
+
+def test_the_binary_layouts_are_the_hot_verbs():
+    """HOT_VERBS (the spec's §2.2 list) and the binary layouts the codec has are one set: a hot
+    verb without a layout, or a layout the verb table does not call hot, is a codec bug."""
+    from hurray_ipc.transport import protocol
+
+    assert set(protocol._LAYOUTS) == protocol.HOT_VERBS
+    assert {protocol.wire_verb(v) for v in protocol.HOT_VERBS} == protocol._HOT_WIRE

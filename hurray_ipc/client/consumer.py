@@ -26,7 +26,7 @@ import zmq
 
 from ..contract.handoff import AlreadyReleasedError, Handoff, HandoffError
 from ..devices import Device, open_device
-from ..devices.base import Buffer, MemoryExport
+from ..devices.base import Buffer, MemoryExport, order_key
 from ..devices.cuda import CudaDevice, CudaEvent, CudaStream
 from ..errors import (
     ClosedError,
@@ -42,7 +42,7 @@ from ..format.handle import BufferHandle, DeviceTag, HandleError, SyncMode
 from ..interop import dlpack
 from ..transport import inproc
 from ..transport.pairing import Endpoint
-from ..transport.protocol import Message, check_meta, order_key
+from ..transport.protocol import Message, check_meta
 from .credits import Credits
 from .session import BrokerUnavailable, RemoteError, Session, check_client_args, check_timeout
 

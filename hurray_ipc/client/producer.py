@@ -25,7 +25,7 @@ from typing import Any
 
 from ..contract.sync import Transport, choose_sync_mode
 from ..devices import Device, open_device
-from ..devices.base import Buffer
+from ..devices.base import Buffer, order_key
 from ..devices.cpu import CpuDevice
 from ..devices.cuda import CudaDevice, CudaEvent, CudaStream
 from ..errors import ClosedError, InvalidArgument
@@ -34,7 +34,7 @@ from ..interop.source import Source, check_user_meta, resolve
 from ..interop.staging import StagingExhausted, StagingPool
 from ..transport import inproc
 from ..transport.pairing import Endpoint, ModeCache, PairModes, host_side
-from ..transport.protocol import MAX_BATCH, Message, order_key
+from ..transport.protocol import MAX_BATCH, Message
 from .credits import Credits
 from .session import BrokerUnavailable, RemoteError, Session, check_client_args, check_timeout
 

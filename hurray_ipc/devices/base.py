@@ -391,3 +391,9 @@ class ImportCache:
             mapping._unmap()
             closer()
             self.closes += 1
+
+
+def order_key(producer_id: str, handoff_id: int, message: str) -> str:
+    """The name both ends give a handoff's HANDOFF/DELIVER ("handoff") or RELEASE/RELEASED
+    ("release") message in happens-before annotations (:meth:`Device.order_send`)."""
+    return f"{producer_id}:{handoff_id}:{message}"

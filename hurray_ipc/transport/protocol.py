@@ -558,7 +558,7 @@ def coalesce(msgs: Sequence[Message]) -> list[list[Message]]:
     return out
 
 
-_HOT_WIRE = frozenset(["HANDOFF", "RELEASE", "DELIVER", "GRANT", "ACCEPTED", "RELEASED"])
+_HOT_WIRE = frozenset(wire_verb(v) for v in HOT_VERBS)  # the verb frames of binary messages
 
 
 def check_depth(raw: bytes, what: str, limit: int = MAX_HEADER_DEPTH, field: str | None = None) -> None:
@@ -648,8 +648,3 @@ def field_of(msg: Message, name: str, kind: type | tuple[type, ...], *, optional
 def error(code: str, message: str, **extra: Any) -> Message:
     return Message("ERROR", {"code": code, "message": message, **extra})
 
-
-def order_key(producer_id: str, handoff_id: int, message: str) -> str:
-    """The name both ends give a handoff's HANDOFF/DELIVER ("handoff") or RELEASE/RELEASED
-    ("release") message in happens-before annotations (:meth:`Device.order_send`)."""
-    return f"{producer_id}:{handoff_id}:{message}"
