@@ -60,6 +60,7 @@ from hurray_ipc.transport.protocol import (
     error,
     field_of,
     is_token,
+    json_bytes,
 )
 from hurray_ipc.transport.route import Route
 
@@ -342,21 +343,28 @@ class BrokerCore:
         self._rechecks: dict[str, float] = {}  # channel -> when a grant there will have sat a heartbeat
 
     # --- outputs ---------------------------------------------------------------------------
-    def _send(self, rid: bytes, msg: Message, size: int | None = None) -> None:
+    def _send(self, rid: bytes, msg: Message, size: int | None = None) -> int:
+        """Queue ``msg`` for ``rid``. An answer to the STATS or CAPS being handled is stamped with
+        a ticket and counted unread (§6a); returns its header's size in bytes (``size``: that
+        size computed by the caller, ticket included), else 0."""
         a = self._asking
-        if a is not None and a.rid == rid and msg.verb in ("CAPS_REPLY", "STATS_REPLY", "ERROR"):
-            # An answer to a query: it carries a ticket and waits unread until a query names it.
-            ticket = secrets.token_hex(8)
-            msg.header["ticket"] = ticket
-            size = len(json.dumps(msg.header)) if size is None else size + 32
-            if not a.unread:
-                self._idle.pop(rid, None)
-                self._waiting[rid] = a
-                a.probe_at, a.probe_gap = self._now + PROBE_FIRST_S, PROBE_FIRST_S
-            a.unread.append((ticket, size))
-            self._unread_bytes += size
+        if a is None or a.rid != rid or msg.verb not in ("CAPS_REPLY", "STATS_REPLY", "ERROR"):
+            self._out.append(Send(rid, msg))
+            self.stats.messages_out += 1
+            return 0
+        ticket = secrets.token_hex(8)
+        msg.header["ticket"] = ticket
+        if size is None:
+            size = len(json_bytes(msg.header))
+        if not a.unread:
+            self._idle.pop(rid, None)
+            self._waiting[rid] = a
+            a.probe_at, a.probe_gap = self._now + PROBE_FIRST_S, PROBE_FIRST_S
+        a.unread.append((ticket, size))
+        self._unread_bytes += size
         self._out.append(Send(rid, msg))
         self.stats.messages_out += 1
+        return size
 
     def _take(self) -> list[Out]:
         out, self._out = self._out, []
@@ -1154,11 +1162,7 @@ class BrokerCore:
                 a = Asker(rid, self.query_bytes, self._now)
             self._idle[rid] = a  # most recently asked last
         ticket = msg.header.get("ticket")
-        if ticket is not None:
-            if not isinstance(ticket, str):
-                self._asking = a
-                raise ProtocolError("bad_header", "ticket must be a string: the 'ticket' of the latest answer "
-                                    "this connection read", field="ticket")
+        if isinstance(ticket, str):
             if any(t == ticket for t, _ in a.unread):
                 while a.unread:
                     t, n = a.unread.popleft()
@@ -1171,9 +1175,13 @@ class BrokerCore:
                     self._waiting.pop(rid, None)
                     self._idle[rid] = a
                     a.probe_at = float("inf")
-        if len(a.unread) >= MAX_UNREAD:
+        if len(a.unread) >= MAX_UNREAD:  # before any other check: a refusal is an answer too
             self.stats.answers_withheld += 1
             return None
+        if ticket is not None and not isinstance(ticket, str):
+            self._asking = a
+            raise ProtocolError("bad_header", "ticket must be a string: the 'ticket' of the latest answer "
+                                "this connection read", field="ticket")
         return a
 
     def _forget_asker(self, rid: bytes) -> None:
@@ -1261,9 +1269,7 @@ class BrokerCore:
         if "valid_sync_modes" not in reply:
             # No consumer named: answer for a consumer on the same device, as hurray-caps does.
             reply.update(pair_modes(me, me, t or Transport.IPC).to_dict())
-        size = len(json.dumps(reply))
-        self._send(rid, Message("CAPS_REPLY", reply), size)
-        return size
+        return self._send(rid, Message("CAPS_REPLY", reply))
 
     # --- observability (STATS, spec §2.3) ----------------------------------------------------
     def on_stats(self, rid: bytes, msg: Message, now: float) -> int:
@@ -1276,9 +1282,11 @@ class BrokerCore:
         if snap is None or not 0.0 <= now - self._snap_at < self.stats_cache_s:
             snap = self._snap = self.snapshot(now)
             self._snap_at = now
-            self._snap_bytes = len(json.dumps(snap))
-        self._send(rid, Message("STATS_REPLY", {"request_id": request_id, **snap}), self._snap_bytes)
-        return self._snap_bytes
+            self._snap_bytes = len(json_bytes(snap))
+        # The reply's header is {"request_id":R,<the snapshot's fields>,"ticket":"<16 hex>"}: its
+        # size without encoding the snapshot again (a STATS flood reuses one for 0.25 s).
+        size = self._snap_bytes + len(json_bytes(request_id)) + len('"request_id":,,"ticket":""') + 16
+        return self._send(rid, Message("STATS_REPLY", {"request_id": request_id, **snap}), size)
 
     def note_sent(self) -> None:
         """The loop sent one ZeroMQ message (a batch counts one): ``totals.wire_out``."""

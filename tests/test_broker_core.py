@@ -1031,7 +1031,7 @@ def test_query_answers_are_budgeted_per_connection_and_a_flood_gets_one_error_a_
     never reads has nothing more queued for it. Others are answered meanwhile."""
     core = BrokerCore(host=HOST, timeout_s=TIMEOUT, query_bytes=5000, query_bytes_total=1 << 30)
     answers = [_sent(core.receive(b"mon", frames("STATS", {"request_id": i}), 1.0)) for i in range(100)]
-    size = len(json.dumps(core.snapshot(1.0)))
+    size = len(Message("STATS_REPLY", answers[0][0][2]).encode()[1])  # what one answer is charged
     n = -(-5000 // size)  # answered while the budget is not overdrawn
     assert 1 < n < 10
     assert all(a[0][1] == "STATS_REPLY" for a in answers[:n])
@@ -1120,6 +1120,41 @@ def test_a_ticket_shows_its_answer_and_every_earlier_one_read_and_no_other_ticke
     assert (err[1], err[2]["code"], err[2]["field"], err[2]["value"]) == ("ERROR", "bad_header", "ticket", 7)
     assert isinstance(err[2]["ticket"], str) and core.snapshot(5.0)["gauges"]["unread_answers"] == 8 + 1 + 1
     assert core.stats.answers_withheld == 4 + 1 + 1
+    assert _stats(core, b"fresh", 5.0, None) and core.receive(b"fresh", frames("STATS", {"ticket": None}), 5.0)
+    # At 8 unread, a malformed ticket gets nothing either: the limit comes before any other check
+    # (the spec-only peer's 100 bad tickets once reached 108 unread ERRORs).
+    for _ in range(100):
+        core.receive(b"fresh", frames("STATS", {"ticket": [1]}), 6.0)
+    assert core.snapshot(6.0)["gauges"]["unread_answers"] == 8 + 1 + 8
+
+
+def test_an_answer_is_charged_its_header_exactly():
+    """What an answer costs (``unread_bytes`` and ``query_bytes``) is its header frame's length,
+    request_id and ticket included. A STATS_REPLY was once charged its snapshot alone, so a
+    60 KB request_id echoed in each answer passed the 2 MiB/s budget 40-fold."""
+    core = _core()
+    _hello(core, b"p", "producer", pid=5)
+    for verb, header in (("STATS", {"request_id": "r" * 60_000}), ("STATS", {"request_id": 7}),
+                         ("CAPS", {"device": endpoint(9), "request_id": "é" * 100}),
+                         ("CAPS", {"device": endpoint(9), "channel": "ch"}), ("STATS", {"request_id": [1]})):
+        before = core.snapshot(1.0)["gauges"]["unread_bytes"]
+        outs = [o for o in core.receive(b"q", frames(verb, header), 1.0) if isinstance(o, Send)]
+        (out,) = outs
+        assert core.snapshot(1.0)["gauges"]["unread_bytes"] - before == len(out.msg.encode()[1]), (verb, header)
+        ticket = out.msg.header["ticket"]
+        core.receive(b"q", frames("STATS", {"ticket": ticket}), 1.0)  # read: the next is charged alone
+        core._forget_asker(b"q")
+    big = BrokerCore(host=HOST, timeout_s=TIMEOUT)
+    charges: list[int] = []
+    ticket = None
+    for _ in range(100):  # a reader, naming its tickets: only the byte budget stops it
+        for o in big.receive(b"big", frames("STATS", _ask({"request_id": "r" * 60_000}, ticket)), 1.0):
+            if isinstance(o, Send):
+                ticket = o.msg.header["ticket"]
+                if o.msg.verb == "STATS_REPLY":
+                    charges.append(len(o.msg.encode()[1]))
+    # answered while the 2 MiB burst was not spent: about 35, not the 100 the snapshot's size allowed
+    assert sum(charges[:-1]) < 2 << 20 <= sum(charges), (len(charges), charges[:3])
 
 
 def test_unread_answers_of_all_connections_are_bounded_in_bytes():
@@ -1142,7 +1177,7 @@ def test_unread_answers_of_all_connections_are_bounded_in_bytes():
     assert refused[2]["limit"] == "unread_bytes_total"
     for i in range(300):  # as undeliverable(unreachable) does once a probe finds them gone
         core.undeliverable(f"deaf{i}".encode(), Message("PONG", {}), "unreachable")
-    assert core.snapshot(401.0)["gauges"]["unread_bytes"] == len(json.dumps(refused[2]))
+    assert core.snapshot(401.0)["gauges"]["unread_bytes"] == len(Message("ERROR", refused[2]).encode()[1])
     (ans,) = _stats(core, b"reader", 401.0, refused[2]["ticket"])
     assert ans[1] == "STATS_REPLY"
     core.check_invariants()
@@ -1171,8 +1206,7 @@ def test_a_connection_with_unread_answers_is_probed_and_forgotten_once_it_has_go
     core.undeliverable(b"gone", Message("PONG", {}), "unreachable")
     after = core.snapshot(20.0)["gauges"]
     assert after["unread_answers"] == 1  # the reader's latest only
-    snap = {k: v for k, v in ans[2].items() if k not in ("request_id", "ticket")}
-    assert before["unread_bytes"] - after["unread_bytes"] == len(json.dumps(snap)) + 32
+    assert before["unread_bytes"] - after["unread_bytes"] == len(Message("STATS_REPLY", ans[2]).encode()[1])
 
 
 def test_the_query_table_is_bounded_and_forgets_idle_connections_first():

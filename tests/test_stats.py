@@ -308,6 +308,7 @@ def test_vector_reply_has_the_fields_the_core_sends_and_the_spec_names():
     w = World()
     w.handoffs(1)
     assert _keys(w.stats()) == _keys(m["header"])
+    assert set(m["header"]["errors_by_code"]) == set(w.stats()["errors_by_code"]) == ERROR_CODES
     section = SPEC[SPEC.index("### 2.3 STATS"):SPEC.index("## 3. Endpoint object")]
     groups = {"broker", "gauges", "totals", "rates", "rates.life", "rates.window", "shm"}
     for name in _keys(m["header"]) - groups:
