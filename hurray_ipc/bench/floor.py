@@ -17,7 +17,7 @@ least a broker with a binary header must do.
 
 Measured exactly like the Hurray rows (:mod:`.suite`): one-way latency of ``n`` paced ping-pongs (the
 producer stamps CLOCK_MONOTONIC in ns, the consumer subtracts on receipt), then the rate with a
-window of :data:`~.suite.WINDOW` handoffs outstanding (a handoff is outstanding until its release is
+window of :data:`~.harness.WINDOW` handoffs outstanding (a handoff is outstanding until its release is
 back), and the CPU each of the three processes spent in that pipelined phase, per handoff. The phase
 is bracketed by a start and a stop marker that the producer sends through the relay to the consumer
 and that come back the same way, so every process measures the same span.
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..workload import spawn
-from .suite import PACE, WINDOW, _lat, _pair
+from .harness import PACE, WINDOW, latency, run_pair
 
 # Producer -> relay: handoff id, CLOCK_MONOTONIC ns (0: not timed), size, flags.
 H_IN = struct.Struct("<QQQH")
@@ -174,7 +174,7 @@ def _consumer(endpoint: str, header: bool) -> dict[str, Any]:
                 break
     finally:
         s.close()
-    return {"latency": _lat(lat), "cpu_s": meter.seconds}
+    return {"latency": latency(lat), "cpu_s": meter.seconds}
 
 
 def _producer(endpoint: str, header: bool, size: int, n: int) -> dict[str, Any]:
@@ -237,7 +237,7 @@ def bench_relay(tmp: Path, size: int, n: int, header: bool) -> dict[str, Any]:
             if not rp.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"relay did not start: {rq.get(timeout=1) if not rq.empty() else 'timeout'}")
             time.sleep(0.01)
-        pr, cr = _pair((_producer, {"endpoint": ep, "header": header, "size": size, "n": n}),
+        pr, cr = run_pair((_producer, {"endpoint": ep, "header": header, "size": size, "n": n}),
                        (_consumer, {"endpoint": ep, "header": header}), timeout=3 * TIMEOUT_S)
         rr = rq.get(timeout=TIMEOUT_S)
         if "error" in rr:

@@ -27,33 +27,8 @@ from typing import Any
 import numpy as np
 
 from ..workload import SPAWN, run_into_queue, spawn
-
-WINDOW = 8
-# Every latency row idles this long between round trips, so each measures a wake from idle (the
-# case a pipeline stage sees) rather than a hot loop; comparing a paced row with a hot one is unfair.
-PACE = 0.0005
-
-
-def pct(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))] if s else float("nan")
-
-
-def _lat(xs: list[float]) -> dict[str, float]:
-    return {"p50_us": round(pct(xs, 50) * 1e6, 1), "p99_us": round(pct(xs, 99) * 1e6, 1), "n": len(xs)}
-
-
-def _pair(a: tuple[Callable[..., Any], dict[str, Any]], b: tuple[Callable[..., Any], dict[str, Any]],
-          timeout: float = 300) -> tuple[Any, Any]:
-    pa, qa = spawn(a[0], **a[1])
-    pb, qb = spawn(b[0], **b[1])
-    ra, rb = qa.get(timeout=timeout), qb.get(timeout=timeout)
-    pa.join(10), pb.join(10)
-    for r in (ra, rb):
-        if isinstance(r, dict) and "error" in r:
-            raise RuntimeError(r["error"] + "\n" + r.get("trace", ""))
-    return ra, rb
-
+from .floor import bench_relay
+from .harness import PACE, WINDOW, latency, run_pair
 
 # --- raw pyzmq echo: the floor for one broker hop --------------------------------------------------
 
@@ -94,12 +69,12 @@ def _echo_client(endpoint: str, n: int, payload: int) -> dict[str, Any]:
         got += 1
     rate = n / (time.perf_counter() - t0)
     s.close(linger=0)
-    return {"latency": _lat(rtt), "per_s": round(rate)}
+    return {"latency": latency(rtt), "per_s": round(rate)}
 
 
 def bench_zmq_echo(tmp: Path, n: int) -> dict[str, Any]:
     ep = f"ipc://{tmp}/echo.sock"
-    srv, cli = _pair((_echo_server, {"endpoint": ep, "count": 2 * n + 20}),
+    srv, cli = run_pair((_echo_server, {"endpoint": ep, "count": 2 * n + 20}),
                      (_echo_client, {"endpoint": ep, "n": n, "payload": 200}))
     return {"name": "pyzmq ROUTER/DEALER echo (200 B)", "what": "round trip", **cli}
 
@@ -190,7 +165,7 @@ def _hurray_producer(endpoint: str, channel: str, device: str, size: int, n: int
         msgs = ses.messages_sent + ses.messages_received - msgs0
         for b in bufs:
             b.close()
-    return {"per_s": round(rate), "send_call": _lat(stall), "cpu_us": round(cpu / n * 1e6, 1),
+    return {"per_s": round(rate), "send_call": latency(stall), "cpu_us": round(cpu / n * 1e6, 1),
             "broker_cpu_us": round(broker / n * 1e6, 1), "messages": msgs}
 
 
@@ -216,7 +191,7 @@ def _hurray_consumer(endpoint: str, channel: str, device: str, n: int, env: dict
         c.flush_releases(30)
         cpu, msgs = time.process_time(), ses.messages_sent + ses.messages_received
     count = 10 + 2 * n - mark[2] if mark else 1
-    return {"latency": _lat(lat), "modes": sorted(modes),
+    return {"latency": latency(lat), "modes": sorted(modes),
             "cpu_us": round((cpu - mark[0]) / count * 1e6, 1) if mark else float("nan"),
             "messages": msgs - mark[1] if mark else 0}
 
@@ -225,7 +200,7 @@ def bench_hurray(endpoint: str, label: str, pdev: str, cdev: str, size: int, n: 
                  mode: str | None = None, broker_pid: int | None = None, batch: bool = False) -> dict[str, Any]:
     """``batch``: the pipelined phase sends with ``send_many`` (every free buffer at once)."""
     ch = f"bench-{label}-{size}".replace(" ", "-").replace(",", "")
-    pr, cr = _pair((_hurray_producer, {"endpoint": endpoint, "channel": ch, "device": pdev, "size": size, "n": n,
+    pr, cr = run_pair((_hurray_producer, {"endpoint": endpoint, "channel": ch, "device": pdev, "size": size, "n": n,
                                        "env": env, "mode": mode, "broker_pid": broker_pid, "batch": batch}),
                    (_hurray_consumer, {"endpoint": endpoint, "channel": ch, "device": cdev, "n": n, "env": env}))
     return {"name": f"hurray {label}", "what": "one-way handoff", "size": size, "latency": cr["latency"],
@@ -264,7 +239,7 @@ def _queue_consumer(q: Any, ack: Any, n: int) -> dict[str, Any]:
             lat.append(time.monotonic() - t)
         del x  # a shared tensor's producer-side reference may go
         ack.put(1)
-    return {"latency": _lat(lat)}
+    return {"latency": latency(lat)}
 
 
 def _mpq_producer(q: Any, ack: Any, size: int, n: int) -> dict[str, Any]:
@@ -273,7 +248,7 @@ def _mpq_producer(q: Any, ack: Any, size: int, n: int) -> dict[str, Any]:
 
 def bench_mp_queue(size: int, n: int) -> dict[str, Any]:
     q, ack = SPAWN.Queue(), SPAWN.Queue()
-    pr, cr = _pair((_mpq_producer, {"q": q, "ack": ack, "size": size, "n": n}),
+    pr, cr = run_pair((_mpq_producer, {"q": q, "ack": ack, "size": size, "n": n}),
                    (_queue_consumer, {"q": q, "ack": ack, "n": n}))
     return {"name": "multiprocessing.Queue + numpy", "what": "one-way (pickled copy)", "size": size,
             "latency": cr["latency"], "per_s": pr["per_s"]}
@@ -325,12 +300,12 @@ def _shm_consumer(q: Any, ack: Any, n: int) -> dict[str, Any]:
         ack.put(name)
     for s in cache.values():
         s.close()
-    return {"latency": _lat(lat)}
+    return {"latency": latency(lat)}
 
 
 def bench_shared_memory(size: int, n: int) -> dict[str, Any]:
     q, ack = SPAWN.Queue(), SPAWN.Queue()
-    pr, cr = _pair((_shm_producer, {"q": q, "ack": ack, "size": size, "n": n}),
+    pr, cr = run_pair((_shm_producer, {"q": q, "ack": ack, "size": size, "n": n}),
                    (_shm_consumer, {"q": q, "ack": ack, "n": n}))
     return {"name": "shared_memory + names via Queue", "what": "one-way (zero copy)", "size": size,
             "latency": cr["latency"], "per_s": pr["per_s"]}
@@ -431,7 +406,6 @@ def run_suite(sizes: list[int], n_small: int, n_large: int, progress: Callable[[
     Rows report medians over the rounds; ratios are taken per round (rows measured side by side)
     and then their median (:func:`targets`). ``profile``: cProfile output per process there."""
     from ..devices.backend.emulated import EmulationConfig
-    from .floor import bench_relay
 
     emu = cuda_env if cuda_env is not None else EmulationConfig(devices=1, op_delay_s=0.0).to_env()
     tmp = Path(tempfile.mkdtemp(prefix="hurray-bench-"))
@@ -815,7 +789,7 @@ def bench_bridge(tmp: Path, size: int, n: int, curve: bool, rdma: bool = False) 
             procs.append(subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker.bridge", "in", "--channel", "bb",
                                            "--endpoint", b, "--connect", url, *in_sec], stderr=in_log))
         try:
-            src, sink = _pair((_bridge_source, {"endpoint": a, "channel": "bb", "n": n, "size": size}),
+            src, sink = run_pair((_bridge_source, {"endpoint": a, "channel": "bb", "n": n, "size": size}),
                               (_bridge_sink, {"endpoint": b, "channel": "bb", "n": n}))
         except RuntimeError as e:  # a failed row says what the bridges said
             tails = "\n".join(f"{f.name}: {f.read_text()[-1500:]}" for f in logs)
@@ -840,7 +814,7 @@ def bench_tcp(size: int, n: int, curve: bool = False) -> dict[str, Any]:
         port = so.getsockname()[1]
     url = f"tcp://127.0.0.1:{port}"
     public, secret = zmq.curve_keypair() if curve else (None, None)
-    sink, _ = _pair((_tcp_sink, {"url": url, "n": n, "keys": (public, secret) if curve else None}),
+    sink, _ = run_pair((_tcp_sink, {"url": url, "n": n, "keys": (public, secret) if curve else None}),
                     (_tcp_source, {"url": url, "n": n, "size": size, "server_public": public}))
     return {"name": f"raw pyzmq PUSH/PULL over TCP ({'CurveZMQ' if curve else 'plaintext'})", "size": size,
             "MBps": sink["MBps"]}
