@@ -209,7 +209,7 @@ class BridgeOut:
         self.ids = itertools.count(1)
         self.stats = {"sent": 0, "rejected": 0, "aborted": 0}
         # (source, trackers, transfer_id, peer, deadline, queued): sent, not yet given back
-        self.in_flight: deque[tuple[Source, list[zmq.MessageTracker], int, bytes, float, bool]] = deque()
+        self.in_flight: deque[tuple[TransferSource, list[zmq.MessageTracker], int, bytes, float, bool]] = deque()
         # GPU buffers this bridge stages to host itself (``device`` cuda:N, where the NIC cannot read them)
         self.staging = DestinationPool(open_device("cpu"), keep=MAX_IN_FLIGHT)
         self.engine = open_engine(rdma, "out", channel)
@@ -304,14 +304,14 @@ class BridgeOut:
             peer["seen"] = now
             self._post_rdma(rid, msg)
 
-    def _describe(self, rid: bytes, tid: int, src: Source) -> None:
+    def _describe(self, rid: bytes, tid: int, src: TransferSource) -> None:
         """Send a transfer's TENSOR_DESCRIPTOR (both data planes)."""
         handle = check_network_handle(src.handle)
         self.sock.send_multipart([rid, *Message("TENSOR_DESCRIPTOR", {"transfer_id": tid, "meta": src.meta,
                                                                       "total_bytes": handle.size},
                                                 {"handle": handle.encode()}).encode()])
 
-    def _source(self, h: Any, nic: bool) -> Source:
+    def _source(self, h: Any, nic: bool) -> TransferSource:
         """What a transfer of handoff ``h`` reads, every write to it retired (sync-contract §6), and how it
         is given back. Host memory is read in place. GPU memory (``device`` cuda:N) is read in place
         by the NIC (``nic``) where NIXL takes it (VRAM; an emulated GPU's memory is host memory),
@@ -321,7 +321,8 @@ class BridgeOut:
         dev = buf.device
         if not isinstance(dev, CudaDevice):
             # a host buffer: the producer host-waited its writes (PRODUCER_SYNCED or host-staged)
-            return Source(handle, h.wire_meta, buf.ptr, "DRAM", 0, h.buffer, buf.host_view(), h.release, buf.mapping)
+            return TransferSource(handle, h.wire_meta, buf.ptr, "DRAM", 0, h.buffer, buf.host_view(), h.release,
+                                  buf.mapping)
         consumer = self.consumer
         if consumer is None or consumer.stream is None:
             raise RuntimeError(f"bridge consumer on {self.device} has no CUDA stream")
@@ -330,7 +331,7 @@ class BridgeOut:
         if nic and (dev.identity.emulated or nixl_info().gpudirect):
             dev.rdma_source(buf)
             kind, ordinal = ("DRAM", 0) if dev.identity.emulated else ("VRAM", dev.ordinal)
-            return Source(handle, h.wire_meta, buf.ptr, kind, ordinal, h.buffer, None, h.release, buf.mapping)
+            return TransferSource(handle, h.wire_meta, buf.ptr, kind, ordinal, h.buffer, None, h.release, buf.mapping)
         host = self.staging.take(buf.size)
         try:
             consumer.stream.copy(host, buf)
@@ -339,10 +340,10 @@ class BridgeOut:
             self.staging.give(host)
             raise
         h.release()
-        return Source(handle, h.wire_meta, host.ptr, "DRAM", 0, host, host.host_view(), lambda: self.staging.give(host),
-                      pool=self.staging)
+        return TransferSource(handle, h.wire_meta, host.ptr, "DRAM", 0, host, host.host_view(),
+                              lambda: self.staging.give(host), pool=self.staging)
 
-    def _start(self, rid: bytes, h: Any, nic: bool) -> Source | None:
+    def _start(self, rid: bytes, h: Any, nic: bool) -> TransferSource | None:
         """The source of a new transfer to ``rid``, or None when it cannot be read (the handoff is
         released, the peer's credit given back, the reason logged)."""
         try:
@@ -402,7 +403,7 @@ class BridgeOut:
         if peer is not None:
             peer.setdefault("agents", set()).add(offer.agent)
 
-    def _keep_registered(self, src: Source) -> None:
+    def _keep_registered(self, src: TransferSource) -> None:
         """Keep ``src``'s registration after its transfer (a producer sends the same buffers again
         and again; on an RDMA NIC a registration pins memory): as long as the mapping it lies in
         (released once that is unmapped, when the same addresses may name other memory), or the
@@ -771,7 +772,7 @@ class BridgeOut:
 
 
 @dataclass
-class Source:
+class TransferSource:
     """What one transfer of a sending bridge reads: ``ptr`` in NIXL memory ``kind`` (and GPU
     ``nixl_device``), every write to it retired; ``view`` its bytes where the host can read them.
     ``done`` gives it back (releases the handoff, or returns a staging buffer), exactly once, when
@@ -793,7 +794,7 @@ class Source:
 class RdmaSend:
     """A NIXL transfer on the sending side, from its TENSOR_DESCRIPTOR to its end."""
 
-    src: Source  # given back exactly once, when NIXL no longer reads it
+    src: TransferSource  # given back exactly once, when NIXL no longer reads it
     rid: bytes
     tid: int
     size: int
