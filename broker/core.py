@@ -38,7 +38,6 @@ import itertools
 import json
 import logging
 import os
-import secrets
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -222,9 +221,6 @@ Out = Send | CleanSegments
 Alive = Callable[[Client], "bool | None"]  # True alive, False dead, None: cannot tell
 
 
-_POOL: list[str] = []
-
-
 _JSON_TYPE = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
 
 
@@ -244,14 +240,6 @@ def _field_value(header: dict[str, Any], path: str) -> Any:
     if isinstance(v, str):
         return v[:64]
     return _JSON_TYPE.get(type(v), type(v).__name__)
-
-
-def _random_hex32() -> str:
-    """128 random bits as 32 hex digits, from the OS's CSPRNG 64 at a time (one getrandom call)."""
-    if not _POOL:
-        raw = os.urandom(16 * 64).hex()
-        _POOL.extend(raw[i:i + 32] for i in range(0, len(raw), 32))
-    return _POOL.pop()
 
 
 def _outstanding(raw: Any) -> dict[int, str | None]:
@@ -279,12 +267,17 @@ class BrokerCore:
                  token: Callable[[], str] | None = None, started: float | None = None, pid: int = 0,
                  stats_cache_s: float = 0.0, query_bytes: int = QUERY_BYTES,
                  query_bytes_total: int = QUERY_BYTES_TOTAL, fence_s: float | None = None,
-                 route_key: str | None = None, unread_bytes_total: int = UNREAD_BYTES_TOTAL):
+                 route_key: str | None = None, unread_bytes_total: int = UNREAD_BYTES_TOTAL,
+                 entropy: Callable[[int], bytes] = os.urandom):
         self.host = host
         # What a ROUTE must carry (§2.4): the server writes it to an owner-only file beside the
         # socket and hands it to the broker's own bridges; a client that cannot read it cannot
         # announce a bridge.
-        self.route_key = route_key or secrets.token_hex(32)
+        # entropy(n): n random bytes, the core's one source of randomness (tokens, session, route
+        # key, grant ids, tickets); the OS's CSPRNG unless a test makes it reproducible.
+        self._entropy = entropy
+        self._hex32: list[str] = []  # tokens drawn 64 at a time (one getrandom call)
+        self.route_key = route_key or entropy(32).hex()
         self.started = started  # the loop's clock at start (None: the first event's ``now``)
         self.pid = pid  # the broker's pid, for STATS only (the core never uses it)
         # STATS_REPLY reuses a snapshot younger than this (0: always fresh); bounds what a STATS
@@ -313,8 +306,8 @@ class BrokerCore:
         # A live consumer silent this long while it holds buffers is fenced (spec §5): never sooner
         # than the timeout, which decides when it is unresponsive.
         self.fence_s = max(timeout_s, FENCE_TIMEOUTS * timeout_s if fence_s is None else fence_s)
-        self.session = session or secrets.token_hex(8)
-        self._token = token or _random_hex32
+        self.session = session or entropy(8).hex()
+        self._token = token or self._random_hex32
         self.clients: dict[bytes, Client] = {}
         self.channels: dict[str, Channel] = {}
         self.grants: dict[int, Grant] = {}
@@ -334,7 +327,7 @@ class BrokerCore:
         self.withdrawn: OrderedDict[tuple[bytes, str], None] = OrderedDict()  # claims released undecided
         self.per_process: dict[str, int] = {}
         # Random start: a grant id a client kept from a previous broker never names one of ours.
-        self._gids = itertools.count(secrets.randbits(40) << 8)
+        self._gids = itertools.count(int.from_bytes(entropy(5), "little") << 8)
         self.modes = ModeCache()
         self.stats = Stats()
         self.errors_by_code: dict[str, int] = {}
@@ -352,7 +345,7 @@ class BrokerCore:
             self._out.append(Send(rid, msg))
             self.stats.messages_out += 1
             return 0
-        ticket = secrets.token_hex(8)
+        ticket = self._entropy(8).hex()
         msg.header["ticket"] = ticket
         if size is None:
             size = len(json_bytes(msg.header))
@@ -365,6 +358,13 @@ class BrokerCore:
         self._out.append(Send(rid, msg))
         self.stats.messages_out += 1
         return size
+
+    def _random_hex32(self) -> str:
+        """128 random bits as 32 hex digits (a delivery token's random part, spec §2.2)."""
+        if not self._hex32:
+            raw = self._entropy(16 * 64).hex()
+            self._hex32.extend(raw[i:i + 32] for i in range(0, len(raw), 32))
+        return self._hex32.pop()
 
     def _take(self) -> list[Out]:
         out, self._out = self._out, []
