@@ -43,14 +43,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hurray_ipc import __version__
 from hurray_ipc.contract.sync import Transport
 from hurray_ipc.format.handle import BufferHandle, DeviceTag, HandleError, SyncMode
 from hurray_ipc.transport import liveness
-from hurray_ipc.transport.pairing import Endpoint, ModeCache, host_side, pair_modes
+from hurray_ipc.transport.pairing import Endpoint, ModeCache, host_side
 from hurray_ipc.transport.protocol import (
     CLIENT_VERBS,
-    ERROR_CODES,
     PROTOCOL_VERSION,
     Message,
     ProtocolError,
@@ -63,6 +61,18 @@ from hurray_ipc.transport.protocol import (
 )
 from hurray_ipc.transport.route import Route
 
+from .queries import (
+    QUERY_BYTES,
+    QUERY_BYTES_TOTAL,
+    STATS_WINDOW_S,
+    UNREAD_BYTES_TOTAL,
+    Asker,
+    QueryLedger,
+    caps_reply,
+    request_id_of,
+    stats_snapshot,
+)
+
 log = logging.getLogger("hurray.broker")
 MAX_CREDITS = 4096
 MAX_HELD = 2 * MAX_CREDITS      # deliveries one consumer may hold at once
@@ -71,30 +81,8 @@ MAX_CLIENTS_PER_PROCESS = 256   # registrations of one process (by lease, else b
 MAX_OUTSTANDING_CLAIMS = MAX_CREDITS  # handoffs a re-registering producer may list
 MAX_RATE = 50_000.0  # messages per second one registered client may send (sustained; burst of one second)
 FENCE_TIMEOUTS = 20  # a consumer alive but silent this many timeouts while holding buffers is fenced (§5)
-# Bytes of STATS_REPLY and CAPS_REPLY headers per second (spec §6a `query_bytes`): per connection,
-# registered or not, and for all together. Answers are built, encoded and queued until their peer
-# reads them (one that never reads keeps them all), so their size is what a query flood costs;
-# small answers (a CAPS, a STATS of a small broker) are never limited in practice. An over-budget
-# query gets at most one ERROR a second per connection; the rest are dropped unanswered.
-QUERY_BYTES = 2 << 20
-QUERY_BYTES_TOTAL = 16 << 20
-MAX_QUERY_PEERS = 16384  # connections whose queries are remembered (the least recent idle ones are forgotten)
-# What waits for a peer that does not read (spec §6a `unread_answers`, `unread_bytes_total`): every
-# answer to a STATS or CAPS (reply or ERROR) carries a ticket, and a query shows which answers its
-# connection read by naming the latest ticket it saw. ZeroMQ never says whether a peer reads, so
-# this proof is the only bound on what a deaf peer makes the broker keep: answers are queued in
-# the broker until read, and the high-water mark is counted in messages, not bytes.
-MAX_UNREAD = 8                      # answers one connection may have unread; past it, no answer
-UNREAD_BYTES_TOTAL = 64 << 20       # bytes of unread answers, all connections; past it, ERROR
-# A connection with unread answers is sent PONG after 2, 4, 8, ... s without proof that it reads
-# (at most hourly): a send to a closed connection fails, and that frees its unread answers.
-PROBE_FIRST_S = 2.0
-PROBE_MAX_S = 3600.0
 MAX_ROUTING_ID = 32  # bytes: a DELIVER names its producer in a 32-byte field (spec §2.2)
 _RELEASED_MEMORY = 100_000  # released tokens remembered, to tell "already released" from "unknown"
-MAX_STATS_CLIENTS = 1000   # clients listed in one STATS_REPLY (the rest are counted in clients_truncated)
-MAX_STATS_CHANNELS = 1000  # channels listed in one STATS_REPLY
-STATS_WINDOW_S = 10.0      # the recent-rate window of STATS_REPLY
 _SAMPLE_EVERY_S = 1.0      # tick() samples the counters for the recent rates at most this often
 
 
@@ -162,19 +150,6 @@ class Channel:
     producers: OrderedDict[bytes, None] = field(default_factory=OrderedDict)  # round-robin order
     members: dict[bytes, None] = field(default_factory=dict)  # its registered clients, in registration order
     ended: bool = False  # every registered producer ended, and none registered since (spec §4.9)
-
-
-@dataclass(eq=False)
-class Asker:
-    """A connection that sent STATS or CAPS: its query-rate budget and its unread answers."""
-
-    rid: bytes
-    allowance: float  # query_bytes it may still be sent this second (§6a); may go negative
-    at: float  # when ``allowance`` was last refilled
-    refused_at: float = float("-inf")  # when it was last sent ERROR limit_exceeded query_bytes
-    unread: deque[tuple[str, int]] = field(default_factory=deque)  # (ticket, bytes), oldest first
-    probe_at: float = float("inf")  # when to check that it is still connected (while unread)
-    probe_gap: float = PROBE_FIRST_S
 
 
 @dataclass
@@ -286,20 +261,13 @@ class BrokerCore:
         self._snap: dict[str, Any] | None = None
         self._snap_at = 0.0
         self._snap_bytes = 0  # the cached snapshot's size as JSON (what a STATS_REPLY costs, §6a)
-        # Connections that asked (STATS, CAPS): their query_bytes buckets (bytes a second, bursts
-        # of a second's worth; an answer may overdraw one) and their unread answers (§6a). Idle
-        # ones (nothing unread) in least-recently-asked order, the first to be forgotten; those
-        # with unread answers are forgotten only once a send to them fails (unreachable).
-        self.query_bytes, self.query_bytes_total = float(query_bytes), float(query_bytes_total)
-        self._idle: OrderedDict[bytes, Asker] = OrderedDict()
-        self._waiting: dict[bytes, Asker] = {}
-        self._queries_total = [self.query_bytes_total, 0.0]
-        self.unread_bytes_total = unread_bytes_total
-        self._unread_bytes = 0
+        self.stats = Stats()
+        # The connections that asked (STATS, CAPS): budgets, unread answers, tickets (§6a).
+        self.queries = QueryLedger(self.stats, query_bytes=query_bytes, query_bytes_total=query_bytes_total,
+                                   unread_bytes_total=unread_bytes_total)
         self._asking: Asker | None = None  # the connection whose STATS/CAPS is being answered
-        self._probed_at = 0.0
         # (now, handoffs, releases, messages_in, messages_out), one a second: the recent rates.
-        self._samples: deque[tuple[float, int, int, int, int]] = deque(
+        self.samples: deque[tuple[float, int, int, int, int]] = deque(
             maxlen=int(STATS_WINDOW_S / _SAMPLE_EVERY_S) + 2)
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
@@ -329,7 +297,6 @@ class BrokerCore:
         # Random start: a grant id a client kept from a previous broker never names one of ours.
         self._gids = itertools.count(int.from_bytes(entropy(5), "little") << 8)
         self.modes = ModeCache()
-        self.stats = Stats()
         self.errors_by_code: dict[str, int] = {}
         self._out: list[Out] = []
         self._now = 0.0  # the latest time receive() or tick() was given
@@ -349,12 +316,7 @@ class BrokerCore:
         msg.header["ticket"] = ticket
         if size is None:
             size = len(json_bytes(msg.header))
-        if not a.unread:
-            self._idle.pop(rid, None)
-            self._waiting[rid] = a
-            a.probe_at, a.probe_gap = self._now + PROBE_FIRST_S, PROBE_FIRST_S
-        a.unread.append((ticket, size))
-        self._unread_bytes += size
+        self.queries.stamp(a, ticket, size, self._now)
         self._out.append(Send(rid, msg))
         self.stats.messages_out += 1
         return size
@@ -450,18 +412,15 @@ class BrokerCore:
         if msg.verb == "HELLO":
             self.on_hello(rid, msg, now)
         elif msg.verb in ("CAPS", "STATS"):
-            a = self._asker(rid, msg)
+            ticket = msg.header.get("ticket")
+            a = self.queries.asker(rid, ticket, now)
             if a is None:
                 return
-            self._asking = a
-            if not self._may_answer_query(a, now):
+            self._asking = a  # what is sent to rid from here on is its answer (_send)
+            if not self.queries.admit(a, ticket, now):
                 return
-            if msg.verb == "CAPS":
-                size = self.on_caps(rid, msg)
-            else:
-                size = self.on_stats(rid, msg, now)
-            a.allowance -= size
-            self._queries_total[0] -= size
+            size = self.on_caps(rid, msg) if msg.verb == "CAPS" else self.on_stats(rid, msg, now)
+            self.queries.charge(a, size)
         elif client is None:
             if msg.verb == "BYE":
                 return  # nothing registered to end: silently done (spec §2)
@@ -491,11 +450,11 @@ class BrokerCore:
         if self.started is None:
             self.started = now
         self._now = now
-        if not self._samples or now - self._samples[-1][0] >= _SAMPLE_EVERY_S:
+        if not self.samples or now - self.samples[-1][0] >= _SAMPLE_EVERY_S:
             s = self.stats
-            self._samples.append((now, s.handoffs, s.releases, s.messages_in, s.messages_out))
-        if self._waiting:
-            self._probe_askers(now)
+            self.samples.append((now, s.handoffs, s.releases, s.messages_in, s.messages_out))
+        for rid in self.queries.due_probes(now):
+            self._send(rid, Message("PONG", {}))
         granted: set[bytes] | None = None
         for rid, c in list(self.clients.items()):
             verdict = alive(c) if c.endpoint.identity.host == self.host else None
@@ -580,7 +539,7 @@ class BrokerCore:
         else:
             self.stats.undeliverable += 1
             if why == "unreachable":
-                self._forget_asker(rid)
+                self.queries.forget(rid)
         n = self.stats.dropped_full + self.stats.undeliverable
         if n & (n - 1) == 0 or n % 1000 == 0:  # 1, 2, 4, ... then every 1000th: a flood must not flood the log
             # A reply to a client that already left (a PONG crossing its BYE) is expected, not an anomaly.
@@ -1145,139 +1104,15 @@ class BrokerCore:
         d = msg.header["route"]
         c.route = None if d is None else Route.parse(d, c.role)
 
-    def _asker(self, rid: bytes, msg: Message) -> Asker | None:
-        """The connection ``rid`` asking ``msg`` (STATS or CAPS), its unread answers up to the
-        ticket the query names marked read; None when it may not be answered (spec §6a): it has
-        MAX_UNREAD answers unread (it does not read, or asks ahead of its answers), or every
-        remembered connection has unread answers and none is idle to forget."""
-        a = self._waiting.get(rid)
-        if a is None:
-            a = self._idle.pop(rid, None)
-            if a is None:
-                if len(self._idle) + len(self._waiting) >= MAX_QUERY_PEERS:
-                    if not self._idle:
-                        self.stats.answers_withheld += 1
-                        return None
-                    self._idle.popitem(last=False)
-                a = Asker(rid, self.query_bytes, self._now)
-            self._idle[rid] = a  # most recently asked last
-        ticket = msg.header.get("ticket")
-        if isinstance(ticket, str):
-            if any(t == ticket for t, _ in a.unread):
-                while a.unread:
-                    t, n = a.unread.popleft()
-                    self._unread_bytes -= n
-                    if t == ticket:
-                        break
-                if a.unread:
-                    a.probe_at, a.probe_gap = self._now + PROBE_FIRST_S, PROBE_FIRST_S
-                else:
-                    self._waiting.pop(rid, None)
-                    self._idle[rid] = a
-                    a.probe_at = float("inf")
-        if len(a.unread) >= MAX_UNREAD:  # before any other check: a refusal is an answer too
-            self.stats.answers_withheld += 1
-            return None
-        if ticket is not None and not isinstance(ticket, str):
-            self._asking = a
-            raise ProtocolError("bad_header", "ticket must be a string: the 'ticket' of the latest answer "
-                                "this connection read", field="ticket")
-        return a
-
-    def _forget_asker(self, rid: bytes) -> None:
-        """``rid`` is disconnected: what was queued for it is gone, so is its unread count."""
-        self._idle.pop(rid, None)
-        a = self._waiting.pop(rid, None)
-        if a is not None:
-            self._unread_bytes -= sum(n for _, n in a.unread)
-
-    def _probe_askers(self, now: float) -> None:
-        """PONG each connection whose unread answers are due a check: the send fails for a
-        closed one (``undeliverable`` then forgets it). Probes back off to at most one an hour."""
-        if now - self._probed_at < 1.0:
-            return
-        self._probed_at = now
-        for rid, a in self._waiting.items():
-            if a.probe_at <= now:
-                a.probe_gap = min(PROBE_MAX_S, a.probe_gap * 2)
-                a.probe_at = now + a.probe_gap
-                self._send(rid, Message("PONG", {}))
-
-    def _may_answer_query(self, a: Asker, now: float) -> bool:
-        """Whether a STATS or CAPS from ``a`` may be answered: neither its connection's nor the
-        broker's ``query_bytes`` budget is overdrawn, nor the unread answers of all connections
-        at ``unread_bytes_total`` (spec §6a; the caller then charges the answer's size).
-        Refused: ERROR limit_exceeded (raises ProtocolError); over a ``query_bytes`` budget at
-        most once a second per connection, else dropped unanswered (False)."""
-        a.allowance = min(self.query_bytes, a.allowance + max(0.0, now - a.at) * self.query_bytes)
-        a.at = now
-        t = self._queries_total
-        t[0] = min(self.query_bytes_total, t[0] + max(0.0, now - t[1]) * self.query_bytes_total)
-        t[1] = now
-        if self._unread_bytes >= self.unread_bytes_total:
-            self.stats.limits_refused += 1
-            raise ProtocolError("limit_exceeded", f"the broker holds {self._unread_bytes} bytes of STATS and CAPS "
-                                f"answers that their connections have not read (at most {self.unread_bytes_total}); "
-                                "ask again later", limit="unread_bytes_total", value=self._unread_bytes)
-        if a.allowance > 0 and t[0] > 0:
-            return True
-        self.stats.limits_refused += 1
-        if now - a.refused_at < 1.0:
-            return False
-        a.refused_at = now
-        if a.allowance <= 0:
-            raise ProtocolError("limit_exceeded", f"one connection is sent at most {int(self.query_bytes)} bytes of "
-                                "STATS and CAPS answers a second; further queries this second are not answered",
-                                limit="query_bytes", value=int(self.query_bytes))
-        raise ProtocolError("limit_exceeded", f"this broker sends at most {int(self.query_bytes_total)} bytes of "
-                            "STATS and CAPS answers a second to all connections; further queries from this one "
-                            "this second are not answered", limit="query_bytes_total",
-                            value=int(self.query_bytes_total))
-
     def on_caps(self, rid: bytes, msg: Message) -> int:
-        """CAPS {device: endpoint, peer?: endpoint, channel?, transport?} -> CAPS_REPLY; returns
-        the answer's size (§6a)."""
-        request_id = msg.header.get("request_id")
-        if request_id is not None and not isinstance(request_id, str | int):
-            raise ProtocolError("bad_header", "request_id must be a string or an integer", field="request_id")
-        try:
-            me = Endpoint.from_dict(field_of(msg, "device", dict))
-            peer_d = field_of(msg, "peer", dict, optional=True)
-            peer = Endpoint.from_dict(peer_d) if peer_d is not None else None
-        except (KeyError, TypeError, ValueError, OverflowError) as e:
-            raise ProtocolError("bad_header", f"CAPS endpoint: {e!r}", field="device", request_id=request_id) from None
-        transport = field_of(msg, "transport", str, optional=True)
-        try:
-            t = Transport.parse(transport) if transport is not None else None
-        except ValueError:
-            raise ProtocolError("bad_header", f"transport {transport[:32]!r} is not one of "
-                                f"{[x.value for x in Transport]}", field="transport", request_id=request_id) from None
-        channel = msg.header.get("channel")
-        reply: dict[str, Any] = {"request_id": request_id}
-        if peer is not None:
-            reply.update(pair_modes(me, peer, t).to_dict())
-        elif isinstance(channel, str) and channel in self.channels:
-            members = [self.clients[r] for r in self.channels[channel].members]  # not every client (red team 9)
-            per = [{"consumer_id": cl.label, "name": cl.name, **pair_modes(me, cl.endpoint, t).to_dict()}
-                   for cl in members if cl.role == "consumer"]
-            reply["consumers"] = per
-            reply["bridges"] = [{"client_id": cl.label, "name": cl.name, "role": cl.role, **cl.route.to_dict()}
-                                for cl in members if cl.route is not None]
-            if per:
-                reply.update({k: per[0][k] for k in ("transport", "device_tag", "valid_sync_modes", "excluded",
-                                                     "host_staged")})
-        if "valid_sync_modes" not in reply:
-            # No consumer named: answer for a consumer on the same device, as hurray-caps does.
-            reply.update(pair_modes(me, me, t or Transport.IPC).to_dict())
-        return self._send(rid, Message("CAPS_REPLY", reply))
+        """CAPS -> CAPS_REPLY (queries.caps_reply); returns the answer's size (§6a)."""
+        return self._send(rid, Message("CAPS_REPLY", caps_reply(self, msg)))
 
     # --- observability (STATS, spec §2.3) ----------------------------------------------------
     def on_stats(self, rid: bytes, msg: Message, now: float) -> int:
         """STATS {request_id?} -> STATS_REPLY: the snapshot of :meth:`snapshot`; returns the
         answer's size (§6a)."""
-        request_id = msg.header.get("request_id")
-        if request_id is not None and (not isinstance(request_id, str | int) or isinstance(request_id, bool)):
-            raise ProtocolError("bad_header", "request_id must be a string or an integer", field="request_id")
+        request_id = request_id_of(msg)
         snap = self._snap
         if snap is None or not 0.0 <= now - self._snap_at < self.stats_cache_s:
             snap = self._snap = self.snapshot(now)
@@ -1299,85 +1134,9 @@ class BrokerCore:
         self.stats.segments_cleaned += removed
 
     def snapshot(self, now: float) -> dict[str, Any]:
-        """Everything STATS_REPLY says (spec §2.3), as of ``now``: a new dict of plain JSON values,
-        never mutated afterwards, so another thread may read one it was handed (the metrics
-        endpoint). Walks the clients, channels, grants and deliveries once: nothing is counted
-        per handoff beyond the integers in :class:`Stats`."""
-        s = self.stats
-        started = self.started if self.started is not None else now
-        uptime = max(0.0, now - started)
-        by_producer: dict[bytes, int] = {}
-        events_of: dict[bytes, int] = {}
-        in_flight: dict[str, int] = {}
-        events = 0
-        clients = self.clients
-        for d in self.deliveries.values():
-            by_producer[d.producer] = by_producer.get(d.producer, 0) + 1
-            if d.event_pending:
-                events += 1
-                events_of[d.producer] = events_of.get(d.producer, 0) + 1
-                events_of[d.consumer] = events_of.get(d.consumer, 0) + 1
-            holder = clients.get(d.consumer)
-            if holder is not None:
-                in_flight[holder.channel] = in_flight.get(holder.channel, 0) + 1
-        grants_of: dict[str, int] = {}
-        for g in self.grants.values():
-            grants_of[g.channel] = grants_of.get(g.channel, 0) + 1
-        listed: list[dict[str, Any]] = []
-        producers = 0
-        for c in clients.values():
-            producers += c.role == "producer"
-            if len(listed) < MAX_STATS_CLIENTS:
-                listed.append({
-                    "id": c.label, "name": c.name, "role": c.role, "channel": c.channel, "pid": c.endpoint.pid,
-                    "device": c.endpoint.identity.spec, "credits": c.credits,
-                    "outstanding": c.held if c.role == "consumer" else by_producer.get(c.rid, 0),
-                    "events_outstanding": events_of.get(c.rid, 0), "lease": c.lease is not None,
-                    "state": "unresponsive" if c.unresponsive else "alive",
-                    "silent_s": round(max(0.0, now - c.last_seen), 3), "ended": c.ended})
-        channels: list[dict[str, Any]] = []
-        queued = 0
-        for name, ch in self.channels.items():
-            n_queued = sum(clients[r].credits for r in ch.requests)
-            queued += n_queued
-            if len(channels) < MAX_STATS_CHANNELS:
-                channels.append({
-                    "name": name, "producers": len(ch.producers), "consumers": len(ch.members) - len(ch.producers),
-                    "queued": n_queued, "ready": sum(clients[p].credits for p in ch.producers),
-                    "grants": grants_of.get(name, 0), "in_flight": in_flight.get(name, 0), "ended": ch.ended})
-        counts = (s.handoffs, s.releases, s.messages_in, s.messages_out)
-        # The recent window: the oldest sample at most STATS_WINDOW_S old (the start counts as a
-        # sample of zeros); with none that recent (no tick for a while), the newest there is.
-        samples = [(started, 0, 0, 0, 0), *self._samples]
-        base = next((x for x in samples if now - x[0] <= STATS_WINDOW_S), samples[-1])
-        span = max(0.0, now - base[0])
-        names = ("handoffs", "releases", "messages_in", "messages_out")
-        return {
-            "broker": {"version": __version__, "protocol": PROTOCOL_VERSION, "pid": self.pid, "session": self.session,
-                       "uptime_s": round(uptime, 3)},
-            "gauges": {"clients": len(clients), "producers": producers, "consumers": len(clients) - producers,
-                       "channels": len(self.channels), "queued": queued, "grants": len(self.grants),
-                       "outstanding": len(self.deliveries), "events_outstanding": events,
-                       "orphans": len(self.orphans), "unresponsive": s.unresponsive,
-                       "unread_answers": sum(len(a.unread) for a in self._waiting.values()),
-                       "unread_bytes": self._unread_bytes},
-            "totals": {"handoffs": s.handoffs, "releases": s.releases, "rejected": s.rejected,
-                       "messages_in": s.messages_in, "messages_out": s.messages_out, "wire_in": s.wire_in,
-                       "wire_out": s.wire_out, "errors": s.errors, "consumers_lost": s.consumers_lost,
-                       "producers_lost": s.producers_lost, "undeliverable": s.undeliverable,
-                       "dropped_full": s.dropped_full, "limits_refused": s.limits_refused,
-                       "answers_withheld": s.answers_withheld, "grants_revoked": s.grants_revoked,
-                       "consumers_fenced": s.consumers_fenced},
-            "rates": {"life": {k: round(n / uptime, 3) if uptime > 0 else 0.0 for k, n in zip(names, counts,
-                                                                                                strict=True)},
-                      "window": {k: round((n - b) / span, 3) if span > 0 else 0.0
-                                 for k, n, b in zip(names, counts, base[1:], strict=True)},
-                      "window_s": round(span, 3)},
-            "errors_by_code": {code: self.errors_by_code.get(code, 0) for code in sorted(ERROR_CODES)},
-            "shm": {"segments": s.segments, "cleaned": s.segments_cleaned, "sweeps": s.sweeps},
-            "clients": listed, "clients_truncated": len(clients) - len(listed),
-            "channels": channels, "channels_truncated": len(self.channels) - len(channels),
-        }
+        """Everything STATS_REPLY says (spec §2.3) as of ``now`` (queries.stats_snapshot): a new
+        dict, never mutated afterwards, that another thread may read (the metrics endpoint)."""
+        return stats_snapshot(self, now)
 
     # --- leaving ---------------------------------------------------------------------------
     def _producer_gone(self, ds: list[Delivery], claims: list[Delivery] | None = None) -> None:

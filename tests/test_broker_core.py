@@ -23,12 +23,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from hurray_ipc.broker.core import (
     MAX_CREDITS,
     MAX_HELD,
-    MAX_QUERY_PEERS,
-    MAX_UNREAD,
-    PROBE_FIRST_S,
     BrokerCore,
     Send,
 )
+from hurray_ipc.broker.queries import MAX_QUERY_PEERS, MAX_UNREAD, PROBE_FIRST_S
 from hurray_ipc.devices.base import host_id
 from hurray_ipc.transport.protocol import ERROR_CODES, HOT_VERBS, PROTOCOL_VERSION, Message, encode_batch
 
@@ -1143,7 +1141,7 @@ def test_an_answer_is_charged_its_header_exactly():
         assert core.snapshot(1.0)["gauges"]["unread_bytes"] - before == len(out.msg.encode()[1]), (verb, header)
         ticket = out.msg.header["ticket"]
         core.receive(b"q", frames("STATS", {"ticket": ticket}), 1.0)  # read: the next is charged alone
-        core._forget_asker(b"q")
+        core.queries.forget(b"q")
     big = BrokerCore(host=HOST, timeout_s=TIMEOUT)
     charges: list[int] = []
     ticket = None
@@ -1216,7 +1214,7 @@ def test_the_query_table_is_bounded_and_forgets_idle_connections_first():
     core = BrokerCore(host=HOST, timeout_s=TIMEOUT, query_bytes=1)  # every answer overdraws
     for i in range(MAX_QUERY_PEERS + 10):
         core.receive(f"q{i}".encode(), frames("CAPS", {"device": endpoint(9)}), 1.0)
-    assert len(core._waiting) == MAX_QUERY_PEERS and not core._idle
+    assert len(core.queries._waiting) == MAX_QUERY_PEERS and not core.queries._idle
     assert core.stats.answers_withheld == 10
     assert _stats(core, b"new", 1.0) == []
     core.undeliverable(b"q0", Message("PONG", {}), "unreachable")  # a probe found q0 gone
@@ -1224,9 +1222,9 @@ def test_the_query_table_is_bounded_and_forgets_idle_connections_first():
     (err,) = _stats(core, b"new", 1.0, ans[2]["ticket"])  # budget spent: the ERROR is an answer too
     assert err[2]["limit"] == "query_bytes"
     assert _stats(core, b"new", 1.0, err[2]["ticket"]) == []  # read both; this one dropped: idle
-    assert b"new" in core._idle and len(core._waiting) == MAX_QUERY_PEERS - 1
+    assert b"new" in core.queries._idle and len(core.queries._waiting) == MAX_QUERY_PEERS - 1
     assert _stats(core, b"newer", 1.0)  # the idle one made room
-    assert b"new" not in core._idle and len(core._waiting) == MAX_QUERY_PEERS
+    assert b"new" not in core.queries._idle and len(core.queries._waiting) == MAX_QUERY_PEERS
 
 
 def test_a_refused_handoffs_credit_is_matched_in_the_same_step():

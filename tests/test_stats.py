@@ -25,7 +25,8 @@ import pytest
 import zmq
 
 from brokerproc import BrokerProcess
-from hurray_ipc.broker.core import MAX_STATS_CHANNELS, MAX_STATS_CLIENTS, BrokerCore, Send
+from hurray_ipc.broker.core import BrokerCore, Send
+from hurray_ipc.broker.queries import MAX_STATS_CHANNELS, MAX_STATS_CLIENTS
 from hurray_ipc.transport.protocol import (
     BROKER_VERBS,
     CLIENT_VERBS,
