@@ -74,7 +74,7 @@ from hurray_ipc.transport.route import MAX_LINKS, MAX_PEER_CHARS, MAX_WINDOW, Li
 from .keyfile import read_token, route_key_path
 from .logfmt import FORMATS
 from .logfmt import configure as configure_logging
-from .rdma import Offer, RdmaEngine, RdmaError, Registration, Transfer, nixl_available, nixl_info
+from .rdma import BadOffer, Offer, RdmaEngine, RdmaError, Registration, Transfer, nixl_available, nixl_info
 
 log = logging.getLogger("hurray.bridge")
 
@@ -390,12 +390,12 @@ class BridgeOut:
         try:
             offer = Offer.from_wire(wire)
             if offer.size < s.size:
-                raise RdmaError(f"bad offer: {offer.size} bytes offered for a transfer of {s.size}")
+                raise BadOffer(f"bad offer: {offer.size} bytes offered for a transfer of {s.size}")
             self._forget_unmapped()  # first: a region it kept may be at these very addresses
             s.reg = self.engine.register(s.src.ptr, s.size, s.src.kind, s.src.nixl_device, owner=s.src.owner)
             self._keep_registered(s.src)
         except RdmaError as e:
-            self._end_rdma(s, "bad_offer" if "bad offer" in str(e) else "rdma_failed", str(e))
+            self._end_rdma(s, "bad_offer" if isinstance(e, BadOffer) else "rdma_failed", str(e))
             return
         s.offer = offer
         s.deadline = time.monotonic() + transfer_bound(self.timeout_s, s.size)  # R4.1 and R4.3, from the first post
@@ -449,7 +449,7 @@ class BridgeOut:
                 x = self.engine.write(s.reg, s.offer, notif=str(s.tid).encode() if last else b"",
                                       part=(s.next_off, n))
             except RdmaError as e:
-                self._end_rdma(s, "bad_offer" if "bad offer" in str(e) else "rdma_failed", str(e))
+                self._end_rdma(s, "bad_offer" if isinstance(e, BadOffer) else "rdma_failed", str(e))
                 return False
             s.writes.append((x, s.next_off, n))
             s.next_off += n

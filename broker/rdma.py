@@ -60,6 +60,11 @@ class RdmaTimeout(RdmaError):
     """A transfer was still in flight (NIXL state PROC) at its deadline."""
 
 
+class BadOffer(RdmaError):
+    """A receiver's offer (RDMA_REGISTER, interchange.md) is malformed or does not fit the
+    transfer: the link's fault, answered ``bad_offer``, never NIXL's."""
+
+
 def _import_nixl() -> ModuleType:
     """The NIXL Python API: the ``nixl-cu12`` wheel installs it as ``nixl_cu12``; the ``nixl`` meta
     package as ``nixl``. Returned as a plain module: NIXL's types are not ours to check."""
@@ -167,14 +172,14 @@ def _serdes_str(md: bytes, at: int, tag: bytes) -> tuple[bytes, int]:
     """One ``tag``, 8-byte little-endian length, value entry of NIXL's serialisation (nixlSerDes)
     at ``at``: the value and where the next entry starts; RdmaError if it is not there whole."""
     if md[at:at + len(tag)] != tag:
-        raise RdmaError(f"bad offer: metadata lacks {tag.decode()!r} at byte {at}")
+        raise BadOffer(f"bad offer: metadata lacks {tag.decode()!r} at byte {at}")
     at += len(tag)
     if at + 8 > len(md):
-        raise RdmaError(f"bad offer: metadata ends inside the length of {tag.decode()!r}")
+        raise BadOffer(f"bad offer: metadata ends inside the length of {tag.decode()!r}")
     n = int.from_bytes(md[at:at + 8], "little")
     at += 8
     if n > len(md) - at:
-        raise RdmaError(f"bad offer: metadata entry {tag.decode()!r} of {n} bytes runs past its end")
+        raise BadOffer(f"bad offer: metadata entry {tag.decode()!r} of {n} bytes runs past its end")
     return md[at:at + n], at + n
 
 
@@ -190,24 +195,24 @@ def check_metadata(md: bytes, agent: str) -> None:
     that NIXL cannot crash on the rest (the memory section, the address's inner fields)."""
     at = len(_SERDES_MAGIC)
     if md[:at] != _SERDES_MAGIC:
-        raise RdmaError("bad offer: metadata is not NIXL's serialisation (no 'nixlSerDes' header)")
+        raise BadOffer("bad offer: metadata is not NIXL's serialisation (no 'nixlSerDes' header)")
     name, at = _serdes_str(md, at, b"|Agent")
     if name != agent.encode():
-        raise RdmaError(f"bad offer: offer names agent {agent} but its metadata is agent "
+        raise BadOffer(f"bad offer: offer names agent {agent} but its metadata is agent "
                         f"{name[:64].decode(errors='replace')}")
     raw, at = _serdes_str(md, at, b"|Conns")
     conns = int.from_bytes(raw, "little") if len(raw) == 8 else -1
     if not 0 < conns <= MAX_CONNS:
-        raise RdmaError(f"bad offer: metadata lists {conns} backend connections (1..{MAX_CONNS})")
+        raise BadOffer(f"bad offer: metadata lists {conns} backend connections (1..{MAX_CONNS})")
     for _ in range(conns):
         backend, at = _serdes_str(md, at, b"|t")
         address, at = _serdes_str(md, at, b"|c")
         if backend == BACKEND.encode():
             if not address:
-                raise RdmaError("bad offer: empty UCX worker address")
+                raise BadOffer("bad offer: empty UCX worker address")
             version = address[0] & 0x0F
             if version not in _UCX_ADDRESS_VERSIONS:
-                raise RdmaError(f"bad offer: UCX worker address version {version} (byte 0x{address[0]:02x}); "
+                raise BadOffer(f"bad offer: UCX worker address version {version} (byte 0x{address[0]:02x}); "
                                 f"this UCX reads versions {sorted(_UCX_ADDRESS_VERSIONS)}")
 
 
@@ -235,35 +240,35 @@ class Offer:
 
     @classmethod
     def from_wire(cls, wire: dict[str, Any]) -> Offer:
-        """Validate an offer received from a peer: every field, type and bound; RdmaError if bad."""
+        """Validate an offer received from a peer: every field, type and bound; BadOffer if bad."""
         try:
             header, frames = wire["header"], wire["frames"]
         except (KeyError, TypeError) as e:
-            raise RdmaError(f"bad offer: needs 'header' and 'frames' ({e})") from None
+            raise BadOffer(f"bad offer: needs 'header' and 'frames' ({e})") from None
         if not isinstance(header, dict) or not isinstance(frames, list | tuple) or len(frames) != 1:
-            raise RdmaError("bad offer: header must be an object and frames exactly [metadata]")
+            raise BadOffer("bad offer: header must be an object and frames exactly [metadata]")
         if header.get("version") != OFFER_VERSION:
-            raise RdmaError(f"bad offer: version {header.get('version')!r}, expected {OFFER_VERSION}")
+            raise BadOffer(f"bad offer: version {header.get('version')!r}, expected {OFFER_VERSION}")
         agent, kind, raw, size = header.get("agent"), header.get("mem"), header.get("descs"), header.get("size")
         if not isinstance(agent, str) or not 0 < len(agent) <= 256:
-            raise RdmaError("bad offer: 'agent' must be a non-empty string of at most 256 characters")
+            raise BadOffer("bad offer: 'agent' must be a non-empty string of at most 256 characters")
         if kind not in KINDS:
-            raise RdmaError(f"bad offer: 'mem' must be one of {KINDS}, got {kind!r}")
+            raise BadOffer(f"bad offer: 'mem' must be one of {KINDS}, got {kind!r}")
         if not isinstance(raw, list) or len(raw) != 1:
-            raise RdmaError("bad offer: 'descs' must hold exactly one [address, length, device]")
+            raise BadOffer("bad offer: 'descs' must hold exactly one [address, length, device]")
         descs = []
         for d in raw:
             if (not isinstance(d, list) or len(d) != 3
                     or not all(isinstance(v, int) and not isinstance(v, bool) for v in d)
                     or not (0 < d[0] < 1 << 64 and 0 < d[1] < 1 << 48 and 0 <= d[2] < 1 << 16)):
-                raise RdmaError(f"bad offer: descriptor {d!r} is not [address>0, length>0, device>=0]")
+                raise BadOffer(f"bad offer: descriptor {d!r} is not [address>0, length>0, device>=0]")
             descs.append((d[0], d[1], d[2]))
         metadata = frames[0]
         if not isinstance(metadata, bytes | bytearray | memoryview) or not 0 < len(metadata) <= MAX_METADATA:
-            raise RdmaError(f"bad offer: metadata frame must be 1..{MAX_METADATA} bytes")
+            raise BadOffer(f"bad offer: metadata frame must be 1..{MAX_METADATA} bytes")
         offer = cls(agent, kind, tuple(descs), bytes(metadata))
         if size != offer.size:
-            raise RdmaError(f"bad offer: 'size' {size!r} is not the descriptors' total {offer.size}")
+            raise BadOffer(f"bad offer: 'size' {size!r} is not the descriptors' total {offer.size}")
         check_metadata(offer.metadata, agent)
         return offer
 

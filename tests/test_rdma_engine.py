@@ -404,3 +404,20 @@ def test_metadata_head_checks():
             rdma.check_metadata(bad, "ab")
     with pytest.raises(RdmaError, match="metadata is agent ab"):
         rdma.check_metadata(md, "someone")
+
+
+@pytest.mark.parametrize("wire", [
+    None,
+    {"header": {}, "frames": []},
+    {"header": {"version": rdma.OFFER_VERSION, "agent": "", "mem": "DRAM", "descs": [[1, 1, 0]], "size": 1},
+     "frames": [b"x"]},
+    {"header": {"version": rdma.OFFER_VERSION, "agent": "a", "mem": "DRAM", "descs": [[1, 1, 0]], "size": 2},
+     "frames": [b"x"]},
+    {"header": {"version": rdma.OFFER_VERSION, "agent": "a", "mem": "DRAM", "descs": [[1, 1, 0]], "size": 1},
+     "frames": [b"not NIXL's serialisation"]},
+], ids=["not-a-dict", "empty", "no-agent", "wrong-size", "bad-metadata"])
+def test_a_malformed_offer_is_a_bad_offer_by_type(wire):
+    """The bridge answers bad_offer for the link's fault and rdma_failed for NIXL's: it told them
+    apart by the words 'bad offer' in the message, now by the exception's type (issue 23)."""
+    with pytest.raises(rdma.BadOffer, match="^bad offer: "):
+        rdma.Offer.from_wire(wire)
