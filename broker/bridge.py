@@ -945,6 +945,10 @@ class BridgeIn:
         self.partials: dict[int, dict[str, Any]] = {}
         # handed on, but their consumer went before they arrived: (transfer, buffer, give back), to hand on again
         self.bounced: deque[tuple[dict[str, Any], Any, Callable[[Any], None]]] = deque()
+        # Handed-on buffers whose handoff ended: (transfer, buffer, give back, ticket). The session's
+        # pump fills it from whichever thread pumps; only the loop reads it (_settle), so bridge
+        # state is changed by one thread.
+        self.ended: deque[tuple[dict[str, Any], Any, Callable[[Any], None], Ticket]] = deque()
         self.linked = False
         self.last_rx = 0.0
         self.last_hello = 0.0
@@ -1166,6 +1170,7 @@ class BridgeIn:
             return self._reject(tid, "bad_meta", str(e))
         nixl = self.plane == "nixl" and handle.size > 0
         pool = self.device_pool if nixl and self.device_pool is not None else self.pool
+        self._settle()  # buffers released since the last round go back to their pool first
         try:
             buf = pool.take(handle.size)  # host memory: every page reserved now (shm.reserve)
         except DeviceError as e:  # e.g. /dev/shm cannot hold it beside what is held: refused, not SIGBUS later
@@ -1271,22 +1276,8 @@ class BridgeIn:
             array = {"shape": tuple(m["shape"]), "dtype": dlpack.EXTRA_BY_CODE[dl[0]][0] if dl else m["typestr"],
                      "readonly": bool(m.get("readonly", False))}
 
-        def released(ticket: Ticket) -> None:  # runs in whichever thread pumps the session
-            err = ticket.error
-            if err is not None and err.code in ("consumer_gone", "unknown_grant") and p["bounces"] < MAX_BOUNCES:
-                p["bounces"] += 1
-                log.info(json.dumps({"event": "hand_on_again", "transfer_id": p["tid"], "why": err.code}))
-                self.bounced.append((p, buf, back))  # never delivered: hand it on again
-                return
-            if err is not None:
-                self.stats["discarded"] += 1
-                log.warning(json.dumps({"event": "hand_on_refused", "transfer_id": p["tid"], "error": str(err)[:200]}))
-            if ticket.outcome == "consumer_fenced":
-                # Its consumer may still read it (ipc-protocol.md §5): never pooled, written by the
-                # NIC (a registration pins its pages) or freed again while this bridge runs.
-                self.fenced_buffers.append(buf)
-                return
-            back(buf)
+        def released(ticket: Ticket) -> None:  # runs in whichever thread pumps the session: queue it
+            self.ended.append((p, buf, back, ticket))
 
         p.setdefault("bounces", 0)
         try:
@@ -1301,11 +1292,34 @@ class BridgeIn:
             self.stats["discarded"] += 1
             log.warning(json.dumps({"event": "local_broker_unavailable", "transfer_id": p["tid"], "error": str(e)}))
 
+    def _settle(self) -> None:
+        """Handle the handoffs that ended since the last round (:attr:`ended`), in the loop's
+        thread: one whose consumer went before it arrived is handed on again (at most MAX_BOUNCES
+        times), one whose consumer was fenced is kept, any other buffer goes back."""
+        while self.ended:
+            p, buf, back, ticket = self.ended.popleft()
+            err = ticket.error
+            if err is not None and err.code in ("consumer_gone", "unknown_grant") and p["bounces"] < MAX_BOUNCES:
+                p["bounces"] += 1
+                log.info(json.dumps({"event": "hand_on_again", "transfer_id": p["tid"], "why": err.code}))
+                self.bounced.append((p, buf, back))  # never delivered: hand it on again
+                continue
+            if err is not None:
+                self.stats["discarded"] += 1
+                log.warning(json.dumps({"event": "hand_on_refused", "transfer_id": p["tid"], "error": str(err)[:200]}))
+            if ticket.outcome == "consumer_fenced":
+                # Its consumer may still read it (ipc-protocol.md §5): never pooled, written by the
+                # NIC (a registration pins its pages) or freed again while this bridge runs.
+                self.fenced_buffers.append(buf)
+                continue
+            back(buf)
+
     def serve(self, stop: threading.Event | None = None) -> None:
         stop = stop or threading.Event()
         self.running = True
         try:
             while not stop.is_set():
+                self._settle()
                 now = time.monotonic()
                 if not self.linked and now - self.last_hello > 0.5:
                     self._send("LINK_HELLO", {"protocol": INTERCHANGE_VERSION, "channel": self.channel,
@@ -1359,6 +1373,7 @@ class BridgeIn:
             # Held buffers come back to the pool (or are freed) first. A bridge stopping does not
             # end the stream of the channel it feeds: its upstream producers did not end it.
             self.producer.close(end=False)
+            self._settle()
             while self.bounced:
                 _, buf, back = self.bounced.popleft()
                 back(buf)
