@@ -96,7 +96,7 @@ def test_what_send_refuses_and_how(broker):
         refused(lambda: p.allocate(-1), InvalidArgument, "allocate(size=)", "-1")
         refused(lambda: p.allocate(1.5), InvalidArgument, "allocate(size=)", "1.5")
         assert p.allocate(np.int64(8)).size == 8
-        assert not p._out and not p._grants  # none of it took anything
+        assert not p._out and not p.grants  # none of it took anything
 
 
 def test_receive_and_handoff_misuse(broker):

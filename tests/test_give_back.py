@@ -152,7 +152,7 @@ def test_refused_before_a_grant_and_the_next_send_flows(broker, kw, error, words
     with Producer(broker.endpoint, "pre", "cpu") as p:
         with pytest.raises(error, match=words):
             p.send(np.arange(512, dtype=np.int64), **kw)
-        assert not p._grants and not p._out and p.credits.asked == 0  # no grant was even asked for
+        assert not p.grants and not p._out and p.credits.asked == 0  # no grant was even asked for
         send_good(p, 0, 2)
         nothing_taken(p, c, 2, before)
 

@@ -222,13 +222,13 @@ def test_send_many_batches_what_the_grants_allow(broker):
         c.credits.ask(4)
         p.session.send(Message("READY", {"credits": 4}))
         p.credits.ask(4)
-        p.session.pump(lambda: len(p._grants) == 4, 10, "grants")
+        p.session.pump(lambda: len(p.grants) == 4, 10, "grants")
         bufs = [p.allocate(64) for _ in range(3)]
         back: list = []
         before = p.session.messages_sent
         tickets = p.send_many(bufs, on_release=back.append)
         assert p.session.messages_sent - before == 1, "three handoffs, one message"
-        assert [t.obj for t in tickets] == bufs and len(p._grants) == 1, "the fourth grant is kept"
+        assert [t.obj for t in tickets] == bufs and len(p.grants) == 1, "the fourth grant is kept"
         got = [c.receive(timeout=10) for _ in range(3)]
         assert sorted(h.handoff_id for h in got) == sorted(t.handoff_id for t in tickets)
         for h in got:
@@ -241,12 +241,12 @@ def test_send_many_batches_what_the_grants_allow(broker):
             raise RuntimeError("injected: the producer obligation failed")
 
         p._prepare = fail  # type: ignore[method-assign]
-        p.session.pump(lambda: len(p._grants) > 0, 10, "a grant")
+        p.session.pump(lambda: len(p.grants) > 0, 10, "a grant")
         with p.session.lock:  # no pump between the two counts
-            held = len(p._grants)
+            held = len(p.grants)
             with pytest.raises(RuntimeError):
                 p.send_many([bufs[0]])
-            assert len(p._grants) == held, "a grant that was not used is kept for the next send"
+            assert len(p.grants) == held, "a grant that was not used is kept for the next send"
         p._prepare = real  # type: ignore[method-assign]
         p.send(bufs[0], block=False)
         c.receive(timeout=10).release()

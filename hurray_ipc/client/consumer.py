@@ -652,7 +652,7 @@ class Consumer:
         self.session.pump(lambda: not self._poll_releases(), timeout,
                           f"waiting for the device work of {len(self._releasing)} release(s)")
 
-    def _hello(self) -> dict[str, Any]:
+    def _hello(self, epoch: int) -> dict[str, Any]:
         live = {t: h for t, h in list(self._held.items())}
         live.update({h.token: h for h in list(self._dropped) if not h.released})
         held = [{"token": t, "producer_id": h.producer_id, "handoff_id": h.handoff_id,

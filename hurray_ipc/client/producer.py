@@ -17,7 +17,6 @@ import logging
 import operator
 import os
 import threading
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -36,6 +35,7 @@ from ..transport import inproc
 from ..transport.pairing import Endpoint, ModeCache, PairModes, host_side
 from ..transport.protocol import MAX_BATCH, Message
 from .credits import Credits
+from .grants import Grant, GrantBook, Granted
 from .session import BrokerUnavailable, RemoteError, Session, check_client_args, check_timeout
 
 log = logging.getLogger("hurray.producer")
@@ -174,7 +174,7 @@ class _Outgoing:
 
     ticket: Ticket
     source: Source
-    grant: dict[str, Any]
+    grant: Grant
     event: CudaEvent | None = None
     slot: Buffer | None = None
     inproc_key: str | None = None
@@ -235,36 +235,33 @@ class Producer:
         self.staging = StagingPool(self.cpu, pin_with=self.gpu)
         self.credits = Credits(prefetch)  # READY credits sent and not yet granted
         self.endpoint_info = Endpoint(self.device.identity, self.device.capabilities(), os.getpid())
-        self._grants: deque[dict[str, Any]] = deque()
-        self._revoked: deque[int] = deque(maxlen=1024)  # grant ids the broker took back (REVOKE, spec §4)
+        # Grants to send on, the consumers' endpoints they carried, END (grants.py); the pair's
+        # modes from the one cache the broker uses too (keyed by the endpoints' values).
+        self.grants = GrantBook(self.credits)
         self._ids = itertools.count(1)
         self._out: dict[int, _Outgoing] = {}
-        # The consumer endpoints GRANTs carried (once per pairing and registration), by label, and
-        # the pair's modes from the one cache the broker uses too (keyed by the endpoints' values).
-        self._consumers: dict[str, Endpoint] = {}
         self._modes = ModeCache()
         self.name = name or f"producer-{os.getpid()}"
         self.unknown_releases = 0  # RELEASED for a handoff already finished: a double release
         # Sources a fenced consumer may still read that could not be moved (_retire):
         # kept alive until close.
         self._fenced: list[Source] = []
-        self.ended = False  # end() was called: no more handoffs (spec §4.9)
         self.session = Session(endpoint, "producer", channel, self._hello, self._dispatch,
                                heartbeat_s=heartbeat_s, timeout_s=timeout_s)
 
     # --- broker messages -------------------------------------------------------------------
-    def _hello(self) -> dict[str, Any]:
-        # Grants of a previous broker are void; ask the new one for as many again.
-        self.credits.ask(len(self._grants))
-        self._grants.clear()
-        # A new registration is sent each consumer's endpoint again with its first GRANT.
-        self._consumers.clear()
+    @property
+    def ended(self) -> bool:
+        """:meth:`end` was called: no more handoffs (spec §4.9)."""
+        return self.grants.ended
+
+    def _hello(self, epoch: int) -> dict[str, Any]:
+        # Grants of a previous registration are void; ask for as many again (none once ended).
+        credits = self.grants.registering(epoch)
         # Every handoff not released is listed, accepted or not (acceptance is implicit, so we may
         # not know): one a consumer holds is claimed by it; one that never arrived comes back
         # after the timeout as RELEASED consumer_gone. None is freed before the broker says so.
-        if self.ended:
-            self.credits.reset()  # an ended producer asks for nothing; its HELLO says it ended (spec §4.9)
-        return {"name": self.name, "endpoint": self.endpoint_info.to_dict(), "credits": self.credits.asked,
+        return {"name": self.name, "endpoint": self.endpoint_info.to_dict(), "credits": credits,
                 **({"ended": True} if self.ended else {}),
                 # Which consumer holds each: the broker lets only that consumer claim it again.
                 "outstanding": [{"handoff_id": h, "consumer_id": o.ticket.consumer} for h, o in self._out.items()]}
@@ -272,27 +269,15 @@ class Producer:
     def _dispatch(self, msg: Message) -> list[Callable[[], None]]:
         h = msg.header
         if msg.verb == "GRANT":
-            if h.get("epoch") != self.session.epoch or self.ended:
-                return []  # issued to an earlier registration, or voided by our END: the broker voided it too
-            self.credits.answered()
-            label = h["consumer_id"]
-            if "consumer" in h:  # the first GRANT of this pairing carries the consumer's endpoint
-                self._consumers[label] = Endpoint.from_dict(h["consumer"])
-            if label not in self._consumers:
+            if self.grants.granted(h) is Granted.UNKNOWN_CONSUMER:
                 log.error("GRANT %s names consumer %s whose endpoint this producer was never sent; "
-                          "registering again", h["grant_id"], label)
+                          "registering again", h["grant_id"], h["consumer_id"])
                 self.session.registered = False
                 self.session._register()
-                return []
-            self._grants.append(h)
         elif msg.verb == "REVOKE":
-            # Grants we did not use in time (spec §4): drop them; their consumers were asked again.
-            # One already on its way in a HANDOFF is refused unknown_grant, and send() re-sends.
-            revoked = {g for g in h.get("grant_ids", []) if isinstance(g, int)}
-            self._revoked.extend(revoked)
-            kept = [g for g in self._grants if g["grant_id"] not in revoked]
-            self._grants.clear()
-            self._grants.extend(kept)
+            # Grants we did not use in time (spec §4): their consumers were asked again. One
+            # already on its way in a HANDOFF is refused unknown_grant, and send() re-sends.
+            self.grants.revoked(h.get("grant_ids"))
         elif msg.verb == "ACCEPTED":
             o = self._out.get(int(h.get("handoff_id", -1)))
             if o is not None:
@@ -329,18 +314,12 @@ class Producer:
                     if o is None:
                         continue
                     o.ticket.error = RemoteError(str(h.get("code")), str(h.get("message")), h)
-                    self._regrant(o.grant)
+                    self.grants.give_back(o.grant)
                     self.credits.answered(o.ready)  # its READY was not applied either
                     out += self._finish(i, "rejected")
                 return out
             log.warning("broker error: %s: %s", h.get("code"), h.get("message"))
         return []
-
-    def _regrant(self, grant: dict[str, Any]) -> None:
-        """A grant the broker did not use goes back to the front of the queue (the next send
-        takes it); one of an earlier registration is void (the broker voided it too)."""
-        if grant.get("epoch") == self.session.epoch and not self.ended and grant["grant_id"] not in self._revoked:
-            self._grants.appendleft(grant)
 
     def _finish(self, handoff_id: int, outcome: str, free_source: bool = True) -> list[Callable[[], None]]:
         o = self._out.pop(handoff_id, None)
@@ -426,10 +405,10 @@ class Producer:
             raise InvalidArgument("a size is an int of bytes >= 0", where="allocate(size=)", value=size)
         return self.device.allocate(n)
 
-    def _take_grant(self, timeout: float | None) -> dict[str, Any]:
+    def _take_grant(self, timeout: float | None) -> Grant:
         """The next grant, waiting for a consumer to ask. ClosedError once this producer ended
         (also when another thread ends it meanwhile)."""
-        grant = self.session.pull(self._grants, "READY", lambda: self.credits.want(len(self._grants)),
+        grant: Grant | None = self.session.pull(self.grants.queue, "READY", lambda: self.credits.want(len(self.grants)),
                                   self.credits.ask, timeout,
                                   f"waiting for a consumer request on channel {self.session.channel!r}",
                                   stop=lambda: self.ended)
@@ -449,7 +428,7 @@ class Producer:
         except TimeoutError:
             return False
         with self.session.lock:
-            self._regrant(grant)  # the next send takes it (unless it became void meanwhile)
+            self.grants.give_back(grant)  # the next send takes it (unless it became void meanwhile)
         return True
 
     def send(self, obj: Any, mode: SyncMode | str | None = None, *, stream: Any = None,
@@ -501,7 +480,7 @@ class Producer:
                     continue  # the registration it came with is gone: take the next one
                 except BaseException:
                     with self.session.lock:
-                        self._regrant(grant)  # unused: the next send takes it
+                        self.grants.give_back(grant)  # unused: the next send takes it
                     raise
                 ticket = self._submit([prepared])[0]
                 if not block:
@@ -564,14 +543,13 @@ class Producer:
                                   value=stream)
         return self.gpu.as_stream(stream)
 
-    def _pairing(self, grant: dict[str, Any], on_gpu: bool) -> tuple[Endpoint, PairModes]:
+    def _pairing(self, grant: Grant, on_gpu: bool) -> tuple[Endpoint, PairModes]:
         """The consumer's endpoint (as its pairing's first GRANT carried it) and the pair's valid
         modes. _VoidGrant when the session registered again since the grant came (a re-HELLO
         voids every grant and forgets the endpoints)."""
-        label = grant["consumer_id"]
         with self.session.lock:
-            consumer = self._consumers.get(label)
-        if consumer is None or grant.get("epoch") != self.session.epoch:
+            consumer = self.grants.consumer(grant)
+        if consumer is None:
             raise _VoidGrant(grant)
         me = self.endpoint_info if on_gpu else host_side(self.endpoint_info)
         return consumer, self._modes.get(me, consumer)
@@ -604,8 +582,8 @@ class Producer:
             while done < len(srcs):
                 grants = [self._take_grant(timeout)]
                 with self.session.lock:
-                    while self._grants and len(grants) < min(len(srcs) - done, MAX_BATCH):
-                        grants.append(self._grants.popleft())
+                    while self.grants.queue and len(grants) < min(len(srcs) - done, MAX_BATCH):
+                        grants.append(self.grants.queue.popleft())
                 batch: list[tuple[_Outgoing, Message]] = []
                 try:
                     for src, g in zip(srcs[done:], grants, strict=False):
@@ -615,7 +593,7 @@ class Producer:
                 finally:  # what was prepared goes out; grants not used stay for the next send (if still valid)
                     with self.session.lock:
                         for g in reversed(grants[len(batch):]):
-                            self._regrant(g)
+                            self.grants.give_back(g)
                     if batch:
                         tickets += self._submit(batch)
                         done += len(batch)
@@ -631,7 +609,7 @@ class Producer:
         READY). If the message cannot be sent, nothing stays registered and each handoff gives
         back what it took, its grant included."""
         with self.session.lock:  # the background pump reads these too
-            want = self.credits.ask_for(len(self._grants))
+            want = self.credits.ask_for(len(self.grants))
             if want > 0:  # ask for the next grants on this message instead of a READY of their own
                 batch[-1][1].header["ready"] = batch[-1][0].ready = want
             for out, _msg in batch:
@@ -650,11 +628,11 @@ class Producer:
                     del self._out[hid]
                     self.device.order_forget(order_key(self.session.client_id, hid, "handoff"))
                     self._undo(out)
-                    self._regrant(out.grant)
+                    self.grants.give_back(out.grant)
                 raise
         return [out.ticket for out, _msg in batch]
 
-    def _prepare(self, src: Source, grant: dict[str, Any], preferred: SyncMode | None,
+    def _prepare(self, src: Source, grant: Grant, preferred: SyncMode | None,
                  on_release: Callable[[Ticket], None] | None, resend: bool,
                  ack: bool) -> tuple[_Outgoing, Message]:
         """One handoff's mode, producer obligation (sync-contract §1) and HANDOFF entry; not yet sent.
@@ -663,11 +641,11 @@ class Producer:
         on_gpu = isinstance(buf.device, CudaDevice)
         consumer, pm = self._pairing(grant, on_gpu)
         hid = next(self._ids)
-        out = _Outgoing(Ticket(hid, SyncMode.PRODUCER_SYNCED, False, pm.transport, grant["consumer_id"],
+        out = _Outgoing(Ticket(hid, SyncMode.PRODUCER_SYNCED, False, pm.transport, grant.consumer_id,
                                obj=src.keep), src, grant, on_release=on_release, resend=resend)
         meta, raw = src.wire
         frames: dict[str, bytes] = {} if raw is None else {"meta": raw}
-        header: dict[str, Any] = {"grant_id": grant["grant_id"], "handoff_id": hid, "meta": meta,
+        header: dict[str, Any] = {"grant_id": grant.grant_id, "handoff_id": hid, "meta": meta,
                                   "staged": False, "inproc": pm.transport is Transport.IN_PROCESS, "ack": ack}
         inproc_obj: dict[str, Any] = {}
         try:
@@ -756,9 +734,7 @@ class Producer:
             if self.ended:
                 return
             self.session.check_open("end()")
-            self.ended = True
-            self._grants.clear()
-            self.credits.reset()
+            self.grants.end()
             self.session.send(Message("END", {}))
 
     def close(self, timeout: float | None = None, *, end: bool = True) -> None:

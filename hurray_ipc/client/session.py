@@ -118,12 +118,16 @@ def check_client_args(role: str, channel: Any, prefetch: Any, low: int, heartbea
 
 
 class Session:
+    """``hello(epoch)``: the role's HELLO fields for registration number ``epoch`` (1, 2, ...;
+    called before each HELLO, the first during construction). ``dispatch(msg)``: a broker
+    message for the role, under the session lock; returns callbacks to run after it."""
+
     def __init__(
         self,
         endpoint: str | None,
         role: str,
         channel: str,
-        hello: Callable[[], dict[str, Any]],
+        hello: Callable[[int], dict[str, Any]],
         dispatch: Callable[[Message], list[Callback]],
         *,
         heartbeat_s: float = 0.5,
@@ -227,7 +231,7 @@ class Session:
         self.epoch = getattr(self, "epoch", 0) + 1
         header = {"protocol": PROTOCOL_VERSION, "role": self.role, "channel": self.channel,
                   "client_id": self.client_id, "pid": os.getpid(), "epoch": self.epoch,
-                  "lease": process_lease().name, **self._hello()}
+                  "lease": process_lease().name, **self._hello(self.epoch)}
         self.send(Message("HELLO", header))
         self._hello_sent = time.monotonic()
 
