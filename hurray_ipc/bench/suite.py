@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..workload import SPAWN, run_into_queue, spawn
+from . import nixl
 from .floor import bench_relay
 from .harness import PACE, WINDOW, latency, run_pair
 
@@ -753,7 +754,7 @@ def bench_nixl(size: int, n: int, memory: str = "shared") -> dict[str, Any]:
     bridge row. "shared": POSIX shared memory on both sides, what the bridges write from and into
     (the like-for-like floor); "private": anonymous memory, which the kernel may back with huge
     pages, as /dev/shm here is not (faster to copy: shown beside it)."""
-    r = _rdma().bench(size, max(3, n), memory=memory)
+    r = nixl.bench(size, max(3, n), memory=memory)
     return {"name": NIXL_FLOORS[memory], "size": size, "MBps": round(r["mb_s_median"])}
 
 
