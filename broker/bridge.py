@@ -1186,7 +1186,10 @@ class BridgeIn:
         while a local consumer has asked (first any that came back, ``bounced``): never waiting for
         one (the loop must go on answering the link). True when a buffer waits for a consumer (an
         ended transfer's CREDIT goes when it is handed on: that is the sender's backpressure)."""
-        while self.bounced or (self.partials and next(iter(self.partials.values())).get("ended")):
+        while True:
+            self._settle()  # a handoff that came back since is older than any partial transfer
+            if not (self.bounced or (self.partials and next(iter(self.partials.values())).get("ended"))):
+                break
             try:
                 if not self.producer.grant_ready(0):
                     return True

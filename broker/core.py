@@ -69,6 +69,7 @@ from .queries import (
     Asker,
     QueryLedger,
     caps_reply,
+    echoable,
     request_id_of,
     stats_snapshot,
 )
@@ -164,7 +165,7 @@ class Stats:
     undeliverable: int = 0     # sends to a peer that had disconnected (EHOSTUNREACH)
     dropped_full: int = 0      # sends refused because the peer's queue was full (EAGAIN)
     limits_refused: int = 0
-    answers_withheld: int = 0  # STATS/CAPS left unanswered: their connection had MAX_UNREAD unread (§6a)
+    answers_withheld: int = 0  # STATS/CAPS left unanswered: 8 unread, or the query table full (§6a)
     grants_revoked: int = 0    # grants taken back from a producer that did not use them (§4.3a)
     consumers_fenced: int = 0  # consumers deregistered holding buffers while they may live (§5)
     # Messages as the core sees them: a binary batch's entries count one each (also a message too
@@ -249,7 +250,8 @@ class BrokerCore:
         # socket and hands it to the broker's own bridges; a client that cannot read it cannot
         # announce a bridge.
         # entropy(n): n random bytes, the core's one source of randomness (tokens, session, route
-        # key, grant ids, tickets); the OS's CSPRNG unless a test makes it reproducible.
+        # key, grant ids, tickets); the OS's CSPRNG unless a test makes it reproducible. ``token``,
+        # ``session`` and ``route_key``, when given, replace what would be drawn from it.
         self._entropy = entropy
         self._hex32: list[str] = []  # tokens drawn 64 at a time (one getrandom call)
         self.route_key = route_key or entropy(32).hex()
@@ -382,7 +384,8 @@ class BrokerCore:
             try:
                 self._dispatch(rid, msg, now)
             except ProtocolError as e:
-                extra = {k: msg.header[k] for k in ("handoff_id", "request_id", "token") if k in msg.header}
+                extra = {k: msg.header[k] for k in ("handoff_id", "request_id", "token")
+                         if k in msg.header and echoable(msg.header[k])}
                 extra.update(e.extra)
                 if "field" in extra and "value" not in extra:
                     shown = _field_value(msg.header, str(extra["field"]))

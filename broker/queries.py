@@ -57,6 +57,7 @@ class Asker:
     unread: deque[tuple[str, int]] = field(default_factory=deque)  # (ticket, bytes), oldest first
     probe_at: float = float("inf")  # when to check that it is still connected (while unread)
     probe_gap: float = PROBE_FIRST_S
+    proved: bool = False  # its latest query named its latest unread answer: it reads, and holds nothing
 
 
 class QueryLedger:
@@ -95,6 +96,7 @@ class QueryLedger:
                     self._idle.popitem(last=False)
                 a = Asker(rid, self.query_bytes, now)
             self._idle[rid] = a  # most recently asked last
+        a.proved = False
         if isinstance(ticket, str) and any(t == ticket for t, _ in a.unread):
             while a.unread:
                 t, n = a.unread.popleft()
@@ -107,6 +109,7 @@ class QueryLedger:
                 self._waiting.pop(rid, None)
                 self._idle[rid] = a
                 a.probe_at = float("inf")
+                a.proved = True
         if len(a.unread) >= MAX_UNREAD:  # before any other check: a refusal is an answer too
             self.stats.answers_withheld += 1
             return None
@@ -125,7 +128,10 @@ class QueryLedger:
         t = self._total
         t[0] = min(self.query_bytes_total, t[0] + max(0.0, now - t[1]) * self.query_bytes_total)
         t[1] = now
-        if self.unread_bytes >= self.unread_bytes_total:
+        # Past the total, a connection that just showed it read everything is still answered, from
+        # a reserve of as much again: peers that stay connected and never read would otherwise
+        # lock every tool out for as long as they stay (they are never forgotten).
+        if self.unread_bytes >= self.unread_bytes_total * (2 if a.proved else 1):
             self.stats.limits_refused += 1
             raise ProtocolError("limit_exceeded", f"the broker holds {self.unread_bytes} bytes of STATS and CAPS "
                                 f"answers that their connections have not read (at most {self.unread_bytes_total}); "
@@ -181,11 +187,19 @@ class QueryLedger:
         return due
 
 
+def echoable(v: Any) -> bool:
+    """Whether an ERROR may echo ``v`` as a ``request_id``, ``token`` or ``handoff_id`` (§2): a
+    string of at most 64 characters or a 64-bit integer. A longer one would let a peer make
+    every refusal as large as its header."""
+    return (isinstance(v, str) and len(v) <= 64) or (type(v) is int and -(1 << 63) <= v < 1 << 63)
+
+
 def request_id_of(msg: Message) -> str | int | None:
-    """The query's ``request_id`` (echoed in its answer): a string, an integer or absent."""
+    """The query's ``request_id`` (echoed in its answer): absent, or what :func:`echoable` allows."""
     request_id = msg.header.get("request_id")
-    if request_id is not None and (not isinstance(request_id, str | int) or isinstance(request_id, bool)):
-        raise ProtocolError("bad_header", "request_id must be a string or an integer", field="request_id")
+    if request_id is not None and not echoable(request_id):
+        raise ProtocolError("bad_header", "request_id must be a string of at most 64 characters or a 64-bit "
+                            "integer", field="request_id")
     return request_id
 
 

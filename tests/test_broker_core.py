@@ -1132,8 +1132,8 @@ def test_an_answer_is_charged_its_header_exactly():
     60 KB request_id echoed in each answer passed the 2 MiB/s budget 40-fold."""
     core = _core()
     _hello(core, b"p", "producer", pid=5)
-    for verb, header in (("STATS", {"request_id": "r" * 60_000}), ("STATS", {"request_id": 7}),
-                         ("CAPS", {"device": endpoint(9), "request_id": "é" * 100}),
+    for verb, header in (("STATS", {"request_id": "r" * 64}), ("STATS", {"request_id": 7}),
+                         ("CAPS", {"device": endpoint(9), "request_id": "é" * 64}),
                          ("CAPS", {"device": endpoint(9), "channel": "ch"}), ("STATS", {"request_id": [1]})):
         before = core.snapshot(1.0)["gauges"]["unread_bytes"]
         outs = [o for o in core.receive(b"q", frames(verb, header), 1.0) if isinstance(o, Send)]
@@ -1142,17 +1142,57 @@ def test_an_answer_is_charged_its_header_exactly():
         ticket = out.msg.header["ticket"]
         core.receive(b"q", frames("STATS", {"ticket": ticket}), 1.0)  # read: the next is charged alone
         core.queries.forget(b"q")
-    big = BrokerCore(host=HOST, timeout_s=TIMEOUT)
-    charges: list[int] = []
-    ticket = None
-    for _ in range(100):  # a reader, naming its tickets: only the byte budget stops it
-        for o in big.receive(b"big", frames("STATS", _ask({"request_id": "r" * 60_000}, ticket)), 1.0):
-            if isinstance(o, Send):
-                ticket = o.msg.header["ticket"]
-                if o.msg.verb == "STATS_REPLY":
-                    charges.append(len(o.msg.encode()[1]))
-    # answered while the 2 MiB burst was not spent: about 35, not the 100 the snapshot's size allowed
-    assert sum(charges[:-1]) < 2 << 20 <= sum(charges), (len(charges), charges[:3])
+
+
+def test_a_refusal_never_grows_with_the_refused_message():
+    """Red team item 4, second form (found in review): every ERROR echoed the refused message's
+    request_id or token whole, so 8 refused queries with a 60 KB request_id held 480 KB for one
+    connection, and a not_registered ERROR echoing a 60 KB token let the high-water mark hold
+    4 GB. A request_id is at most 64 characters (or a 64-bit integer), and an ERROR echoes only
+    such values: every refusal below stays under 1 KB."""
+    core = _core()
+    huge = "x" * 60_000
+    cases = [(b"q1", "STATS", {"request_id": huge}), (b"q2", "CAPS", {"device": endpoint(9), "request_id": huge}),
+             (b"q3", "CAPS", {"device": {**endpoint(9), "pid": huge}, "request_id": 1}),
+             (b"q4", "STATS", {"request_id": 1 << 70}), (b"q5", "PING", {"token": huge, "request_id": huge}),
+             (b"q6", "CAPS", {"device": endpoint(9), "transport": huge})]
+    for rid, verb, header in cases:
+        (out,) = [o for o in core.receive(rid, frames(verb, header), 1.0) if isinstance(o, Send)]
+        size = len(out.msg.encode()[1])
+        assert out.msg.verb == "ERROR" and size < 1024, (verb, size, str(out.msg.header)[:300])
+        assert huge not in json.dumps(out.msg.header)
+    (err,) = _sent(core.receive(b"q7", frames("STATS", {"request_id": huge}), 1.0))
+    assert (err[2]["code"], err[2]["field"], "request_id" in err[2]) == ("bad_header", "request_id", False)
+    assert _stats(core, b"q7", 1.0, err[2]["ticket"])[0][1] == "STATS_REPLY"  # 64 characters: fine
+
+
+def test_a_reader_is_answered_while_peers_that_never_read_hold_the_total():
+    """Found in review: peers that stay connected and never read are never forgotten, so once
+    they held unread_bytes_total every tool was refused for as long as they stayed. A query whose
+    ticket shows that its connection read everything it was sent is answered from a reserve of
+    as much again; a connection that has not shown it is still refused, and nothing passes
+    twice the total."""
+    core = BrokerCore(host=HOST, timeout_s=TIMEOUT, unread_bytes_total=20_000, query_bytes_total=1 << 40)
+    (first,) = _stats(core, b"tool", 0.0)
+    i = 0
+    while core.snapshot(1.0)["gauges"]["unread_bytes"] < 20_000:
+        _stats(core, f"deaf{i}".encode(), 1.0)
+        i += 1
+    (refused,) = _stats(core, b"newcomer", 2.0)
+    assert refused[2]["limit"] == "unread_bytes_total"
+    ticket = first[2]["ticket"]
+    for hour in range(1, 50):  # a tool polling once an hour, for as long as the deaf peers stay
+        (ans,) = _stats(core, b"tool", 2.0 + 3600 * hour, ticket)
+        assert ans[1] == "STATS_REPLY", hour
+        ticket = ans[2]["ticket"]
+    replies = 0  # bytes of STATS_REPLY the reserve let out to peers that read once, then stop
+    for j in range(200):  # they can fill the reserve, one answer each, and no more
+        (a,) = _stats(core, f"more{j}".encode(), 9e5)
+        for _rid, verb, h in _stats(core, f"more{j}".encode(), 9e5, a[2]["ticket"]):
+            replies += len(Message(verb, h).encode()[1]) if verb == "STATS_REPLY" else 0
+    one = len(Message("STATS_REPLY", ans[2]).encode()[1])
+    held = core.snapshot(9e5)["gauges"]["unread_bytes"]
+    assert held >= 2 * 20_000 and 0 < replies < 20_000 + 2 * one, (held, replies)
 
 
 def test_unread_answers_of_all_connections_are_bounded_in_bytes():

@@ -58,10 +58,12 @@ class BrokerQuery:
     def _ask(self, verb: str, fields: dict[str, Any], timeout: float) -> dict[str, Any]:
         request_id = f"q-{next(_REQUEST_IDS)}"
         header = {**fields, "request_id": request_id}
-        if self.ticket is not None:
-            header["ticket"] = self.ticket
         deadline = time.monotonic() + timeout
         silent = NoAnswer(f"no reply from broker at {self.endpoint} within {timeout:g} s")
+        while self._sock.poll(0):  # answers to queries that timed out: read, so name the latest
+            self._read()
+        if self.ticket is not None:
+            header["ticket"] = self.ticket
         try:
             self._sock.send_multipart(Message(verb, header).encode(), flags=zmq.NOBLOCK)
         except zmq.Again:
@@ -70,19 +72,24 @@ class BrokerQuery:
             left = deadline - time.monotonic()
             if left <= 0 or not self._sock.poll(max(1, int(left * 1000))):
                 raise silent
-            try:
-                msg = decode(self._sock.recv_multipart(), allowed=BROKER_VERBS)
-            except ProtocolError:
-                continue  # not something a query understands: wait for the answer
-            if isinstance(msg.header.get("ticket"), str):
-                self.ticket = msg.header["ticket"]
-            if msg.header.get("request_id") != request_id:
+            msg = self._read()
+            if msg is None or msg.header.get("request_id") != request_id:
                 continue
             if msg.verb == "ERROR":
                 raise NoAnswer(f"broker at {self.endpoint} refused {verb}: {msg.header.get('code')}: "
                                f"{msg.header.get('message')}")
             if msg.verb == f"{verb}_REPLY":
                 return msg.header
+
+    def _read(self) -> Message | None:
+        """One message from the broker (None: not one a query understands); its ticket noted."""
+        try:
+            msg = decode(self._sock.recv_multipart(), allowed=BROKER_VERBS)
+        except ProtocolError:
+            return None
+        if isinstance(msg.header.get("ticket"), str):
+            self.ticket = msg.header["ticket"]
+        return msg
 
     def close(self) -> None:
         self._sock.close(0)
