@@ -1322,7 +1322,6 @@ class BridgeIn:
         self.running = True
         try:
             while not stop.is_set():
-                self._settle()
                 now = time.monotonic()
                 if not self.linked and now - self.last_hello > 0.5:
                     self._send("LINK_HELLO", {"protocol": INTERCHANGE_VERSION, "channel": self.channel,

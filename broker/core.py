@@ -310,15 +310,14 @@ class BrokerCore:
         a ticket and counted unread (§6a); returns its header's size in bytes (``size``: that
         size computed by the caller, ticket included), else 0."""
         a = self._asking
-        if a is None or a.rid != rid or msg.verb not in ("CAPS_REPLY", "STATS_REPLY", "ERROR"):
-            self._out.append(Send(rid, msg))
-            self.stats.messages_out += 1
-            return 0
-        ticket = self._entropy(8).hex()
-        msg.header["ticket"] = ticket
-        if size is None:
-            size = len(json_bytes(msg.header))
-        self.queries.stamp(a, ticket, size, self._now)
+        if a is not None and a.rid == rid and msg.verb in ("CAPS_REPLY", "STATS_REPLY", "ERROR"):
+            ticket = self._entropy(8).hex()
+            msg.header["ticket"] = ticket
+            if size is None:
+                size = len(json_bytes(msg.header))
+            self.queries.stamp(a, ticket, size, self._now)
+        else:
+            size = 0
         self._out.append(Send(rid, msg))
         self.stats.messages_out += 1
         return size
