@@ -22,7 +22,7 @@ Layers, each importing only those below it::
     transport/  the IPC wire protocol: messages, sockets, pairing, liveness
     interop/    user objects in and out: CUDA Array Interface, DLPack, buffer protocol, staging
     client/     Producer and Consumer
-    cli/, broker/ (top; broker/ installs as hurray_ipc.broker)
+    cli/, broker/ (top)
 """
 
 from typing import TYPE_CHECKING

@@ -30,12 +30,11 @@ all="$(printf '%s\n' $installed ${script_extras:-} ${HURRAY_EXTRAS:-} $gpu_extra
 if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ] || [ "$all" != "$have" ]; then
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip "setuptools>=77" >/dev/null
     extras="$(printf '%s\n' ${all//,/ } | sed '/^+/d' | paste -sd, -)"
-    # The filter hides setuptools' one informational note on editable installs (a meta path finder
-    # maps broker/ to hurray_ipc.broker); real warnings still show.
+    # The filter hides setuptools' one informational note on editable installs; real warnings show.
     PYTHONWARNINGS="ignore:Editable installation" \
         "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT${extras:+[$extras]}"
     if [[ ",$all," == *",+nixl,"* ]]; then
-        # NIXL for broker/rdma.py and its tests: --no-deps, because nixl-cu12 declares torch (a CUDA
+        # NIXL for hurray_ipc/broker/rdma.py and its tests: --no-deps, because nixl-cu12 declares torch (a CUDA
         # build) that it imports only for typing. Tolerant: without it the RDMA tests skip, naming why.
         "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "nixl-cu12>=1.0" \
             >/dev/null 2>&1 || echo "scripts: nixl-cu12 not installed; the RDMA tests will skip" >&2

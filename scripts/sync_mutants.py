@@ -5,9 +5,8 @@ into a no-op in a copy of the tree; the tests then run against that copy (PYTHON
 workers and the broker import it too). A mutant that no test catches is a hole in the suite: the
 script exits 1.
 
-The copy is checked to be the code under test: the editable install maps ``hurray_ipc.broker`` to
-the original tree's ``broker/``, so the copy gets its own ``hurray_ipc/broker`` (a link to its
-``broker/``), and the script refuses to run when the copy's modules do not import from the copy.
+The copy is checked to be the code under test: the script refuses to run when the copy's modules do
+not import from the copy (an editable install's finder could otherwise win over PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -119,20 +118,20 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                             "                    self.credits.answered(o.ready)",
                             "                    pass  # MUTANT: the refused message's READY still counted",
                             *GIVE_BACK),
-    "refusal-rematch": ("broker/core.py",
+    "refusal-rematch": ("hurray_ipc/broker/core.py",
                         "            self._match(g.channel)\n            raise\n",
                         "            raise  # MUTANT: the returned credit waits for an unrelated REQUEST/READY\n",
                         *GIVE_BACK, "tests/test_broker_core.py"),
     # End of stream (ipc-protocol.md 4.9).
-    "eos-never-ends": ("broker/core.py",
+    "eos-never-ends": ("hurray_ipc/broker/core.py",
                        "        if all(self.clients[p].ended for p in ch.producers):\n",
                        "        if False:  # MUTANT: the stream never ends\n", *END_OF_STREAM),
-    "eos-crash-ends": ("broker/core.py",
+    "eos-crash-ends": ("hurray_ipc/broker/core.py",
                        "            self._producer_gone(list(self.handed_by.get(rid, {}).values()))\n",
                        "            self._producer_gone(list(self.handed_by.get(rid, {}).values()))\n"
                        "            self.on_end(c)  # MUTANT: a producer's death ends the stream\n",
                        *END_OF_STREAM),
-    "eos-end-keeps-grants": ("broker/core.py",
+    "eos-end-keeps-grants": ("hurray_ipc/broker/core.py",
                              "        c.ended = True\n        self._return_grants(c)\n",
                              "        c.ended = True  # MUTANT: the ended producer's grants are not returned\n",
                              *END_OF_STREAM),
@@ -164,7 +163,7 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                               *GPU_READABLE),
     # Broker restart (ipc-protocol.md 6): a claim made before its producer returns binds at once,
     # so the first claimant shuts the real holder out and the producer gets it back while read.
-    "claim-first-binds": ("broker/core.py",
+    "claim-first-binds": ("hurray_ipc/broker/core.py",
                           "            if producer is not None:\n"
                           "                if named is None or named == c.label:\n",
                           "            if True:  # MUTANT: a claim binds before its producer decides\n"
@@ -172,14 +171,14 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                           "tests/test_broker_core.py"),
     # Fairness (ipc-protocol.md 4.3, 4.3a): credits served per credit, not per consumer, so a
     # greedy consumer (4096 credits, never reading) takes every grant while others starve.
-    "credits-fifo": ("broker/core.py",
+    "credits-fifo": ("hurray_ipc/broker/core.py",
                      "            if consumer.credits:\n"
                      "                ch.requests.move_to_end(consumer_rid)\n",
                      "            if consumer.credits:\n"
                      "                pass  # MUTANT: the same consumer stays at the front\n",
                      "tests/test_broker_core.py"),
     # A producer that asks and never sends keeps the only credit: no revocation on contention.
-    "grant-never-revoked": ("broker/core.py",
+    "grant-never-revoked": ("hurray_ipc/broker/core.py",
                             "        self._revoke(oldest)\n"
                             "        return True\n",
                             "        return False  # MUTANT: an idle grant is never taken back\n",
@@ -191,11 +190,11 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                            "tests/test_clients.py"),
     # Fencing (ipc-protocol.md 5): a consumer that may still read is fenced, never "gone", and its
     # producer retires what it may read: the slot, the memory, the event.
-    "fence-as-gone": ("broker/core.py",
+    "fence-as-gone": ("hurray_ipc/broker/core.py",
                       '        self._release(d, "consumer_fenced")\n',
                       '        self._release(d, "consumer_gone")  # MUTANT: a fenced consumer counts as dead\n',
                       *FENCING),
-    "fence-event-released": ("broker/core.py",
+    "fence-event-released": ("hurray_ipc/broker/core.py",
                              "        d.event_pending = False\n        self._release(d, \"consumer_fenced\")\n",
                              "        self._release(d, \"consumer_fenced\")  # MUTANT: EVENT_RELEASED too\n",
                              *FENCING),
@@ -238,9 +237,6 @@ def make_copy(dest: Path) -> None:
         if src.is_file():
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / f)
-    # broker/ installs as hurray_ipc.broker (pyproject package-dir): give the copy the same
-    # layout, or the editable install's finder would import the original tree's broker/.
-    (dest / "hurray_ipc" / "broker").symlink_to("../broker", target_is_directory=True)
 
 
 def check_copy_is_imported(tree: Path) -> None:
@@ -250,7 +246,6 @@ def check_copy_is_imported(tree: Path) -> None:
     code = ("import importlib, sys\n"
             f"for path in {mods!r}:\n"
             "    name = path.removesuffix('.py').replace('/', '.')\n"
-            "    name = 'hurray_ipc.' + name if name.startswith('broker.') else name\n"
             "    print(importlib.import_module(name).__file__)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, check=True, capture_output=True,
                          text=True).stdout.split()

@@ -705,7 +705,7 @@ def _until_logged(path, event: str, n: int, proc, timeout: float = 60.0) -> list
 def test_an_aborting_bridge_costs_its_link_not_the_broker(tmp_path, keys):
     """Red team item 1: one malformed NIXL offer made UCX assert inside the bridge, and the SIGABRT
     took the exporting broker and every local client with it. The broker's bridges now run in
-    processes of their own (broker/supervise.py): a bridge that aborts is logged and started again,
+    processes of their own (hurray_ipc/broker/supervise.py): a bridge that aborts is logged and started again,
     the broker and its local clients carry on, and the channel flows across the restarted link."""
     url = f"tcp://127.0.0.1:{free_port()}"
     a_ep, b_ep = f"ipc://{tmp_path}/ea.sock", f"ipc://{tmp_path}/eb.sock"

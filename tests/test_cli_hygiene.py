@@ -102,7 +102,7 @@ def _metadata(wheel: Path) -> str:
 
 
 def test_wheel_installs_only_hurray_ipc_and_builds_quietly(built_wheel: tuple[Path, str]) -> None:
-    """The broker/ folder ships as hurray_ipc.broker (nothing generic at the top of site-packages),
+    """The broker ships as hurray_ipc.broker (nothing generic at the top of site-packages),
     and building the wheel prints no setuptools deprecation warning (SPDX license string)."""
     wheel, printed = built_wheel
     assert "Deprecat" not in printed, printed

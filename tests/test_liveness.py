@@ -1,4 +1,4 @@
-"""Liveness leases (transport/liveness.py) and the endpoint lock (broker/lock.py).
+"""Liveness leases (transport/liveness.py) and the endpoint lock (hurray_ipc/broker/lock.py).
 
 Every verdict here follows a state the test established first (the child printed its lease, the
 child was reaped, the child is stopped): nothing depends on timing.

@@ -1,4 +1,4 @@
-"""broker/rdma.py: the NIXL (UCX) engine of the bridge's RDMA data plane (interchange.md, "RDMA data
+"""hurray_ipc/broker/rdma.py: the NIXL (UCX) engine of the bridge's RDMA data plane (interchange.md, "RDMA data
 plane (NIXL)"). Two engines in this process, and a receiver in a spawned process (rdma_workers.py)
 that gets its offer to us over a queue, as RDMA_REGISTER would carry it over the link.
 

@@ -1,7 +1,7 @@
 """Raw NIXL WRITE throughput between two processes: the floor under the NIXL bridge rows.
 
 One buffer on each side, registered once; the sender times each WRITE from post to the DONE it
-observes. Runs only where NIXL loads (``nixl-cu12``). Moved here from broker/rdma.py, which holds
+observes. Runs only where NIXL loads (``nixl-cu12``). Moved here from hurray_ipc/broker/rdma.py, which holds
 the engine the bridges use and nothing that only measures it.
 
     python -m hurray_ipc.bench.nixl [SIZE [ROUNDS]]
@@ -9,7 +9,6 @@ the engine the bridges use and nothing that only measures it.
 
 from __future__ import annotations
 
-import importlib
 import multiprocessing as mp
 import os
 import statistics
@@ -24,8 +23,8 @@ __all__ = ["BENCH_MEMORY", "bench"]
 
 
 def _rdma() -> Any:
-    # broker/ installs as hurray_ipc.broker (package-dir), a mapping mypy does not follow.
-    return importlib.import_module("hurray_ipc.broker.rdma")
+    from ..broker import rdma
+    return rdma
 
 
 BENCH_MEMORY = ("private", "shared")
@@ -75,7 +74,7 @@ def bench(size: int = 64 << 20, rounds: int = 7, timeout: float = 60.0, *,
     """Raw NIXL WRITE throughput from this process into a spawned one: ``rounds`` writes of ``size``
     bytes, each timed from post to DONE observed by the sender. Returns the median and every round
     in MB/s (10^6 bytes per second), and whether the last write arrived intact (sampled checksum).
-    ``progress_thread``: NIXL's (see broker/rdma.py's ``RdmaEngine``); off by default, as in the bridges.
+    ``progress_thread``: NIXL's (see hurray_ipc/broker/rdma.py's ``RdmaEngine``); off by default, as in the bridges.
     ``memory``: of the source and the destination, one of BENCH_MEMORY (see _bench_memory)."""
     if memory not in BENCH_MEMORY:
         raise ValueError(f"memory must be one of {BENCH_MEMORY}, got {memory!r}")

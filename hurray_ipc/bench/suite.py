@@ -10,7 +10,6 @@ are taken between rows of the same round (side by side), then their median.
 
 from __future__ import annotations
 
-import importlib
 import os
 import platform
 import random
@@ -738,8 +737,8 @@ def _bridge_source(endpoint: str, channel: str, n: int, size: int) -> dict[str, 
 
 
 def _rdma() -> Any:
-    # broker/ installs as hurray_ipc.broker (package-dir), a mapping mypy does not follow.
-    return importlib.import_module("hurray_ipc.broker.rdma")
+    from ..broker import rdma
+    return rdma
 
 
 def _nixl_usable() -> bool:

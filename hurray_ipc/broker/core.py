@@ -5,7 +5,7 @@ time (:meth:`BrokerCore.tick`), a send that could not be delivered (:meth:`Broke
 — and returns what to do: messages to send (:class:`Send`) and effects (:class:`CleanSegments`).
 It never touches a socket, a clock, a pid or a file; the caller passes ``now`` and, for same-host
 clients, a liveness verdict. So every interleaving can be driven from a test, including by
-hypothesis' stateful testing (tests/test_broker_core.py), and ``broker/server.py`` is a thin loop.
+hypothesis' stateful testing (tests/test_broker_core.py), and ``hurray_ipc/broker/server.py`` is a thin loop.
 
 Invariants (:meth:`BrokerCore.check_invariants`, asserted after every step of the stateful test):
 
@@ -175,7 +175,7 @@ class Stats:
     messages_out: int = 0
     wire_in: int = 0
     wire_out: int = 0
-    # The loop's stale-segment sweeps (broker/server.py, note_sweep): this uid's hurray segments and
+    # The loop's stale-segment sweeps (hurray_ipc/broker/server.py, note_sweep): this uid's hurray segments and
     # leases seen at the last sweep, and how many sweeps removed in all.
     sweeps: int = 0
     segments: int = 0

@@ -1411,7 +1411,7 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--log-file", metavar="PATH", help="append the log to PATH instead of stderr")
         s.add_argument("--log-format", choices=FORMATS, default="json")
         s.add_argument("--log-level", choices=LOG_LEVELS, default="info")
-        # The broker that runs this bridge (broker/supervise.py): leave when it is gone.
+        # The broker that runs this bridge (hurray_ipc/broker/supervise.py): leave when it is gone.
         s.add_argument("--parent", type=int, default=None, help=argparse.SUPPRESS)
     o, i = sub.choices["out"], sub.choices["in"]
     o.add_argument("--listen", required=True)

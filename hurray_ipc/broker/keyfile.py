@@ -1,6 +1,6 @@
 """Secrets the broker hands to its own user through owner-only files beside its socket.
 
-Two: the metrics bearer token (``<socket>.metrics-token``, broker/metrics.py) and the route key
+Two: the metrics bearer token (``<socket>.metrics-token``, hurray_ipc/broker/metrics.py) and the route key
 (``<socket>.route-key``): only a client that can read the key may announce a bridge route (ROUTE,
 ipc-protocol.md §2.4), so clients of a ``--group`` broker cannot put a made-up bridge into CAPS
 answers. Who can read the file is who the operating system says: the broker's uid (and its group

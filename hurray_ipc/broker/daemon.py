@@ -6,7 +6,7 @@ session, stdin and stdout on /dev/null, its log appended to ``PATH.log`` beside 
 A broker that already answers on the endpoint is not an error: the same line says so, exit 0, so a
 README or a script may always run it. A child that exits before it answers: its last log line, exit 1.
 
---stop signals the broker that holds the endpoint's lock file (``broker/lock.py``: the pid written
+--stop signals the broker that holds the endpoint's lock file (``hurray_ipc/broker/lock.py``: the pid written
 there, believed only while that process holds the file open, and only a process of this user) with
 SIGTERM, the clean shutdown that tells every client, and waits until it exited.
 

@@ -3,7 +3,7 @@
 One thread, one ZeroMQ ROUTER socket. Everything the broker decides is in the core (pure, tested
 over every interleaving); this loop only receives frames, passes them in with the time, sends what
 comes out, judges same-host clients' liveness by their lease (transport/liveness.py), and runs the
-effects (stale-segment sweeps). See broker/DESIGN.md.
+effects (stale-segment sweeps). See hurray_ipc/broker/DESIGN.md.
 
 Socket policy (docs/spec/ipc-protocol.md §1, §5):
 - ROUTER_MANDATORY: a message for a disconnected peer raises instead of vanishing; the core counts
@@ -12,7 +12,7 @@ Socket policy (docs/spec/ipc-protocol.md §1, §5):
 - No ROUTER_HANDOVER: a second connection cannot take over a connected client's routing id.
 - MAXMSGSIZE: a frame over 4 MiB drops its connection unread (no answer); up to that size an
   oversized header is refused with bad_header as the spec says.
-- ``ipc://`` endpoints: one broker per socket file (``broker/lock.py``); the socket directory must
+- ``ipc://`` endpoints: one broker per socket file (``hurray_ipc/broker/lock.py``); the socket directory must
   not be writable by other users.
 """
 
@@ -60,7 +60,7 @@ class Broker:
                                started=time.monotonic(), pid=os.getpid(), stats_cache_s=STATS_CACHE_S,
                                fence_s=fence_s)
         # publish_every_s: how often the loop publishes core.snapshot() as ``published`` for
-        # readers in other threads (the metrics endpoint, broker/metrics.py); None: never.
+        # readers in other threads (the metrics endpoint, hurray_ipc/broker/metrics.py); None: never.
         self.publish_every_s = publish_every_s
         self.published: dict[str, Any] | None = None
         self._last_publish = 0.0

@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hurray-broker: {e}", file=sys.stderr)
         b.shutdown("bad bridge options")
         return 2
-    # Each bridge in a process of its own (broker/supervise.py): a native abort in its NIXL
+    # Each bridge in a process of its own (hurray_ipc/broker/supervise.py): a native abort in its NIXL
     # engine costs that link, not this broker and every client's connection.
     supervisor = Supervisor(bridges, {"HURRAY_ROUTE_KEY": b.core.route_key}) if bridges else None
     try:
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _bridges(a: argparse.Namespace, endpoint: str) -> list[Child]:
-    """The bridge processes asked for, each a client of this broker (see broker/bridge.py), with
+    """The bridge processes asked for, each a client of this broker (see hurray_ipc/broker/bridge.py), with
     their options checked here first: a mistake is this command's exit status 2, not a child's."""
     if not (a.export or a.imports):
         return []
