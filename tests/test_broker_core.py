@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import struct
 from typing import Any
@@ -385,6 +386,18 @@ def _handoff(core: BrokerCore, gid: int, now: float = 0.0, *, hid: int = 1, hand
     """Producer ``p`` hands off on grant ``gid``: a CPU buffer (or ``handle``) at offset 0."""
     header = {"grant_id": gid, "handoff_id": hid, "offset": 0, **extra}
     return core.receive(b"p", frames("HANDOFF", header, handle or cpu_handle(), *blobs), now)
+
+
+def test_core_events_go_to_the_note_it_was_given_not_to_a_logger(caplog):
+    """The core formats no log line: what it has to say reaches ``note`` as (level, fields)."""
+    noted: list[tuple[int, dict]] = []
+    core = BrokerCore(host=HOST, timeout_s=TIMEOUT, note=lambda level, fields: noted.append((level, fields)))
+    with caplog.at_level(logging.DEBUG, logger="hurray.broker"):
+        _hello(core, b"c", "consumer")
+        core.receive(b"c", frames("NOPE", {}), 0.0)
+    assert [(lv, f["event"]) for lv, f in noted] == [(logging.INFO, "hello"), (logging.WARNING, "error")], noted
+    assert noted[0][1]["role"] == "consumer" and noted[1][1]["code"] == "unknown_verb"
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
 
 
 def test_deeply_nested_json_is_refused_not_fatal():

@@ -35,7 +35,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import itertools
-import json
 import logging
 import os
 from collections import OrderedDict, deque
@@ -61,6 +60,7 @@ from hurray_ipc.transport.protocol import (
 )
 from hurray_ipc.transport.route import Route
 
+from .logfmt import Note, log_event
 from .queries import (
     QUERY_BYTES,
     QUERY_BYTES_TOTAL,
@@ -244,8 +244,11 @@ class BrokerCore:
                  stats_cache_s: float = 0.0, query_bytes: int = QUERY_BYTES,
                  query_bytes_total: int = QUERY_BYTES_TOTAL, fence_s: float | None = None,
                  route_key: str | None = None, unread_bytes_total: int = UNREAD_BYTES_TOTAL,
-                 entropy: Callable[[int], bytes] = os.urandom):
+                 entropy: Callable[[int], bytes] = os.urandom, note: Note | None = None):
         self.host = host
+        # note(level, fields): where the core's events go ({"event": name, ...}); the loop's
+        # logger as one JSON object per record (logfmt) unless a test collects them.
+        self._note: Note = note or log_event
         # What a ROUTE must carry (§2.4): the server writes it to an owner-only file beside the
         # socket and hands it to the broker's own bridges; a client that cannot read it cannot
         # announce a bridge.
@@ -340,9 +343,9 @@ class BrokerCore:
             # not_registered is how a restarted broker has its clients say HELLO again (spec §6):
             # routine after a restart, so info; every other refusal is an anomaly, a warning.
             level = logging.INFO if code == "not_registered" else logging.WARNING
-            log.log(level, json.dumps({"event": "error", "client": rid.decode(errors="replace")[:32], "code": code,
-                                    "message": message[:500], "count_of_code": n,
-                                    **{k: str(v)[:64] for k, v in extra.items()}}))
+            self._note(level, {"event": "error", "client": rid.decode(errors="replace")[:32], "code": code,
+                               "message": message[:500], "count_of_code": n,
+                               **{k: str(v)[:64] for k, v in extra.items()}})
         self._send(rid, error(code, message, **extra))
 
     @staticmethod
@@ -410,7 +413,7 @@ class BrokerCore:
             if client.unresponsive:
                 client.unresponsive = False
                 self.stats.unresponsive -= 1
-                log.info(json.dumps({"event": "client_responsive", "client": rid.decode(errors="replace")}))
+                self._note(logging.INFO, {"event": "client_responsive", "client": rid.decode(errors="replace")})
         if msg.verb == "HELLO":
             self.on_hello(rid, msg, now)
         elif msg.verb in ("CAPS", "STATS"):
@@ -479,9 +482,9 @@ class BrokerCore:
                     if not c.unresponsive:
                         c.unresponsive = True
                         self.stats.unresponsive += 1
-                        log.warning(json.dumps({"event": "client_unresponsive", "client": rid.decode(errors="replace"),
-                                                "role": c.role, "held": c.held,
-                                                "silent_s": round(now - c.last_seen, 3)}))
+                        self._note(logging.WARNING, {"event": "client_unresponsive",
+                                                     "client": rid.decode(errors="replace"), "role": c.role,
+                                                     "held": c.held, "silent_s": round(now - c.last_seen, 3)})
                 else:
                     self._drop(rid, "heartbeat timeout")
         # Grants not used within timeout_s are revoked (§4): their consumers' credits go back to
@@ -546,9 +549,9 @@ class BrokerCore:
         if n & (n - 1) == 0 or n % 1000 == 0:  # 1, 2, 4, ... then every 1000th: a flood must not flood the log
             # A reply to a client that already left (a PONG crossing its BYE) is expected, not an anomaly.
             level = logging.WARNING if rid in self.clients else logging.INFO
-            log.log(level, json.dumps({"event": "send_failed", "why": why, "client": rid.decode(errors="replace")[:32],
-                                       "verb": msg.verb, "undeliverable": self.stats.undeliverable,
-                                       "dropped_full": self.stats.dropped_full}))
+            self._note(level, {"event": "send_failed", "why": why, "client": rid.decode(errors="replace")[:32],
+                               "verb": msg.verb, "undeliverable": self.stats.undeliverable,
+                               "dropped_full": self.stats.dropped_full})
         return self._take()
 
     def client_gone(self, rid: bytes, why: str) -> list[Out]:
@@ -629,8 +632,8 @@ class BrokerCore:
                                             "heartbeat_ms": int(self.heartbeat_s * 1000),
                                             "timeout_ms": int(self.timeout_s * 1000),
                                             "fence_ms": int(self.fence_s * 1000)}))
-        log.info(json.dumps({"event": "hello", "client": rid.decode(errors="replace"), "role": role,
-                             "channel": channel, "device": endpoint.identity.spec, "pid": endpoint.pid}))
+        self._note(logging.INFO, {"event": "hello", "client": rid.decode(errors="replace"), "role": role,
+                                  "channel": channel, "device": endpoint.identity.spec, "pid": endpoint.pid})
         if role == "producer":
             if not ended:
                 self._set_stream(channel, False)  # a producer that registers reopens the channel
@@ -896,7 +899,7 @@ class BrokerCore:
         c.ended = True
         self._return_grants(c)
         c.credits = 0
-        log.info(json.dumps({"event": "end", "client": c.rid_text[:32], "channel": c.channel}))
+        self._note(logging.INFO, {"event": "end", "client": c.rid_text[:32], "channel": c.channel})
         ch = self._channel(c.channel)
         if all(self.clients[p].ended for p in ch.producers):
             self._set_stream(c.channel, True)
@@ -914,7 +917,7 @@ class BrokerCore:
         if ended == ch.ended:
             return
         ch.ended = ended
-        log.info(json.dumps({"event": "channel_ended" if ended else "channel_reopened", "channel": name}))
+        self._note(logging.INFO, {"event": "channel_ended" if ended else "channel_reopened", "channel": name})
         for c in self.clients.values():
             if c.role == "consumer" and c.channel == name and c.rid != told:
                 self._send(c.rid, Message("CHANNEL_STATE", {"ended": ended}))
@@ -1055,8 +1058,8 @@ class BrokerCore:
                 try:
                     self._add_requests(c, credits)
                 except ProtocolError as limit:
-                    log.warning(json.dumps({"event": "credits_refused", "client": c.rid_text[:32],
-                                            "why": str(limit)[:200]}))
+                    self._note(logging.WARNING, {"event": "credits_refused", "client": c.rid_text[:32],
+                                                 "why": str(limit)[:200]})
             raise
         if credits:
             try:
@@ -1204,8 +1207,8 @@ class BrokerCore:
         c = self.clients.get(rid)
         if c is None:
             return
-        log.info(json.dumps({"event": "client_gone", "client": rid.decode(errors="replace"), "role": c.role,
-                             "why": why, "pid": c.endpoint.pid}))
+        self._note(logging.INFO, {"event": "client_gone", "client": rid.decode(errors="replace"), "role": c.role,
+                                  "why": why, "pid": c.endpoint.pid})
         self._forget(c)
         if c.role == "consumer":
             self.stats.consumers_lost += why != "bye"

@@ -56,15 +56,11 @@ class Broker:
                  ctx: zmq.Context | None = None, publish_every_s: float | None = None,
                  fence_s: float | None = None):
         self.endpoint = endpoint
-        self.core = BrokerCore(host=host_id(), timeout_s=timeout_s, heartbeat_s=heartbeat_s,
-                               started=time.monotonic(), pid=os.getpid(), stats_cache_s=STATS_CACHE_S,
-                               fence_s=fence_s)
         # publish_every_s: how often the loop publishes core.snapshot() as ``published`` for
         # readers in other threads (the metrics endpoint, hurray_ipc/broker/metrics.py); None: never.
         self.publish_every_s = publish_every_s
         self.published: dict[str, Any] | None = None
         self._last_publish = 0.0
-        self.session = self.core.session
         self.ctx = ctx or zmq.Context.instance()
         self._lock: EndpointLock | None = None
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -78,13 +74,17 @@ class Broker:
         try:
             self._bind(group)
             key_file = route_key_path(self.endpoint)
-            if key_file is not None:  # owner-only even with --group: group members may not ROUTE
-                self.core.route_key = kept_token(key_file)
+            # owner-only even with --group: group members may not ROUTE; written once the lock is held
+            route_key = kept_token(key_file) if key_file is not None else None
         except BaseException:
             self.sock.close(linger=0)
             if self._lock is not None:
                 self._lock.release()
             raise
+        self.core = BrokerCore(host=host_id(), timeout_s=timeout_s, heartbeat_s=heartbeat_s,
+                               started=time.monotonic(), pid=os.getpid(), stats_cache_s=STATS_CACHE_S,
+                               fence_s=fence_s, route_key=route_key)
+        self.session = self.core.session
         self.running = False
         self._last_tick = 0.0
         self._last_clean = 0.0
