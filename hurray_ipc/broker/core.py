@@ -59,6 +59,7 @@ from hurray_ipc.transport.protocol import (
     json_bytes,
 )
 from hurray_ipc.transport.route import Route
+from hurray_ipc.wire.fields import shown
 
 from .logfmt import Note, log_event
 from .queries import (
@@ -195,27 +196,6 @@ class CleanSegments:
 
 Out = Send | CleanSegments
 Alive = Callable[[Client], "bool | None"]  # True alive, False dead, None: cannot tell
-
-
-_JSON_TYPE = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
-
-
-def _field_value(header: dict[str, Any], path: str) -> Any:
-    """The value an ERROR shows for a field at fault (spec §2): the refused message's own value at
-    the dotted ``path``, a number or a string of at most 64 characters, or the JSON type name of
-    an object or array; None when the message has no such field."""
-    v: Any = header
-    for part in path.split("."):
-        if not isinstance(v, dict) or part not in v:
-            return None
-        v = v[part]
-    if isinstance(v, bool) or v is None:
-        return _JSON_TYPE[type(v)]
-    if isinstance(v, int | float):
-        return v
-    if isinstance(v, str):
-        return v[:64]
-    return _JSON_TYPE.get(type(v), type(v).__name__)
 
 
 def _outstanding(raw: Any) -> dict[int, str | None]:
@@ -389,10 +369,8 @@ class BrokerCore:
                 extra = {k: msg.header[k] for k in ("handoff_id", "request_id", "token")
                          if k in msg.header and echoable(msg.header[k])}
                 extra.update(e.extra)
-                if "field" in extra and "value" not in extra:
-                    shown = _field_value(msg.header, str(extra["field"]))
-                    if shown is not None:
-                        extra["value"] = shown
+                if "field" in extra and "value" not in extra:  # null: the message has no such field
+                    extra["value"] = shown(msg.header, str(extra["field"]))
                 self._error(rid, e.code, str(e), ref=ref, **extra)
             except Exception as e:  # noqa: BLE001 - a bug must cost one message, never the broker
                 log.exception("internal error handling a message")
@@ -1102,7 +1080,7 @@ class BrokerCore:
         if not isinstance(key, str) or not hmac.compare_digest(key.encode(), self.route_key.encode()):
             raise ProtocolError("not_authorized", "a ROUTE must carry the broker's route key ('key': the content "
                                 "of the owner-only file <socket>.route-key): only the broker's user may announce "
-                                "a bridge", field="key", value=_field_value(msg.header, "key"))
+                                "a bridge", field="key", value=shown(msg.header, "key"))
         if "route" not in msg.header:
             raise ProtocolError("bad_header", "ROUTE header lacks 'route' (an object, or null to withdraw)",
                                 field="route")

@@ -13,6 +13,7 @@ from typing import Any
 from ..contract.sync import EndpointCapabilities, Transport, explain_sync_modes
 from ..devices.base import DeviceCapabilities, DeviceIdentity
 from ..format.handle import DeviceTag, SyncMode
+from ..wire.fields import FieldError, check, obj, take
 
 
 @dataclass(frozen=True)
@@ -40,58 +41,34 @@ class Endpoint:
     def from_dict(cls, d: Any) -> Endpoint:
         """Parse the wire form strictly (docs/spec/ipc-protocol.md §3): ValueError naming the
         field and its value for anything of the wrong type or out of range; nothing is coerced."""
-        obj = _obj(d, "endpoint")
-        dev = _obj(obj.get("device"), "endpoint.device")
-        caps = _obj(obj.get("caps"), "endpoint.caps")
-        kind = _get(dev, "endpoint.device.kind", str)
+        o = obj(d, "endpoint")
+        dev = obj(o.get("device"), "endpoint.device")
+        caps = obj(o.get("caps"), "endpoint.caps")
+        kind = take(dev, "endpoint.device.kind", str, max_len=_MAX_STR)
         if kind not in ("cpu", "cuda"):
-            raise ValueError(f"endpoint.device.kind must be 'cpu' or 'cuda', got {kind[:32]!r}")
-        uuid = _get(dev, "endpoint.device.uuid", (str, type(None)), "")
-        ident = DeviceIdentity(kind, _get(dev, "endpoint.device.ordinal", int, lo=0, hi=1023),
-                               uuid or "", _get(dev, "endpoint.device.pci_bus_id", str, ""),
-                               _get(dev, "endpoint.device.emulated", bool, False),
-                               _get(dev, "endpoint.device.host", str, ""))
-        peers = _get(caps, "endpoint.caps.peers", list, [])
-        if len(peers) > 64 or not all(isinstance(p, str) and len(p) <= _MAX_STR for p in peers):
-            raise ValueError("endpoint.caps.peers must be a list of at most 64 strings")
-        why_not = _get(caps, "endpoint.caps.why_not", (dict, type(None)), None) or {}
-        if len(why_not) > 16 or not all(isinstance(v, str) and len(v) <= 1024 for v in why_not.values()):
-            raise ValueError("endpoint.caps.why_not must map at most 16 capabilities to strings")
-        cap = DeviceCapabilities(_get(caps, "endpoint.caps.ipc_memory", bool),
-                                 _get(caps, "endpoint.caps.ipc_events", bool),
-                                 _get(caps, "endpoint.caps.ipc_streams", bool, False), tuple(peers),
+            raise FieldError("endpoint.device.kind", f"must be 'cpu' or 'cuda', got {kind[:32]!r}", kind)
+        uuid = take(dev, "endpoint.device.uuid", (str, type(None)), "", max_len=_MAX_STR)
+        ident = DeviceIdentity(kind, take(dev, "endpoint.device.ordinal", int, lo=0, hi=1023),
+                               uuid or "", take(dev, "endpoint.device.pci_bus_id", str, "", max_len=_MAX_STR),
+                               take(dev, "endpoint.device.emulated", bool, False),
+                               take(dev, "endpoint.device.host", str, "", max_len=_MAX_STR))
+        peers = take(caps, "endpoint.caps.peers", list, [], max_len=64)
+        for i, p in enumerate(peers):
+            check(p, f"endpoint.caps.peers.{i}", str, max_len=_MAX_STR)
+        why_not = take(caps, "endpoint.caps.why_not", (dict, type(None)), None) or {}
+        if len(why_not) > 16:
+            raise FieldError("endpoint.caps.why_not", f"must map at most 16 capabilities, got {len(why_not)}")
+        for k, v in why_not.items():
+            check(v, f"endpoint.caps.why_not.{k[:32]}", str, max_len=1024)
+        cap = DeviceCapabilities(take(caps, "endpoint.caps.ipc_memory", bool),
+                                 take(caps, "endpoint.caps.ipc_events", bool),
+                                 take(caps, "endpoint.caps.ipc_streams", bool, False), tuple(peers),
                                  tuple((str(k), v) for k, v in why_not.items()))
-        return cls(ident, cap, _get(obj, "endpoint.pid", int, lo=1, hi=2**31 - 1),
-                   _get(obj, "endpoint.stream", (int, type(None)), None, lo=0, hi=2**64 - 1))
+        return cls(ident, cap, take(o, "endpoint.pid", int, lo=1, hi=2**31 - 1),
+                   take(o, "endpoint.stream", (int, type(None)), None, lo=0, hi=2**64 - 1))
 
 
 _MAX_STR = 256
-_MISSING: Any = object()
-
-
-def _obj(d: Any, path: str) -> dict[str, Any]:
-    if not isinstance(d, dict):
-        raise ValueError(f"{path} must be an object, got {type(d).__name__}")
-    return d
-
-
-def _get(d: dict[str, Any], path: str, kinds: type | tuple[type, ...], default: Any = _MISSING, *,
-         lo: int | None = None, hi: int | None = None) -> Any:
-    """``d[name]`` (the last part of ``path``) of one of ``kinds``, strictly: JSON true is no int."""
-    name = path.rsplit(".", 1)[-1]
-    if name not in d:
-        if default is _MISSING:
-            raise ValueError(f"{path} is missing")
-        return default
-    v = d[name]
-    kinds_t = kinds if isinstance(kinds, tuple) else (kinds,)
-    if (isinstance(v, bool) and bool not in kinds_t) or not isinstance(v, kinds_t):
-        raise ValueError(f"{path} must be {' or '.join(k.__name__ for k in kinds_t)}, got {str(v)[:32]!r}")
-    if isinstance(v, str) and len(v) > _MAX_STR:
-        raise ValueError(f"{path} must be at most {_MAX_STR} characters, got {len(v)}")
-    if isinstance(v, int) and not isinstance(v, bool) and ((lo is not None and v < lo) or (hi is not None and v > hi)):
-        raise ValueError(f"{path} must be in {lo}..{hi}, got {v}")
-    return v
 
 
 def host_side(ep: Endpoint) -> Endpoint:

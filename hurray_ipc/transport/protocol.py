@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import HurrayError
+from ..wire.fields import FieldError, check
 
 PROTOCOL_VERSION = 2
 MAX_HEADER_BYTES = 64 * 1024
@@ -630,19 +631,17 @@ def check_meta(meta: Any, size: int) -> None:
 
 
 def field_of(msg: Message, name: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:
-    """A typed header field, or ProtocolError('bad_header') naming it."""
-    if name not in msg.header or msg.header[name] is None:
+    """Header field ``name``, checked strictly (``wire.fields.check``); a null field counts as
+    absent. ProtocolError('bad_header') naming the field otherwise."""
+    v = msg.header.get(name)
+    if v is None:
         if optional:
             return None
-        raise ProtocolError("bad_header", f"{msg.verb} header lacks '{name}'")
-    v = msg.header[name]
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if isinstance(v, bool) and bool not in kinds:  # JSON true is no int here, though Python says so
-        raise ProtocolError("bad_header", f"{msg.verb} '{name}' must be {kind}, got a boolean")
-    if not isinstance(v, kind):
-        raise ProtocolError("bad_header", f"{msg.verb} '{name}' must be {getattr(kind, '__name__', kind)}, "
-                            f"got {type(v).__name__}", field=name)
-    return v
+        raise ProtocolError("bad_header", f"{msg.verb} header lacks '{name}'", field=name)
+    try:
+        return check(v, name, kind)
+    except FieldError as e:
+        raise ProtocolError("bad_header", f"{msg.verb} header: {e}", field=name) from None
 
 
 def error(code: str, message: str, **extra: Any) -> Message:

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from ..wire.fields import ABSENT, FieldError, check, obj, one_of
 from .protocol import ProtocolError
 
 DIRECTIONS = {"export": "consumer", "import": "producer"}  # direction -> the role that may announce it
@@ -39,20 +40,12 @@ class Link:
 
     @classmethod
     def parse(cls, d: Any, where: str) -> Link:
-        if not isinstance(d, dict):
-            _bad(where, d, "must be an object")
-        peer = d.get("peer")
-        if not isinstance(peer, str) or not 1 <= len(peer) <= MAX_PEER_CHARS:
-            _bad(f"{where}.peer", peer, f"must be a string of 1-{MAX_PEER_CHARS} characters")
-        plane = d.get("data_plane")
-        if plane not in DATA_PLANES:
-            _bad(f"{where}.data_plane", plane, f"must be one of {list(DATA_PLANES)}")
-        gpu = d.get("gpu")
-        if gpu is not None and gpu not in GPU_PATHS:
-            _bad(f"{where}.gpu", gpu, f"must be null or one of {list(GPU_PATHS)}")
-        window = d.get("window")
-        if window is not None and (type(window) is not int or not 1 <= window <= MAX_WINDOW):
-            _bad(f"{where}.window", window, f"must be null or an integer 1-{MAX_WINDOW}")
+        """One entry of ``route.links`` at path ``where``; FieldError naming the field otherwise."""
+        d = obj(d, where)
+        peer = check(d.get("peer"), f"{where}.peer", str, min_len=1, max_len=MAX_PEER_CHARS)
+        plane = one_of(d.get("data_plane"), f"{where}.data_plane", DATA_PLANES)
+        gpu = one_of(d.get("gpu"), f"{where}.gpu", (None, *GPU_PATHS))
+        window = check(d.get("window"), f"{where}.window", (int, type(None)), lo=1, hi=MAX_WINDOW)
         return cls(peer, plane, gpu, window)
 
 
@@ -72,18 +65,16 @@ class Route:
     def parse(cls, d: Any, role: str) -> Route:
         """The ROUTE header's ``route`` object, checked for a client of ``role``; ProtocolError
         ``bad_header`` naming the field (``route.links.3.data_plane``) and its value otherwise."""
-        if not isinstance(d, dict):
-            _bad("route", d, "must be an object or null")
-        direction = d.get("direction")
-        if direction not in DIRECTIONS:
-            _bad("route.direction", direction, f"must be one of {list(DIRECTIONS)}")
-        if DIRECTIONS[direction] != role:
-            _bad("route.direction", direction, f"a {role} cannot announce an {direction} route "
-                 f"(only a {DIRECTIONS[direction]} can)")
-        links = d.get("links")
-        if not isinstance(links, list) or len(links) > MAX_LINKS:
-            _bad("route.links", links, f"must be a list of at most {MAX_LINKS} links")
-        return cls(direction, tuple(Link.parse(x, f"route.links.{i}") for i, x in enumerate(links)))
+        try:
+            d = obj(d, "route")
+            direction = one_of(d.get("direction"), "route.direction", tuple(DIRECTIONS))
+            if DIRECTIONS[direction] != role:
+                raise FieldError("route.direction", f"a {role} cannot announce an {direction} route "
+                                 f"(only a {DIRECTIONS[direction]} can)", direction)
+            links = check(d.get("links"), "route.links", list, max_len=MAX_LINKS)
+            return cls(direction, tuple(Link.parse(x, f"route.links.{i}") for i, x in enumerate(links)))
+        except FieldError as e:
+            _bad(e.path, None if e.value is ABSENT else e.value, e.why)
 
 
 def _bad(where: str, value: Any, why: str) -> NoReturn:

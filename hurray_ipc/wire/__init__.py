@@ -1,0 +1,1 @@
+"""What travels: the fields of received messages checked once, strictly (``fields``)."""
