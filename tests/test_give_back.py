@@ -106,9 +106,9 @@ def nothing_taken(p: Producer, c: Proc, received: int, before: set[str]) -> None
     p.flush(10)
     assert p.staging.in_use == 0, "a staging slot was not given back"
     if p.events is not None:
-        assert len(p.events._idle) == p.events.size, "a pooled event was not given back"
+        assert p.events.idle == p.events.size, "a pooled event was not given back"
     assert not inproc._refs, "an in-process reference was not dropped"
-    pooled = {p.cpu.segment_of(slot)[0].name.lstrip("/") for slot in p.staging._all}  # kept for reuse
+    pooled = {p.cpu.segment_of(slot)[0].name.lstrip("/") for slot in p.staging.slots()}  # kept for reuse
     left = segments() - before - pooled
     assert not left, f"shared-memory copies left behind: {left}"
 
@@ -238,7 +238,7 @@ def test_event_export_failure_gives_the_event_and_the_grant_back(broker, monkeyp
         fail_once(monkeypatch, CudaEvent, "export", DeviceError("cudaIpcGetEventHandle", "injected"))
         with pytest.raises(DeviceError, match="injected"):
             p.send(buf, "EVENT", timeout=5)
-        assert len(p.events._idle) == p.events.size  # type: ignore[union-attr]
+        assert p.events.idle == p.events.size  # type: ignore[union-attr]
         send_good(p, 0, 2)
         nothing_taken(p, c, 2, before)
 

@@ -16,7 +16,6 @@ import itertools
 import logging
 import operator
 import os
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -27,6 +26,7 @@ from ..devices import Device, open_device
 from ..devices.base import Buffer, order_key
 from ..devices.cpu import CpuDevice
 from ..devices.cuda import CudaDevice, CudaEvent, CudaStream
+from ..devices.pool import Pool
 from ..errors import ClosedError, InvalidArgument
 from ..format.handle import BufferHandle, DeviceTag, SyncMode
 from ..interop.source import Source, check_user_meta, resolve
@@ -98,49 +98,39 @@ class EventPool:
     def __init__(self, device: CudaDevice, pooled: bool = False):
         self.device = device
         self.pooled = pooled
-        self.created = 0  # interprocess events created so far
-        self._idle: list[CudaEvent] = []
-        self._all: list[CudaEvent] = []
-        self._local: list[CudaEvent] = []  # every in-process event (all pooled)
-        self._local_idle: list[CudaEvent] = []
-        self._lock = threading.Lock()
+
+        def pool(interprocess: bool, keep: int | None) -> Pool[None, CudaEvent]:
+            return Pool(lambda _: device.create_event(interprocess=interprocess), CudaEvent.close,
+                        lambda _: None, keep=keep, what="events")
+
+        self._ipc = pool(True, None if pooled else 0)
+        self._local = pool(False, None)  # in-process events: always pooled
 
     def acquire(self, interprocess: bool = True) -> CudaEvent:
-        with self._lock:
-            idle = self._idle if interprocess else self._local_idle
-            if idle:
-                return idle.pop()
-            ev = self.device.create_event(interprocess=interprocess)
-            if interprocess:
-                self._all.append(ev)
-                self.created += 1
-            else:
-                self._local.append(ev)
-            return ev
+        return (self._ipc if interprocess else self._local).take(None)
 
     def release(self, ev: CudaEvent) -> None:
         """Back to the pool, or (unpooled) destroyed; the consumer's waits were already issued."""
-        with self._lock:
-            if not ev.interprocess:
-                self._local_idle.append(ev)
-                return
-            if self.pooled:
-                self._idle.append(ev)
-                return
-            self._all.remove(ev)
-        ev.close()
+        (self._ipc if ev.interprocess else self._local).give(ev)
+
+    @property
+    def created(self) -> int:
+        """Interprocess events created so far."""
+        return self._ipc.made
 
     @property
     def size(self) -> int:
         """Interprocess events alive (idle in the pool or out with a handoff)."""
-        return len(self._all)
+        return self._ipc.idle + self._ipc.out
+
+    @property
+    def idle(self) -> int:
+        """Interprocess events in the pool, waiting for a handoff."""
+        return self._ipc.idle
 
     def close(self) -> None:
-        with self._lock:
-            for ev in self._all + self._local:
-                ev.close()
-            for events in (self._all, self._idle, self._local, self._local_idle):
-                events.clear()
+        self._ipc.close()
+        self._local.close()
 
 
 @dataclass

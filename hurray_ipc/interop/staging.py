@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 
 from ..devices.base import Buffer
 from ..devices.cpu import CpuDevice
 from ..devices.cuda import CudaDevice
 from ..devices.errors import DeviceError
+from ..devices.pool import Pool
 from ..errors import InvalidArgument
 
 log = logging.getLogger("hurray.staging")
@@ -55,39 +55,30 @@ class StagingPool:
         if max_bytes is None:
             max_bytes = int(os.environ.get("HURRAY_STAGING_BYTES", str(1 << 30)))
         self.max_bytes = max_bytes
-        self._free: dict[int, list[Buffer]] = {}
-        self._busy: set[int] = set()
-        self._all: list[Buffer] = []
-        self.total = 0
-        self._lock = threading.Lock()
+        self.total = 0  # bytes in slots, idle or in use
+        self._slots: Pool[int, Buffer] = Pool(self._new_slot, self._close_slot, lambda slot: slot.size,
+                                              what="staging")
 
     def acquire(self, nbytes: int) -> Buffer:
         """A slot of at least ``nbytes``; raises StagingExhausted at the byte limit while slots
         are in use (a release frees room), InvalidArgument when no slot of that size can ever fit.
         Idle slots of other sizes are freed to make room before the limit refuses."""
         cls = size_class(nbytes)
-        with self._lock:
-            free = self._free.setdefault(cls, [])
-            if free:
-                slot = free.pop()
-            else:
-                if cls > self.max_bytes:
-                    raise InvalidArgument(f"a host-staged copy of {nbytes} bytes needs a {cls}-byte slot; the staging "
-                                          f"pool holds at most {self.max_bytes} bytes (HURRAY_STAGING_BYTES)",
-                                          where="send()", value=nbytes)
-                for other in self._free.values():
-                    while other and self.total + cls > self.max_bytes:
-                        self._close_slot(other.pop())
-                if self.total + cls > self.max_bytes:
-                    raise StagingExhausted(
-                        "staging", f"pool at its limit ({self.total} of {self.max_bytes} bytes in slots)"
-                    )
-                slot = self.cpu.allocate(cls)
-                self._pin(slot)
-                self.total += cls
-                self._all.append(slot)
-            self._busy.add(id(slot))
-            return slot
+        if cls > self.max_bytes:
+            raise InvalidArgument(f"a host-staged copy of {nbytes} bytes needs a {cls}-byte slot; the staging "
+                                  f"pool holds at most {self.max_bytes} bytes (HURRAY_STAGING_BYTES)",
+                                  where="send()", value=nbytes)
+        return self._slots.take(cls)
+
+    def _new_slot(self, cls: int) -> Buffer:
+        """A new slot of ``cls`` bytes (under the pool's lock), once idle ones made room."""
+        self._slots.trim(lambda: self.total + cls <= self.max_bytes, spare=cls)
+        if self.total + cls > self.max_bytes:
+            raise StagingExhausted("staging", f"pool at its limit ({self.total} of {self.max_bytes} bytes in slots)")
+        slot = self.cpu.allocate(cls)
+        self._pin(slot)
+        self.total += cls
+        return slot
 
     def _pin(self, slot: Buffer) -> None:
         if self.pin_with is None:
@@ -102,43 +93,33 @@ class StagingPool:
         self._pinned.add(id(slot))
 
     def release(self, slot: Buffer) -> None:
-        with self._lock:
-            if id(slot) not in self._busy:
-                raise DeviceError("staging", "slot released twice or not from this pool")
-            self._busy.discard(id(slot))
-            self._free.setdefault(slot.size, []).append(slot)
+        """``slot``'s handoff was released by its consumer: idle for the next staged copy."""
+        self._slots.give(slot)
 
     def retire(self, slot: Buffer) -> None:
         """Free a busy slot instead of pooling it: a fenced consumer may still read it (spec §5).
         Its pages live on in that consumer's mapping and are never handed out again."""
-        with self._lock:
-            if id(slot) not in self._busy:
-                raise DeviceError("staging", "slot retired twice or not from this pool")
-            self._busy.discard(id(slot))
-            self._close_slot(slot)
+        self._slots.discard(slot)
 
     @property
     def in_use(self) -> int:
-        return len(self._busy)
+        return self._slots.out
+
+    def slots(self) -> list[Buffer]:
+        """Every slot alive, idle or in use."""
+        return self._slots.items()
 
     def _close_slot(self, slot: Buffer) -> None:
-        """Unpin and free one idle slot (under the lock)."""
+        """Unpin and free one slot (under the pool's lock)."""
         if id(slot) in self._pinned and self._unpin_with is not None:
             try:
                 self._unpin_with.host_unregister(slot)
             except DeviceError as e:
                 log.warning("staging: %s", e)
         self._pinned.discard(id(slot))
-        self._all.remove(slot)
         self.total -= slot.size
         slot.close()
 
     def close(self) -> None:
-        with self._lock:
-            for slot in list(self._all):
-                self._close_slot(slot)
-            self._all.clear()
-            self._free.clear()
-            self._busy.clear()
-            self._pinned.clear()
-            self.total = 0
+        """Free every slot, in use or not (the producer closes: its handoffs are over)."""
+        self._slots.close()
