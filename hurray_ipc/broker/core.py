@@ -69,6 +69,7 @@ from .queries import (
     UNREAD_BYTES_TOTAL,
     Asker,
     QueryLedger,
+    Sample,
     caps_reply,
     echoable,
     request_id_of,
@@ -251,8 +252,8 @@ class BrokerCore:
         self.queries = QueryLedger(self.stats, query_bytes=query_bytes, query_bytes_total=query_bytes_total,
                                    unread_bytes_total=unread_bytes_total)
         self._asking: Asker | None = None  # the connection whose STATS/CAPS is being answered
-        # (now, handoffs, releases, messages_in, messages_out), one a second: the recent rates.
-        self.samples: deque[tuple[float, int, int, int, int]] = deque(
+        # The counters once a second: the recent rates.
+        self.samples: deque[Sample] = deque(
             maxlen=int(STATS_WINDOW_S / _SAMPLE_EVERY_S) + 2)
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
@@ -433,9 +434,9 @@ class BrokerCore:
         if self.started is None:
             self.started = now
         self._now = now
-        if not self.samples or now - self.samples[-1][0] >= _SAMPLE_EVERY_S:
+        if not self.samples or now - self.samples[-1].at >= _SAMPLE_EVERY_S:
             s = self.stats
-            self.samples.append((now, s.handoffs, s.releases, s.messages_in, s.messages_out))
+            self.samples.append(Sample(now, s.handoffs, s.releases, s.messages_in, s.messages_out))
         for rid in self.queries.due_probes(now):
             self._send(rid, Message("PONG", {}))
         granted: set[bytes] | None = None

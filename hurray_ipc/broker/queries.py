@@ -46,6 +46,29 @@ MAX_STATS_CHANNELS = 1000  # channels listed in one STATS_REPLY
 STATS_WINDOW_S = 10.0      # the recent-rate window of STATS_REPLY
 
 
+@dataclass(frozen=True)
+class Sample:
+    """The counters at time ``at``, one a second (``BrokerCore.tick``): STATS' recent rates."""
+
+    at: float
+    handoffs: int
+    releases: int
+    messages_in: int
+    messages_out: int
+
+    @property
+    def counts(self) -> tuple[int, int, int, int]:
+        return self.handoffs, self.releases, self.messages_in, self.messages_out
+
+
+@dataclass(frozen=True)
+class Unread:
+    """An answer sent and not yet shown read (§6a): its ``ticket`` and its ``size`` in bytes."""
+
+    ticket: str
+    size: int
+
+
 @dataclass(eq=False)
 class Asker:
     """A connection that sent STATS or CAPS: its query-rate budget and its unread answers."""
@@ -54,7 +77,7 @@ class Asker:
     allowance: float  # query_bytes it may still be sent this second (§6a); may go negative
     at: float  # when ``allowance`` was last refilled
     refused_at: float = float("-inf")  # when it was last sent ERROR limit_exceeded query_bytes
-    unread: deque[tuple[str, int]] = field(default_factory=deque)  # (ticket, bytes), oldest first
+    unread: deque[Unread] = field(default_factory=deque)  # oldest first
     probe_at: float = float("inf")  # when to check that it is still connected (while unread)
     probe_gap: float = PROBE_FIRST_S
     proved: bool = False  # its latest query named its latest unread answer: it reads, and holds nothing
@@ -97,11 +120,11 @@ class QueryLedger:
                 a = Asker(rid, self.query_bytes, now)
             self._idle[rid] = a  # most recently asked last
         a.proved = False
-        if isinstance(ticket, str) and any(t == ticket for t, _ in a.unread):
+        if isinstance(ticket, str) and any(u.ticket == ticket for u in a.unread):
             while a.unread:
-                t, n = a.unread.popleft()
-                self.unread_bytes -= n
-                if t == ticket:
+                u = a.unread.popleft()
+                self.unread_bytes -= u.size
+                if u.ticket == ticket:
                     break
             if a.unread:
                 a.probe_at, a.probe_gap = now + PROBE_FIRST_S, PROBE_FIRST_S
@@ -162,7 +185,7 @@ class QueryLedger:
             self._idle.pop(a.rid, None)
             self._waiting[a.rid] = a
             a.probe_at, a.probe_gap = now + PROBE_FIRST_S, PROBE_FIRST_S
-        a.unread.append((ticket, size))
+        a.unread.append(Unread(ticket, size))
         self.unread_bytes += size
 
     def forget(self, rid: bytes) -> None:
@@ -170,7 +193,7 @@ class QueryLedger:
         self._idle.pop(rid, None)
         a = self._waiting.pop(rid, None)
         if a is not None:
-            self.unread_bytes -= sum(n for _, n in a.unread)
+            self.unread_bytes -= sum(u.size for u in a.unread)
 
     def due_probes(self, now: float) -> list[bytes]:
         """The connections to PONG now (checked at most once a second): a send that fails for a
@@ -288,9 +311,9 @@ def stats_snapshot(core: BrokerCore, now: float) -> dict[str, Any]:
     counts = (s.handoffs, s.releases, s.messages_in, s.messages_out)
     # The recent window: the oldest sample at most STATS_WINDOW_S old (the start counts as a
     # sample of zeros); with none that recent (no tick for a while), the newest there is.
-    samples = [(started, 0, 0, 0, 0), *core.samples]
-    base = next((x for x in samples if now - x[0] <= STATS_WINDOW_S), samples[-1])
-    span = max(0.0, now - base[0])
+    samples = [Sample(started, 0, 0, 0, 0), *core.samples]
+    base = next((x for x in samples if now - x.at <= STATS_WINDOW_S), samples[-1])
+    span = max(0.0, now - base.at)
     names = ("handoffs", "releases", "messages_in", "messages_out")
     return {
         "broker": {"version": __version__, "protocol": PROTOCOL_VERSION, "pid": core.pid, "session": core.session,
@@ -309,7 +332,7 @@ def stats_snapshot(core: BrokerCore, now: float) -> dict[str, Any]:
                    "consumers_fenced": s.consumers_fenced},
         "rates": {"life": {k: round(n / uptime, 3) if uptime > 0 else 0.0 for k, n in zip(names, counts, strict=True)},
                   "window": {k: round((n - b) / span, 3) if span > 0 else 0.0
-                             for k, n, b in zip(names, counts, base[1:], strict=True)},
+                             for k, n, b in zip(names, counts, base.counts, strict=True)},
                   "window_s": round(span, 3)},
         "errors_by_code": {code: core.errors_by_code.get(code, 0) for code in sorted(ERROR_CODES)},
         "shm": {"segments": s.segments, "cleaned": s.segments_cleaned, "sweeps": s.sweeps},
