@@ -17,9 +17,10 @@ Layers, each importing only those below it::
 
     errors.py   the exception hierarchy (a leaf: imports nothing)
     format/     the 16-byte buffer handle                        (bottom)
-    contract/   sync modes per transport; the handoff object
-    devices/    CPU shared memory, CUDA (real or emulated backend)
-    transport/  the IPC wire protocol: messages, sockets, pairing, liveness
+    wire/       the messages' codec and its one strict field validator
+    contract/   sync modes per transport; array metadata; the handoff object
+    devices/    CPU shared memory, CUDA (real or emulated backend); pools of device resources
+    transport/  sockets, pairing, liveness, routes
     interop/    user objects in and out: CUDA Array Interface, DLPack, buffer protocol, staging
     client/     Producer and Consumer
     cli/, broker/ (top)

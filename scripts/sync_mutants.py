@@ -106,7 +106,7 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                          "                    self._undo(out)\n                    self.grants.give_back(out.grant)\n",
                          "                    pass  # MUTANT: an unsent handoff keeps its grant and resources\n",
                          *GIVE_BACK),
-    "whole-refusal-ids": ("hurray_ipc/transport/protocol.py",
+    "whole-refusal-ids": ("hurray_ipc/wire/ipc.py",
                           "                e.extra.setdefault(\"handoff_ids\",",
                           "                (lambda *a: None)(\"handoff_ids\",  # MUTANT: the ERROR names no handoff\n",
                           *GIVE_BACK),

@@ -22,10 +22,11 @@ import pytest
 from conftest import emu_config
 from hurray_ipc import InvalidArgument
 from hurray_ipc.client import Consumer, Producer, ReceivedHandoff
+from hurray_ipc.contract.meta import check_meta
 from hurray_ipc.devices import CudaDevice, set_runtime
 from hurray_ipc.devices.backend.emulated import EmulatedRuntime
 from hurray_ipc.interop import dlpack
-from hurray_ipc.transport.protocol import ProtocolError, check_meta
+from hurray_ipc.wire.ipc import ProtocolError
 
 try:
     import torch

@@ -331,7 +331,7 @@ def test_a_frame_over_a_mebibyte_drops_only_its_sender(broker):
     """Red team medium item 8: a 256 MiB header frame was read whole (60 -> 570 MB) before the
     size check refused it. The broker's socket now drops a connection that sends a frame over
     1 MiB unread; a 100 KiB header is still answered bad_header; other clients are served."""
-    from hurray_ipc.transport.protocol import decode_all
+    from hurray_ipc.wire.ipc import decode_all
 
     ctx = zmq.Context()
     try:

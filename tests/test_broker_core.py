@@ -29,7 +29,7 @@ from hurray_ipc.broker.core import (
 )
 from hurray_ipc.broker.queries import MAX_QUERY_PEERS, MAX_UNREAD, PROBE_FIRST_S
 from hurray_ipc.devices.base import host_id
-from hurray_ipc.transport.protocol import ERROR_CODES, HOT_VERBS, PROTOCOL_VERSION, Message, encode_batch
+from hurray_ipc.wire.ipc import ERROR_CODES, HOT_VERBS, PROTOCOL_VERSION, Message, encode_batch
 
 HOST = host_id()
 TIMEOUT = 3.0
@@ -783,7 +783,7 @@ def test_a_meta_frame_nested_too_deep_names_its_field():
 def test_a_caps_reply_over_64_kib_reaches_its_client():
     """Red team low item 18: ~300 consumers on a channel made CAPS_REPLY 71 KB, over the header
     cap, and hurray-caps --channel failed. CAPS_REPLY may be 16 MiB, as STATS_REPLY."""
-    from hurray_ipc.transport.protocol import decode
+    from hurray_ipc.wire.ipc import decode
 
     core = _core()
     for i in range(400):
@@ -798,7 +798,7 @@ def test_a_consumer_holding_8192_buffers_can_register_again():
     """The spec-only implementation's finding 1: 'held' may have 8192 entries, but a header was
     capped at 64 KiB, so a consumer holding more than ~428 buffers got bad_header at its re-HELLO
     after a broker restart. HELLO may now be 2 MiB; every claim is heard."""
-    from hurray_ipc.transport.protocol import MAX_HEADER_BYTES
+    from hurray_ipc.wire.ipc import MAX_HEADER_BYTES
 
     core = _core()
     held = [{"token": f"{i:048x}", "producer_id": "f" * 32, "handoff_id": i, "event_pending": False}

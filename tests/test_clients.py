@@ -359,7 +359,7 @@ def test_delivery_that_cannot_be_mapped_is_rejected_naming_the_cuda_call(broker)
     from hurray_ipc.devices import CudaDevice, set_runtime
     from hurray_ipc.devices.backend.emulated import EmulatedRuntime
     from hurray_ipc.format.handle import BufferHandle, DeviceTag, SyncMode
-    from hurray_ipc.transport.protocol import Message
+    from hurray_ipc.wire.ipc import Message
 
     rt = EmulatedRuntime(emu_config())
     set_runtime(rt)
@@ -457,7 +457,7 @@ def test_a_release_the_broker_cannot_place_is_reported_unless_it_crossed_produce
     """Red team item 5's tail: a RELEASE refused unknown_token was ignored by the library. It is
     now reported in ``Consumer.errors`` (and logged as an error), except when the broker had said
     that handoff's producer was gone (the RELEASE crossed the PRODUCER_GONE: expected)."""
-    from hurray_ipc.transport.protocol import Message
+    from hurray_ipc.wire.ipc import Message
 
     crossed, unplaced = "ab" * 24, "cd" * 24
     with Consumer(broker.endpoint, "unplaced", "cpu", prefetch=0) as c:

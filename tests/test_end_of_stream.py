@@ -28,7 +28,7 @@ from conftest import Proc
 from hurray_ipc import ClosedError, Consumer, EndOfStream, HurrayTimeout, Producer, workload
 from hurray_ipc.broker.core import BrokerCore, Send
 from hurray_ipc.devices.base import host_id
-from hurray_ipc.transport.protocol import Message, decode_all
+from hurray_ipc.wire.ipc import Message, decode_all
 from test_protocol_raw import pack_hot
 
 VEC = json.loads((Path(__file__).parent / "vectors" / "end_of_stream.json").read_text())["scenarios"]

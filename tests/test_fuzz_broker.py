@@ -23,7 +23,7 @@ from barrier import Barrier
 from conftest import Proc
 from hurray_ipc import workload
 from hurray_ipc.devices.base import host_id
-from hurray_ipc.transport.protocol import ERROR_CODES, Message, encode_batch
+from hurray_ipc.wire.ipc import ERROR_CODES, Message, encode_batch
 
 HOST = host_id()
 EXAMPLES = int(os.environ.get("HURRAY_FUZZ_EXAMPLES", "150"))

@@ -45,7 +45,7 @@ from hurray_ipc.devices.backend.emulated import EmulatedRuntime
 from hurray_ipc.devices.cuda import CudaEvent
 from hurray_ipc.interop.source import Source
 from hurray_ipc.transport import inproc
-from hurray_ipc.transport.protocol import json_bytes
+from hurray_ipc.wire.ipc import json_bytes
 
 SIZE = 4096
 TAG = 7
@@ -81,7 +81,7 @@ def grants_revoked(endpoint: str) -> int:
     """The broker's count of grants it took back because their producer did not use them."""
     import zmq
 
-    from hurray_ipc.transport.protocol import Message, decode_all
+    from hurray_ipc.wire.ipc import Message, decode_all
 
     ctx = zmq.Context()
     try:

@@ -187,7 +187,7 @@ def test_a_client_without_a_lease_is_judged_by_heartbeats_not_by_its_pid(tmp_pat
 
     from brokerproc import BrokerProcess
     from hurray_ipc.devices.base import host_id
-    from hurray_ipc.transport.protocol import decode_all
+    from hurray_ipc.wire.ipc import decode_all
 
     b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=1.5).start()
     ctx = zmq.Context()

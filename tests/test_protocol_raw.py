@@ -280,7 +280,7 @@ def test_message_vectors_parse():
     from pathlib import Path
 
     from hurray_ipc import BufferHandle
-    from hurray_ipc.transport.protocol import Message, decode_all, encode_batch
+    from hurray_ipc.wire.ipc import Message, decode_all, encode_batch
 
     vec = json.loads((Path(__file__).parent / "vectors" / "ipc_messages.json").read_text())
     assert vec["format"].endswith("v2 example messages")

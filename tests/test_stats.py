@@ -27,7 +27,7 @@ import zmq
 from brokerproc import BrokerProcess
 from hurray_ipc.broker.core import BrokerCore, Send
 from hurray_ipc.broker.queries import MAX_STATS_CHANNELS, MAX_STATS_CLIENTS
-from hurray_ipc.transport.protocol import (
+from hurray_ipc.wire.ipc import (
     BROKER_VERBS,
     CLIENT_VERBS,
     ERROR_CODES,

@@ -15,7 +15,7 @@ from barrier import Barrier
 from hurray_ipc.broker.core import BrokerCore, Send
 from hurray_ipc.broker.keyfile import route_key_path
 from hurray_ipc.devices.base import host_id
-from hurray_ipc.transport.protocol import Message, decode_all
+from hurray_ipc.wire.ipc import Message, decode_all
 from test_protocol_raw import pack_hot
 
 VEC = json.loads((Path(__file__).parent / "vectors" / "ipc_refusals.json").read_text())["vectors"]

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 
 from hurray_ipc.broker.core import BrokerCore, Send
 from hurray_ipc.devices.base import host_id
-from hurray_ipc.transport.protocol import (
+from hurray_ipc.wire.ipc import (
     MAX_BATCH,
     Message,
     ProtocolError,
@@ -290,7 +290,7 @@ def test_a_lone_surrogate_in_a_name_is_sent_escaped():
 def test_the_binary_layouts_are_the_hot_verbs():
     """HOT_VERBS (the spec's §2.2 list) and the binary layouts the codec has are one set: a hot
     verb without a layout, or a layout the verb table does not call hot, is a codec bug."""
-    from hurray_ipc.transport import protocol
+    from hurray_ipc.wire import ipc as protocol
 
     assert set(protocol._LAYOUTS) == protocol.HOT_VERBS
     assert {protocol.wire_verb(v) for v in protocol.HOT_VERBS} == protocol._HOT_WIRE

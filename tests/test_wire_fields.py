@@ -7,9 +7,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hurray_ipc.transport.pairing import Endpoint
-from hurray_ipc.transport.protocol import Message, ProtocolError, field_of
 from hurray_ipc.transport.route import Route
 from hurray_ipc.wire.fields import ABSENT, FieldError, check, obj, one_of, shown, take
+from hurray_ipc.wire.ipc import Message, ProtocolError, field_of
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=80),
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),

@@ -61,12 +61,12 @@ from hurray_ipc.devices.base import Mapping
 from hurray_ipc.errors import EndOfStream
 from hurray_ipc.format.handle import BufferHandle, HandleError, SyncMode
 from hurray_ipc.interop import dlpack
-from hurray_ipc.transport.protocol import (
+from hurray_ipc.contract.meta import check_meta
+from hurray_ipc.wire.ipc import (
     LINK_RECEIVER_VERBS,
     LINK_SENDER_VERBS,
     Message,
     ProtocolError,
-    check_meta,
     decode,
 )
 from hurray_ipc.transport.route import MAX_LINKS, MAX_PEER_CHARS, MAX_WINDOW, Link, Route

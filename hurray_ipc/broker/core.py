@@ -46,12 +46,12 @@ from hurray_ipc.contract.sync import Transport
 from hurray_ipc.format.handle import BufferHandle, DeviceTag, HandleError, SyncMode
 from hurray_ipc.transport import liveness
 from hurray_ipc.transport.pairing import Endpoint, ModeCache, host_side
-from hurray_ipc.transport.protocol import (
+from hurray_ipc.contract.meta import check_meta
+from hurray_ipc.wire.ipc import (
     CLIENT_VERBS,
     PROTOCOL_VERSION,
     Message,
     ProtocolError,
-    check_meta,
     decode_all,
     error,
     field_of,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from hurray_ipc import __version__
 from hurray_ipc.contract.sync import Transport
 from hurray_ipc.transport.pairing import Endpoint, pair_modes
-from hurray_ipc.transport.protocol import ERROR_CODES, PROTOCOL_VERSION, Message, ProtocolError, field_of
+from hurray_ipc.wire.ipc import ERROR_CODES, PROTOCOL_VERSION, Message, ProtocolError, field_of
 
 if TYPE_CHECKING:
     from .core import BrokerCore, Stats

@@ -25,6 +25,7 @@ import numpy as np
 import zmq
 
 from ..contract.handoff import AlreadyReleasedError, Handoff, HandoffError
+from ..contract.meta import check_meta
 from ..devices import Device, open_device
 from ..devices.base import Buffer, MemoryExport, order_key
 from ..devices.cuda import CudaDevice, CudaEvent, CudaStream
@@ -42,7 +43,7 @@ from ..format.handle import BufferHandle, DeviceTag, HandleError, SyncMode
 from ..interop import dlpack
 from ..transport import inproc
 from ..transport.pairing import Endpoint
-from ..transport.protocol import Message, check_meta
+from ..wire.ipc import Message
 from .credits import Credits
 from .session import BrokerUnavailable, RemoteError, Session, check_client_args, check_timeout
 

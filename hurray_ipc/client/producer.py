@@ -33,7 +33,7 @@ from ..interop.source import Source, check_user_meta, resolve
 from ..interop.staging import StagingExhausted, StagingPool
 from ..transport import inproc
 from ..transport.pairing import Endpoint, ModeCache, PairModes, host_side
-from ..transport.protocol import MAX_BATCH, Message
+from ..wire.ipc import MAX_BATCH, Message
 from .credits import Credits
 from .grants import Grant, GrantBook, Granted
 from .session import BrokerUnavailable, RemoteError, Session, check_client_args, check_timeout

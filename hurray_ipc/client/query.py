@@ -19,7 +19,7 @@ from typing import Any
 
 import zmq
 
-from ..transport.protocol import BROKER_VERBS, Message, ProtocolError, decode
+from ..wire.ipc import BROKER_VERBS, Message, ProtocolError, decode
 
 __all__ = ["BrokerQuery", "NoAnswer", "stats"]
 

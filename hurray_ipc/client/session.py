@@ -29,7 +29,8 @@ import zmq
 
 from ..errors import ClosedError, HurrayError, HurrayTimeout, InvalidArgument
 from ..transport.liveness import process_lease
-from ..transport.protocol import (
+from ..transport.sockets import NOBLOCK, readable, recv_frames, send_frames
+from ..wire.ipc import (
     BROKER_VERBS,
     PROTOCOL_VERSION,
     Message,
@@ -38,7 +39,6 @@ from ..transport.protocol import (
     decode_all,
     encode_group,
 )
-from ..transport.sockets import NOBLOCK, readable, recv_frames, send_frames
 from .endpoint import check_endpoint, check_socket_dir, default_endpoint
 
 log = logging.getLogger("hurray.client")

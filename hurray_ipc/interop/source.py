@@ -25,11 +25,12 @@ from typing import Any
 
 import numpy as np
 
+from ..contract.meta import check_meta
 from ..devices.base import Buffer
 from ..devices.cpu import CpuDevice
 from ..devices.cuda import CudaDevice, CudaStream
 from ..errors import InvalidArgument, UnsupportedObject, an
-from ..transport.protocol import MAX_HEADER_BYTES, MAX_HEADER_DEPTH, ProtocolError, check_meta, json_bytes
+from ..wire.ipc import MAX_HEADER_BYTES, MAX_HEADER_DEPTH, ProtocolError, json_bytes
 from . import dlpack
 
 

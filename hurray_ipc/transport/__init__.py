@@ -1,1 +1,2 @@
-"""Transport: the broker wire protocol, pairing rules, object export, staging, in-process registry."""
+"""Transport: socket calls, pairing rules (which sync modes a pair of endpoints allows), liveness
+leases, bridge routes, the in-process registry. The codec of the messages is ``hurray_ipc.wire``."""

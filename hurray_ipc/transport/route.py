@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from ..wire.fields import ABSENT, FieldError, check, obj, one_of
-from .protocol import ProtocolError
+from ..wire.ipc import ProtocolError
 
 DIRECTIONS = {"export": "consumer", "import": "producer"}  # direction -> the role that may announce it
 DATA_PLANES = ("nixl", "zmq")  # interchange.md R1
