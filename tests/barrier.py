@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from hurray_ipc.client.query import Tickets
+
 
 class Barrier:
     """One per socket: ``frames()`` is the next CAPS (or STATS) to send, ``is_answer(parts)``
@@ -19,15 +21,13 @@ class Barrier:
     def __init__(self, device: dict[str, Any], request_id: str = "sync"):
         self.device = device
         self.request_id = request_id
-        self.ticket: str | None = None
+        self.tickets = Tickets()
 
     def frames(self, verb: str = "CAPS") -> list[bytes]:
         header: dict[str, Any] = {"request_id": self.request_id}
         if verb == "CAPS":
             header["device"] = self.device
-        if self.ticket is not None:
-            header["ticket"] = self.ticket
-        return [verb.encode(), json.dumps(header).encode()]
+        return [verb.encode(), json.dumps(self.tickets.stamp(header)).encode()]
 
     def is_answer(self, parts: list[bytes]) -> bool:
         if parts[0] not in (b"CAPS_REPLY", b"STATS_REPLY", b"ERROR") or len(parts) < 2:
@@ -36,7 +36,6 @@ class Barrier:
             header = json.loads(parts[1])
         except ValueError:
             return False
-        if isinstance(header, dict) and isinstance(header.get("ticket"), str):
-            self.ticket = header["ticket"]
+        self.tickets.read(header)
         return (parts[0] in (b"CAPS_REPLY", b"STATS_REPLY") and isinstance(header, dict)
                 and header.get("request_id") == self.request_id)

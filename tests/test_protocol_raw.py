@@ -11,6 +11,7 @@ import pytest
 import zmq
 
 from brokerproc import BrokerProcess
+from hurray_ipc.client.query import Tickets
 from hurray_ipc.devices.base import host_id
 
 HOST = host_id()
@@ -104,14 +105,14 @@ class Raw:
         self.s.setsockopt(zmq.LINGER, 0)
         self.s.connect(ep)
         self.pending = []
-        self.ticket = None  # of the latest STATS/CAPS answer read: the next query names it (spec §6a)
+        self.tickets = Tickets()  # the next query names the latest answer read (spec §6a)
 
     def send(self, verb, header=None, *frames):
         if verb in ("HANDOFF", "RELEASE", "EVENT_RELEASE") and not isinstance(header, bytes):
             self.s.send_multipart(pack_hot(verb, header, list(frames)))
             return
-        if verb in ("CAPS", "STATS") and isinstance(header, dict) and self.ticket is not None:
-            header = {"ticket": self.ticket, **header}
+        if verb in ("CAPS", "STATS") and isinstance(header, dict):
+            header = self.tickets.stamp(header)
         body = header if isinstance(header, bytes) else json.dumps(header or {}).encode()
         self.s.send_multipart([verb if isinstance(verb, bytes) else verb.encode(), body, *frames])
 
@@ -123,8 +124,7 @@ class Raw:
                 self.pending = unpack_hot(parts)
             else:
                 self.pending = [(parts[0].decode(), json.loads(parts[1]), parts[2:])]
-                if isinstance(self.pending[0][1].get("ticket"), str):
-                    self.ticket = self.pending[0][1]["ticket"]
+                self.tickets.read(self.pending[0][1])
         return self.pending.pop(0)
 
     def expect(self, verb, timeout=5000):

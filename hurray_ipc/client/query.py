@@ -21,7 +21,7 @@ import zmq
 
 from ..wire.ipc import BROKER_VERBS, Message, ProtocolError, decode
 
-__all__ = ["BrokerQuery", "NoAnswer", "stats"]
+__all__ = ["BrokerQuery", "NoAnswer", "Tickets", "stats"]
 
 _REQUEST_IDS = itertools.count(1)
 
@@ -30,13 +30,30 @@ class NoAnswer(ConnectionError):
     """No answer came: no broker, it did not answer in time, or it refused (the message says which)."""
 
 
+class Tickets:
+    """What one connection shows the broker it read (§6a): every message read passes through
+    :meth:`read`; every STATS or CAPS sent is :meth:`stamp`-ed with the latest ticket read."""
+
+    def __init__(self) -> None:
+        self.latest: str | None = None
+
+    def read(self, header: object) -> None:
+        """Note the ticket of a header read from the broker (an answer carries one; other messages not)."""
+        if isinstance(header, dict) and isinstance(header.get("ticket"), str):
+            self.latest = header["ticket"]
+
+    def stamp(self, header: dict[str, Any]) -> dict[str, Any]:
+        """``header`` of a query, naming the latest ticket read (unchanged before any)."""
+        return header if self.latest is None else {**header, "ticket": self.latest}
+
+
 class BrokerQuery:
     """One DEALER connection to the broker at ``endpoint`` for STATS and CAPS. Raises
     :class:`NoAnswer` when the endpoint cannot be connected to."""
 
     def __init__(self, endpoint: str):
         self.endpoint = endpoint
-        self.ticket: str | None = None  # of the latest answer read (§6a)
+        self.tickets = Tickets()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -57,13 +74,11 @@ class BrokerQuery:
 
     def _ask(self, verb: str, fields: dict[str, Any], timeout: float) -> dict[str, Any]:
         request_id = f"q-{next(_REQUEST_IDS)}"
-        header = {**fields, "request_id": request_id}
         deadline = time.monotonic() + timeout
         silent = NoAnswer(f"no reply from broker at {self.endpoint} within {timeout:g} s")
         while self._sock.poll(0):  # answers to queries that timed out: read, so name the latest
             self._read()
-        if self.ticket is not None:
-            header["ticket"] = self.ticket
+        header = self.tickets.stamp({**fields, "request_id": request_id})
         try:
             self._sock.send_multipart(Message(verb, header).encode(), flags=zmq.NOBLOCK)
         except zmq.Again:
@@ -87,8 +102,7 @@ class BrokerQuery:
             msg = decode(self._sock.recv_multipart(), allowed=BROKER_VERBS)
         except ProtocolError:
             return None
-        if isinstance(msg.header.get("ticket"), str):
-            self.ticket = msg.header["ticket"]
+        self.tickets.read(msg.header)
         return msg
 
     def close(self) -> None:
