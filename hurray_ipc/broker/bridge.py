@@ -55,13 +55,14 @@ from zmq.auth.thread import ThreadAuthenticator
 from hurray_ipc.cli.common import LOG_LEVELS
 from hurray_ipc.client import BrokerUnavailable, Consumer, Producer, Ticket
 from hurray_ipc.client.endpoint import default_endpoint
+from hurray_ipc.contract.meta import check_meta
 from hurray_ipc.contract.sync import check_network_handle
 from hurray_ipc.devices import CudaDevice, DeviceError, open_device, shm
 from hurray_ipc.devices.base import Mapping
 from hurray_ipc.errors import EndOfStream
 from hurray_ipc.format.handle import BufferHandle, HandleError, SyncMode
 from hurray_ipc.interop import dlpack
-from hurray_ipc.contract.meta import check_meta
+from hurray_ipc.transport.route import MAX_LINKS, MAX_PEER_CHARS, MAX_WINDOW, Link, Route
 from hurray_ipc.wire.ipc import (
     LINK_RECEIVER_VERBS,
     LINK_SENDER_VERBS,
@@ -69,7 +70,6 @@ from hurray_ipc.wire.ipc import (
     ProtocolError,
     decode,
 )
-from hurray_ipc.transport.route import MAX_LINKS, MAX_PEER_CHARS, MAX_WINDOW, Link, Route
 
 from .keyfile import read_token, route_key_path
 from .logfmt import FORMATS

@@ -42,11 +42,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hurray_ipc.contract.meta import check_meta
 from hurray_ipc.contract.sync import Transport
 from hurray_ipc.format.handle import BufferHandle, DeviceTag, HandleError, SyncMode
 from hurray_ipc.transport import liveness
 from hurray_ipc.transport.pairing import Endpoint, ModeCache, host_side
-from hurray_ipc.contract.meta import check_meta
+from hurray_ipc.transport.route import Route
+from hurray_ipc.wire.fields import shown
 from hurray_ipc.wire.ipc import (
     CLIENT_VERBS,
     PROTOCOL_VERSION,
@@ -58,8 +60,6 @@ from hurray_ipc.wire.ipc import (
     is_token,
     json_bytes,
 )
-from hurray_ipc.transport.route import Route
-from hurray_ipc.wire.fields import shown
 
 from .logfmt import Note, log_event
 from .queries import (

@@ -32,8 +32,8 @@ from hurray_ipc.client.endpoint import check_socket_dir
 from hurray_ipc.devices import shm
 from hurray_ipc.devices.base import host_id
 from hurray_ipc.transport import liveness
-from hurray_ipc.wire.ipc import Message, coalesce, encode_group
 from hurray_ipc.transport.sockets import NOBLOCK, readable, recv_frames, send_frames
+from hurray_ipc.wire.ipc import Message, coalesce, encode_group
 
 from .core import MAX_CREDITS, BrokerCore, CleanSegments, Client, Out, Send
 from .keyfile import kept_token, route_key_path
