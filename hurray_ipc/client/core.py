@@ -42,7 +42,7 @@ from typing import Any
 
 from .credits import Credits
 
-__all__ = ["Action", "ConsumerCore", "Delivery", "EventRelease", "Flush", "Release", "Unmap"]
+__all__ = ["Action", "ConsumerCore", "Delivery", "EventRelease", "Flush", "Release", "Stage", "Unmap"]
 
 
 @dataclass(frozen=True)
@@ -115,8 +115,8 @@ class ConsumerCore:
 
     ``inbox``: tokens delivered and not yet taken by ``receive()``, oldest first (read, never
     written, by the caller). ``credits``: REQUEST credits asked and not yet delivered. ``ended``:
-    the broker said the channel's stream ended (CHANNEL_STATE, §4.9). Not thread-safe: the caller
-    holds its session's lock around every call."""
+    the broker said the channel's stream ended (CHANNEL_STATE, §4.9). ``epoch``: the registration
+    last declared. Not thread-safe: the caller holds its session's lock around every call."""
 
     def __init__(self, prefetch: int):
         self.credits = Credits(prefetch)
@@ -242,7 +242,7 @@ class ConsumerCore:
     def released(self, token: str, fences: Iterable[int] = ()) -> list[Action]:
         """The application released the buffer; ``fences``: ids of the events recorded on the
         streams it used, each reported through :meth:`fence_completed`. The RELEASE goes once all
-        completed (at once when there are none, and nothing else is owed before it)."""
+        completed (at once when there are none); a second call does nothing."""
         e = self._entries.get(token)
         if e is None or e.stage is Stage.FENCED:
             return []  # given back already: exactly once
