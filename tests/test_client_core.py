@@ -34,7 +34,7 @@ class ConsumerMachine(RuleBasedStateMachine):
     gone, one with a reason when rejected); a RELEASE goes only after its fences completed, after
     its mapping was closed and after its EVENT_RELEASE; the inbox plus the credits the broker counts
     never exceed ``max(prefetch, 1)``, and the core counts what the broker counts; with an empty
-    inbox no RELEASE is held back (neither in the core nor queued unflushed); a re-HELLO declares
+    inbox no RELEASE is held back (queued, unflushed); a re-HELLO declares
     exactly the deliveries still owed, with their events, and the credits asked; a RELEASE after it
     names a token it declared or one delivered since."""
 
