@@ -44,7 +44,7 @@ from ..interop import dlpack
 from ..transport import inproc
 from ..transport.pairing import Endpoint
 from ..wire.ipc import Message
-from .credits import Credits
+from .core import Action, ConsumerCore, Delivery, EventRelease, Flush, Release, Unmap
 from .session import BrokerUnavailable, RemoteError, Session, check_client_args, check_timeout
 
 log = logging.getLogger("hurray.consumer")
@@ -515,7 +515,7 @@ class ReceivedHandoff(Handoff):
         return found
 
     def _release_event(self) -> None:
-        self._consumer._send_release("EVENT_RELEASE", self)
+        self._consumer._event_released(self)
 
     def _release_buffer(self) -> None:
         fences = []
@@ -539,11 +539,6 @@ class ReceivedHandoff(Handoff):
         consumer = getattr(self, "_consumer", None)
         if consumer is not None:
             consumer._dropped.append(self)  # resurrects self until the pump released it (PEP 442)
-
-    def _give_back(self) -> None:
-        """The consumer's device work on the buffer completed: unmap it and send RELEASE."""
-        self._raw.close()
-        self._consumer._send_release("RELEASE", self)
 
 
 class Consumer:
@@ -579,20 +574,23 @@ class Consumer:
         self.stream: CudaStream | None = stream or (self.gpu.create_stream() if self.gpu else None)
         if stream is not None:
             inproc.register_stream(stream)
-        self.credits = Credits(prefetch)  # REQUEST credits sent and not yet delivered
+        # Deliveries, credits and the release queue (client/core.py); everything below it here is
+        # what the core cannot hold: objects, mappings, device events, the socket.
+        self.core = ConsumerCore(prefetch)
+        self.credits = self.core.credits  # REQUEST credits sent and not yet delivered
         self.endpoint_info = Endpoint(self.device.identity, self.device.capabilities(), os.getpid(),
                                       None if stream is None else stream.handle)
-        self._inbox: deque[ReceivedHandoff] = deque()
+        self._waiting: dict[str, ReceivedHandoff] = {}  # the handoffs of core.inbox's tokens
         # Weak: a handoff the application drops is collected, and its finalizer queues it on
         # _dropped (see ReceivedHandoff.__del__) for the pump to release.
         self._held: weakref.WeakValueDictionary[str, ReceivedHandoff] = weakref.WeakValueDictionary()
         self._dropped: deque[ReceivedHandoff] = deque()
+        self._maps: dict[str, Buffer] = {}  # each delivery's mapping, closed when the core says Unmap
         self.name = name or f"consumer-{os.getpid()}"
         self.errors: deque[RemoteError] = deque(maxlen=256)
-        self._gone_tokens: deque[str] = deque(maxlen=4096)  # told PRODUCER_GONE: a RELEASE may cross it
         self.fenced = 0  # times the broker fenced this consumer (PRODUCER_GONE reason fenced, spec §5)
-        self.ended = False  # the broker said every producer of the channel ended (CHANNEL_STATE, §4.9)
-        self._releasing: list[tuple[ReceivedHandoff, list[CudaEvent]]] = []  # RELEASE owed once these complete
+        self._fence_events: dict[int, CudaEvent] = {}  # the core's pending fence ids -> their events
+        self._fence_ids = 0
         self._fences: list[CudaEvent] = []  # completed fence events, recorded again by later releases
         self.session = Session(endpoint, "consumer", channel, self._hello, self._dispatch,
                                heartbeat_s=heartbeat_s, timeout_s=timeout_s, poll=self._poll_releases)
@@ -614,18 +612,36 @@ class Consumer:
         return self.gpu.create_event(interprocess=False)  # type: ignore[union-attr]
 
     def _release_after(self, ho: ReceivedHandoff, fences: list[CudaEvent]) -> None:
-        """Send ``ho``'s RELEASE once every fence event completed (at once when there are none)."""
+        """The application released ``ho``; its RELEASE goes once every fence event completed (at
+        once when there are none), after its mapping was closed (the core decides, we carry out)."""
         with self.session.lock:
-            if not fences and not self._releasing:
-                ho._give_back()  # nothing to wait for, nothing owed before it: now
-                return
-            self._releasing.append((ho, fences))
-            self._poll_releases()
+            ids = []
+            for ev in fences:
+                self._fence_ids += 1
+                self._fence_events[self._fence_ids] = ev
+                ids.append(self._fence_ids)
+            self._waiting.pop(ho.token, None)  # close() releases what receive() never took
+            self._carry_out(self.core.released(ho.token, ids))
+            self._check_fences()
+
+    def _event_released(self, ho: ReceivedHandoff) -> None:
+        with self.session.lock:  # the background pump reads these too
+            self._carry_out(self.core.event_released(ho.token))
+
+    def _check_fences(self) -> None:
+        """Report every pending fence that completed (a successful event query is where the host
+        learns the work finished); its event is re-recordable for a later release."""
+        for fid in self.core.pending_fences():
+            ev = self._fence_events[fid]
+            if ev.query():
+                del self._fence_events[fid]
+                self._fences.append(ev)
+                self._carry_out(self.core.fence_completed(fid))
 
     def _poll_releases(self) -> bool:
-        """Called by the session's pump (under its lock): give back every handoff whose fences
-        all completed (a successful event query is where the host learns the work finished).
-        True while some release is still owed."""
+        """Called by the session's pump (under its lock) at the start of each round: release the
+        handoffs the garbage collector found un-released and report completed fences. True while
+        some release is still owed."""
         while self._dropped:  # handoffs the garbage collector found un-released
             ho = self._dropped.popleft()
             try:
@@ -635,70 +651,101 @@ class Consumer:
                     ho.release_event()
             except Exception:  # noqa: BLE001 - one bad handoff must not stop the pump
                 log.exception("releasing a garbage-collected handoff failed")
-        for entry in list(self._releasing):
-            ho, fences = entry
-            if all(ev.query() for ev in fences):
-                self._releasing.remove(entry)
-                self._fences.extend(fences)  # completed: re-recordable for a later release
-                ho._give_back()
-        return bool(self._releasing)
+        self._check_fences()
+        return self.core.releasing > 0
+
+    def _carry_out(self, actions: list[Action]) -> None:
+        """Do what the core asked, in its order (under the session lock). A mapping that fails to
+        close keeps its RELEASE back: the producer must not reuse memory still mapped here."""
+        unmap_failed: set[str] = set()
+        for a in actions:
+            try:
+                if isinstance(a, Unmap):
+                    buf = self._maps.pop(a.token, None)
+                    if buf is not None:
+                        try:
+                            buf.close()
+                        except Exception:
+                            unmap_failed.add(a.token)
+                            raise
+                elif isinstance(a, Release) and a.token in unmap_failed:
+                    log.error("RELEASE of %s not sent: its mapping did not close", a.token[:16])
+                    self.credits.answered(a.credits)  # they never left
+                elif isinstance(a, Release):
+                    header: dict[str, Any] = {"token": a.token}
+                    if a.reason is not None:
+                        header["reason"] = a.reason
+                    else:
+                        self.device.order_send(order_key(a.producer_id, a.handoff_id, "release"))
+                    if a.credits > 0:
+                        header["credits"] = a.credits
+                    if a.now:
+                        self.session.send(Message("RELEASE", header))
+                    else:
+                        self.session.queue(Message("RELEASE", header))
+                elif isinstance(a, EventRelease):
+                    self.session.queue(Message("EVENT_RELEASE", {"token": a.token}))
+                elif isinstance(a, Flush):
+                    self.session.flush_out()
+            except Exception as e:  # noqa: BLE001 - the pump and the other releases go on
+                log.warning("%s not carried out: %s", a, e)
 
     @property
     def releasing(self) -> int:
         """Handoffs released by the application whose RELEASE waits for their device work."""
-        return len(self._releasing)
+        return self.core.releasing
+
+    @property
+    def ended(self) -> bool:
+        """The broker said every producer of the channel ended (CHANNEL_STATE, §4.9)."""
+        return self.core.ended
+
+    @property
+    def _inbox(self) -> deque[str]:
+        """Tokens delivered and not yet received, oldest first (the core's)."""
+        return self.core.inbox
 
     def flush_releases(self, timeout: float | None = None) -> None:
         """Wait until every deferred release was sent."""
         self.session.pump(lambda: not self._poll_releases(), timeout,
-                          f"waiting for the device work of {len(self._releasing)} release(s)")
+                          f"waiting for the device work of {self.core.releasing} release(s)")
 
     def _hello(self, epoch: int) -> dict[str, Any]:
-        live = {t: h for t, h in list(self._held.items())}
-        live.update({h.token: h for h in list(self._dropped) if not h.released})
-        held = [{"token": t, "producer_id": h.producer_id, "handoff_id": h.handoff_id,
-                 "event_pending": h.handle.sync_mode is SyncMode.EVENT and not h.event_released}
-                for t, h in live.items() if not h.producer_gone]
-        # Credits travel in HELLO: a REQUEST sent to a broker that lost us is not lost with it.
-        return {"name": self.name, "endpoint": self.endpoint_info.to_dict(), "held": held,
-                "credits": self.credits.asked, **({"ended": True} if self.ended else {})}
+        return {"name": self.name, "endpoint": self.endpoint_info.to_dict(), **self.core.registering(epoch)}
 
     def _dispatch(self, msg: Message) -> list[Any]:
         h = msg.header
         if msg.verb == "DELIVER":
-            self.credits.answered()
             try:
-                self._inbox.append(self._accept(msg))
+                ho = self._accept(msg)
             except Exception as e:  # noqa: BLE001 - a bad delivery must not kill the pump
                 log.error("rejecting delivery %s: %s", h.get("token"), e)
                 token = h.get("token")
-                if isinstance(token, str):
-                    rel: dict[str, Any] = {"token": token, "reason": f"rejected: {str(e)[:1000]}"}
-                    want = self.credits.ask_for(len(self._inbox))
-                    if want > 0:  # the refused delivery used a credit: ask again, or receive() starves
-                        rel["credits"] = want
-                    self.session.send(Message("RELEASE", rel))
+                self._carry_out(self.core.rejected(token if isinstance(token, str) else None,
+                                                   f"rejected: {str(e)[:1000]}"))
+            else:
+                self._waiting[ho.token] = ho
+                self.core.delivered(Delivery(ho.token, ho.producer_id, ho.handoff_id,
+                                             ho.handle.sync_mode is SyncMode.EVENT))
         elif msg.verb == "PRODUCER_GONE":
-            self._gone_tokens.extend(t for t in h.get("tokens", []) if isinstance(t, str))
+            tokens = [t for t in h.get("tokens", []) if isinstance(t, str)]
             fenced = h.get("reason") == "fenced"
             self.fenced += fenced
-            for token in h.get("tokens", []):
-                ho = self._held.pop(token, None)
-                if ho is not None:
-                    ho.producer_gone = True
-                    ho.fenced = fenced
-            gone = set(h.get("tokens", []))
-            for ho in list(self._dropped):
-                if ho.token in gone:
-                    ho.producer_gone = True
-                    ho.fenced = fenced
-            for ho in [x for x in self._inbox if x.producer_gone]:
-                self._inbox.remove(ho)  # in place: a waiting receive() watches this deque
+            dropped, actions = self.core.producer_gone(tokens)
+            gone = set(tokens)
+            found: list[ReceivedHandoff | None] = [self._held.pop(t, None) for t in tokens]
+            for x in found + list(self._dropped):
+                if x is not None and x.token in gone:
+                    x.producer_gone = True
+                    x.fenced = fenced
+            for t in dropped:
+                self._waiting.pop(t, None)  # no receive() hands it out; collected, it is released
+            self._carry_out(actions)
         elif msg.verb == "CHANNEL_STATE":
-            self.ended = h.get("ended") is True
+            self.core.channel_state(h.get("ended") is True)
         elif msg.verb == "ERROR":
             err = RemoteError(str(h.get("code")), str(h.get("message")), h)
-            if err.code in ("unknown_token", "already_released") and h.get("token") in self._gone_tokens:
+            if err.code in ("unknown_token", "already_released") and self.core.crossed(h.get("token")):
                 log.debug("RELEASE crossed PRODUCER_GONE: %s", err)  # expected: nothing to report
             else:
                 self.errors.append(err)
@@ -731,35 +778,13 @@ class Consumer:
             buf = dev.import_memory(exp)
         ho = ReceivedHandoff(self, token, handle, buf, h, event, msg.frames.get("event"), self.declared_stream)
         self._held[token] = ho
+        self._maps[token] = buf
         return ho
-
-    def _send_release(self, verb: str, ho: ReceivedHandoff) -> None:
-        with self.session.lock:  # the background pump reads these too
-            if verb == "RELEASE":
-                self._held.pop(ho.token, None)
-            if ho.producer_gone:
-                return  # nobody to give it back to
-            header: dict[str, Any] = {"token": ho.token}
-            if verb == "RELEASE":
-                want = self.credits.ask_for(len(self._inbox))
-                if want > 0:  # ask for the next buffers on this message instead of a REQUEST
-                    header["credits"] = want
-            try:
-                if verb == "RELEASE":
-                    self.device.order_send(order_key(ho.producer_id, ho.handoff_id, "release"))
-                self.session.queue(Message(verb, header))
-                # A RELEASE with nothing queued behind it goes now. An EVENT_RELEASE waits for the
-                # next flush (this handoff's RELEASE, or the next pump round): only the producer's
-                # event pool waits on it, and the two then travel, and come back, as one message.
-                if verb == "RELEASE" and not self._inbox:
-                    self.session.flush_out()
-            except Exception as e:  # noqa: BLE001
-                log.warning("%s of %s not sent: %s", verb, ho.token[:8], e)
 
     @property
     def held(self) -> int:
         """Handoffs received and not yet released."""
-        return len(self._held)
+        return self.core.held
 
     def receive(self, timeout: float | None = None) -> ReceivedHandoff:
         """The next handoff. Raises EndOfStream once every producer of the channel ended and every
@@ -769,13 +794,19 @@ class Consumer:
         Thread-safe: concurrent callers each get a different handoff."""
         check_timeout(timeout, "receive(timeout=)")
 
-        got = self.session.pull(self._inbox, "REQUEST", lambda: self.credits.want(len(self._inbox), at_least=1),
-                                self.credits.ask, timeout, f"waiting for a handoff on channel {self.session.channel!r}",
-                                stop=lambda: self.ended)
+        got = self.session.pull(self.core.inbox, "REQUEST", self.core.want_request, self.core.requested, timeout,
+                                f"waiting for a handoff on channel {self.session.channel!r}",
+                                stop=lambda: self.core.ended, take_next=self._take)
         if got is None:
             raise EndOfStream(f"every producer of channel {self.session.channel!r} ended its stream and every "
                               "handoff they sent was received")
         return got
+
+    def _take(self) -> ReceivedHandoff:
+        """Under the lock, inside the pump: the oldest delivery, for one ``receive()``."""
+        token, actions = self.core.taken()
+        self._carry_out(actions)  # the inbox emptied: the releases held back for it go now
+        return self._waiting.pop(token)
 
     def wait_open(self, timeout: float | None = None) -> None:
         """Wait until the channel's stream is open: at once when it has not ended, else until a
@@ -867,14 +898,14 @@ class Consumer:
 
     def close(self) -> None:
         """Disconnect. Handoffs still held are released (the broker releases them to producers)."""
-        for ho in list(self._inbox):
+        for ho in list(self._waiting.values()):
             if not ho.released:
                 ho.release()
-        if self._releasing and self.session.alive:
+        if self.core.releasing and self.session.alive:
             try:
                 self.flush_releases(self.session.timeout_s)
             except (TimeoutError, ConnectionError):
-                log.warning("closing with %d release(s) still waiting for device work", len(self._releasing))
+                log.warning("closing with %d release(s) still waiting for device work", self.core.releasing)
         self.session.close()
         with self.session.lock:
             fences, self._fences = self._fences, []

@@ -270,14 +270,17 @@ class Session:
         out.extend(self._dispatch(msg))
 
     def pull(self, queue: deque[Any], verb: str, want: Callable[[], int], asked: Callable[[int], None],
-             timeout: float | None, what: str, stop: Callable[[], bool] | None = None) -> Any:
+             timeout: float | None, what: str, stop: Callable[[], bool] | None = None,
+             take_next: Callable[[], Any] | None = None) -> Any:
         """Take the next item of ``queue`` (filled by dispatch), asking the broker for ``want()``
         more with ``verb{credits}`` whenever the queue is empty and ``want()`` is positive (REQUEST /
         READY). Thread-safe: the check-and-take is one step under the lock (so two callers never
         race for one item), and the ask is re-evaluated on every pump round (so a credit that came
         back, e.g. a delivery the consumer rejected, or a second waiting thread, is asked again
         instead of starving until the timeout). Returns None, asking nothing more, once the queue
-        is empty and ``stop()`` is true (the consumer's end of stream)."""
+        is empty and ``stop()`` is true (the consumer's end of stream). ``take_next``: how the next item
+        is taken (under the lock, ``queue`` not empty; default ``queue.popleft``), for an owner
+        whose queue belongs to a state machine of its own (the consumer's core)."""
         got: list[Any] = []
         stopped: list[bool] = []
 
@@ -285,7 +288,7 @@ class Session:
             if got or stopped:
                 return True
             if queue:
-                got.append(queue.popleft())
+                got.append(queue.popleft() if take_next is None else take_next())
                 if not queue and self._outbox:
                     self.flush_out()  # e.g. releases held while more deliveries were queued
                 return True
