@@ -29,6 +29,7 @@ from ..contract.meta import check_meta
 from ..devices import Device, open_device
 from ..devices.base import Buffer, MemoryExport, order_key
 from ..devices.cuda import CudaDevice, CudaEvent, CudaStream
+from ..devices.pool import Pool
 from ..errors import (
     ClosedError,
     EndOfStream,
@@ -591,7 +592,13 @@ class Consumer:
         self.fenced = 0  # times the broker fenced this consumer (PRODUCER_GONE reason fenced, spec §5)
         self._fence_events: dict[int, CudaEvent] = {}  # the core's pending fence ids -> their events
         self._fence_ids = 0
-        self._fences: list[CudaEvent] = []  # completed fence events, recorded again by later releases
+        # Fence events, recorded again by later releases once completed (creating one per release
+        # costs a driver call, and far more in the emulation).
+        self._fences: Pool[None, CudaEvent] | None = None
+        if self.gpu is not None:
+            gpu = self.gpu
+            self._fences = Pool(lambda _: gpu.create_event(interprocess=False), CudaEvent.close, lambda _: None,
+                                what="fences")
         self.session = Session(endpoint, "consumer", channel, self._hello, self._dispatch,
                                heartbeat_s=heartbeat_s, timeout_s=timeout_s, poll=self._poll_releases)
 
@@ -604,12 +611,8 @@ class Consumer:
 
     # --- deferred releases ------------------------------------------------------------------
     def _fence(self) -> CudaEvent:
-        """A process-local event to record a release fence on: from the pool of completed ones,
-        or new (creating one per release costs a driver call, and far more in the emulation)."""
-        with self.session.lock:
-            if self._fences:
-                return self._fences.pop()
-        return self.gpu.create_event(interprocess=False)  # type: ignore[union-attr]
+        """A process-local event to record a release fence on (a consumer with a GPU only)."""
+        return self._fences.take(None)  # type: ignore[union-attr]  # streams exist only with a GPU
 
     def _release_after(self, ho: ReceivedHandoff, fences: list[CudaEvent]) -> None:
         """The application released ``ho``; its RELEASE goes once every fence event completed (at
@@ -635,7 +638,7 @@ class Consumer:
             ev = self._fence_events[fid]
             if ev.query():
                 del self._fence_events[fid]
-                self._fences.append(ev)
+                self._fences.give(ev)  # type: ignore[union-attr]  # a fence exists: there is a GPU
                 self._carry_out(self.core.fence_completed(fid))
 
     def _poll_releases(self) -> bool:
@@ -907,10 +910,8 @@ class Consumer:
             except (TimeoutError, ConnectionError):
                 log.warning("closing with %d release(s) still waiting for device work", self.core.releasing)
         self.session.close()
-        with self.session.lock:
-            fences, self._fences = self._fences, []
-        for ev in fences:
-            ev.close()
+        if self._fences is not None:
+            self._fences.close(taken_too=False)  # those still pending complete on their own
         if self.declared_stream is not None:
             inproc.unregister_stream(self.declared_stream)
 
