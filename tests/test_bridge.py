@@ -1080,37 +1080,40 @@ def test_handoffs_that_ended_change_the_receiving_bridge_only_in_its_loop():
     """Issue 23: the handed-on buffers' release callback ran in whichever thread pumped the
     producer's session (its background pump among them) and changed the bridge's counters, its
     bounce queue and its fenced list under the loop. The callback now only queues; the loop's
-    _settle() decides, in one thread: a buffer whose consumer went before it arrived is handed
-    on again (at most MAX_BOUNCES times), one whose consumer was fenced is kept, any other goes
-    back. White-box: no link, no broker."""
+    _settle() hands them to the receiver core, in one thread: a buffer whose consumer went before
+    it arrived is handed on again (at most MAX_BOUNCES times), one whose consumer was fenced is
+    kept, any other goes back. White-box: no link, no broker."""
     import threading
     from collections import deque
 
-    from hurray_ipc.broker.bridge import MAX_BOUNCES, BridgeIn
+    from hurray_ipc.broker.bridge import MAX_BOUNCES, BridgeIn, Dest
     from hurray_ipc.client.producer import Ticket
     from hurray_ipc.client.session import RemoteError
     from hurray_ipc.contract.sync import Transport
     from hurray_ipc.format.handle import SyncMode
+    from hurray_ipc.interchange.receiver import HandedOn, ReceiverConfig, ReceiverCore
 
     b = object.__new__(BridgeIn)
-    b.ended, b.bounced, b.fenced_buffers = deque(), deque(), []
-    b.stats = {"delivered": 0, "rejected": 0, "discarded": 0}
+    b.ended, b.fenced_buffers, b.dests, b.delivered = deque(), [], {}, 0
+    b.core = ReceiverCore(ReceiverConfig("v"))
     back: list[str] = []
 
-    def ended(name: str, outcome: str, code: str | None = None, bounces: int = 0) -> None:
+    def ended(dest: int, name: str, outcome: str, code: str | None = None, bounces: int = 0) -> None:
+        b.core.handed[dest] = HandedOn(dest, None, bounces=bounces)
+        b.dests[dest] = Dest(name, back.append, None)
         t = Ticket(1, SyncMode.PRODUCER_SYNCED, False, Transport.IPC, "c", outcome=outcome,
                    error=RemoteError(code, "x") if code else None)
-        b.ended.append(({"tid": 1, "bounces": bounces}, name, back.append, t))
+        b.ended.append((dest, t))
 
     threads = [threading.Thread(target=ended, args=args) for args in (
-        ("released", "released"), ("fenced", "consumer_fenced"), ("gone", "rejected", "consumer_gone"),
-        ("gone-again", "rejected", "consumer_gone", MAX_BOUNCES), ("refused", "rejected", "bad_handle"))]
+        (1, "released", "released"), (2, "fenced", "consumer_fenced"), (3, "gone", "rejected", "consumer_gone"),
+        (4, "gone-again", "rejected", "consumer_gone", MAX_BOUNCES), (5, "refused", "rejected", "bad_handle"))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert (back, list(b.bounced), b.fenced_buffers, b.stats["discarded"]) == ([], [], [], 0)  # nothing yet
+    assert (back, list(b.core.bounced), b.fenced_buffers, b.stats["discarded"]) == ([], [], [], 0)  # nothing yet
     b._settle()
     assert sorted(back) == ["gone-again", "refused", "released"]
-    assert [(p["bounces"], buf) for p, buf, _ in b.bounced] == [(1, "gone")]
+    assert [(b.core.handed[d].bounces, b.dests[d].buf) for d in b.core.bounced] == [(1, "gone")]
     assert b.fenced_buffers == ["fenced"] and b.stats["discarded"] == 2 and not b.ended

@@ -31,7 +31,6 @@ encrypted; plaintext needs ``--insecure``.
 from __future__ import annotations
 
 import argparse
-import bisect
 import collections
 import dataclasses
 import functools
@@ -60,16 +59,42 @@ from hurray_ipc.devices import CudaDevice, DeviceError, open_device, shm
 from hurray_ipc.devices.base import Mapping
 from hurray_ipc.errors import EndOfStream
 from hurray_ipc.format.handle import BufferHandle, HandleError, SyncMode
+from hurray_ipc.interchange.receiver import (
+    Announce,
+    Closed,
+    Closing,
+    ConsumerAsked,
+    Free,
+    HandoffEnded,
+    HandOn,
+    HandOnFailed,
+    Keep,
+    LinkReceived,
+    Offered,
+    OfferFailed,
+    Quarantine,
+    ReceiverAction,
+    ReceiverConfig,
+    ReceiverCore,
+    ReceiverEvent,
+    Reserve,
+    Reserved,
+    ReserveFailed,
+    Send,
+    Tick,
+    Write,
+)
+from hurray_ipc.interchange.receiver import Offer as OfferAction
+from hurray_ipc.interchange.rules import MAX_BOUNCES, SENDER_ENDED, WINDOW, Coverage, transfer_bound
 from hurray_ipc.interop import dlpack
 from hurray_ipc.transport.protocol import (
     LINK_RECEIVER_VERBS,
-    LINK_SENDER_VERBS,
     Message,
     ProtocolError,
-    check_meta,
     decode,
 )
 from hurray_ipc.transport.route import MAX_LINKS, MAX_PEER_CHARS, MAX_WINDOW, Link, Route
+from hurray_ipc.wire import link
 
 from .keyfile import read_token, route_key_path
 from .logfmt import FORMATS
@@ -77,12 +102,13 @@ from .logfmt import configure as configure_logging
 from .rdma import BadOffer, Offer, RdmaEngine, RdmaError, Registration, Transfer, nixl_available, nixl_info
 
 log = logging.getLogger("hurray.bridge")
+# Re-exported: tests and tools import them from here.
+__all__ = ["MAX_BOUNCES", "SENDER_ENDED", "WINDOW", "BridgeIn", "BridgeOut", "Coverage", "Dest", "main", "transfer_bound"]
 
 INTERCHANGE_VERSION = 1
 CHUNK = 1 << 20
 SEND_HWM = 16  # chunks queued per peer: with CHUNK, at most 16 MiB in flight per transfer
 MAX_TENSOR = 1 << 40
-WINDOW = 4  # transfers a receiver grants ahead and holds unended at once (LINK_HELLO "window")
 MAX_IN_FLIGHT = 4  # transfers a sender has queued and not yet released (bounds the handoffs it holds)
 PLANES = ("nixl", "zmq")  # data planes, in this bridge's order of preference (interchange.md R1)
 WRITE_CHUNK = 64 << 20  # bytes per NIXL WRITE (see BridgeOut._post_next_write)
@@ -90,15 +116,8 @@ FAULT_CHUNK = 64 << 20  # bytes of a new destination faulted in per turn of the 
 POLL_RDMA_S = 0.001  # how often a sending bridge looks at posted NIXL WRITEs
 POLL_QUEUED_S = 0.005  # ... at queued zmq frames (their trackers have no descriptor either)
 POLL_IDLE_S = 0.05
-MAX_BOUNCES = 8  # times a receiver hands one buffer on again because its consumer went before it arrived
 DRAIN_S = 0.05  # at most this long handling link messages before a receiver's loop goes round again
 MAX_FAILED_WRITES = 32  # failed NIXL transfers after which a sending bridge renews its agent (_renew_engine)
-SENDER_ENDED = ("rdma_failed", "rdma_timeout", "link_lost")  # a sender's REJECTs that end a transfer (R4.6)
-
-
-def transfer_bound(timeout_s: float, total_bytes: int) -> float:
-    """interchange.md R4: T, a link timeout per started 64 MiB (both bridges compute the same)."""
-    return timeout_s * max(1, -(-total_bytes // (64 << 20)))
 
 
 def open_engine(rdma: bool, role: str, channel: str) -> RdmaEngine | None:
@@ -877,51 +896,27 @@ class DestinationPool:
             self._free(b)
 
 
-class Coverage:
-    """Which bytes of ``[0, size)`` a transfer has received: each TENSOR_DATA frame must land on
-    bytes not yet covered, and the transfer is complete only when every byte is (a byte count
-    alone would take two frames on the same half as the whole buffer)."""
+@dataclass
+class Dest:
+    """A destination the receiver core named (:class:`~hurray_ipc.interchange.receiver.Reserve`):
+    its buffer, how it goes back (its pool's ``give``, or closed: a device copy), and, while it is
+    being faulted in before its offer, the offset from which its pages still are."""
 
-    def __init__(self, size: int):
-        self.size = size
-        self.bytes = 0
-        self._runs: list[list[int]] = []  # sorted, disjoint, non-adjacent [start, end) runs
-
-    def add(self, off: int, n: int) -> bool:
-        """Cover ``[off, off + n)``; False (nothing changes) if it is outside or overlaps."""
-        end = off + n
-        if off < 0 or end > self.size:
-            return False
-        i = bisect.bisect_right(self._runs, [off, float("inf")])
-        if (i > 0 and self._runs[i - 1][1] > off) or (i < len(self._runs) and self._runs[i][0] < end):
-            return False
-        if n == 0:
-            return True
-        if i > 0 and self._runs[i - 1][1] == off:  # join the run before
-            i -= 1
-            self._runs[i][1] = end
-        else:
-            self._runs.insert(i, [off, end])
-        if i + 1 < len(self._runs) and self._runs[i + 1][0] == self._runs[i][1]:  # and the one after
-            self._runs[i][1] = self._runs.pop(i + 1)[1]
-        self.bytes += n
-        return True
-
-    @property
-    def complete(self) -> bool:
-        return self.bytes == self.size
-
-    def first_gap(self) -> str:
-        start = 0
-        for a, b in self._runs:
-            if a > start:
-                return f"[{start}, {a})"
-            start = b
-        return f"[{start}, {self.size})"
+    buf: Any
+    give: Callable[[Any], None]
+    pool: DestinationPool | None
+    tid: int = 0
+    unfaulted: int | None = None
 
 
 class BridgeIn:
-    """Host B: receives transfers and hands each, once complete, to local consumers of ``channel``."""
+    """Host B: receives transfers and hands each, once complete, to local consumers of ``channel``.
+
+    The protocol is :class:`~hurray_ipc.interchange.receiver.ReceiverCore`'s; this loop owns the
+    link socket, the destination buffers (:class:`DestinationPool`), the NIXL agent and the local
+    producer, feeds the core what happened (link messages, time, what its actions came to) and runs
+    the actions it returns. One thread changes both: a handed-on buffer's release is seen by
+    whichever thread pumps the producer's session, which only queues it (:attr:`ended`) for the loop."""
 
     def __init__(self, channel: str, connect: str, *, endpoint: str | None = None, curve: Curve | None = None,
                  device: str = "cpu", timeout_s: float = 3.0, max_bytes: int = MAX_TENSOR, rdma: bool = False,
@@ -941,29 +936,33 @@ class BridgeIn:
         self.producer = Producer(endpoint, channel, device, name=f"bridge-in:{channel}")
         self.route_key = read_route_key(endpoint, route_key)
         self.gpu = self.producer.gpu
-        # transfer_id -> partial transfer, in descriptor order; at most ``window`` (interchange.md §3 receiver 4)
-        self.partials: dict[int, dict[str, Any]] = {}
-        # handed on, but their consumer went before they arrived: (transfer, buffer, give back), to hand on again
-        self.bounced: deque[tuple[dict[str, Any], Any, Callable[[Any], None]]] = deque()
-        # Handed-on buffers whose handoff ended: (transfer, buffer, give back, ticket). The session's
-        # pump fills it from whichever thread pumps; only the loop reads it (_settle), so bridge
-        # state is changed by one thread.
-        self.ended: deque[tuple[dict[str, Any], Any, Callable[[Any], None], Ticket]] = deque()
-        self.linked = False
-        self.last_rx = 0.0
-        self.last_hello = 0.0
-        self.last_ping = 0.0
-        self.last_tx = 0.0
-        self.stats = {"delivered": 0, "rejected": 0, "discarded": 0}
+        self.dests: dict[int, Dest] = {}  # the core's destination ids -> their buffers
+        self.faulting: deque[int] = deque()  # destinations to fault in before their offer, oldest first
+        # Handed-on buffers whose handoff ended: (destination, ticket). The session's pump fills it
+        # from whichever thread pumps; only the loop reads it (_settle), so state is changed by one thread.
+        self.ended: deque[tuple[int, Ticket]] = deque()
+        self.delivered = 0
         self.fenced_buffers: list[Any] = []  # handed on to a consumer that was fenced: kept, never reused
         self.engine = open_engine(rdma, "in", channel)
         self.planes = PLANES if self.engine is not None else ("zmq",)
-        self.plane = "zmq"
         self.pool = DestinationPool(self.cpu, keep=window + 1)
         self.device_pool = self._device_destinations(window)  # NIXL plane into GPU memory, where it can
-        # (reusable from, buffer, its pool), oldest first
-        self.quarantined: deque[tuple[float, Any, DestinationPool]] = deque()
+        self.core = ReceiverCore(ReceiverConfig(channel, window, timeout_s, max_bytes, self.planes,
+                                                self.gpu_destination))
         self.running = False
+
+    @property
+    def linked(self) -> bool:
+        return self.core.linked
+
+    @property
+    def plane(self) -> str:
+        return self.core.plane
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {"delivered": self.delivered, "rejected": self.core.stats.rejected,
+                "discarded": self.core.stats.discarded}
 
     @property
     def gpu_destination(self) -> str | None:
@@ -1007,341 +1006,200 @@ class BridgeIn:
                              "path": "host-staged" if pool is None else "device", "why": why}))
         return pool
 
-    def _send(self, verb: str, header: dict[str, Any], frames: dict[str, Any] | None = None) -> None:
-        self.sock.send_multipart(Message(verb, header, frames or {}).encode())
-        self.last_tx = time.monotonic()
+    # -- running the core's actions --------------------------------------------------------------
 
-    def _reject(self, tid: Any, reason: str, message: str) -> None:
-        self.stats["rejected"] += 1
-        log.warning(json.dumps({"event": "reject", "transfer_id": tid, "reason": reason, "message": message}))
-        self._send("REJECT", {"transfer_id": tid, "reason": reason, "message": message})
-        self._send("CREDIT", {"n": 1})  # the refused transfer used up its credit
+    def _feed(self, event: ReceiverEvent) -> list[ReceiverAction]:
+        actions = self.core.handle(event)
+        self._run(actions)
+        return actions
 
-    def _quarantine(self, p: dict[str, Any]) -> None:
-        """A NIXL destination dropped without the sender's word: deregistered now, reused only
-        2T (twice the transfer bound) after its offer, when every WRITE into it has ended (R4.3, R4.4):
-        neither deregistering nor closing our agent stops a peer's write on every UCX transport."""
-        p["pool"].deregister(p["buf"])
-        # 2T, plus a link timeout for the offer's way to the sender (it counts T from reading it)
-        until = p["offered_at"] + 2 * transfer_bound(self.timeout_s, p["handle"].size) + self.timeout_s
-        self.quarantined.append((until, p["buf"], p["pool"]))
+    def _run(self, actions: list[ReceiverAction]) -> None:
+        """Do what the core asked, in order (an action's outcome goes back to the core at once, so
+        nothing else happens between an action and its answer)."""
+        for a in actions:
+            if isinstance(a, Send):
+                self.sock.send_multipart(link.encode(a.msg))
+            elif isinstance(a, Write):
+                self.dests[a.dest].buf.host_view()[a.offset:a.offset + len(a.data)] = a.data
+            elif isinstance(a, Reserve):
+                self._reserve(a)
+            elif isinstance(a, OfferAction):
+                self._offer(a)
+            elif isinstance(a, HandOn):
+                self._hand_on_one(a)
+            elif isinstance(a, Free):
+                d = self.dests.pop(a.dest)
+                d.give(d.buf)
+            elif isinstance(a, Quarantine):
+                d = self.dests[a.dest]
+                d.unfaulted = None
+                if d.pool is not None:
+                    d.pool.deregister(d.buf)
+            elif isinstance(a, Keep):
+                self.fenced_buffers.append(self.dests.pop(a.dest).buf)
+            elif isinstance(a, Announce):
+                self._announce()
 
-    def _release_quarantined(self, now: float) -> None:
-        while self.quarantined and self.quarantined[0][0] <= now:
-            _, buf, pool = self.quarantined.popleft()
-            pool.give(buf)
-
-    def _discard(self, p: dict[str, Any], why: str, reject: str | None = None, sender_let_go: bool = False) -> None:
-        """Drop partial transfer ``p``; with ``reject``, also tell the sender (REJECT + its credit).
-        ``sender_let_go``: the sender said it ended the transfer (its NIXL no longer writes)."""
-        if self.partials.pop(p["tid"], None) is None:
-            return
-        if "offered_at" in p and not sender_let_go:
-            self._quarantine(p)
-        else:
-            p["pool"].give(p["buf"])
-        self.stats["discarded"] += 1
-        log.warning(json.dumps({"event": "partial_discarded", "transfer_id": p["tid"], "why": why}))
-        if reject is not None:
-            self._reject(p["tid"], reject, why)
-
-    def _discard_unended(self, why: str) -> None:
-        """Drop every transfer still waiting for its TENSOR_DATA_END, without a message (the link is
-        gone or new); those that ended are handed on, in order."""
-        for p in [p for p in self.partials.values() if not p.get("ended")]:
-            self._discard(p, why)
-        self._hand_on()
-
-    def _held(self, h: dict[str, Any]) -> dict[str, Any] | None:
-        """The unended partial transfer ``h["transfer_id"]`` names, if any."""
-        tid = h.get("transfer_id")
-        p = self.partials.get(tid) if type(tid) is int else None
-        return None if p is None or p.get("ended") else p
-
-    def _handle(self, parts: list[zmq.Frame]) -> None:
-        try:
-            msg = decode(parts, allowed=LINK_SENDER_VERBS, views=True)
-        except ProtocolError as e:
-            log.warning(json.dumps({"event": "bad_message", "error": str(e)}))
-            return
-        self.last_rx = time.monotonic()
-        h = msg.header
-        if msg.verb == "LINK_WELCOME":
-            plane = h.get("data_plane", "zmq")
-            if plane not in self.planes:
-                log.warning(json.dumps({"event": "bad_data_plane", "data_plane": str(plane)[:32]}))
-                self.last_hello = 0.0  # a plane we did not offer: say hello again
-                return
-            # A new link: the sender knows none of our unended transfers (its ids may start again).
-            self._discard_unended("the link was set up again")
-            self.plane = plane
-            log.info(json.dumps({"event": "linked", "data_plane": plane, "window": self.window,
-                                 "gpu_destination": self.gpu_destination if plane == "nixl" else None,
-                                 "peer_gpu_source": str(h.get("gpu_source"))[:32]}))
-            self.linked = True
-            self._announce()  # before any handoff of this link: CAPS then names its plane
-            # ``window`` ahead, less the ended transfers still held (each sends its CREDIT when
-            # handed on): the next transfers stream while one is handed on locally.
-            if len(self.partials) < self.window:
-                self._send("CREDIT", {"n": self.window - len(self.partials)})
-        elif msg.verb == "REJECT":
-            if "transfer_id" in h:
-                p = self._held(h)
-                if p is not None and h.get("reason") in SENDER_ENDED:
-                    # The sender ended this transfer: its NIXL request is released (R4.1), so the
-                    # destination may go at once (R4.6); the credit comes back.
-                    self._discard(p, f"the sender rejected it: {h.get('reason')}", sender_let_go=True)
-                    self._send("CREDIT", {"n": 1})
-                    self._hand_on()
-                else:
-                    log.warning(json.dumps({"event": "peer_rejected", "transfer_id": str(h.get("transfer_id"))[:32],
-                                            "reason": str(h.get("reason"))[:64]}))
-                return
-            self.linked = False  # the sender does not know us (restarted): say hello again
-            self.last_hello = 0.0
-        elif msg.verb == "TENSOR_DESCRIPTOR":
-            self._describe(h, msg.frames["handle"])
-            self._hand_on()  # a superseded transfer may have been the one the others waited for
-        elif msg.verb == "RDMA_READY":
-            p = self._held(h)
-            if p is None:
-                return
-            off, n = h.get("byte_offset_in_buffer"), h.get("length")
-            ok = type(off) is int and type(n) is int and n > 0  # JSON integers, not booleans
-            if p.get("reg") is None or not ok or not p["covered"].add(off, n):
-                self._discard(p, f"RDMA_READY {off!r}+{n!r} is outside the buffer, overlaps, or is for a "
-                              "transfer without an offer", reject="bad_offset")
-                self._hand_on()
-        elif msg.verb == "TENSOR_DATA":
-            p = self._held(h)
-            if p is None:
-                return  # data of a transfer we discarded or refused
-            off, data = h.get("byte_offset_in_buffer"), msg.frames["data"]
-            if not isinstance(off, int) or isinstance(off, bool) or not p["covered"].add(off, len(data)):
-                self._discard(p, f"TENSOR_DATA at {off!r}+{len(data)} is outside the buffer or overlaps bytes "
-                              "already received", reject="bad_offset")
-                self._hand_on()
-                return
-            p["buf"].host_view()[off:off + len(data)] = data
-        elif msg.verb == "TENSOR_DATA_END":
-            p = self._held(h)
-            if p is None:
-                return
-            size = p["handle"].size
-            if h.get("total_bytes") != size:
-                self._discard(p, f"TENSOR_DATA_END total_bytes {h.get('total_bytes')!r} is not the "
-                              f"descriptor's {size}", reject="size_mismatch")
-            elif not p["covered"].complete:
-                self._discard(p, f"bytes {p['covered'].first_gap()} never arrived (got {p['covered'].bytes} "
-                              f"of {size})", reject="incomplete")
-            else:
-                p["ended"] = True  # the sender observed its writes complete (R3.5); the registration stays
-            self._hand_on()
-
-    def _describe(self, h: dict[str, Any], raw_handle: Any) -> None:
-        """A TENSOR_DESCRIPTOR: supersede what it displaces (§3 receiver rule 4), check it (rule 1),
-        and hold it as a new partial transfer (on the NIXL plane: offer its destination)."""
-        tid = h.get("transfer_id")
-        if type(tid) is not int:
-            return self._reject(tid, "bad_transfer_id", f"transfer_id {str(tid)[:32]!r} is not an integer")
-        same = self.partials.get(tid)
-        if same is not None:
-            self._discard(same, f"a new descriptor with its transfer_id {tid} arrived", reject="superseded")
-        elif len(self.partials) >= self.window:
-            oldest = next((p for p in self.partials.values() if not p.get("ended")), None)
-            if oldest is None:  # all ended, waiting for a local consumer: their credits are not back
-                return self._reject(tid, "no_credit", f"{self.window} transfers wait to be handed on and "
-                                    "their credits were not returned (sender rule 3)")
-            self._discard(oldest, f"a new descriptor arrived while {self.window} transfers were held (window)",
-                          reject="superseded")
-        try:
-            handle = check_network_handle(BufferHandle.decode(raw_handle))
-        except HandleError as e:
-            return self._reject(tid, e.reason, str(e))
-        if h.get("total_bytes") != handle.size:
-            return self._reject(tid, "size_mismatch", f"total_bytes {h.get('total_bytes')!r} is not the "
-                                f"handle's size {handle.size}")
-        if handle.size > self.max_bytes:
-            return self._reject(tid, "too_large", f"{handle.size} bytes exceed this receiver's {self.max_bytes}")
-        meta = h.get("meta") or None
-        try:
-            check_meta(meta, handle.size)
-        except ProtocolError as e:
-            return self._reject(tid, "bad_meta", str(e))
-        nixl = self.plane == "nixl" and handle.size > 0
-        pool = self.device_pool if nixl and self.device_pool is not None else self.pool
+    def _reserve(self, a: Reserve) -> None:
+        pool = self.device_pool if a.nixl and self.device_pool is not None else self.pool
         self._settle()  # buffers released since the last round go back to their pool first
         try:
-            buf = pool.take(handle.size)  # host memory: every page reserved now (shm.reserve)
+            buf = pool.take(a.size)  # host memory: every page reserved now (shm.reserve)
         except DeviceError as e:  # e.g. /dev/shm cannot hold it beside what is held: refused, not SIGBUS later
-            return self._reject(tid, "no_space", f"cannot allocate the destination of {handle.size} bytes: {e}")
-        p = {"tid": tid, "handle": handle, "meta": meta or {}, "covered": Coverage(handle.size),
-             "buf": buf, "pool": pool}
-        self.partials[tid] = p
-        if nixl:
-            self._offer(p)
+            self._feed(ReserveFailed(a.dest, str(e), time.monotonic()))
+            return
+        self.dests[a.dest] = Dest(buf, pool.give, pool)
+        self._feed(Reserved(a.dest, time.monotonic()))
 
-    def _hand_on(self) -> bool:
-        """Hand on every ended transfer no earlier transfer still waits before, in descriptor order,
-        while a local consumer has asked (first any that came back, ``bounced``): never waiting for
-        one (the loop must go on answering the link). True when a buffer waits for a consumer (an
-        ended transfer's CREDIT goes when it is handed on: that is the sender's backpressure)."""
-        while True:
-            self._settle()  # a handoff that came back since is older than any partial transfer
-            if not (self.bounced or (self.partials and next(iter(self.partials.values())).get("ended"))):
-                break
-            try:
-                if not self.producer.grant_ready(0):
-                    return True
-            except BrokerUnavailable:  # the session says hello again on its own; the buffer waits
-                return True
-            if self.bounced:  # older than any partial transfer: handed on before them
-                self._send_on(*self.bounced.popleft())
-                continue
-            p = next(iter(self.partials.values()))
-            del self.partials[p["tid"]]
-            self._deliver(p)
-        return False
-
-    def _offer(self, p: dict[str, Any]) -> None:
+    def _offer(self, a: OfferAction) -> None:
         """Offer the destination (RDMA_REGISTER, R3.2): at once where it was offered before, else
         once :meth:`_fault_in` has faulted in its pages (host memory)."""
         if self.engine is None:
             return
-        if p["pool"].kind == "DRAM" and not p["pool"].registered(self.engine, p["buf"]):
-            p["unfaulted"] = 0  # the offset from which its pages are still to be faulted in
+        d = self.dests[a.dest]
+        d.tid = a.transfer_id
+        if d.pool is not None and d.pool.kind == "DRAM" and not d.pool.registered(self.engine, d.buf):
+            d.unfaulted = 0
+            self.faulting.append(a.dest)
             return
-        self._send_offer(p)
+        self._send_offer(a.dest, d)
 
     def _fault_in(self) -> bool:
         """Fault in the next FAULT_CHUNK of the oldest destination waiting for it, and offer it once
         all of it is: a page first faulted by the peer's NIXL write costs ~7x one faulted here
         (shm.populate), and one chunk per turn of the loop keeps the link answered (1 GiB takes
         about a second). True while destinations still wait."""
-        p = next((p for p in self.partials.values() if "unfaulted" in p), None)
-        if p is None:
+        while self.faulting:
+            dest = self.faulting[0]
+            d = self.dests.get(dest)
+            if d is not None and d.unfaulted is not None:
+                break
+            self.faulting.popleft()  # dropped meanwhile
+        else:
             return False
-        buf, off = p["buf"], p["unfaulted"]
-        n = min(FAULT_CHUNK, buf.size - off)
+        off = d.unfaulted
+        n = min(FAULT_CHUNK, d.buf.size - off)
         try:
-            shm.populate(buf.ptr + off, n)
+            shm.populate(d.buf.ptr + off, n)
         except DeviceError as e:  # e.g. /dev/shm full: said now, not as the peer's failed write
-            self._discard(p, f"could not fault in the destination: {e}", reject="rdma_failed")
+            d.unfaulted = None
+            self.faulting.popleft()
+            self._feed(OfferFailed(dest, f"could not fault in the destination: {e}", time.monotonic()))
             self._hand_on()
             return True
-        p["unfaulted"] = off + n
-        if p["unfaulted"] >= buf.size:
-            del p["unfaulted"]
-            self._send_offer(p)
+        d.unfaulted = off + n
+        if d.unfaulted >= d.buf.size:
+            d.unfaulted = None
+            self.faulting.popleft()
+            self._send_offer(dest, d)
         return True
 
-    def _send_offer(self, p: dict[str, Any]) -> None:
-        if self.engine is None:
+    def _send_offer(self, dest: int, d: Dest) -> None:
+        if self.engine is None or d.pool is None:
             return
         try:
-            p["reg"] = p["pool"].registration(self.engine, p["buf"])
-            offer = self.engine.expose(p["reg"])
-            if p["pool"] is self.device_pool:
-                p["pool"].device.rdma_expose(p["buf"])  # nothing on the GPU reads it before the flush
+            reg = d.pool.registration(self.engine, d.buf)
+            offer = self.engine.expose(reg)
+            if d.pool is self.device_pool:
+                d.pool.device.rdma_expose(d.buf)  # nothing on the GPU reads it before the flush
         except RdmaError as e:
-            return self._discard(p, f"could not offer the destination: {e}", reject="rdma_failed")
-        self._send("RDMA_REGISTER", {"transfer_id": p["tid"], **offer["header"]}, {"metadata": offer["frames"][0]})
-        p["offered_at"] = time.monotonic()
+            self._feed(OfferFailed(dest, f"could not offer the destination: {e}", time.monotonic()))
+            return
+        self.sock.send_multipart(link.encode(link.RdmaRegister(d.tid, offer["header"], offer["frames"][0])))
+        self._feed(Offered(dest, time.monotonic()))
 
-    def _deliver(self, p: dict[str, Any]) -> None:
-        """Only now, after TENSOR_DATA_END, may anyone read the buffer: hand it on, PRODUCER_SYNCED."""
-        buf, back = p["buf"], p["pool"].give
-        if p["pool"] is self.device_pool:
-            # R5.2, the receiver's half of sync-contract §6: the sender saw its WRITE complete, which does
-            # not order the NIC's writes into our GPU before the consumers' kernels. This does.
-            p["pool"].device.flush_rdma_writes()
-        elif isinstance(self.producer.device, CudaDevice):
-            stream = self.producer.stream
-            if stream is None:  # Producer gives every CUDA device a stream; never expected
-                raise RuntimeError(f"bridge producer on {self.producer.device.identity} has no CUDA stream")
-            dev = self.producer.device.allocate(buf.size)
-            stream.copy(dev, buf.host_view())
-            stream.synchronize()  # visible before the handle leaves: PRODUCER_SYNCED
-            self.pool.give(buf)
-            buf, back = dev, (lambda b: b.close())  # device copies are not pooled
-        self._send_on(p, buf, back)
-        self._send("CREDIT", {"n": 1})
+    def _hand_on_one(self, a: HandOn) -> None:
+        """Only now, after TENSOR_DATA_END, may anyone read the buffer: hand it on, PRODUCER_SYNCED
+        (the first time: made visible to the local device first)."""
+        d = self.dests[a.dest]
+        d.unfaulted = None  # an offer not yet made is void: its transfer ended
+        if not a.again:
+            if d.pool is not None and d.pool is self.device_pool:
+                # R5.2, the receiver's half of sync-contract §6: the sender saw its WRITE complete, which
+                # does not order the NIC's writes into our GPU before the consumers' kernels. This does.
+                d.pool.device.flush_rdma_writes()
+            elif isinstance(self.producer.device, CudaDevice):
+                stream = self.producer.stream
+                if stream is None:  # Producer gives every CUDA device a stream; never expected
+                    raise RuntimeError(f"bridge producer on {self.producer.device.identity} has no CUDA stream")
+                dev = self.producer.device.allocate(d.buf.size)
+                stream.copy(dev, d.buf.host_view())
+                stream.synchronize()  # visible before the handle leaves: PRODUCER_SYNCED
+                d.give(d.buf)
+                d = self.dests[a.dest] = Dest(dev, lambda b: b.close(), None)  # device copies are not pooled
+        self._send_on(a, d.buf)
 
-    def _send_on(self, p: dict[str, Any], buf: Any, back: Callable[[Any], None]) -> None:
-        """Hand ``buf`` (transfer ``p``'s bytes) to the local consumer whose grant is held, without
-        waiting for the broker's answer (the loop must go on answering the link). A handoff whose
-        consumer went before it arrived comes back (``bounced``) and is handed on again, at most
-        MAX_BOUNCES times; any other refusal gives the buffer back, loudly."""
-        m = p["meta"]
+    def _send_on(self, a: HandOn, buf: Any) -> None:
+        """Hand ``buf`` to the local consumer whose grant is held, without waiting for the broker's
+        answer (the loop must go on answering the link): its end comes back through :attr:`ended`."""
+        m = a.meta or {}
         array: dict[str, Any] = {}
         if "typestr" in m:  # checked at the descriptor: the array arrives as it left
             dl = m.get("dl_dtype")
             array = {"shape": tuple(m["shape"]), "dtype": dlpack.EXTRA_BY_CODE[dl[0]][0] if dl else m["typestr"],
                      "readonly": bool(m.get("readonly", False))}
+        dest = a.dest
 
         def released(ticket: Ticket) -> None:  # runs in whichever thread pumps the session: queue it
-            self.ended.append((p, buf, back, ticket))
+            self.ended.append((dest, ticket))
 
-        p.setdefault("bounces", 0)
         try:
             self.producer.send(buf, SyncMode.PRODUCER_SYNCED, block=False, on_release=released, meta=m.get("user"),
                                **array)
-            self.stats["delivered"] += 1
+            self.delivered += 1
         except (BrokerUnavailable, TimeoutError) as e:
             # The local broker is gone: this buffer cannot be handed on. Drop it (loudly) and keep
             # the link; the session re-registers when the broker is back.
-            if not self.producer.holds(buf):
-                back(buf)
-            self.stats["discarded"] += 1
-            log.warning(json.dumps({"event": "local_broker_unavailable", "transfer_id": p["tid"], "error": str(e)}))
+            self._feed(HandOnFailed(dest, str(e), self.producer.holds(buf), time.monotonic()))
 
     def _settle(self) -> None:
-        """Handle the handoffs that ended since the last round (:attr:`ended`), in the loop's
-        thread: one whose consumer went before it arrived is handed on again (at most MAX_BOUNCES
-        times), one whose consumer was fenced is kept, any other buffer goes back."""
+        """Tell the core about the handoffs that ended since the last round (:attr:`ended`), in the
+        loop's thread (it decides: hand on again, keep, or give back)."""
         while self.ended:
-            p, buf, back, ticket = self.ended.popleft()
+            dest, ticket = self.ended.popleft()
             err = ticket.error
-            if err is not None and err.code in ("consumer_gone", "unknown_grant") and p["bounces"] < MAX_BOUNCES:
-                p["bounces"] += 1
-                log.info(json.dumps({"event": "hand_on_again", "transfer_id": p["tid"], "why": err.code}))
-                self.bounced.append((p, buf, back))  # never delivered: hand it on again
-                continue
-            if err is not None:
-                self.stats["discarded"] += 1
-                log.warning(json.dumps({"event": "hand_on_refused", "transfer_id": p["tid"], "error": str(err)[:200]}))
-            if ticket.outcome == "consumer_fenced":
-                # Its consumer may still read it (ipc-protocol.md §5): never pooled, written by the
-                # NIC (a registration pins its pages) or freed again while this bridge runs.
-                self.fenced_buffers.append(buf)
-                continue
-            back(buf)
+            self._feed(HandoffEnded(dest, time.monotonic(),
+                                    consumer_gone=err is not None and err.code in ("consumer_gone", "unknown_grant"),
+                                    error=None if err is None else str(err),
+                                    fenced=ticket.outcome == "consumer_fenced"))
+
+    def _hand_on(self) -> bool:
+        """Hand on every buffer the core has ready, in its order, while a local consumer has asked:
+        never waiting for one (the loop must go on answering the link). True when a buffer waits
+        for a consumer (an ended transfer's CREDIT goes when it is handed on: that is the sender's
+        backpressure)."""
+        while True:
+            self._settle()  # a handoff that came back since is older than any partial transfer
+            if not self.core.ready:
+                return False
+            try:
+                if not self.producer.grant_ready(0):
+                    return True
+            except BrokerUnavailable:  # the session says hello again on its own; the buffer waits
+                return True
+            self._feed(ConsumerAsked(time.monotonic()))
+
+    def _handle(self, parts: list[zmq.Frame]) -> None:
+        """One link message from the sender, decoded once (wire/link.py), to the core."""
+        try:
+            msg: link.LinkMessage | link.TransferFault = link.decode(parts, link.FROM_SENDER)
+        except link.TransferFault as e:
+            msg = e
+        except ProtocolError as e:
+            log.warning(json.dumps({"event": "bad_message", "error": str(e)}))
+            return
+        self._feed(LinkReceived(msg, time.monotonic()))
+        if not isinstance(msg, link.TensorData):  # one may have ended, or been dropped before the others
+            self._hand_on()
 
     def serve(self, stop: threading.Event | None = None) -> None:
         stop = stop or threading.Event()
         self.running = True
         try:
             while not stop.is_set():
-                now = time.monotonic()
-                if not self.linked and now - self.last_hello > 0.5:
-                    self._send("LINK_HELLO", {"protocol": INTERCHANGE_VERSION, "channel": self.channel,
-                                              "data_planes": list(self.planes), "window": self.window,
-                                              **({"gpu_destination": self.gpu_destination}
-                                                 if self.gpu_destination else {})})
-                    self.last_hello = now
-                elif self.linked and (now - self.last_tx > self.timeout_s / 3
-                                      or now - max(self.last_rx, self.last_ping) > self.timeout_s / 3):
-                    # Sent nothing (the sender forgets a silent receiver, §4, even while it streams
-                    # to it), or heard nothing (the PONG says the sender is there).
-                    self._send("LINK_PING", {})
-                    self.last_ping = now
-                self._release_quarantined(now)
-                if self.linked and now - self.last_rx > self.timeout_s:
-                    self.linked = False
-                    self._discard_unended(f"no word from the sender for {self.timeout_s} s (link cut or sender gone)")
+                self._feed(Tick(time.monotonic()))
                 self._announce()
-                offered = self.engine is not None and any("offered_at" in p and not p.get("ended")
-                                                          for p in self.partials.values())
+                offered = self.engine is not None and self.core.offered
                 if offered and self.engine is not None:
                     try:
                         self.engine.progress()  # UCX may need us for a WRITE into an offered region to land
@@ -1370,19 +1228,12 @@ class BridgeIn:
             self.running = False
             log.info(json.dumps({"event": "bridge_closed", "side": "in", **self.stats,
                                  "nixl_registrations": self.engine.registered_total if self.engine else None}))
-            for p in list(self.partials.values()):
-                self._discard(p, "closing")
+            self._feed(Closing(time.monotonic()))
             # Held buffers come back to the pool (or are freed) first. A bridge stopping does not
             # end the stream of the channel it feeds: its upstream producers did not end it.
             self.producer.close(end=False)
             self._settle()
-            while self.bounced:
-                _, buf, back = self.bounced.popleft()
-                back(buf)
-            self._release_quarantined(time.monotonic())
-            if self.quarantined:  # a peer's WRITE may still land in them (R4.4): never freed, left to exit
-                log.warning(json.dumps({"event": "quarantined_at_close", "buffers": len(self.quarantined)}))
-                self.quarantined.clear()
+            self._feed(Closed(time.monotonic()))  # what is still quarantined is left to exit (R4.4)
             self.pool.close()
             if self.device_pool is not None:
                 self.device_pool.close()
@@ -1390,6 +1241,7 @@ class BridgeIn:
                 self.engine.close()
             self.sock.close(linger=0)
             self.ctx.term()
+
 
 
 def main(argv: list[str] | None = None) -> int:

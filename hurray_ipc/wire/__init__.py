@@ -1,0 +1,1 @@
+"""Typed wire messages: each verb a frozen dataclass, decoded and validated once at the edge."""
