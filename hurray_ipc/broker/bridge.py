@@ -31,7 +31,6 @@ encrypted; plaintext needs ``--insecure``.
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import functools
 import itertools
@@ -85,6 +84,7 @@ from hurray_ipc.interchange.receiver import (
     Write,
 )
 from hurray_ipc.interchange.receiver import Offer as OfferAction
+from hurray_ipc.interchange.rules import MAX_BOUNCES, SENDER_ENDED, WINDOW, Coverage, transfer_bound
 from hurray_ipc.interchange.sender import (
     MAX_FAILED_WRITES,
     MAX_IN_FLIGHT,
@@ -103,25 +103,24 @@ from hurray_ipc.interchange.sender import (
     PostWrite,
     Reaped,
     Release,
-    SendFailed,
     SenderAction,
     SenderConfig,
     SenderCore,
     SenderEvent,
+    SendFailed,
     SendTransfer,
     Started,
     Unreachable,
     Unreadable,
     Unregister,
     WriteDone,
-    WritesEnded,
     WriteFailed,
+    WritesEnded,
 )
 from hurray_ipc.interchange.sender import Closing as SenderClosing
 from hurray_ipc.interchange.sender import LinkReceived as SenderLinkReceived
 from hurray_ipc.interchange.sender import Send as SenderSend
 from hurray_ipc.interchange.sender import Tick as SenderTick
-from hurray_ipc.interchange.rules import MAX_BOUNCES, SENDER_ENDED, WINDOW, Coverage, transfer_bound
 from hurray_ipc.interop import dlpack
 from hurray_ipc.transport.protocol import ProtocolError
 from hurray_ipc.transport.route import MAX_LINKS, MAX_PEER_CHARS, MAX_WINDOW, Link, Route
@@ -134,7 +133,8 @@ from .rdma import BadOffer, Offer, RdmaEngine, RdmaError, Registration, Transfer
 
 log = logging.getLogger("hurray.bridge")
 # Re-exported: tests and tools import them from here.
-__all__ = ["MAX_BOUNCES", "MAX_FAILED_WRITES", "MAX_IN_FLIGHT", "SENDER_ENDED", "WINDOW", "WRITE_CHUNK", "BridgeIn", "BridgeOut", "Coverage", "Dest", "main", "transfer_bound"]
+__all__ = ["MAX_BOUNCES", "MAX_FAILED_WRITES", "MAX_IN_FLIGHT", "SENDER_ENDED", "WINDOW", "WRITE_CHUNK", "BridgeIn",
+           "BridgeOut", "Coverage", "Dest", "main", "transfer_bound"]
 
 INTERCHANGE_VERSION = 1
 CHUNK = 1 << 20
