@@ -676,3 +676,86 @@ def test_link_messages_round_trip_byte_for_byte() -> None:
     assert not isinstance(pe.value, TransferFault) and pe.value.extra["field"] == "transfer_id"
     with pytest.raises(ProtocolError):
         link.decode([b"LINK_HELLO", b"{}"], link.FROM_SENDER)  # not a verb a receiver takes
+
+
+# --- rules that process tests of tests/test_bridge.py asserted before the core existed -----------
+
+
+def _ended(core: ReceiverCore, tid: int, data: bytes, now: float = 0.0) -> list[ReceiverAction]:
+    """Descriptor, one TENSOR_DATA and TENSOR_DATA_END of ``data`` as transfer ``tid``."""
+    out = core.handle(LinkReceived(decoded(descriptor_frames(tid, len(data))), now))
+    out += _reserve(core, out, now)
+    out += core.handle(LinkReceived(TensorData(tid, 0, data), now))
+    return out + core.handle(LinkReceived(TensorDataEnd(tid, len(data)), now))
+
+
+def test_a_new_link_discards_unended_transfers_without_a_message() -> None:
+    """§3 receiver rule 4: after a second LINK_WELCOME the sender's transfer_ids may start again, so
+    an unended transfer of the old link is discarded silently, not answered as superseded; the same
+    id then starts a new transfer, handed on whole. (Was a process test in test_bridge.py.)"""
+    core = _core()
+    core.handle(LinkReceived(LinkWelcome(), 0.0))
+    out = core.handle(LinkReceived(decoded(descriptor_frames(1, 8)), 0.0))
+    out += _reserve(core, out)
+    old = [a for a in out if isinstance(a, Reserve)][0].dest
+    core.handle(LinkReceived(TensorData(1, 0, bytes(4)), 0.0))
+    out = core.handle(LinkReceived(LinkWelcome(), 0.1))
+    assert out == [Free(old), Announce(), Send(Credit(WINDOW))], "discarded without a REJECT; the window again"
+    out = _ended(core, 1, bytes(range(8)), 0.2)
+    assert not [m for m in _sends(out) if isinstance(m, Reject)]
+    (h,) = [a for a in core.handle(ConsumerAsked(0.3)) if isinstance(a, HandOn)]
+    assert h.transfer_id == 1 and h.dest != old
+
+
+def test_a_descriptor_past_ended_transfers_waiting_for_a_consumer_is_refused_no_credit() -> None:
+    """§3 receiver rule 4: with its window (2) full of transfers that ended but wait for a local
+    consumer, a third descriptor is refused (no_credit, and a credit) and nothing is discarded; a
+    new LINK_WELCOME then grants the window less what is held (nothing), and each hand-on, in
+    order, its one credit. (Was a process test in test_bridge.py.)"""
+    core = _core(window=2)
+    assert core.handle(LinkReceived(LinkWelcome(), 0.0))[-1] == Send(Credit(2))
+    for tid in (1, 2):
+        _ended(core, tid, bytes([tid]) * 8)
+    out = core.handle(LinkReceived(decoded(descriptor_frames(3, 8)), 0.0))
+    assert out == [Send(Reject("no_credit", "2 transfers wait to be handed on and their credits were not returned "
+                                            "(sender rule 3)", 3)), Send(Credit(1))]
+    assert list(core.partials) == [1, 2]
+    assert core.handle(LinkReceived(LinkWelcome(), 0.1)) == [Announce()], "the window less the two held: nothing"
+    handed = [core.handle(ConsumerAsked(0.2)) for _ in range(2)]
+    assert [[type(a).__name__ for a in h] for h in handed] == [["HandOn", "Send"]] * 2
+    assert [h[0].transfer_id for h in handed] == [1, 2] and all(h[1] == Send(Credit(1)) for h in handed)
+
+
+def test_a_receiver_that_only_hears_still_speaks_every_third_of_its_timeout() -> None:
+    """§4: a sender forgets a receiver silent for its timeout even while it streams to it, so the
+    receiver pings when it has *sent* nothing for a third of its timeout, not only when it has heard
+    nothing. Here the sender speaks every 50 ms for 4 timeouts. (Was a process test.)"""
+    core = _core()
+    core.handle(LinkReceived(LinkWelcome(), 0.0))  # its CREDIT was the last thing said (at 0.0)
+    said, now = [0.0], 0.0
+    while now < 4 * TIMEOUT:
+        now += 0.05
+        core.handle(LinkReceived(link.LinkPong(), now))
+        if _sends(core.handle(Tick(now))):
+            said.append(now)
+    assert max(b - a for a, b in zip(said, said[1:], strict=False)) <= TIMEOUT / 3 + 0.05 + 1e-9
+
+
+def test_a_sync_mode_other_than_producer_synced_is_refused_and_a_cut_link_discards_the_partial() -> None:
+    """§3 receiver rules 1 and 4: SYNC_EVENT refused (network_sync_mode, with its credit); a sender
+    silent past the timeout costs the unended transfer, never handed on; on the next link a complete
+    transfer is. (Was a process test in test_bridge.py.)"""
+    core = _core()
+    core.handle(LinkReceived(LinkWelcome(), 0.0))
+    out = core.handle(LinkReceived(decoded(descriptor_frames(1, 64, sync=1)), 0.0))
+    assert [getattr(m, "reason", None) for m in _sends(out)] == ["network_sync_mode", None]
+    out = core.handle(LinkReceived(decoded(descriptor_frames(2, 8)), 0.0))
+    _reserve(core, out)
+    core.handle(LinkReceived(TensorData(2, 0, bytes(4)), 0.0))
+    out = core.handle(Tick(TIMEOUT + 0.01))
+    assert [a for a in out if isinstance(a, Free)] and not core.partials and not core.linked
+    assert core.handle(ConsumerAsked(TIMEOUT)) == []
+    core.handle(LinkReceived(LinkWelcome(), 2.0))
+    _ended(core, 3, bytes(8), 2.0)
+    (h,) = [a for a in core.handle(ConsumerAsked(2.0)) if isinstance(a, HandOn)]
+    assert h.transfer_id == 3

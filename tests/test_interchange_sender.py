@@ -519,3 +519,16 @@ def test_a_write_nixl_cannot_cancel_closes_the_agent_before_any_release_and_drop
     out = core.handle(WritesEnded(1, False, 0.1))
     assert out == [CloseEngine(), Release(1), Release(2)], "no REJECT: a closed agent is no fence (R4.5)"
     assert not core.peers and core.planes == (Plane.ZMQ,) and not core.transfers
+
+
+def test_malformed_transfer_ids_end_nothing_and_the_link_stays_served() -> None:
+    """A REJECT and an RDMA_REGISTER whose transfer_id is no integer name no transfer: logged, or
+    answered `unexpected`, and the peer's next PING is answered. (Was a process test.)"""
+    core = _core()
+    core.handle(LinkReceived(b"a", LinkHello("ch"), 0.0))
+    rej = link.decode([b"REJECT", b'{"transfer_id":[1],"reason":"x","message":"x"}'], link.FROM_RECEIVER)
+    reg = link.decode([b"RDMA_REGISTER", b'{"transfer_id":{"a":1}}', b"metadata"], link.FROM_RECEIVER)
+    assert core.handle(LinkReceived(b"a", rej, 0.1)) == [] and core.stats.rejected == 1
+    assert core.handle(LinkReceived(b"a", reg, 0.2)) == [
+        Send(b"a", Reject("unexpected", "no transfer of this link waits for RDMA_REGISTER", {"a": 1}))]
+    assert core.handle(LinkReceived(b"a", LinkPing(), 0.3)) == [Send(b"a", LinkPong())]
