@@ -671,6 +671,7 @@ def test_link_messages_round_trip_byte_for_byte() -> None:
         with pytest.raises(TransferFault) as e:
             link.decode(parts, link.FROM_SENDER)
         assert e.value.reason == reason and e.value.code == "bad_header", field_
+        assert field_ in e.value.extra["field"], (field_, e.value.extra)  # the field named, with its value
     with pytest.raises(ProtocolError) as pe:
         link.decode([b"TENSOR_DATA", b'{"transfer_id":"1","byte_offset_in_buffer":0}', b"x"], link.FROM_SENDER)
     assert not isinstance(pe.value, TransferFault) and pe.value.extra["field"] == "transfer_id"

@@ -136,7 +136,6 @@ log = logging.getLogger("hurray.bridge")
 __all__ = ["MAX_BOUNCES", "MAX_FAILED_WRITES", "MAX_IN_FLIGHT", "SENDER_ENDED", "WINDOW", "WRITE_CHUNK", "BridgeIn",
            "BridgeOut", "Coverage", "Dest", "main", "transfer_bound"]
 
-INTERCHANGE_VERSION = 1
 CHUNK = 1 << 20
 SEND_HWM = 16  # chunks queued per peer: with CHUNK, at most 16 MiB in flight per transfer
 MAX_TENSOR = 1 << 40

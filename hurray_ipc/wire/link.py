@@ -57,8 +57,9 @@ class TransferFault(ProtocolError):
     it) that the receiver answers with ``REJECT{reason}``. ``size``: a descriptor's handle size,
     where the handle was valid (a receiver checks ``too_large`` before ``bad_meta``, §3 rule 1)."""
 
-    def __init__(self, verb: str, transfer_id: object, reason: str, message: str, size: int | None = None):
-        super().__init__("bad_header", message, verb=verb, reason=reason)
+    def __init__(self, verb: str, transfer_id: object, reason: str, message: str, size: int | None = None, *,
+                 field: str, value: object):
+        super().__init__("bad_header", message, verb=verb, reason=reason, field=field, value=str(value)[:48])
         self.verb, self.transfer_id, self.reason, self.detail, self.size = verb, transfer_id, reason, message, size
 
 
@@ -269,20 +270,22 @@ def _descriptor(m: Message) -> TensorDescriptor:
     h, raw_tid = m.header, m.header.get("transfer_id")
     tid = _int(raw_tid)
     if tid is None:
-        raise TransferFault(m.verb, raw_tid, "bad_transfer_id", f"transfer_id {str(raw_tid)[:32]!r} is not an integer")
+        raise TransferFault(m.verb, raw_tid, "bad_transfer_id", f"transfer_id {str(raw_tid)[:32]!r} is not an integer",
+                            field="transfer_id", value=raw_tid)
     try:
         handle = check_network_handle(BufferHandle.decode(m.frames["handle"]))
     except HandleError as e:
-        raise TransferFault(m.verb, tid, e.reason, str(e)) from None
+        raise TransferFault(m.verb, tid, e.reason, str(e), field=f"handle.{e.field}", value=e.value) from None
     total = h.get("total_bytes")
     if _int(total) != handle.size:
         raise TransferFault(m.verb, tid, "size_mismatch", f"total_bytes {total!r} is not the handle's size "
-                            f"{handle.size}")
+                            f"{handle.size}", field="total_bytes", value=total)
     meta = h.get("meta") or None
     try:
         check_meta(meta, handle.size)
     except ProtocolError as e:
-        raise TransferFault(m.verb, tid, "bad_meta", str(e), size=handle.size) from None
+        raise TransferFault(m.verb, tid, "bad_meta", str(e), size=handle.size, field=str(e.extra.get("field", "meta")),
+                            value=e.extra.get("value", meta)) from None
     return TensorDescriptor(tid, handle, meta)
 
 
@@ -291,7 +294,7 @@ def _data(m: Message) -> TensorData:
     off = _int(raw)
     if off is None:
         raise TransferFault(m.verb, tid, "bad_offset", f"TENSOR_DATA at {raw!r}+{len(data)} is outside the buffer "
-                            "or overlaps bytes already received")
+                            "or overlaps bytes already received", field="byte_offset_in_buffer", value=raw)
     return TensorData(tid, off, data)
 
 
@@ -300,7 +303,9 @@ def _ready(m: Message) -> RdmaReady:
     if off is None or n is None or n <= 0:
         raise TransferFault(m.verb, tid, "bad_offset",
                             f"RDMA_READY {m.header.get('byte_offset_in_buffer')!r}+{m.header.get('length')!r} is "
-                            "outside the buffer, overlaps, or is for a transfer without an offer")
+                            "outside the buffer, overlaps, or is for a transfer without an offer",
+                            field="byte_offset_in_buffer" if off is None else "length",
+                            value=m.header.get("byte_offset_in_buffer") if off is None else m.header.get("length"))
     return RdmaReady(tid, off, n)
 
 
