@@ -84,7 +84,7 @@ from hurray_ipc.interchange.receiver import (
     Write,
 )
 from hurray_ipc.interchange.receiver import Offer as OfferAction
-from hurray_ipc.interchange.rules import MAX_BOUNCES, SENDER_ENDED, WINDOW, Coverage, transfer_bound
+from hurray_ipc.interchange.rules import MAX_BOUNCES, SENDER_ENDED, WINDOW, Coverage, Plane, transfer_bound
 from hurray_ipc.interchange.sender import (
     MAX_FAILED_WRITES,
     MAX_IN_FLIGHT,
@@ -98,7 +98,6 @@ from hurray_ipc.interchange.sender import (
     OfferAccepted,
     OfferRefused,
     Peer,
-    Plane,
     PostNext,
     PostWrite,
     Reaped,
@@ -139,7 +138,6 @@ __all__ = ["MAX_BOUNCES", "MAX_FAILED_WRITES", "MAX_IN_FLIGHT", "SENDER_ENDED", 
 CHUNK = 1 << 20
 SEND_HWM = 16  # chunks queued per peer: with CHUNK, at most 16 MiB in flight per transfer
 MAX_TENSOR = 1 << 40
-PLANES = ("nixl", "zmq")  # data planes, in this bridge's order of preference (interchange.md R1)
 FAULT_CHUNK = 64 << 20  # bytes of a new destination faulted in per turn of the loop (BridgeIn._fault_in)
 POLL_RDMA_S = 0.001  # how often a sending bridge looks at posted NIXL WRITEs
 POLL_QUEUED_S = 0.005  # ... at queued zmq frames (their trackers have no descriptor either)
@@ -534,7 +532,7 @@ class BridgeOut:
             log.warning(json.dumps({"event": "rdma_close_failed", "error": str(e)}))
         self.engine = open_engine(True, "out", self.channel)
         log.info(json.dumps({"event": "rdma_agent_renewed", "failed_writes": self.core.failed_writes,
-                             "data_planes": list(PLANES if self.engine is not None else ("zmq",))}))
+                             "data_planes": ["nixl", "zmq"] if self.engine is not None else ["zmq"]}))
         self._feed(EngineRenewed(self.engine is not None))
 
     def _transfer(self, a: SendTransfer) -> None:
@@ -843,7 +841,7 @@ class BridgeIn:
         self.delivered = 0
         self.fenced_buffers: list[Any] = []  # handed on to a consumer that was fenced: kept, never reused
         self.engine = open_engine(rdma, "in", channel)
-        self.planes = PLANES if self.engine is not None else ("zmq",)
+        self.planes = (Plane.NIXL, Plane.ZMQ) if self.engine is not None else (Plane.ZMQ,)
         self.pool = DestinationPool(self.cpu, keep=window + 1)
         self.device_pool = self._device_destinations(window)  # NIXL plane into GPU memory, where it can
         self.core = ReceiverCore(ReceiverConfig(channel, window, timeout_s, max_bytes, self.planes,
@@ -856,7 +854,7 @@ class BridgeIn:
 
     @property
     def plane(self) -> str:
-        return self.core.plane
+        return self.core.plane.value
 
     @property
     def stats(self) -> dict[str, int]:

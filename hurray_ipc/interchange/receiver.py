@@ -58,7 +58,7 @@ from hurray_ipc.wire.link import (
     TransferFault,
 )
 
-from .rules import MAX_BOUNCES, SENDER_ENDED, WINDOW, Coverage, transfer_bound
+from .rules import MAX_BOUNCES, SENDER_ENDED, WINDOW, Coverage, Plane, transfer_bound
 
 log = logging.getLogger("hurray.bridge")
 
@@ -74,7 +74,7 @@ class ReceiverConfig:
     window: int = WINDOW
     timeout_s: float = 3.0
     max_bytes: int = 1 << 40
-    planes: tuple[str, ...] = ("zmq",)  # in this receiver's order of preference (R1.1)
+    planes: tuple[Plane, ...] = (Plane.ZMQ,)  # in this receiver's order of preference (R1.1)
     gpu_destination: str | None = None  # LINK_HELLO, informational (R1.5)
     max_bounces: int = MAX_BOUNCES
 
@@ -310,7 +310,7 @@ class ReceiverCore:
             raise ValueError(f"window {config.window} is outside 1-64")
         self.config = config
         self.linked = False
-        self.plane = "zmq"
+        self.plane = Plane.ZMQ
         self.last_rx = -math.inf
         self.last_tx = -math.inf
         self.last_hello = -math.inf
@@ -341,7 +341,7 @@ class ReceiverCore:
 
     def hello(self) -> LinkHello:
         c = self.config
-        return LinkHello(channel=c.channel, window=c.window, data_planes=c.planes,
+        return LinkHello(channel=c.channel, window=c.window, data_planes=tuple(p.value for p in c.planes),
                          gpu_destination=c.gpu_destination, protocol=INTERCHANGE_VERSION)
 
     # -- events ----------------------------------------------------------------------------------
@@ -466,15 +466,16 @@ class ReceiverCore:
         # LINK_PONG: heard (last_rx); anything else a sender sends is no verb a receiver accepts
 
     def _welcome(self, w: LinkWelcome, out: list[ReceiverAction]) -> None:
-        if w.data_plane not in self.config.planes:
+        plane = next((p for p in self.config.planes if p.value == w.data_plane), None)
+        if plane is None:
             log.warning(json.dumps({"event": "bad_data_plane", "data_plane": w.data_plane[:32]}))
             self.last_hello = -math.inf  # a plane we did not offer: say hello again
             return
         # A new link: the sender knows none of our unended transfers (its ids may start again).
         self._discard_unended("the link was set up again", out)
-        self.plane = w.data_plane
+        self.plane = plane
         log.info(json.dumps({"event": "linked", "data_plane": w.data_plane, "window": self.config.window,
-                             "gpu_destination": self.config.gpu_destination if w.data_plane == "nixl" else None,
+                             "gpu_destination": self.config.gpu_destination if plane is Plane.NIXL else None,
                              "peer_gpu_source": str(w.gpu_source)[:32]}))
         self.linked = True
         out.append(Announce())  # before any handoff of this link: CAPS then names its plane
@@ -526,7 +527,7 @@ class ReceiverCore:
         if isinstance(d, TransferFault):
             return self._reject(tid, d.reason, d.detail, out)
         size = d.total_bytes
-        p = Partial(tid, size, d.meta, next(self._dests), self.plane == "nixl" and size > 0, next(self._seq),
+        p = Partial(tid, size, d.meta, next(self._dests), self.plane is Plane.NIXL and size > 0, next(self._seq),
                     Coverage(size))
         self.partials[tid] = p
         self._by_dest[p.dest] = p

@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 import bisect
+import enum
 from typing import Final
+
+
+class Plane(enum.Enum):
+    """Data planes, as LINK_HELLO and LINK_WELCOME name them (R1)."""
+
+    NIXL = "nixl"
+    ZMQ = "zmq"
+
 
 WINDOW: Final = 4  # transfers a receiver grants ahead and holds unended at once (LINK_HELLO "window")
 MAX_BOUNCES: Final = 8  # times a receiver hands one buffer on again because its consumer went before it arrived

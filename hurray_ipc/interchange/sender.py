@@ -48,20 +48,13 @@ from hurray_ipc.wire.link import (
     TensorDataEnd,
 )
 
-from .rules import transfer_bound
+from .rules import Plane, transfer_bound
 
 log = logging.getLogger("hurray.bridge")
 
 MAX_IN_FLIGHT = 4  # transfers a sender has under way and not yet released (bounds the handoffs it holds)
 WRITE_CHUNK = 64 << 20  # bytes per NIXL WRITE: one per turn of the loop keeps the link answered (R6)
 MAX_FAILED_WRITES = 32  # failed NIXL transfers after which the loop renews its agent
-
-
-class Plane(enum.Enum):
-    """Data planes, as LINK_HELLO and LINK_WELCOME name them (R1)."""
-
-    NIXL = "nixl"
-    ZMQ = "zmq"
 
 
 @dataclass(frozen=True)
