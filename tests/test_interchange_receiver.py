@@ -68,7 +68,7 @@ from hurray_ipc.interchange.receiver import (
     Tick,
     Write,
 )
-from hurray_ipc.interchange.rules import SENDER_ENDED, transfer_bound
+from hurray_ipc.interchange.rules import SENDER_ENDED, Plane, transfer_bound
 from hurray_ipc.transport.protocol import ProtocolError
 from hurray_ipc.wire import link
 from hurray_ipc.wire.link import (
@@ -135,7 +135,7 @@ class ReceiverMachine(RuleBasedStateMachine):
         super().__init__()
         self.now = 0.0
         self.core = self.core_class(ReceiverConfig("ch", window=WINDOW, timeout_s=TIMEOUT, max_bytes=64,
-                                                   planes=("nixl", "zmq"), max_bounces=MAX_BOUNCES))
+                                                   planes=(Plane.NIXL, Plane.ZMQ), max_bounces=MAX_BOUNCES))
         self.credits = 0  # what the sender may still start (negative: it sent without credit)
         self.tids = iter(range(1, 1 << 30))
         self.transfers: dict[int, SentTransfer] = {}  # the sender's unended transfers
@@ -473,7 +473,7 @@ def test_the_machine_finds_each_broken_rule(broken: type[ReceiverCore]) -> None:
 # --- focused examples --------------------------------------------------------------------------
 
 
-def _core(window: int = WINDOW, planes: tuple[str, ...] = ("zmq",)) -> ReceiverCore:
+def _core(window: int = WINDOW, planes: tuple[Plane, ...] = (Plane.ZMQ,)) -> ReceiverCore:
     return ReceiverCore(ReceiverConfig("ch", window=window, timeout_s=TIMEOUT, planes=planes))
 
 
@@ -521,7 +521,7 @@ def test_no_space_is_a_reject_with_its_credit() -> None:
 
 
 def test_a_sender_reject_of_another_reason_ends_nothing() -> None:
-    core = _core(planes=("nixl", "zmq"))
+    core = _core(planes=(Plane.NIXL, Plane.ZMQ))
     core.handle(LinkReceived(LinkWelcome(data_plane="nixl"), 0.0))
     out = _reserve(core, core.handle(LinkReceived(decoded(descriptor_frames(1, 8)), 0.0)))
     (offer,) = out
@@ -533,7 +533,7 @@ def test_a_sender_reject_of_another_reason_ends_nothing() -> None:
 
 
 def test_an_offered_destination_dropped_without_the_senders_word_is_quarantined() -> None:
-    core = _core(planes=("nixl", "zmq"))
+    core = _core(planes=(Plane.NIXL, Plane.ZMQ))
     core.handle(LinkReceived(LinkWelcome(data_plane="nixl"), 0.0))
     (offer,) = _reserve(core, core.handle(LinkReceived(decoded(descriptor_frames(1, 8)), 0.0)))
     assert isinstance(offer, Offer)
@@ -546,7 +546,7 @@ def test_an_offered_destination_dropped_without_the_senders_word_is_quarantined(
 
 
 def test_rdma_ready_before_the_offer_is_bad_offset() -> None:
-    core = _core(planes=("nixl", "zmq"))
+    core = _core(planes=(Plane.NIXL, Plane.ZMQ))
     core.handle(LinkReceived(LinkWelcome(data_plane="nixl"), 0.0))
     _reserve(core, core.handle(LinkReceived(decoded(descriptor_frames(1, 8)), 0.0)))
     out = core.handle(LinkReceived(RdmaReady(1, 0, 8), 0.0))

@@ -33,7 +33,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from hurray_ipc.interchange.rules import SENDER_ENDED
+from hurray_ipc.interchange.rules import SENDER_ENDED, Plane
 from hurray_ipc.interchange.sender import (
     AcceptOffer,
     CloseEngine,
@@ -45,7 +45,6 @@ from hurray_ipc.interchange.sender import (
     LinkReceived,
     OfferAccepted,
     OfferRefused,
-    Plane,
     PostNext,
     PostWrite,
     Reaped,
@@ -532,3 +531,20 @@ def test_malformed_transfer_ids_end_nothing_and_the_link_stays_served() -> None:
     assert core.handle(LinkReceived(b"a", reg, 0.2)) == [
         Send(b"a", Reject("unexpected", "no transfer of this link waits for RDMA_REGISTER", {"a": 1}))]
     assert core.handle(LinkReceived(b"a", LinkPing(), 0.3)) == [Send(b"a", LinkPong())]
+
+
+def test_the_nixl_plane_keeps_a_window_of_transfers_in_flight_each_released_once() -> None:
+    """Issue 13: several NIXL transfers per link at once. To a receiver with window 2 a second
+    descriptor goes before the first was answered, a third not (it would supersede); each ends by
+    the receiver's REJECT and is released once. (Was a process test in test_bridge.py.)"""
+    core = _core()
+    core.handle(LinkReceived(b"a", LinkHello("ch", 2, ("nixl", "zmq")), 0.0))
+    core.handle(LinkReceived(b"a", Credit(3), 0.0))
+    for src in (1, 2):
+        assert core.pick() == b"a"
+        assert core.handle(Started(b"a", src, 8, 0.0)) == [Describe(b"a", src, src)]
+    assert core.unended(b"a") == 2 and core.pick() is None, "the window is full, though a credit is left"
+    for tid in (1, 2):
+        assert core.handle(LinkReceived(b"a", Reject("too_large", "test", tid), 0.1)) == [EndWrites(tid)]
+        assert core.handle(WritesEnded(tid, True, 0.1)) == [Unregister(tid), Release(tid)]
+    assert core.pick() == b"a" and not core.transfers
