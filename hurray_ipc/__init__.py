@@ -17,11 +17,12 @@ Layers, each importing only those below it::
 
     errors.py   the exception hierarchy (a leaf: imports nothing)
     format/     the 16-byte buffer handle                        (bottom)
-    wire/       the messages' codec and its one strict field validator
     contract/   sync modes per transport; array metadata; the handoff object
+    wire/       the messages' codecs (IPC, interchange link) and the one strict field validator
     devices/    CPU shared memory, CUDA (real or emulated backend); pools of device resources
     transport/  sockets, pairing, liveness, routes
     interop/    user objects in and out: CUDA Array Interface, DLPack, buffer protocol, staging
+    interchange/ the bridge's sender and receiver rules, without I/O
     client/     Producer and Consumer
     cli/, broker/ (top)
 """

@@ -223,102 +223,6 @@ def _longest_silence(s, rid, seconds):
     return max(y - x for x, y in zip(heard, heard[1:], strict=False))
 
 
-def test_receiver_that_only_hears_still_speaks_every_third_of_its_timeout(two_brokers):
-    """§4: a sender forgets a receiver silent for its timeout, even while streaming to it; so a
-    receiver pings when it has sent nothing for a third of its timeout, not only when it has heard
-    nothing. Here the sender speaks every 50 ms for 4 s (a long transfer's frames would too) and
-    the receiver must never be silent for its timeout (1.5 s): before the rule it said nothing
-    after its first CREDIT."""
-    _, b = two_brokers
-    url = f"tcp://127.0.0.1:{free_port()}"
-    s = raw_sender(url)
-    inn = bridge("in", "--channel", "x", "--endpoint", b.endpoint, "--connect", url, "--insecure", "--timeout", "1.5")
-    try:
-        rid, _ = recv(s, "LINK_HELLO")
-        send(s, rid, "LINK_WELCOME", {"protocol": 1})
-        recv(s, "CREDIT")
-        gap = _longest_silence(s, rid, 4.0)
-        assert gap < 1.5, f"the receiver said nothing for {gap:.2f} s while it heard from us every 50 ms"
-    finally:
-        stop(inn)
-        s.close()
-
-
-def test_receiver_rejects_non_synced_and_discards_partial(two_brokers):
-    _, b = two_brokers
-    url = f"tcp://127.0.0.1:{free_port()}"
-    s = raw_sender(url)
-    inn = bridge("in", "--channel", "x", "--endpoint", b.endpoint, "--connect", url, "--insecure", "--timeout", "1.5")
-    c = Proc(workload.run_consumer, endpoint=b.endpoint, channel="x", device="cpu", count=1, env={}, timeout=30)
-    try:
-        rid, hello = recv(s, "LINK_HELLO")
-        assert hello == {"protocol": 1, "channel": "x", "data_planes": ["zmq"], "window": 4}  # no --rdma: zmq only
-        send(s, rid, "LINK_WELCOME", {"protocol": 1})
-        recv(s, "CREDIT")
-        # 1. a descriptor declaring SYNC_EVENT is refused, with the reason
-        send(s, rid, "TENSOR_DESCRIPTOR", {"transfer_id": 1, "total_bytes": 64},
-             struct.pack("<QIBB2s", 64, 64, 1, 1, b"\0\0"))
-        _, rej = recv(s, "REJECT")
-        assert rej["transfer_id"] == 1 and rej["reason"] == "network_sync_mode"
-        # 2. a sender that dies mid-transfer: the partial buffer is discarded, never handed on
-        data = workload.pattern(9, 0, 8192).tobytes()
-        send(s, rid, "TENSOR_DESCRIPTOR", {"transfer_id": 2, "total_bytes": 8192},
-             struct.pack("<QIBB2s", 8192, 64, 0, 0, b"\0\0"))
-        send(s, rid, "TENSOR_DATA", {"transfer_id": 2, "byte_offset_in_buffer": 0}, data[:4096])
-        rid, _ = recv(s, "LINK_HELLO", timeout=15000)  # silence > timeout: link considered cut
-        # 3. the link comes back: a complete transfer is delivered intact
-        send(s, rid, "LINK_WELCOME", {"protocol": 1})
-        recv(s, "CREDIT")
-        send(s, rid, "TENSOR_DESCRIPTOR", {"transfer_id": 3, "total_bytes": 8192},
-             struct.pack("<QIBB2s", 8192, 64, 0, 0, b"\0\0"))
-        send(s, rid, "TENSOR_DATA", {"transfer_id": 3, "byte_offset_in_buffer": 4096}, data[4096:])
-        send(s, rid, "TENSOR_DATA", {"transfer_id": 3, "byte_offset_in_buffer": 0}, data[:4096])
-        send(s, rid, "TENSOR_DATA_END", {"transfer_id": 3, "total_bytes": 8192})
-        cr = c.result()
-        assert cr["error"] is None, cr["error"]
-        assert cr["received"] == cr["intact"] == 1 and cr["seen"] == [[9, 0]] or cr["seen"] == [(9, 0)]
-    finally:
-        err = stop(inn)
-        s.close()
-    assert "partial_discarded" in err and "network_sync_mode" in err
-
-
-def test_a_descriptor_past_ended_transfers_waiting_for_a_consumer_is_refused_no_credit(two_brokers):
-    """§3 receiver rule 4: with its window (2) full of transfers that ended but wait for a local
-    consumer (there is none yet), a receiver refuses a third descriptor (no_credit, and a credit)
-    and discards nothing: a consumer that comes later gets both, in order. (Superseding the oldest
-    held transfer, as for unended ones, would throw a complete buffer away.) Rule 5: a new
-    LINK_WELCOME meanwhile grants the window less what is held (here nothing), and each hand-on
-    its one credit."""
-    _, b = two_brokers
-    url = f"tcp://127.0.0.1:{free_port()}"
-    s = raw_sender(url)
-    inn = bridge("in", "--channel", "v", "--endpoint", b.endpoint, "--connect", url, "--insecure", "--window", "2")
-    blobs = [workload.pattern(i, 0, 4096).tobytes() for i in (1, 2)]
-    try:
-        rid, _ = recv(s, "LINK_HELLO")
-        send(s, rid, "LINK_WELCOME", {"protocol": 1})
-        assert recv(s, "CREDIT")[1] == {"n": 2}
-        for tid, data in enumerate(blobs, 1):
-            send(s, rid, "TENSOR_DESCRIPTOR", {"transfer_id": tid, "total_bytes": 4096},
-                 struct.pack("<QIBB2s", 4096, 64, 0, 0, b"\0\0"))
-            send(s, rid, "TENSOR_DATA", {"transfer_id": tid, "byte_offset_in_buffer": 0}, data)
-            send(s, rid, "TENSOR_DATA_END", {"transfer_id": tid, "total_bytes": 4096})
-        send(s, rid, "TENSOR_DESCRIPTOR", {"transfer_id": 3, "total_bytes": 4096},
-             struct.pack("<QIBB2s", 4096, 64, 0, 0, b"\0\0"))
-        _, rej = recv(s, "REJECT")
-        assert (rej["transfer_id"], rej["reason"]) == (3, "no_credit"), rej
-        assert recv(s, "CREDIT")[1] == {"n": 1}, "the refused descriptor's credit (rule 2)"
-        # A new link set-up grants the window less the two held: nothing now, one per hand-on.
-        send(s, rid, "LINK_WELCOME", {"protocol": 1})
-        got = Proc(_collect, endpoint=b.endpoint, n=2).result()
-        assert [g["hex"] for g in got] == [x.hex() for x in blobs]
-        assert [recv(s, "CREDIT")[1] for _ in range(2)] == [{"n": 1}, {"n": 1}]
-    finally:
-        stop(inn)
-        s.close()
-
-
 def test_descriptors_that_fit_alone_but_not_together_get_no_space_not_sigbus(two_brokers):
     """Red team item 7 (interchange.md §3 receiver rule 1): a receiving bridge whose /dev/shm is
     96 MiB (a tmpfs in its own mount namespace) gets two 60 MiB descriptors. Each passes a
@@ -526,59 +430,6 @@ def test_bridge_across_network_namespaces(two_brokers, keys, netns_pair, plane):
         out_err, in_err = stop(out), stop(inn)
     said = f'"data_plane": "{plane}"'
     assert said in out_err and said in in_err, (out_err[-800:], in_err[-800:])
-
-
-def test_interchange_vectors(two_brokers):
-    """Feed the spec's vector transfers to a real receiving bridge and check its verdicts."""
-    from pathlib import Path
-
-    vec = json.loads((Path(__file__).parent / "vectors" / "interchange_messages.json").read_text())
-    _, b = two_brokers
-    url = f"tcp://127.0.0.1:{free_port()}"
-    s = raw_sender(url)
-    inn = bridge("in", "--channel", "v", "--endpoint", b.endpoint, "--connect", url, "--insecure",
-                 "--window", str(vec["window"]))
-    deliveries = [(t, d) for t in vec["transfers"] for d in _listed(t.get("delivered_hex", []))]
-    c = Proc(_collect, endpoint=b.endpoint, n=len(deliveries))
-    try:
-        rid, hello = recv(s, "LINK_HELLO")
-        assert hello["window"] == vec["window"]
-        send(s, rid, "LINK_WELCOME", {"protocol": 1})
-        credits = 0
-
-        def take(verb):  # the receiver's next `verb`, counting every CREDIT on the way
-            nonlocal credits
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                if s.poll(100):
-                    _, v, h = s.recv_multipart()
-                    header = json.loads(h)
-                    credits += header["n"] if v == b"CREDIT" else 0
-                    if v == verb.encode():
-                        return header
-            raise AssertionError(f"no {verb}")
-
-        for t in vec["transfers"]:
-            while credits < vec["window"]:  # every earlier transfer handed on or rejected
-                take("CREDIT")
-            for m in t["messages"]:
-                if bytes.fromhex(m[0]) == b"TENSOR_DESCRIPTOR":
-                    credits -= 1
-                s.send_multipart([rid, *[bytes.fromhex(f) for f in m]])
-            if "reject_reason" in t:
-                assert take("REJECT")["reason"] == t["reject_reason"], t["name"]
-        got = c.result()
-        assert [g["hex"] for g in got] == [d for _, d in deliveries]
-        for g, (t, _) in zip(got, deliveries, strict=True):
-            if "delivered_meta" in t:
-                assert {"typestr": g["typestr"], "shape": g["shape"]} == t["delivered_meta"], t["name"]
-    finally:
-        stop(inn)
-        s.close()
-
-
-def _listed(x):
-    return x if isinstance(x, list) else [x]
 
 
 def _collect(endpoint, n):
@@ -950,85 +801,6 @@ def test_transfer_bound_is_a_link_timeout_per_started_64_mib():
     assert [transfer_bound(3.0, n) for n in (0, 1, 64 * mib, 64 * mib + 1, 1 << 30)] == [3.0, 3.0, 3.0, 6.0, 48.0]
 
 
-def test_a_malformed_transfer_id_does_not_end_the_sending_bridge(two_brokers):
-    a, _ = two_brokers
-    url = f"tcp://127.0.0.1:{free_port()}"
-    out = bridge("out", "--channel", "m", "--endpoint", a.endpoint, "--listen", url, "--insecure")
-    s, say, expect = raw_receiver(url)
-    try:
-        say("LINK_HELLO", {"protocol": 1, "channel": "m"})
-        expect("LINK_WELCOME")
-        say("REJECT", {"transfer_id": [1], "reason": "x", "message": "x"})
-        say("RDMA_REGISTER", {"transfer_id": {"a": 1}}, b"metadata")
-        say("LINK_PING", {})
-        expect("LINK_PONG")  # still serving
-        assert out.poll() is None
-    finally:
-        s.close()
-        stop(out)
-
-
-def test_a_new_link_discards_unended_transfers_without_a_message(two_brokers):
-    """§3 receiver rule 4: after a second LINK_WELCOME the sender's transfer_ids may start again, so an
-    unended transfer of the old link is discarded silently, not answered as superseded."""
-    _, b = two_brokers
-    url = f"tcp://127.0.0.1:{free_port()}"
-    s = raw_sender(url)
-    inn = bridge("in", "--channel", "w", "--endpoint", b.endpoint, "--connect", url, "--insecure")
-    c = Proc(workload.run_consumer, endpoint=b.endpoint, channel="w", device="cpu", count=1, env={}, timeout=30)
-    data = workload.pattern(5, 0, 4096).tobytes()
-    handle = struct.pack("<QIBB2s", 4096, 64, 0, 0, b"\0\0")
-    try:
-        rid, _ = recv(s, "LINK_HELLO")
-        send(s, rid, "LINK_WELCOME", {"protocol": 1})
-        recv(s, "CREDIT")
-        send(s, rid, "TENSOR_DESCRIPTOR", {"transfer_id": 1, "total_bytes": 4096}, handle)
-        send(s, rid, "TENSOR_DATA", {"transfer_id": 1, "byte_offset_in_buffer": 0}, data[:2048])
-        send(s, rid, "LINK_WELCOME", {"protocol": 1})  # a restarted sender: ids start again
-        send(s, rid, "TENSOR_DESCRIPTOR", {"transfer_id": 1, "total_bytes": 4096}, handle)
-        send(s, rid, "TENSOR_DATA", {"transfer_id": 1, "byte_offset_in_buffer": 0}, data)
-        send(s, rid, "TENSOR_DATA_END", {"transfer_id": 1, "total_bytes": 4096})
-        cr = c.result()
-        assert cr["error"] is None and cr["received"] == cr["intact"] == 1, cr
-        # What the receiver said after the second welcome: its window's CREDIT, then the delivery's.
-        said = []
-        while said.count("CREDIT") < 2:
-            assert s.poll(10000), f"the receiver fell silent after {said}"
-            verb = s.recv_multipart()[1].decode()
-            if verb != "LINK_PING":
-                said.append(verb)
-        assert "REJECT" not in said, said
-    finally:
-        err = stop(inn)
-        s.close()
-    assert "the link was set up again" in err
-
-
-@NEEDS_NIXL
-def test_nixl_plane_keeps_a_window_of_transfers_in_flight(two_brokers):
-    """Issue 13: several NIXL transfers per link at once. A receiver with window 2 is sent two
-    descriptors before it answered either (a sender holding one transfer at a time never sends
-    the second); each then ends by the receiver's REJECT and is released to its producer once."""
-    a, _ = two_brokers
-    url = f"tcp://127.0.0.1:{free_port()}"
-    out = bridge("out", "--channel", "n", "--endpoint", a.endpoint, "--listen", url, "--insecure", "--rdma")
-    s, say, expect = raw_receiver(url)
-    p = Proc(workload.run_producer, endpoint=a.endpoint, channel="n", device="cpu", count=2, size=1 << 20, env={},
-             timeout=60)
-    try:
-        say("LINK_HELLO", {"protocol": 1, "channel": "n", "data_planes": ["nixl", "zmq"], "window": 2})
-        assert expect("LINK_WELCOME")["data_plane"] == "nixl"
-        say("CREDIT", {"n": 2})
-        first, second = expect("TENSOR_DESCRIPTOR"), expect("TENSOR_DESCRIPTOR")
-        for d in (first, second):
-            say("REJECT", {"transfer_id": d["transfer_id"], "reason": "too_large", "message": "test"})
-        pr = p.result()
-        assert pr["error"] is None and pr["sent"] == pr["released"] == 2, pr
-    finally:
-        s.close()
-        stop(out)
-
-
 @NEEDS_NIXL
 def test_offers_of_a_gone_agent_do_not_leak_the_sending_bridges_sockets(two_brokers):
     """Red team item 14: a linked receiver answering every descriptor with an offer of a NIXL
@@ -1080,37 +852,40 @@ def test_handoffs_that_ended_change_the_receiving_bridge_only_in_its_loop():
     """Issue 23: the handed-on buffers' release callback ran in whichever thread pumped the
     producer's session (its background pump among them) and changed the bridge's counters, its
     bounce queue and its fenced list under the loop. The callback now only queues; the loop's
-    _settle() decides, in one thread: a buffer whose consumer went before it arrived is handed
-    on again (at most MAX_BOUNCES times), one whose consumer was fenced is kept, any other goes
-    back. White-box: no link, no broker."""
+    _settle() hands them to the receiver core, in one thread: a buffer whose consumer went before
+    it arrived is handed on again (at most MAX_BOUNCES times), one whose consumer was fenced is
+    kept, any other goes back. White-box: no link, no broker."""
     import threading
     from collections import deque
 
-    from hurray_ipc.broker.bridge import MAX_BOUNCES, BridgeIn
+    from hurray_ipc.broker.bridge import MAX_BOUNCES, BridgeIn, Dest
     from hurray_ipc.client.producer import Ticket
     from hurray_ipc.client.session import RemoteError
     from hurray_ipc.contract.sync import Transport
     from hurray_ipc.format.handle import SyncMode
+    from hurray_ipc.interchange.receiver import HandedOn, ReceiverConfig, ReceiverCore
 
     b = object.__new__(BridgeIn)
-    b.ended, b.bounced, b.fenced_buffers = deque(), deque(), []
-    b.stats = {"delivered": 0, "rejected": 0, "discarded": 0}
+    b.ended, b.fenced_buffers, b.dests, b.delivered = deque(), [], {}, 0
+    b.core = ReceiverCore(ReceiverConfig("v"))
     back: list[str] = []
 
-    def ended(name: str, outcome: str, code: str | None = None, bounces: int = 0) -> None:
+    def ended(dest: int, name: str, outcome: str, code: str | None = None, bounces: int = 0) -> None:
+        b.core.handed[dest] = HandedOn(dest, None, bounces=bounces)
+        b.dests[dest] = Dest(name, back.append, None)
         t = Ticket(1, SyncMode.PRODUCER_SYNCED, False, Transport.IPC, "c", outcome=outcome,
                    error=RemoteError(code, "x") if code else None)
-        b.ended.append(({"tid": 1, "bounces": bounces}, name, back.append, t))
+        b.ended.append((dest, t))
 
     threads = [threading.Thread(target=ended, args=args) for args in (
-        ("released", "released"), ("fenced", "consumer_fenced"), ("gone", "rejected", "consumer_gone"),
-        ("gone-again", "rejected", "consumer_gone", MAX_BOUNCES), ("refused", "rejected", "bad_handle"))]
+        (1, "released", "released"), (2, "fenced", "consumer_fenced"), (3, "gone", "rejected", "consumer_gone"),
+        (4, "gone-again", "rejected", "consumer_gone", MAX_BOUNCES), (5, "refused", "rejected", "bad_handle"))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert (back, list(b.bounced), b.fenced_buffers, b.stats["discarded"]) == ([], [], [], 0)  # nothing yet
+    assert (back, list(b.core.bounced), b.fenced_buffers, b.stats["discarded"]) == ([], [], [], 0)  # nothing yet
     b._settle()
     assert sorted(back) == ["gone-again", "refused", "released"]
-    assert [(p["bounces"], buf) for p, buf, _ in b.bounced] == [(1, "gone")]
+    assert [(b.core.handed[d].bounces, b.dests[d].buf) for d in b.core.bounced] == [(1, "gone")]
     assert b.fenced_buffers == ["fenced"] and b.stats["discarded"] == 2 and not b.ended

@@ -31,8 +31,6 @@ encrypted; plaintext needs ``--insecure``.
 from __future__ import annotations
 
 import argparse
-import bisect
-import collections
 import dataclasses
 import functools
 import itertools
@@ -55,21 +53,78 @@ from zmq.auth.thread import ThreadAuthenticator
 from hurray_ipc.cli.common import LOG_LEVELS
 from hurray_ipc.client import BrokerUnavailable, Consumer, Producer, Ticket
 from hurray_ipc.client.endpoint import default_endpoint
-from hurray_ipc.contract.meta import check_meta
 from hurray_ipc.contract.sync import check_network_handle
 from hurray_ipc.devices import CudaDevice, DeviceError, open_device, shm
 from hurray_ipc.devices.base import Mapping
 from hurray_ipc.errors import EndOfStream
 from hurray_ipc.format.handle import BufferHandle, HandleError, SyncMode
-from hurray_ipc.interop import dlpack
-from hurray_ipc.transport.route import MAX_LINKS, MAX_PEER_CHARS, MAX_WINDOW, Link, Route
-from hurray_ipc.wire.ipc import (
-    LINK_RECEIVER_VERBS,
-    LINK_SENDER_VERBS,
-    Message,
-    ProtocolError,
-    decode,
+from hurray_ipc.interchange.receiver import (
+    Announce,
+    Closed,
+    Closing,
+    ConsumerAsked,
+    Free,
+    HandoffEnded,
+    HandOn,
+    HandOnFailed,
+    Keep,
+    LinkReceived,
+    Offered,
+    OfferFailed,
+    Quarantine,
+    ReceiverAction,
+    ReceiverConfig,
+    ReceiverCore,
+    ReceiverEvent,
+    Reserve,
+    Reserved,
+    ReserveFailed,
+    Send,
+    Tick,
+    Write,
 )
+from hurray_ipc.interchange.receiver import Offer as OfferAction
+from hurray_ipc.interchange.rules import MAX_BOUNCES, SENDER_ENDED, WINDOW, Coverage, Plane, transfer_bound
+from hurray_ipc.interchange.sender import (
+    MAX_FAILED_WRITES,
+    MAX_IN_FLIGHT,
+    WRITE_CHUNK,
+    AcceptOffer,
+    CloseEngine,
+    Describe,
+    EndWrites,
+    EngineRenewed,
+    ForgetAgent,
+    OfferAccepted,
+    OfferRefused,
+    Peer,
+    PostNext,
+    PostWrite,
+    Reaped,
+    Release,
+    SenderAction,
+    SenderConfig,
+    SenderCore,
+    SenderEvent,
+    SendFailed,
+    SendTransfer,
+    Started,
+    Unreachable,
+    Unreadable,
+    Unregister,
+    WriteDone,
+    WriteFailed,
+    WritesEnded,
+)
+from hurray_ipc.interchange.sender import Closing as SenderClosing
+from hurray_ipc.interchange.sender import LinkReceived as SenderLinkReceived
+from hurray_ipc.interchange.sender import Send as SenderSend
+from hurray_ipc.interchange.sender import Tick as SenderTick
+from hurray_ipc.interop import dlpack
+from hurray_ipc.transport.route import MAX_LINKS, MAX_PEER_CHARS, Link, Route
+from hurray_ipc.wire import link
+from hurray_ipc.wire.ipc import ProtocolError
+from hurray_ipc.wire.link import MAX_WINDOW
 
 from .keyfile import read_token, route_key_path
 from .logfmt import FORMATS
@@ -77,28 +132,18 @@ from .logfmt import configure as configure_logging
 from .rdma import BadOffer, Offer, RdmaEngine, RdmaError, Registration, Transfer, nixl_available, nixl_info
 
 log = logging.getLogger("hurray.bridge")
+# Re-exported: tests and tools import them from here.
+__all__ = ["MAX_BOUNCES", "MAX_FAILED_WRITES", "MAX_IN_FLIGHT", "SENDER_ENDED", "WINDOW", "WRITE_CHUNK", "BridgeIn",
+           "BridgeOut", "Coverage", "Dest", "main", "transfer_bound"]
 
-INTERCHANGE_VERSION = 1
 CHUNK = 1 << 20
 SEND_HWM = 16  # chunks queued per peer: with CHUNK, at most 16 MiB in flight per transfer
 MAX_TENSOR = 1 << 40
-WINDOW = 4  # transfers a receiver grants ahead and holds unended at once (LINK_HELLO "window")
-MAX_IN_FLIGHT = 4  # transfers a sender has queued and not yet released (bounds the handoffs it holds)
-PLANES = ("nixl", "zmq")  # data planes, in this bridge's order of preference (interchange.md R1)
-WRITE_CHUNK = 64 << 20  # bytes per NIXL WRITE (see BridgeOut._post_next_write)
 FAULT_CHUNK = 64 << 20  # bytes of a new destination faulted in per turn of the loop (BridgeIn._fault_in)
 POLL_RDMA_S = 0.001  # how often a sending bridge looks at posted NIXL WRITEs
 POLL_QUEUED_S = 0.005  # ... at queued zmq frames (their trackers have no descriptor either)
 POLL_IDLE_S = 0.05
-MAX_BOUNCES = 8  # times a receiver hands one buffer on again because its consumer went before it arrived
 DRAIN_S = 0.05  # at most this long handling link messages before a receiver's loop goes round again
-MAX_FAILED_WRITES = 32  # failed NIXL transfers after which a sending bridge renews its agent (_renew_engine)
-SENDER_ENDED = ("rdma_failed", "rdma_timeout", "link_lost")  # a sender's REJECTs that end a transfer (R4.6)
-
-
-def transfer_bound(timeout_s: float, total_bytes: int) -> float:
-    """interchange.md R4: T, a link timeout per started 64 MiB (both bridges compute the same)."""
-    return timeout_s * max(1, -(-total_bytes // (64 << 20)))
 
 
 def open_engine(rdma: bool, role: str, channel: str) -> RdmaEngine | None:
@@ -177,7 +222,13 @@ def read_route_key(endpoint: str | None, given: str | None) -> str:
 
 class BridgeOut:
     """Host A: a consumer of ``channel`` on the local broker (on ``device``: cpu, or cuda:N to take
-    GPU buffers by IPC), streaming each buffer to peers."""
+    GPU buffers by IPC), streaming each buffer to peers.
+
+    The protocol is :class:`~hurray_ipc.interchange.sender.SenderCore`'s; this loop owns the link
+    socket and its zero-copy trackers, the local consumer, the sources it reads (staging buffers,
+    kept NIXL registrations) and the NIXL agent and its WRITEs, feeds the core what happened and
+    runs the actions it returns (each source it started a transfer of is released when the core
+    says :class:`~hurray_ipc.interchange.sender.Release`, once)."""
 
     def __init__(self, channel: str, listen: str, *, endpoint: str | None = None, curve: Curve | None = None,
                  timeout_s: float = 3.0, chunk: int = CHUNK, rdma: bool = False, device: str = "cpu",
@@ -205,22 +256,32 @@ class BridgeOut:
         # A local consumer exists only while a remote peer is linked: with no peer, the bridge
         # must not hold handoffs that nobody can receive (its BYE gives them back to the broker).
         self.consumer: Consumer | None = None
-        self.peers: dict[bytes, dict[str, Any]] = {}
-        self.ids = itertools.count(1)
-        self.stats = {"sent": 0, "rejected": 0, "aborted": 0}
-        # (source, trackers, transfer_id, peer, deadline, queued): sent, not yet given back
-        self.in_flight: deque[tuple[TransferSource, list[zmq.MessageTracker], int, bytes, float, bool]] = deque()
         # GPU buffers this bridge stages to host itself (``device`` cuda:N, where the NIC cannot read them)
         self.staging = DestinationPool(open_device("cpu"), keep=MAX_IN_FLIGHT)
         self.engine = open_engine(rdma, "out", channel)
-        self.planes = PLANES if self.engine is not None else ("zmq",)
-        self.failed_writes = 0  # NIXL transfers that failed or timed out on the current engine
-        self.rdma: dict[tuple[bytes, int], RdmaSend] = {}  # NIXL transfers: descriptor sent, not yet ended
+        # What each transfer under way reads and what carries it, by the core's ids
+        self.sources: dict[int, TransferSource] = {}  # source id -> source, until the core's Release
+        self.src_ids = itertools.count(1)
+        self.trackers: dict[int, list[zmq.MessageTracker]] = {}  # zmq transfer id -> its frames' trackers
+        self.writes: dict[int, list[tuple[Transfer, int, int]]] = {}  # NIXL transfer id -> posted (write, off, n)
+        self.regs: dict[int, Registration] = {}  # NIXL transfer id -> its source's registration
+        self.offers: dict[int, Offer] = {}  # NIXL transfer id -> the receiver's checked offer
         # Source registrations kept between transfers, one per region of an imported mapping, each
         # released once the mapping is unmapped (the key then lands in ``unmapped``, from any thread)
         self.kept: dict[tuple[int, int, int], Registration] = {}
         self.unmapped: deque[tuple[int, int, int]] = deque()
+        planes = (Plane.NIXL, Plane.ZMQ) if self.engine is not None else (Plane.ZMQ,)
+        self.core = SenderCore(SenderConfig(channel, timeout_s, planes, self.gpu_source, MAX_IN_FLIGHT, WRITE_CHUNK))
         self.running = False
+
+    @property
+    def peers(self) -> dict[bytes, Peer]:
+        return self.core.peers
+
+    @property
+    def stats(self) -> dict[str, int]:
+        s = self.core.stats
+        return {"sent": s.sent, "rejected": s.rejected, "aborted": s.aborted}
 
     @property
     def gpu_source(self) -> str:
@@ -242,74 +303,60 @@ class BridgeOut:
         itself; a CPU one gets them host-staged by their producers (``gpu`` None)."""
         gpu = None if self.device == "cpu" else self.gpu_source
         return Route("export", tuple(
-            Link(p["name"], p["plane"], gpu if p["plane"] == "nixl" or gpu is None else "host-staged", p["window"])
+            Link(p.name, p.plane.value, gpu if p.plane is Plane.NIXL or gpu is None else "host-staged", p.window)
             for p in itertools.islice(self.peers.values(), MAX_LINKS)))
 
-    def _reply(self, rid: bytes, msg: Message) -> None:
+    # -- running the core's actions --------------------------------------------------------------
+
+    def _feed(self, event: SenderEvent) -> None:
+        self._run(self.core.handle(event))
+
+    def _run(self, actions: list[SenderAction]) -> None:
+        """Do what the core asked, in order; an action's outcome goes back to the core at once."""
+        for a in actions:
+            if isinstance(a, SenderSend):
+                self._reply(a.rid, a.msg)
+            elif isinstance(a, SendTransfer):
+                self._transfer(a)
+            elif isinstance(a, Describe):
+                try:
+                    self._describe(a.rid, a.tid, self.sources[a.src])
+                except (zmq.ZMQError, HandleError) as e:
+                    self._feed(SendFailed(a.tid, str(e), time.monotonic()))
+            elif isinstance(a, AcceptOffer):
+                self._accept_offer(a)
+            elif isinstance(a, PostWrite):
+                self._post_write(a)
+            elif isinstance(a, EndWrites):
+                self._end_writes(a.tid)
+            elif isinstance(a, Unregister):
+                self._unregister(a.tid)
+            elif isinstance(a, Release):
+                self.sources.pop(a.src).done()
+            elif isinstance(a, ForgetAgent):
+                self._forget_agent(a.agent)
+            elif isinstance(a, CloseEngine):
+                self._close_engine()
+
+    def _reply(self, rid: bytes, msg: link.LinkMessage) -> None:
         try:
-            self.sock.send_multipart([rid, *msg.encode()])
+            self.sock.send_multipart([rid, *link.encode(msg)])
         except zmq.ZMQError as e:
-            log.warning(json.dumps({"event": "peer_unreachable", "error": str(e)}))
-            self._drop_peer(rid)
+            self._feed(Unreachable(rid, str(e), time.monotonic()))
 
     def _handle(self, parts: list[bytes], address: str = "?") -> None:
         """One link message; ``address`` is where it came from (the peer's IP address, for logs and ROUTE)."""
-        rid = parts[0]
         try:
-            msg = decode(parts[1:], allowed=LINK_RECEIVER_VERBS)
+            msg = link.decode(parts[1:], link.FROM_RECEIVER)
         except ProtocolError as e:
             log.warning(json.dumps({"event": "bad_message", "error": str(e)}))
             return
-        now = time.monotonic()
-        peer = self.peers.get(rid)
-        if msg.verb == "LINK_HELLO":
-            if msg.header.get("protocol") != INTERCHANGE_VERSION or msg.header.get("channel") != self.channel:
-                self._reply(rid, Message("REJECT", {"reason": "link_hello", "message":
-                                                    f"this bridge serves channel {self.channel!r}, interchange v1"}))
-                return
-            offered = msg.header.get("data_planes", ["zmq"])
-            if not isinstance(offered, list) or not all(isinstance(x, str) for x in offered):
-                offered = ["zmq"]
-            window = msg.header.get("window", 1)  # absent: a receiver holding one transfer at a time
-            if type(window) is not int or not 1 <= window <= MAX_WINDOW:
-                window = 1
-            self._forget_peer(rid)  # first: it may drop the NIXL plane (R4.5)
-            plane = next((x for x in offered if x in self.planes), "zmq")
-            name = f"tcp://{address}#{rid.hex()}"[:MAX_PEER_CHARS]
-            self.peers[rid] = {"credits": 0, "seen": now, "plane": plane, "window": window, "name": name}
-            log.info(json.dumps({"event": "linked", "peer": name, "data_plane": plane, "offered": offered[:8],
-                                 "window": window,
-                                 "gpu_source": self.gpu_source,
-                                 "peer_gpu_destination": str(msg.header.get("gpu_destination"))[:32]}))
-            self._reply(rid, Message("LINK_WELCOME", {"protocol": INTERCHANGE_VERSION, "data_plane": plane,
-                                                      "gpu_source": self.gpu_source}))
-        elif peer is None:
-            self._reply(rid, Message("REJECT", {"reason": "not_linked", "message": "send LINK_HELLO first"}))
-        elif msg.verb == "CREDIT":
-            peer["seen"] = now
-            n = msg.header.get("n")
-            peer["credits"] += n if isinstance(n, int) and 0 < n <= 64 else 0
-        elif msg.verb == "LINK_PING":
-            peer["seen"] = now
-            self._reply(rid, Message("LINK_PONG", {}))
-        elif msg.verb == "REJECT":
-            self.stats["rejected"] += 1
-            detail = {k: msg.header.get(k) for k in ("transfer_id", "reason", "message")}
-            log.warning(json.dumps({"event": "peer_rejected", **detail}))
-            tid = msg.header.get("transfer_id")
-            s = self.rdma.get((rid, tid)) if type(tid) is int else None
-            if s is not None:
-                self._end_rdma(s, None)  # the receiver gave up on it: NIXL must let go first
-        elif msg.verb == "RDMA_REGISTER":
-            peer["seen"] = now
-            self._post_rdma(rid, msg)
+        self._feed(SenderLinkReceived(parts[0], msg, time.monotonic(), address))
 
     def _describe(self, rid: bytes, tid: int, src: TransferSource) -> None:
         """Send a transfer's TENSOR_DESCRIPTOR (both data planes)."""
         handle = check_network_handle(src.handle)
-        self.sock.send_multipart([rid, *Message("TENSOR_DESCRIPTOR", {"transfer_id": tid, "meta": src.meta,
-                                                                      "total_bytes": handle.size},
-                                                {"handle": handle.encode()}).encode()])
+        self.sock.send_multipart([rid, *link.encode(link.TensorDescriptor(tid, handle, src.meta))])
 
     def _source(self, h: Any, nic: bool) -> TransferSource:
         """What a transfer of handoff ``h`` reads, every write to it retired (sync-contract §6), and how it
@@ -343,65 +390,25 @@ class BridgeOut:
         return TransferSource(handle, h.wire_meta, host.ptr, "DRAM", 0, host, host.host_view(),
                               lambda: self.staging.give(host), pool=self.staging)
 
-    def _start(self, rid: bytes, h: Any, nic: bool) -> TransferSource | None:
-        """The source of a new transfer to ``rid``, or None when it cannot be read (the handoff is
-        released, the peer's credit given back, the reason logged)."""
-        try:
-            return self._source(h, nic)
-        except (DeviceError, RdmaError, RuntimeError) as e:
-            self.peers[rid]["credits"] += 1
-            self.stats["aborted"] += 1
-            log.warning(json.dumps({"event": "source_unreadable", "error": str(e)}))
-            if not h.released:
-                h.release()
-            return None
-
-    def _transfer_rdma(self, rid: bytes, h: Any) -> None:
-        """The NIXL plane: send the descriptor; the WRITE is posted when the receiver's RDMA_REGISTER
-        arrives (:meth:`_post_rdma`), and TENSOR_DATA_END follows its observed completion."""
-        src = self._start(rid, h, nic=True)
-        if src is None:
-            return
-        tid = next(self.ids)
-        try:
-            self._describe(rid, tid, src)
-        except (zmq.ZMQError, HandleError) as e:
-            self._abort(rid, tid, e)
-            src.done()
-            return
-        # Until the offer: the receiver allocates and registers the destination (first use: faulted in).
-        bound = self.timeout_s * 4 + transfer_bound(self.timeout_s, src.handle.size)
-        self.rdma[(rid, tid)] = RdmaSend(src, rid, tid, src.handle.size, time.monotonic() + bound)
-
-    def _post_rdma(self, rid: bytes, msg: Message) -> None:
+    def _accept_offer(self, a: AcceptOffer) -> None:
         """RDMA_REGISTER: check the offer, register the source (its writes retired, see
-        :meth:`_source`); its WRITEs are then posted by :meth:`_post_next_write`."""
-        tid = msg.header.get("transfer_id")
-        s = self.rdma.get((rid, tid)) if type(tid) is int else None
-        if s is not None and s.offer is None and self.engine is None:  # the NIXL plane was dropped (R4.5)
-            self._end_rdma(s, "rdma_failed", "this bridge closed its NIXL agent")
-            return
-        if s is None or s.offer is not None or self.engine is None:
-            self._reply(rid, Message("REJECT", {"transfer_id": tid, "reason": "unexpected",
-                                                "message": "no transfer of this link waits for RDMA_REGISTER"}))
-            return
-        wire = {"header": {k: v for k, v in msg.header.items() if k != "transfer_id"},
-                "frames": [bytes(msg.frames["metadata"])]}
+        :meth:`_source`); its WRITEs are then posted one per turn (PostNext)."""
+        src, now = self.sources[a.src], time.monotonic()
         try:
-            offer = Offer.from_wire(wire)
-            if offer.size < s.size:
-                raise BadOffer(f"bad offer: {offer.size} bytes offered for a transfer of {s.size}")
+            if self.engine is None:
+                raise RdmaError("this bridge closed its NIXL agent")
+            offer = Offer.from_wire({"header": a.offer.offer, "frames": [a.offer.metadata]})
+            if offer.size < a.size:
+                raise BadOffer(f"bad offer: {offer.size} bytes offered for a transfer of {a.size}")
             self._forget_unmapped()  # first: a region it kept may be at these very addresses
-            s.reg = self.engine.register(s.src.ptr, s.size, s.src.kind, s.src.nixl_device, owner=s.src.owner)
-            self._keep_registered(s.src)
+            self.regs[a.tid] = self.engine.register(src.ptr, a.size, src.kind, src.nixl_device, owner=src.owner)
+            self._keep_registered(src)
         except RdmaError as e:
-            self._end_rdma(s, "bad_offer" if isinstance(e, BadOffer) else "rdma_failed", str(e))
+            self._feed(OfferRefused(a.tid, "bad_offer" if isinstance(e, BadOffer) else "rdma_failed", str(e), now))
             return
-        s.offer = offer
-        s.deadline = time.monotonic() + transfer_bound(self.timeout_s, s.size)  # R4.1 and R4.3, from the first post
-        peer = self.peers.get(rid)
-        if peer is not None:
-            peer.setdefault("agents", set()).add(offer.agent)
+        self.offers[a.tid] = offer
+        self.writes[a.tid] = []
+        self._feed(OfferAccepted(a.tid, offer.agent, now))
 
     def _keep_registered(self, src: TransferSource) -> None:
         """Keep ``src``'s registration after its transfer (a producer sends the same buffers again
@@ -431,94 +438,87 @@ class BridgeOut:
                 except RdmaError as e:
                     log.warning(json.dumps({"event": "rdma_release_failed", "error": str(e)}))
 
-    def _post_next_write(self) -> bool:
-        """Post one WRITE of at most WRITE_CHUNK bytes, for the oldest transfer with bytes left: a
-        post copies synchronously on UCX's shared-memory transports, so one per turn of the loop
-        keeps the link answered (a 1 GiB post would hold it for a second or more). True if one was
-        posted."""
-        for s in self.rdma.values():
-            if s.offer is None or s.reg is None or s.next_off >= s.size or self.engine is None:
-                continue
-            if time.monotonic() > s.deadline:  # R4.3: no WRITE into an offer older than T
-                bound = transfer_bound(self.timeout_s, s.size)
-                self._end_rdma(s, "rdma_timeout", f"the offer is older than {bound:g} s")
-                return False
-            n = min(WRITE_CHUNK, s.size - s.next_off)
-            last = s.next_off + n >= s.size
-            try:
-                x = self.engine.write(s.reg, s.offer, notif=str(s.tid).encode() if last else b"",
-                                      part=(s.next_off, n))
-            except RdmaError as e:
-                self._end_rdma(s, "bad_offer" if isinstance(e, BadOffer) else "rdma_failed", str(e))
-                return False
-            s.writes.append((x, s.next_off, n))
-            s.next_off += n
-            return True
-        return False
+    def _post_write(self, a: PostWrite) -> None:
+        """One WRITE of at most WRITE_CHUNK bytes: a post copies synchronously on UCX's shared-memory
+        transports, so one per turn of the loop keeps the link answered (a 1 GiB post would hold it
+        for a second or more)."""
+        try:
+            if self.engine is None:
+                raise RdmaError("this bridge closed its NIXL agent")
+            x = self.engine.write(self.regs[a.tid], self.offers[a.tid], notif=str(a.tid).encode() if a.last else b"",
+                                  part=(a.offset, a.length))
+        except RdmaError as e:
+            reason = "bad_offer" if isinstance(e, BadOffer) else "rdma_failed"
+            self._feed(WriteFailed(a.tid, reason, str(e), time.monotonic()))
+            return
+        self.writes[a.tid].append((x, a.offset, a.length))
 
     def _poll_rdma(self) -> None:
-        """Each posted WRITE whose completion NIXL reports (DONE) is announced (RDMA_READY for its
-        range); once all are, the transfer ends with TENSOR_DATA_END (R3.4-R3.5, sync-contract §6). ERR or
-        the deadline end it with a REJECT."""
-        now = time.monotonic()
-        for s in list(self.rdma.values()):
+        """Each posted WRITE whose completion NIXL reports (DONE) is released and told to the core
+        (RDMA_READY for its range; TENSOR_DATA_END once all are, R3.4-R3.5, sync-contract §6)."""
+        for tid, ws in list(self.writes.items()):
             try:
-                for w in [w for w in s.writes if w[0].poll()]:
-                    if (s.rid, s.tid) not in self.rdma:
+                for w in [w for w in ws if w[0].poll()]:
+                    if self.writes.get(tid) is not ws:
                         break  # ended while we told the peer (it was dropped): its writes are released
-                    x, off, n = w
-                    s.writes.remove(w)
-                    x.release()  # DONE: NIXL reads none of it any more
-                    self._reply(s.rid, Message("RDMA_READY", {"transfer_id": s.tid, "byte_offset_in_buffer": off,
-                                                              "length": n}))
-                if (s.rid, s.tid) not in self.rdma:
-                    continue  # the peer was dropped while we told it
-                if s.offer is not None and s.next_off >= s.size and not s.writes:
-                    self._reply(s.rid, Message("TENSOR_DATA_END", {"transfer_id": s.tid, "total_bytes": s.size}))
-                    self.stats["sent"] += 1
-                    self._end_rdma(s, None)
-                elif now > s.deadline:
-                    bound = transfer_bound(self.timeout_s, s.size)
-                    self._end_rdma(s, "rdma_timeout", f"no offer or no completion within {bound:g} s")
+                    ws.remove(w)
+                    w[0].release()  # DONE: NIXL reads none of it any more
+                    self._feed(WriteDone(tid, w[1], w[2], time.monotonic()))
             except RdmaError as e:
-                self._end_rdma(s, "rdma_failed", str(e))
+                self._feed(WriteFailed(tid, "rdma_failed", str(e), time.monotonic()))
 
-    def _end_rdma(self, s: RdmaSend, reason: str | None, message: str = "") -> None:
-        """Finish a NIXL transfer exactly once: cancel/free the request, then (only if NIXL let go
-        of the source) release the registration and the handoff; with ``reason``, REJECT it."""
-        if self.rdma.pop((s.rid, s.tid), None) is None:
-            return
-        if reason in ("rdma_failed", "rdma_timeout"):
-            self.failed_writes += 1
+    def _end_writes(self, tid: int) -> None:
+        """Cancel (release) the transfer's posted WRITEs (NIXL cancels an in-flight one, R4.1) and
+        tell the core whether NIXL let go of the source."""
+        ws = self.writes.pop(tid, [])
         try:
-            while s.writes:  # NIXL cancels an in-flight one (R4.1)
-                s.writes[-1][0].release()
-                s.writes.pop()
+            while ws:
+                ws[-1][0].release()
+                ws.pop()
         except RdmaError as e:
-            log.warning(json.dumps({"event": "rdma_not_cancelled", "transfer_id": s.tid, "error": str(e)}))
-            self._give_up_rdma(s)  # NIXL may still read the source: only closing the agent ends that
+            log.warning(json.dumps({"event": "rdma_not_cancelled", "transfer_id": tid, "error": str(e)}))
+            self._feed(WritesEnded(tid, False, time.monotonic()))
             return
-        finally:
-            if reason is not None:
-                self.stats["aborted"] += 1
-                log.warning(json.dumps({"event": "transfer_aborted", "transfer_id": s.tid, "reason": reason,
-                                        "error": message}))
+        self._feed(WritesEnded(tid, True, time.monotonic()))
+
+    def _unregister(self, tid: int) -> None:
+        self.offers.pop(tid, None)
+        reg = self.regs.pop(tid, None)
+        if reg is not None and self.engine is not None:
+            try:
+                self.engine.release(reg)
+            except RdmaError as e:
+                log.warning(json.dumps({"event": "rdma_release_failed", "transfer_id": tid, "error": str(e)}))
+
+    def _forget_agent(self, agent: str) -> None:
+        if self.engine is None:
+            return
         try:
-            if reason is not None:
-                self._reply(s.rid, Message("REJECT", {"transfer_id": s.tid, "reason": reason, "message": message}))
-            if s.reg is not None and self.engine is not None:
-                self.engine.release(s.reg)
+            self.engine.forget(agent)
+            log.info(json.dumps({"event": "rdma_peer_forgotten", "agent": agent}))
         except RdmaError as e:
-            log.warning(json.dumps({"event": "rdma_release_failed", "transfer_id": s.tid, "error": str(e)}))
-        finally:
-            s.src.done()
+            log.warning(json.dumps({"event": "rdma_forget_failed", "agent": agent, "error": str(e)}))
+
+    def _close_engine(self) -> None:
+        """R4.5: close the NIXL agent (every WRITE and registration ends with it); the core releases
+        the sources after this."""
+        engine, self.engine = self.engine, None
+        self.kept.clear()  # closing the agent ends every registration
+        self.writes.clear()
+        self.regs.clear()
+        self.offers.clear()
+        if engine is not None:
+            try:
+                engine.close()
+            except RdmaError as e:
+                log.warning(json.dumps({"event": "rdma_close_failed", "error": str(e)}))
 
     def _renew_engine(self) -> None:
         """Replace the NIXL agent once MAX_FAILED_WRITES transfers failed on it and none is in
         flight. UCX keeps a socket for every connection attempt that failed (an offer of an agent
         that is gone: about one per transfer, red team item 14) until its worker closes; only a
         new agent gives them back. Peers notice nothing: the next offer loads into the new agent."""
-        if self.engine is None or self.failed_writes < MAX_FAILED_WRITES or self.rdma:
+        if self.engine is None or not self.core.renew_due:
             return
         old, self.engine = self.engine, None
         for reg in self.kept.values():
@@ -532,117 +532,51 @@ class BridgeOut:
         except RdmaError as e:
             log.warning(json.dumps({"event": "rdma_close_failed", "error": str(e)}))
         self.engine = open_engine(True, "out", self.channel)
-        log.info(json.dumps({"event": "rdma_agent_renewed", "failed_writes": self.failed_writes,
-                             "data_planes": list(PLANES if self.engine is not None else ("zmq",))}))
-        self.failed_writes = 0
-        if self.engine is None:  # NIXL would not start again: zmq from now on, as _give_up_rdma
-            self.planes = ("zmq",)
-            self.peers.clear()
+        log.info(json.dumps({"event": "rdma_agent_renewed", "failed_writes": self.core.failed_writes,
+                             "data_planes": ["nixl", "zmq"] if self.engine is not None else ["zmq"]}))
+        self._feed(EngineRenewed(self.engine is not None))
 
-    def _give_up_rdma(self, stuck: RdmaSend) -> None:
-        """R4.5: NIXL could not cancel a WRITE. Close the agent (its sources are released only
-        after that), end every other NIXL transfer, and drop every link: peers link again, and
-        this bridge now offers zmq only."""
-        engine, self.engine, self.planes = self.engine, None, ("zmq",)
-        self.kept.clear()  # closing the agent ends every registration
-        others = [s for s in self.rdma.values() if s is not stuck]
-        self.rdma.clear()
-        if engine is not None:
-            try:
-                engine.close()
-            except RdmaError as e:
-                log.warning(json.dumps({"event": "rdma_close_failed", "error": str(e)}))
-        for s in [stuck, *others]:
-            # No REJECT: it would tell the receiver that nothing writes its destination any more,
-            # and a closed agent is no fence (R4.4). The receiver supersedes or times out the
-            # partial transfer instead, which quarantines the destination.
-            s.src.done()
-        self.peers.clear()
-        log.warning(json.dumps({"event": "rdma_plane_dropped", "data_planes": list(self.planes)}))
-
-    def _drop_peer(self, rid: bytes) -> None:
-        """A peer gone (silent, unreachable, its transfer aborted): forget it and its NIXL agents.
-        Popped first, so a REJECT that fails on the way cannot come back here."""
-        peer = self.peers.pop(rid, None)
-        if peer is not None:
-            self._forget_peer(rid, peer)
-
-    def _forget_peer(self, rid: bytes, peer: dict[str, Any] | None = None) -> None:
-        """A peer gone or linking again: end its NIXL transfers (each released once) and forget every
-        agent it offered from (a restarted receiver comes back under a new name, R4.7)."""
-        peer = peer if peer is not None else self.peers.get(rid, {})
-        gone = [s for s in self.rdma.values() if s.rid == rid]
-        agents = {s.offer.agent for s in gone if s.offer is not None} | set(peer.get("agents", ()))
-        for s in gone:
-            self._end_rdma(s, "link_lost", "the link was lost or set up again")
-        for agent in agents:
-            if self.engine is not None:
-                try:
-                    self.engine.forget(agent)
-                    log.info(json.dumps({"event": "rdma_peer_forgotten", "agent": agent}))
-                except RdmaError as e:
-                    log.warning(json.dumps({"event": "rdma_forget_failed", "agent": agent, "error": str(e)}))
-
-    def _transfer(self, rid: bytes, h: Any) -> None:
-        """Queue one handoff's frames on the socket. It is released exactly once, by :meth:`_reap`,
-        when ZeroMQ is done with every zero-copy frame, or here at once if queuing failed."""
-        src = self._start(rid, h, nic=False)
-        if src is None:
-            return
-        tid = next(self.ids)
-        trackers: list[zmq.MessageTracker] = []
+    def _transfer(self, a: SendTransfer) -> None:
+        """Queue one transfer's frames on the socket, each data chunk zero-copy and tracked: its
+        source is released when the core says (Reaped: ZeroMQ is done with every frame)."""
+        src, rid, tid = self.sources[a.src], a.rid, a.tid
+        trackers = self.trackers[tid] = []
         view, size = src.view, src.handle.size
         try:
             if view is None:  # _source(nic=False) always gives host bytes
                 raise RuntimeError("a zmq-plane source without host bytes")
             self._describe(rid, tid, src)
             for off in range(0, size, self.chunk):
-                head = [b"TENSOR_DATA", json.dumps({"transfer_id": tid, "byte_offset_in_buffer": off}).encode()]
                 # copy=False: the chunk goes from the mapped buffer to the socket without a copy;
                 # its tracker says when ZeroMQ is done with it, so the release can follow safely.
                 # Every chunk is tracked: pyzmq copies small frames anyway and reports them done at
                 # once, so the last chunk's tracker says nothing about the earlier ones.
-                tracker = self.sock.send_multipart([rid, *head, view[off:off + self.chunk]], copy=False, track=True)
+                tracker = self.sock.send_multipart([rid, *link.tensor_data_head(tid, off), view[off:off + self.chunk]],
+                                                   copy=False, track=True)
                 if tracker is None:  # pyzmq returns a tracker for every track=True send
                     raise RuntimeError("pyzmq returned no MessageTracker for a tracked send")
                 trackers.append(tracker)
-            end = Message("TENSOR_DATA_END", {"transfer_id": tid, "total_bytes": size})
-            self.sock.send_multipart([rid, *end.encode()])
-            queued = True
+            self.sock.send_multipart([rid, *link.encode(link.TensorDataEnd(tid, size))])
         except (zmq.ZMQError, HandleError) as e:
-            self._abort(rid, tid, e)
-            queued = False
-        # Not waited for here: the next transfer's frames queue behind these at once, so the link
-        # never drains between transfers (at most MAX_IN_FLIGHT are queued, see serve()). Its frames
-        # leave after those queued ahead of them: the deadline counts their bytes too (R4's bound).
-        ahead = sum(q[0].handle.size for q in self.in_flight)
-        deadline = time.monotonic() + self.timeout_s + transfer_bound(self.timeout_s, ahead + size)
-        self.in_flight.append((src, trackers, tid, rid, deadline, queued))
-
-    def _abort(self, rid: bytes, tid: int, e: Exception) -> None:
-        self.stats["aborted"] += 1
-        self._drop_peer(rid)
-        log.warning(json.dumps({"event": "transfer_aborted", "transfer_id": tid, "error": str(e)}))
+            self._feed(SendFailed(tid, str(e), time.monotonic()))
 
     def _reap(self, block: bool = False) -> None:
-        """Release every queued transfer ZeroMQ is done with, oldest first, each exactly once.
-        ``block``: wait for them (closing). Past its deadline (a peer that stopped reading) a
-        transfer is released anyway and counted aborted."""
-        while self.in_flight:
-            src, trackers, tid, rid, deadline, queued = self.in_flight[0]
-            pending = [t for t in trackers if not t.done]
-            if pending and not block and time.monotonic() < deadline:
+        """Tell the core about every queued transfer ZeroMQ is done with, oldest first (it releases
+        each once). ``block``: wait for them (closing). Past its deadline (a peer that stopped
+        reading) a transfer is reaped anyway (the core counts it aborted)."""
+        while self.core.queued:
+            t = self.core.queued[0]
+            pending = [x for x in self.trackers.get(t.tid, []) if not x.done]
+            if pending and not block and time.monotonic() < t.deadline:
                 return  # the oldest is still being sent; the later ones queue behind it
-            self.in_flight.popleft()
+            ok = True
             try:
-                for t in pending:
-                    t.wait(max(0.0, deadline - time.monotonic()))
-                if queued:
-                    self.stats["sent"] += 1
-            except zmq.NotDone as e:
-                self._abort(rid, tid, e)
-            finally:
-                src.done()
+                for x in pending:
+                    x.wait(max(0.0, t.deadline - time.monotonic()))
+            except zmq.NotDone:
+                ok = False
+            self.trackers.pop(t.tid, None)
+            self._feed(Reaped(t.tid, ok, time.monotonic()))
 
     def serve(self, stop: threading.Event | None = None) -> None:
         """Serve until ``stop`` is set. One thread does everything; it sleeps only in one poll, on
@@ -665,13 +599,13 @@ class BridgeOut:
         try:
             while not stop.is_set():
                 self._drain_link()
-                now = time.monotonic()
-                for rid in [r for r, p in self.peers.items() if now - p["seen"] > self.timeout_s]:
-                    self._drop_peer(rid)
+                self._feed(SenderTick(time.monotonic()))  # silent peers, NIXL deadlines
                 more = False
-                if self.rdma:
+                if self.writes:
                     self._poll_rdma()
-                    more = self._post_next_write()
+                    actions = self.core.handle(PostNext(time.monotonic()))
+                    self._run(actions)
+                    more = any(isinstance(a, PostWrite) for a in actions)
                 if self.peers and self.consumer is None:
                     self.consumer = Consumer(
                         self.local, self.channel, self.device, prefetch=0, name=f"bridge-out:{self.channel}"
@@ -686,14 +620,14 @@ class BridgeOut:
                 self._reap()
                 self._forget_unmapped()
                 self._renew_engine()
-                taking = self._take_handoffs(now)
+                taking = self._take_handoffs()
                 poller = zmq.Poller()
                 poller.register(self.sock, zmq.POLLIN)
                 poller.register(wake_r, zmq.POLLIN)
                 if taking and self.consumer is not None:
                     poller.register(self.consumer.session.fd, zmq.POLLIN)
-                posted = any(x.writes for x in self.rdma.values())
-                wait = 0 if more else POLL_RDMA_S if posted else POLL_QUEUED_S if self.in_flight else POLL_IDLE_S
+                posted = any(self.writes.values())
+                wait = 0 if more else POLL_RDMA_S if posted else POLL_QUEUED_S if self.core.queued else POLL_IDLE_S
                 if poller.poll(int(wait * 1000)):
                     try:
                         while os.read(wake_r, 4096):
@@ -720,17 +654,13 @@ class BridgeOut:
             except Exception:  # noqa: BLE001 - one peer's message must not end the bridge
                 log.exception("handling a link message failed; the bridge goes on")
 
-    def _take_handoffs(self, now: float) -> bool:
-        """Start a transfer for every handoff the local broker has for us while a peer has credit
-        (and room in its window) and fewer than MAX_IN_FLIGHT are under way. True when it stopped
-        only because no handoff was there (so the caller waits for one)."""
-        while self.consumer is not None and len(self.in_flight) + len(self.rdma) < MAX_IN_FLIGHT:
-            # On the NIXL plane at most the receiver's window of unended transfers per peer: one more
-            # would supersede its oldest (interchange.md §3 receiver rule 4). On the zmq plane the
-            # frames of one transfer all precede the next descriptor, so one is unended at a time.
-            unended = collections.Counter(s.rid for s in self.rdma.values())
-            ready = [r for r, p in self.peers.items() if p["credits"] > 0 and unended[r] < p["window"]]
-            if not ready:
+    def _take_handoffs(self) -> bool:
+        """Start a transfer for every handoff the local broker has for us while the core has a peer
+        for it (credit, room in its window, fewer than MAX_IN_FLIGHT under way). True when it
+        stopped only because no handoff was there (so the caller waits for one)."""
+        while self.consumer is not None:
+            rid = self.core.pick()
+            if rid is None:
                 return False
             try:
                 h = self.consumer.receive(timeout=0)
@@ -742,13 +672,16 @@ class BridgeOut:
                 return False
             except BrokerUnavailable:
                 return False  # the session says hello again on its own; nothing to wait on meanwhile
-            rid = min(ready, key=lambda r: self.peers[r].get("last", 0))
-            self.peers[rid]["credits"] -= 1
-            self.peers[rid]["last"] = now
-            if self.peers[rid]["plane"] == "nixl" and h.handle.size > 0:
-                self._transfer_rdma(rid, h)
-            else:
-                self._transfer(rid, h)
+            try:
+                src = self._source(h, nic=self.core.nixl(rid, h.handle.size))
+            except (DeviceError, RdmaError, RuntimeError) as e:
+                if not h.released:
+                    h.release()
+                self._feed(Unreadable(str(e)))
+                continue
+            sid = next(self.src_ids)
+            self.sources[sid] = src
+            self._feed(Started(rid, sid, src.handle.size, time.monotonic()))
         return False
 
     def close(self) -> None:
@@ -758,8 +691,7 @@ class BridgeOut:
                                  "nixl_registrations": self.engine.registered_total if self.engine else None,
                                  "sources_kept": len(self.kept)}))
             self._reap(block=True)  # every handoff taken is released once, before the consumer goes
-            for rid in {s.rid for s in self.rdma.values()}:
-                self._forget_peer(rid)
+            self._feed(SenderClosing(time.monotonic()))
             if self.engine is not None:
                 self.engine.close()
             if self.consumer is not None:
@@ -788,21 +720,6 @@ class TransferSource:
     done: Callable[[], None]
     mapping: Mapping | None = None  # the opening it lies in (imported memory): its registration lives as long
     pool: DestinationPool | None = None  # the pool that owns ``owner`` (a staging buffer): the same
-
-
-@dataclass
-class RdmaSend:
-    """A NIXL transfer on the sending side, from its TENSOR_DESCRIPTOR to its end."""
-
-    src: TransferSource  # given back exactly once, when NIXL no longer reads it
-    rid: bytes
-    tid: int
-    size: int
-    deadline: float
-    reg: Registration | None = None
-    offer: Offer | None = None  # the receiver's RDMA_REGISTER, once it came
-    next_off: int = 0  # bytes posted so far, one WRITE_CHUNK at a time
-    writes: list[tuple[Transfer, int, int]] = dataclasses.field(default_factory=list)  # posted: (write, off, n)
 
 
 class DestinationPool:
@@ -877,51 +794,27 @@ class DestinationPool:
             self._free(b)
 
 
-class Coverage:
-    """Which bytes of ``[0, size)`` a transfer has received: each TENSOR_DATA frame must land on
-    bytes not yet covered, and the transfer is complete only when every byte is (a byte count
-    alone would take two frames on the same half as the whole buffer)."""
+@dataclass
+class Dest:
+    """A destination the receiver core named (:class:`~hurray_ipc.interchange.receiver.Reserve`):
+    its buffer, how it goes back (its pool's ``give``, or closed: a device copy), and, while it is
+    being faulted in before its offer, the offset from which its pages still are."""
 
-    def __init__(self, size: int):
-        self.size = size
-        self.bytes = 0
-        self._runs: list[list[int]] = []  # sorted, disjoint, non-adjacent [start, end) runs
-
-    def add(self, off: int, n: int) -> bool:
-        """Cover ``[off, off + n)``; False (nothing changes) if it is outside or overlaps."""
-        end = off + n
-        if off < 0 or end > self.size:
-            return False
-        i = bisect.bisect_right(self._runs, [off, float("inf")])
-        if (i > 0 and self._runs[i - 1][1] > off) or (i < len(self._runs) and self._runs[i][0] < end):
-            return False
-        if n == 0:
-            return True
-        if i > 0 and self._runs[i - 1][1] == off:  # join the run before
-            i -= 1
-            self._runs[i][1] = end
-        else:
-            self._runs.insert(i, [off, end])
-        if i + 1 < len(self._runs) and self._runs[i + 1][0] == self._runs[i][1]:  # and the one after
-            self._runs[i][1] = self._runs.pop(i + 1)[1]
-        self.bytes += n
-        return True
-
-    @property
-    def complete(self) -> bool:
-        return self.bytes == self.size
-
-    def first_gap(self) -> str:
-        start = 0
-        for a, b in self._runs:
-            if a > start:
-                return f"[{start}, {a})"
-            start = b
-        return f"[{start}, {self.size})"
+    buf: Any
+    give: Callable[[Any], None]
+    pool: DestinationPool | None
+    tid: int = 0
+    unfaulted: int | None = None
 
 
 class BridgeIn:
-    """Host B: receives transfers and hands each, once complete, to local consumers of ``channel``."""
+    """Host B: receives transfers and hands each, once complete, to local consumers of ``channel``.
+
+    The protocol is :class:`~hurray_ipc.interchange.receiver.ReceiverCore`'s; this loop owns the
+    link socket, the destination buffers (:class:`DestinationPool`), the NIXL agent and the local
+    producer, feeds the core what happened (link messages, time, what its actions came to) and runs
+    the actions it returns. One thread changes both: a handed-on buffer's release is seen by
+    whichever thread pumps the producer's session, which only queues it (:attr:`ended`) for the loop."""
 
     def __init__(self, channel: str, connect: str, *, endpoint: str | None = None, curve: Curve | None = None,
                  device: str = "cpu", timeout_s: float = 3.0, max_bytes: int = MAX_TENSOR, rdma: bool = False,
@@ -941,29 +834,33 @@ class BridgeIn:
         self.producer = Producer(endpoint, channel, device, name=f"bridge-in:{channel}")
         self.route_key = read_route_key(endpoint, route_key)
         self.gpu = self.producer.gpu
-        # transfer_id -> partial transfer, in descriptor order; at most ``window`` (interchange.md §3 receiver 4)
-        self.partials: dict[int, dict[str, Any]] = {}
-        # handed on, but their consumer went before they arrived: (transfer, buffer, give back), to hand on again
-        self.bounced: deque[tuple[dict[str, Any], Any, Callable[[Any], None]]] = deque()
-        # Handed-on buffers whose handoff ended: (transfer, buffer, give back, ticket). The session's
-        # pump fills it from whichever thread pumps; only the loop reads it (_settle), so bridge
-        # state is changed by one thread.
-        self.ended: deque[tuple[dict[str, Any], Any, Callable[[Any], None], Ticket]] = deque()
-        self.linked = False
-        self.last_rx = 0.0
-        self.last_hello = 0.0
-        self.last_ping = 0.0
-        self.last_tx = 0.0
-        self.stats = {"delivered": 0, "rejected": 0, "discarded": 0}
+        self.dests: dict[int, Dest] = {}  # the core's destination ids -> their buffers
+        self.faulting: deque[int] = deque()  # destinations to fault in before their offer, oldest first
+        # Handed-on buffers whose handoff ended: (destination, ticket). The session's pump fills it
+        # from whichever thread pumps; only the loop reads it (_settle), so state is changed by one thread.
+        self.ended: deque[tuple[int, Ticket]] = deque()
+        self.delivered = 0
         self.fenced_buffers: list[Any] = []  # handed on to a consumer that was fenced: kept, never reused
         self.engine = open_engine(rdma, "in", channel)
-        self.planes = PLANES if self.engine is not None else ("zmq",)
-        self.plane = "zmq"
+        self.planes = (Plane.NIXL, Plane.ZMQ) if self.engine is not None else (Plane.ZMQ,)
         self.pool = DestinationPool(self.cpu, keep=window + 1)
         self.device_pool = self._device_destinations(window)  # NIXL plane into GPU memory, where it can
-        # (reusable from, buffer, its pool), oldest first
-        self.quarantined: deque[tuple[float, Any, DestinationPool]] = deque()
+        self.core = ReceiverCore(ReceiverConfig(channel, window, timeout_s, max_bytes, self.planes,
+                                                self.gpu_destination))
         self.running = False
+
+    @property
+    def linked(self) -> bool:
+        return self.core.linked
+
+    @property
+    def plane(self) -> str:
+        return self.core.plane.value
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {"delivered": self.delivered, "rejected": self.core.stats.rejected,
+                "discarded": self.core.stats.discarded}
 
     @property
     def gpu_destination(self) -> str | None:
@@ -1007,341 +904,200 @@ class BridgeIn:
                              "path": "host-staged" if pool is None else "device", "why": why}))
         return pool
 
-    def _send(self, verb: str, header: dict[str, Any], frames: dict[str, Any] | None = None) -> None:
-        self.sock.send_multipart(Message(verb, header, frames or {}).encode())
-        self.last_tx = time.monotonic()
+    # -- running the core's actions --------------------------------------------------------------
 
-    def _reject(self, tid: Any, reason: str, message: str) -> None:
-        self.stats["rejected"] += 1
-        log.warning(json.dumps({"event": "reject", "transfer_id": tid, "reason": reason, "message": message}))
-        self._send("REJECT", {"transfer_id": tid, "reason": reason, "message": message})
-        self._send("CREDIT", {"n": 1})  # the refused transfer used up its credit
+    def _feed(self, event: ReceiverEvent) -> list[ReceiverAction]:
+        actions = self.core.handle(event)
+        self._run(actions)
+        return actions
 
-    def _quarantine(self, p: dict[str, Any]) -> None:
-        """A NIXL destination dropped without the sender's word: deregistered now, reused only
-        2T (twice the transfer bound) after its offer, when every WRITE into it has ended (R4.3, R4.4):
-        neither deregistering nor closing our agent stops a peer's write on every UCX transport."""
-        p["pool"].deregister(p["buf"])
-        # 2T, plus a link timeout for the offer's way to the sender (it counts T from reading it)
-        until = p["offered_at"] + 2 * transfer_bound(self.timeout_s, p["handle"].size) + self.timeout_s
-        self.quarantined.append((until, p["buf"], p["pool"]))
+    def _run(self, actions: list[ReceiverAction]) -> None:
+        """Do what the core asked, in order (an action's outcome goes back to the core at once, so
+        nothing else happens between an action and its answer)."""
+        for a in actions:
+            if isinstance(a, Send):
+                self.sock.send_multipart(link.encode(a.msg))
+            elif isinstance(a, Write):
+                self.dests[a.dest].buf.host_view()[a.offset:a.offset + len(a.data)] = a.data
+            elif isinstance(a, Reserve):
+                self._reserve(a)
+            elif isinstance(a, OfferAction):
+                self._offer(a)
+            elif isinstance(a, HandOn):
+                self._hand_on_one(a)
+            elif isinstance(a, Free):
+                d = self.dests.pop(a.dest)
+                d.give(d.buf)
+            elif isinstance(a, Quarantine):
+                d = self.dests[a.dest]
+                d.unfaulted = None
+                if d.pool is not None:
+                    d.pool.deregister(d.buf)
+            elif isinstance(a, Keep):
+                self.fenced_buffers.append(self.dests.pop(a.dest).buf)
+            elif isinstance(a, Announce):
+                self._announce()
 
-    def _release_quarantined(self, now: float) -> None:
-        while self.quarantined and self.quarantined[0][0] <= now:
-            _, buf, pool = self.quarantined.popleft()
-            pool.give(buf)
-
-    def _discard(self, p: dict[str, Any], why: str, reject: str | None = None, sender_let_go: bool = False) -> None:
-        """Drop partial transfer ``p``; with ``reject``, also tell the sender (REJECT + its credit).
-        ``sender_let_go``: the sender said it ended the transfer (its NIXL no longer writes)."""
-        if self.partials.pop(p["tid"], None) is None:
-            return
-        if "offered_at" in p and not sender_let_go:
-            self._quarantine(p)
-        else:
-            p["pool"].give(p["buf"])
-        self.stats["discarded"] += 1
-        log.warning(json.dumps({"event": "partial_discarded", "transfer_id": p["tid"], "why": why}))
-        if reject is not None:
-            self._reject(p["tid"], reject, why)
-
-    def _discard_unended(self, why: str) -> None:
-        """Drop every transfer still waiting for its TENSOR_DATA_END, without a message (the link is
-        gone or new); those that ended are handed on, in order."""
-        for p in [p for p in self.partials.values() if not p.get("ended")]:
-            self._discard(p, why)
-        self._hand_on()
-
-    def _held(self, h: dict[str, Any]) -> dict[str, Any] | None:
-        """The unended partial transfer ``h["transfer_id"]`` names, if any."""
-        tid = h.get("transfer_id")
-        p = self.partials.get(tid) if type(tid) is int else None
-        return None if p is None or p.get("ended") else p
-
-    def _handle(self, parts: list[zmq.Frame]) -> None:
-        try:
-            msg = decode(parts, allowed=LINK_SENDER_VERBS, views=True)
-        except ProtocolError as e:
-            log.warning(json.dumps({"event": "bad_message", "error": str(e)}))
-            return
-        self.last_rx = time.monotonic()
-        h = msg.header
-        if msg.verb == "LINK_WELCOME":
-            plane = h.get("data_plane", "zmq")
-            if plane not in self.planes:
-                log.warning(json.dumps({"event": "bad_data_plane", "data_plane": str(plane)[:32]}))
-                self.last_hello = 0.0  # a plane we did not offer: say hello again
-                return
-            # A new link: the sender knows none of our unended transfers (its ids may start again).
-            self._discard_unended("the link was set up again")
-            self.plane = plane
-            log.info(json.dumps({"event": "linked", "data_plane": plane, "window": self.window,
-                                 "gpu_destination": self.gpu_destination if plane == "nixl" else None,
-                                 "peer_gpu_source": str(h.get("gpu_source"))[:32]}))
-            self.linked = True
-            self._announce()  # before any handoff of this link: CAPS then names its plane
-            # ``window`` ahead, less the ended transfers still held (each sends its CREDIT when
-            # handed on): the next transfers stream while one is handed on locally.
-            if len(self.partials) < self.window:
-                self._send("CREDIT", {"n": self.window - len(self.partials)})
-        elif msg.verb == "REJECT":
-            if "transfer_id" in h:
-                p = self._held(h)
-                if p is not None and h.get("reason") in SENDER_ENDED:
-                    # The sender ended this transfer: its NIXL request is released (R4.1), so the
-                    # destination may go at once (R4.6); the credit comes back.
-                    self._discard(p, f"the sender rejected it: {h.get('reason')}", sender_let_go=True)
-                    self._send("CREDIT", {"n": 1})
-                    self._hand_on()
-                else:
-                    log.warning(json.dumps({"event": "peer_rejected", "transfer_id": str(h.get("transfer_id"))[:32],
-                                            "reason": str(h.get("reason"))[:64]}))
-                return
-            self.linked = False  # the sender does not know us (restarted): say hello again
-            self.last_hello = 0.0
-        elif msg.verb == "TENSOR_DESCRIPTOR":
-            self._describe(h, msg.frames["handle"])
-            self._hand_on()  # a superseded transfer may have been the one the others waited for
-        elif msg.verb == "RDMA_READY":
-            p = self._held(h)
-            if p is None:
-                return
-            off, n = h.get("byte_offset_in_buffer"), h.get("length")
-            ok = type(off) is int and type(n) is int and n > 0  # JSON integers, not booleans
-            if p.get("reg") is None or not ok or not p["covered"].add(off, n):
-                self._discard(p, f"RDMA_READY {off!r}+{n!r} is outside the buffer, overlaps, or is for a "
-                              "transfer without an offer", reject="bad_offset")
-                self._hand_on()
-        elif msg.verb == "TENSOR_DATA":
-            p = self._held(h)
-            if p is None:
-                return  # data of a transfer we discarded or refused
-            off, data = h.get("byte_offset_in_buffer"), msg.frames["data"]
-            if not isinstance(off, int) or isinstance(off, bool) or not p["covered"].add(off, len(data)):
-                self._discard(p, f"TENSOR_DATA at {off!r}+{len(data)} is outside the buffer or overlaps bytes "
-                              "already received", reject="bad_offset")
-                self._hand_on()
-                return
-            p["buf"].host_view()[off:off + len(data)] = data
-        elif msg.verb == "TENSOR_DATA_END":
-            p = self._held(h)
-            if p is None:
-                return
-            size = p["handle"].size
-            if h.get("total_bytes") != size:
-                self._discard(p, f"TENSOR_DATA_END total_bytes {h.get('total_bytes')!r} is not the "
-                              f"descriptor's {size}", reject="size_mismatch")
-            elif not p["covered"].complete:
-                self._discard(p, f"bytes {p['covered'].first_gap()} never arrived (got {p['covered'].bytes} "
-                              f"of {size})", reject="incomplete")
-            else:
-                p["ended"] = True  # the sender observed its writes complete (R3.5); the registration stays
-            self._hand_on()
-
-    def _describe(self, h: dict[str, Any], raw_handle: Any) -> None:
-        """A TENSOR_DESCRIPTOR: supersede what it displaces (§3 receiver rule 4), check it (rule 1),
-        and hold it as a new partial transfer (on the NIXL plane: offer its destination)."""
-        tid = h.get("transfer_id")
-        if type(tid) is not int:
-            return self._reject(tid, "bad_transfer_id", f"transfer_id {str(tid)[:32]!r} is not an integer")
-        same = self.partials.get(tid)
-        if same is not None:
-            self._discard(same, f"a new descriptor with its transfer_id {tid} arrived", reject="superseded")
-        elif len(self.partials) >= self.window:
-            oldest = next((p for p in self.partials.values() if not p.get("ended")), None)
-            if oldest is None:  # all ended, waiting for a local consumer: their credits are not back
-                return self._reject(tid, "no_credit", f"{self.window} transfers wait to be handed on and "
-                                    "their credits were not returned (sender rule 3)")
-            self._discard(oldest, f"a new descriptor arrived while {self.window} transfers were held (window)",
-                          reject="superseded")
-        try:
-            handle = check_network_handle(BufferHandle.decode(raw_handle))
-        except HandleError as e:
-            return self._reject(tid, e.reason, str(e))
-        if h.get("total_bytes") != handle.size:
-            return self._reject(tid, "size_mismatch", f"total_bytes {h.get('total_bytes')!r} is not the "
-                                f"handle's size {handle.size}")
-        if handle.size > self.max_bytes:
-            return self._reject(tid, "too_large", f"{handle.size} bytes exceed this receiver's {self.max_bytes}")
-        meta = h.get("meta") or None
-        try:
-            check_meta(meta, handle.size)
-        except ProtocolError as e:
-            return self._reject(tid, "bad_meta", str(e))
-        nixl = self.plane == "nixl" and handle.size > 0
-        pool = self.device_pool if nixl and self.device_pool is not None else self.pool
+    def _reserve(self, a: Reserve) -> None:
+        pool = self.device_pool if a.nixl and self.device_pool is not None else self.pool
         self._settle()  # buffers released since the last round go back to their pool first
         try:
-            buf = pool.take(handle.size)  # host memory: every page reserved now (shm.reserve)
+            buf = pool.take(a.size)  # host memory: every page reserved now (shm.reserve)
         except DeviceError as e:  # e.g. /dev/shm cannot hold it beside what is held: refused, not SIGBUS later
-            return self._reject(tid, "no_space", f"cannot allocate the destination of {handle.size} bytes: {e}")
-        p = {"tid": tid, "handle": handle, "meta": meta or {}, "covered": Coverage(handle.size),
-             "buf": buf, "pool": pool}
-        self.partials[tid] = p
-        if nixl:
-            self._offer(p)
+            self._feed(ReserveFailed(a.dest, str(e), time.monotonic()))
+            return
+        self.dests[a.dest] = Dest(buf, pool.give, pool)
+        self._feed(Reserved(a.dest, time.monotonic()))
 
-    def _hand_on(self) -> bool:
-        """Hand on every ended transfer no earlier transfer still waits before, in descriptor order,
-        while a local consumer has asked (first any that came back, ``bounced``): never waiting for
-        one (the loop must go on answering the link). True when a buffer waits for a consumer (an
-        ended transfer's CREDIT goes when it is handed on: that is the sender's backpressure)."""
-        while True:
-            self._settle()  # a handoff that came back since is older than any partial transfer
-            if not (self.bounced or (self.partials and next(iter(self.partials.values())).get("ended"))):
-                break
-            try:
-                if not self.producer.grant_ready(0):
-                    return True
-            except BrokerUnavailable:  # the session says hello again on its own; the buffer waits
-                return True
-            if self.bounced:  # older than any partial transfer: handed on before them
-                self._send_on(*self.bounced.popleft())
-                continue
-            p = next(iter(self.partials.values()))
-            del self.partials[p["tid"]]
-            self._deliver(p)
-        return False
-
-    def _offer(self, p: dict[str, Any]) -> None:
+    def _offer(self, a: OfferAction) -> None:
         """Offer the destination (RDMA_REGISTER, R3.2): at once where it was offered before, else
         once :meth:`_fault_in` has faulted in its pages (host memory)."""
         if self.engine is None:
             return
-        if p["pool"].kind == "DRAM" and not p["pool"].registered(self.engine, p["buf"]):
-            p["unfaulted"] = 0  # the offset from which its pages are still to be faulted in
+        d = self.dests[a.dest]
+        d.tid = a.transfer_id
+        if d.pool is not None and d.pool.kind == "DRAM" and not d.pool.registered(self.engine, d.buf):
+            d.unfaulted = 0
+            self.faulting.append(a.dest)
             return
-        self._send_offer(p)
+        self._send_offer(a.dest, d)
 
     def _fault_in(self) -> bool:
         """Fault in the next FAULT_CHUNK of the oldest destination waiting for it, and offer it once
         all of it is: a page first faulted by the peer's NIXL write costs ~7x one faulted here
         (shm.populate), and one chunk per turn of the loop keeps the link answered (1 GiB takes
         about a second). True while destinations still wait."""
-        p = next((p for p in self.partials.values() if "unfaulted" in p), None)
-        if p is None:
+        while self.faulting:
+            dest = self.faulting[0]
+            d = self.dests.get(dest)
+            if d is not None and d.unfaulted is not None:
+                break
+            self.faulting.popleft()  # dropped meanwhile
+        else:
             return False
-        buf, off = p["buf"], p["unfaulted"]
-        n = min(FAULT_CHUNK, buf.size - off)
+        off = d.unfaulted
+        n = min(FAULT_CHUNK, d.buf.size - off)
         try:
-            shm.populate(buf.ptr + off, n)
+            shm.populate(d.buf.ptr + off, n)
         except DeviceError as e:  # e.g. /dev/shm full: said now, not as the peer's failed write
-            self._discard(p, f"could not fault in the destination: {e}", reject="rdma_failed")
+            d.unfaulted = None
+            self.faulting.popleft()
+            self._feed(OfferFailed(dest, f"could not fault in the destination: {e}", time.monotonic()))
             self._hand_on()
             return True
-        p["unfaulted"] = off + n
-        if p["unfaulted"] >= buf.size:
-            del p["unfaulted"]
-            self._send_offer(p)
+        d.unfaulted = off + n
+        if d.unfaulted >= d.buf.size:
+            d.unfaulted = None
+            self.faulting.popleft()
+            self._send_offer(dest, d)
         return True
 
-    def _send_offer(self, p: dict[str, Any]) -> None:
-        if self.engine is None:
+    def _send_offer(self, dest: int, d: Dest) -> None:
+        if self.engine is None or d.pool is None:
             return
         try:
-            p["reg"] = p["pool"].registration(self.engine, p["buf"])
-            offer = self.engine.expose(p["reg"])
-            if p["pool"] is self.device_pool:
-                p["pool"].device.rdma_expose(p["buf"])  # nothing on the GPU reads it before the flush
+            reg = d.pool.registration(self.engine, d.buf)
+            offer = self.engine.expose(reg)
+            if d.pool is self.device_pool:
+                d.pool.device.rdma_expose(d.buf)  # nothing on the GPU reads it before the flush
         except RdmaError as e:
-            return self._discard(p, f"could not offer the destination: {e}", reject="rdma_failed")
-        self._send("RDMA_REGISTER", {"transfer_id": p["tid"], **offer["header"]}, {"metadata": offer["frames"][0]})
-        p["offered_at"] = time.monotonic()
+            self._feed(OfferFailed(dest, f"could not offer the destination: {e}", time.monotonic()))
+            return
+        self.sock.send_multipart(link.encode(link.RdmaRegister(d.tid, offer["header"], offer["frames"][0])))
+        self._feed(Offered(dest, time.monotonic()))
 
-    def _deliver(self, p: dict[str, Any]) -> None:
-        """Only now, after TENSOR_DATA_END, may anyone read the buffer: hand it on, PRODUCER_SYNCED."""
-        buf, back = p["buf"], p["pool"].give
-        if p["pool"] is self.device_pool:
-            # R5.2, the receiver's half of sync-contract §6: the sender saw its WRITE complete, which does
-            # not order the NIC's writes into our GPU before the consumers' kernels. This does.
-            p["pool"].device.flush_rdma_writes()
-        elif isinstance(self.producer.device, CudaDevice):
-            stream = self.producer.stream
-            if stream is None:  # Producer gives every CUDA device a stream; never expected
-                raise RuntimeError(f"bridge producer on {self.producer.device.identity} has no CUDA stream")
-            dev = self.producer.device.allocate(buf.size)
-            stream.copy(dev, buf.host_view())
-            stream.synchronize()  # visible before the handle leaves: PRODUCER_SYNCED
-            self.pool.give(buf)
-            buf, back = dev, (lambda b: b.close())  # device copies are not pooled
-        self._send_on(p, buf, back)
-        self._send("CREDIT", {"n": 1})
+    def _hand_on_one(self, a: HandOn) -> None:
+        """Only now, after TENSOR_DATA_END, may anyone read the buffer: hand it on, PRODUCER_SYNCED
+        (the first time: made visible to the local device first)."""
+        d = self.dests[a.dest]
+        d.unfaulted = None  # an offer not yet made is void: its transfer ended
+        if not a.again:
+            if d.pool is not None and d.pool is self.device_pool:
+                # R5.2, the receiver's half of sync-contract §6: the sender saw its WRITE complete, which
+                # does not order the NIC's writes into our GPU before the consumers' kernels. This does.
+                d.pool.device.flush_rdma_writes()
+            elif isinstance(self.producer.device, CudaDevice):
+                stream = self.producer.stream
+                if stream is None:  # Producer gives every CUDA device a stream; never expected
+                    raise RuntimeError(f"bridge producer on {self.producer.device.identity} has no CUDA stream")
+                dev = self.producer.device.allocate(d.buf.size)
+                stream.copy(dev, d.buf.host_view())
+                stream.synchronize()  # visible before the handle leaves: PRODUCER_SYNCED
+                d.give(d.buf)
+                d = self.dests[a.dest] = Dest(dev, lambda b: b.close(), None)  # device copies are not pooled
+        self._send_on(a, d.buf)
 
-    def _send_on(self, p: dict[str, Any], buf: Any, back: Callable[[Any], None]) -> None:
-        """Hand ``buf`` (transfer ``p``'s bytes) to the local consumer whose grant is held, without
-        waiting for the broker's answer (the loop must go on answering the link). A handoff whose
-        consumer went before it arrived comes back (``bounced``) and is handed on again, at most
-        MAX_BOUNCES times; any other refusal gives the buffer back, loudly."""
-        m = p["meta"]
+    def _send_on(self, a: HandOn, buf: Any) -> None:
+        """Hand ``buf`` to the local consumer whose grant is held, without waiting for the broker's
+        answer (the loop must go on answering the link): its end comes back through :attr:`ended`."""
+        m = a.meta or {}
         array: dict[str, Any] = {}
         if "typestr" in m:  # checked at the descriptor: the array arrives as it left
             dl = m.get("dl_dtype")
             array = {"shape": tuple(m["shape"]), "dtype": dlpack.EXTRA_BY_CODE[dl[0]][0] if dl else m["typestr"],
                      "readonly": bool(m.get("readonly", False))}
+        dest = a.dest
 
         def released(ticket: Ticket) -> None:  # runs in whichever thread pumps the session: queue it
-            self.ended.append((p, buf, back, ticket))
+            self.ended.append((dest, ticket))
 
-        p.setdefault("bounces", 0)
         try:
             self.producer.send(buf, SyncMode.PRODUCER_SYNCED, block=False, on_release=released, meta=m.get("user"),
                                **array)
-            self.stats["delivered"] += 1
+            self.delivered += 1
         except (BrokerUnavailable, TimeoutError) as e:
             # The local broker is gone: this buffer cannot be handed on. Drop it (loudly) and keep
             # the link; the session re-registers when the broker is back.
-            if not self.producer.holds(buf):
-                back(buf)
-            self.stats["discarded"] += 1
-            log.warning(json.dumps({"event": "local_broker_unavailable", "transfer_id": p["tid"], "error": str(e)}))
+            self._feed(HandOnFailed(dest, str(e), self.producer.holds(buf), time.monotonic()))
 
     def _settle(self) -> None:
-        """Handle the handoffs that ended since the last round (:attr:`ended`), in the loop's
-        thread: one whose consumer went before it arrived is handed on again (at most MAX_BOUNCES
-        times), one whose consumer was fenced is kept, any other buffer goes back."""
+        """Tell the core about the handoffs that ended since the last round (:attr:`ended`), in the
+        loop's thread (it decides: hand on again, keep, or give back)."""
         while self.ended:
-            p, buf, back, ticket = self.ended.popleft()
+            dest, ticket = self.ended.popleft()
             err = ticket.error
-            if err is not None and err.code in ("consumer_gone", "unknown_grant") and p["bounces"] < MAX_BOUNCES:
-                p["bounces"] += 1
-                log.info(json.dumps({"event": "hand_on_again", "transfer_id": p["tid"], "why": err.code}))
-                self.bounced.append((p, buf, back))  # never delivered: hand it on again
-                continue
-            if err is not None:
-                self.stats["discarded"] += 1
-                log.warning(json.dumps({"event": "hand_on_refused", "transfer_id": p["tid"], "error": str(err)[:200]}))
-            if ticket.outcome == "consumer_fenced":
-                # Its consumer may still read it (ipc-protocol.md §5): never pooled, written by the
-                # NIC (a registration pins its pages) or freed again while this bridge runs.
-                self.fenced_buffers.append(buf)
-                continue
-            back(buf)
+            self._feed(HandoffEnded(dest, time.monotonic(),
+                                    consumer_gone=err is not None and err.code in ("consumer_gone", "unknown_grant"),
+                                    error=None if err is None else str(err),
+                                    fenced=ticket.outcome == "consumer_fenced"))
+
+    def _hand_on(self) -> bool:
+        """Hand on every buffer the core has ready, in its order, while a local consumer has asked:
+        never waiting for one (the loop must go on answering the link). True when a buffer waits
+        for a consumer (an ended transfer's CREDIT goes when it is handed on: that is the sender's
+        backpressure)."""
+        while True:
+            self._settle()  # a handoff that came back since is older than any partial transfer
+            if not self.core.ready:
+                return False
+            try:
+                if not self.producer.grant_ready(0):
+                    return True
+            except BrokerUnavailable:  # the session says hello again on its own; the buffer waits
+                return True
+            self._feed(ConsumerAsked(time.monotonic()))
+
+    def _handle(self, parts: list[zmq.Frame]) -> None:
+        """One link message from the sender, decoded once (wire/link.py), to the core."""
+        try:
+            msg: link.LinkMessage | link.TransferFault = link.decode(parts, link.FROM_SENDER)
+        except link.TransferFault as e:
+            msg = e
+        except ProtocolError as e:
+            log.warning(json.dumps({"event": "bad_message", "error": str(e)}))
+            return
+        self._feed(LinkReceived(msg, time.monotonic()))
+        if not isinstance(msg, link.TensorData):  # one may have ended, or been dropped before the others
+            self._hand_on()
 
     def serve(self, stop: threading.Event | None = None) -> None:
         stop = stop or threading.Event()
         self.running = True
         try:
             while not stop.is_set():
-                now = time.monotonic()
-                if not self.linked and now - self.last_hello > 0.5:
-                    self._send("LINK_HELLO", {"protocol": INTERCHANGE_VERSION, "channel": self.channel,
-                                              "data_planes": list(self.planes), "window": self.window,
-                                              **({"gpu_destination": self.gpu_destination}
-                                                 if self.gpu_destination else {})})
-                    self.last_hello = now
-                elif self.linked and (now - self.last_tx > self.timeout_s / 3
-                                      or now - max(self.last_rx, self.last_ping) > self.timeout_s / 3):
-                    # Sent nothing (the sender forgets a silent receiver, §4, even while it streams
-                    # to it), or heard nothing (the PONG says the sender is there).
-                    self._send("LINK_PING", {})
-                    self.last_ping = now
-                self._release_quarantined(now)
-                if self.linked and now - self.last_rx > self.timeout_s:
-                    self.linked = False
-                    self._discard_unended(f"no word from the sender for {self.timeout_s} s (link cut or sender gone)")
+                self._feed(Tick(time.monotonic()))
                 self._announce()
-                offered = self.engine is not None and any("offered_at" in p and not p.get("ended")
-                                                          for p in self.partials.values())
+                offered = self.engine is not None and self.core.offered
                 if offered and self.engine is not None:
                     try:
                         self.engine.progress()  # UCX may need us for a WRITE into an offered region to land
@@ -1370,19 +1126,12 @@ class BridgeIn:
             self.running = False
             log.info(json.dumps({"event": "bridge_closed", "side": "in", **self.stats,
                                  "nixl_registrations": self.engine.registered_total if self.engine else None}))
-            for p in list(self.partials.values()):
-                self._discard(p, "closing")
+            self._feed(Closing(time.monotonic()))
             # Held buffers come back to the pool (or are freed) first. A bridge stopping does not
             # end the stream of the channel it feeds: its upstream producers did not end it.
             self.producer.close(end=False)
             self._settle()
-            while self.bounced:
-                _, buf, back = self.bounced.popleft()
-                back(buf)
-            self._release_quarantined(time.monotonic())
-            if self.quarantined:  # a peer's WRITE may still land in them (R4.4): never freed, left to exit
-                log.warning(json.dumps({"event": "quarantined_at_close", "buffers": len(self.quarantined)}))
-                self.quarantined.clear()
+            self._feed(Closed(time.monotonic()))  # what is still quarantined is left to exit (R4.4)
             self.pool.close()
             if self.device_pool is not None:
                 self.device_pool.close()
@@ -1390,6 +1139,7 @@ class BridgeIn:
                 self.engine.close()
             self.sock.close(linger=0)
             self.ctx.term()
+
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..wire.ipc import ProtocolError
+from ..errors import ProtocolError
 
 __all__ = ["DL_DTYPE_BITS", "MAX_NDIM", "check_meta"]
 

@@ -14,13 +14,13 @@ from typing import Any, NoReturn
 
 from ..wire.fields import ABSENT, FieldError, check, obj, one_of
 from ..wire.ipc import ProtocolError
+from ..wire.link import MAX_WINDOW
 
 DIRECTIONS = {"export": "consumer", "import": "producer"}  # direction -> the role that may announce it
 DATA_PLANES = ("nixl", "zmq")  # interchange.md R1
 GPU_PATHS = ("device", "host-staged")  # interchange.md R5: LINK_WELCOME gpu_source, LINK_HELLO gpu_destination
 MAX_LINKS = 64
 MAX_PEER_CHARS = 128
-MAX_WINDOW = 64  # interchange.md §3: the largest LINK_HELLO window
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import HurrayError
+from ..errors import ERROR_CODES as ERROR_CODES  # the codec's errors: ProtocolError and its codes
+from ..errors import ProtocolError as ProtocolError
 from .fields import FieldError, check
 
 PROTOCOL_VERSION = 2
@@ -86,38 +87,7 @@ LINK_RECEIVER_VERBS = frozenset(["LINK_HELLO", "CREDIT", "LINK_PING", "REJECT", 
 LINK_SENDER_VERBS = frozenset(["LINK_WELCOME", "LINK_PONG", "TENSOR_DESCRIPTOR", "TENSOR_DATA", "TENSOR_DATA_END",
                                "REJECT", "RDMA_READY"])  # what a receiving bridge accepts
 
-# Error codes a broker sends in ERROR.code.
-ERROR_CODES = frozenset({
-    "bad_frames",        # wrong frame count, or a payload frame of the wrong size
-    "unknown_verb",
-    "bad_header",        # not a JSON object / not the binary layout, or a field missing, of the wrong type or range
-    "protocol_version",  # HELLO with a version this broker does not speak
-    "not_registered",    # a message before HELLO (or after the broker restarted): send HELLO
-    "wrong_role",        # e.g. a consumer sending READY
-    "bad_handle",        # the 16-byte handle is invalid (HandleError reason in `reason`)
-    "mode_not_valid",    # the declared sync_mode is not valid for this producer/consumer pair
-    "payload_mismatch",  # payload frames do not match the declared sync_mode
-    "unknown_grant",
-    "unknown_token",
-    "foreign_token",     # a release of a token delivered to another consumer
-    "already_released",
-    "consumer_gone",     # the consumer of a grant died before the handoff arrived
-    "limit_exceeded",    # a per-client or broker-wide limit (clients, held deliveries): the message is refused
-    "ended",             # READY or HANDOFF from a producer that ended its stream (END, §4.9)
-    "not_authorized",    # a ROUTE without the broker's route key (§2.4)
-    "internal",          # a broker bug cost this one message; the broker and every other client carry on
-})
 MAX_HEADER_DEPTH = 16  # JSON nesting of a header (objects and arrays); our deepest is 4
-
-
-class ProtocolError(HurrayError, ValueError):
-    """A message that violates the protocol. ``code`` is one of ERROR_CODES."""
-
-    def __init__(self, code: str, message: str, **extra: Any):
-        assert code in ERROR_CODES, code
-        self.code = code
-        self.extra = extra  # more fields for the ERROR header, e.g. a HandleError's reason
-        super().__init__(f"{code}: {message}")
 
 
 # Built once (json.dumps builds an encoder per call). ASCII output: a lone surrogate a client put in
