@@ -56,6 +56,7 @@ from hurray_ipc.client.endpoint import default_endpoint
 from hurray_ipc.contract.sync import check_network_handle
 from hurray_ipc.devices import CudaDevice, DeviceError, open_device, shm
 from hurray_ipc.devices.base import Mapping
+from hurray_ipc.devices.pool import Pool
 from hurray_ipc.errors import EndOfStream
 from hurray_ipc.format.handle import BufferHandle, HandleError, SyncMode
 from hurray_ipc.interchange.receiver import (
@@ -732,25 +733,17 @@ class DestinationPool:
 
     def __init__(self, device: Any, keep: int = WINDOW + 1, kind: str = "DRAM", nixl_device: int = 0):
         self.device, self.keep, self.kind, self.nixl_device = device, keep, kind, nixl_device
-        self._idle: dict[int, list[Any]] = {}
+        self._bufs: Pool[int, Any] = Pool(device.allocate, self._free, lambda buf: buf.size, keep=keep,
+                                          what="destinations")
         self._regs: dict[int, tuple[RdmaEngine, Registration]] = {}  # id(buffer) -> its registration
         self._lock = threading.Lock()
 
     def take(self, size: int) -> Any:
-        with self._lock:
-            idle = self._idle.get(size)
-            if idle:
-                return idle.pop()
-        return self.device.allocate(size)
+        return self._bufs.take(size)
 
     def give(self, buf: Any) -> None:
         """``buf`` is no one's any more (released by its consumer, or its transfer dropped)."""
-        with self._lock:
-            idle = self._idle.setdefault(buf.size, [])
-            if len(idle) < self.keep:
-                idle.append(buf)
-                return
-        self._free(buf)
+        self._bufs.give(buf)
 
     def registered(self, engine: RdmaEngine, buf: Any) -> bool:
         """Whether ``buf`` has a live registration with ``engine`` (it was offered before)."""
@@ -787,11 +780,8 @@ class DestinationPool:
         buf.close()
 
     def close(self) -> None:
-        with self._lock:
-            bufs = [b for idle in self._idle.values() for b in idle]
-            self._idle.clear()
-        for b in bufs:
-            self._free(b)
+        """Free the idle buffers (those still out belong to handoffs not yet released)."""
+        self._bufs.close(taken_too=False)
 
 
 @dataclass

@@ -40,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from hurray_ipc.wire.fields import FieldError, check, obj, one_of, take
+
 KINDS = ("DRAM", "VRAM")
 BACKEND = "UCX"
 OFFER_VERSION = 1
@@ -239,30 +241,28 @@ class Offer:
     def from_wire(cls, wire: dict[str, Any]) -> Offer:
         """Validate an offer received from a peer: every field, type and bound; BadOffer if bad."""
         try:
-            header, frames = wire["header"], wire["frames"]
-        except (KeyError, TypeError) as e:
-            raise BadOffer(f"bad offer: needs 'header' and 'frames' ({e})") from None
-        if not isinstance(header, dict) or not isinstance(frames, list | tuple) or len(frames) != 1:
-            raise BadOffer("bad offer: header must be an object and frames exactly [metadata]")
-        if header.get("version") != OFFER_VERSION:
-            raise BadOffer(f"bad offer: version {header.get('version')!r}, expected {OFFER_VERSION}")
-        agent, kind, raw, size = header.get("agent"), header.get("mem"), header.get("descs"), header.get("size")
-        if not isinstance(agent, str) or not 0 < len(agent) <= 256:
-            raise BadOffer("bad offer: 'agent' must be a non-empty string of at most 256 characters")
-        if kind not in KINDS:
-            raise BadOffer(f"bad offer: 'mem' must be one of {KINDS}, got {kind!r}")
-        if not isinstance(raw, list) or len(raw) != 1:
-            raise BadOffer("bad offer: 'descs' must hold exactly one [address, length, device]")
-        descs = []
-        for d in raw:
-            if (not isinstance(d, list) or len(d) != 3
-                    or not all(isinstance(v, int) and not isinstance(v, bool) for v in d)
-                    or not (0 < d[0] < 1 << 64 and 0 < d[1] < 1 << 48 and 0 <= d[2] < 1 << 16)):
-                raise BadOffer(f"bad offer: descriptor {d!r} is not [address>0, length>0, device>=0]")
-            descs.append((d[0], d[1], d[2]))
-        metadata = frames[0]
-        if not isinstance(metadata, bytes | bytearray | memoryview) or not 0 < len(metadata) <= MAX_METADATA:
-            raise BadOffer(f"bad offer: metadata frame must be 1..{MAX_METADATA} bytes")
+            o = obj(wire, "offer")
+            header = obj(take(o, "offer.header", dict), "offer.header")
+            frames = take(o, "offer.frames", (list, tuple))
+            if len(frames) != 1:
+                raise FieldError("offer.frames", f"must be exactly [metadata], got {len(frames)} frames")
+            one_of(header.get("version"), "version", (OFFER_VERSION,))
+            agent = take(header, "agent", str, min_len=1, max_len=256)
+            kind = one_of(header.get("mem"), "mem", KINDS)
+            raw = take(header, "descs", list, min_len=1, max_len=1)
+            descs = []
+            for i, d in enumerate(raw):
+                where = f"descs.{i}"
+                check(d, where, list, min_len=3, max_len=3)
+                descs.append((check(d[0], f"{where}.address", int, lo=1, hi=(1 << 64) - 1),
+                              check(d[1], f"{where}.length", int, lo=1, hi=(1 << 48) - 1),
+                              check(d[2], f"{where}.device", int, lo=0, hi=(1 << 16) - 1)))
+            metadata = check(frames[0], "metadata", (bytes, bytearray, memoryview))
+            if not 0 < len(metadata) <= MAX_METADATA:
+                raise FieldError("metadata", f"must be 1..{MAX_METADATA} bytes, got {len(metadata)}")
+            size = header.get("size")
+        except FieldError as e:
+            raise BadOffer(f"bad offer: {e}") from None
         offer = cls(agent, kind, tuple(descs), bytes(metadata))
         if size != offer.size:
             raise BadOffer(f"bad offer: 'size' {size!r} is not the descriptors' total {offer.size}")

@@ -46,7 +46,8 @@ def check(value: Any, path: str, kinds: Kinds, *, lo: int | None = None, hi: int
         raise FieldError(path, f"must be {_names(kinds_t)}, got {str(value)[:32]!r}", value)
     if isinstance(value, str | list) and (len(value) < min_len or (max_len is not None and len(value) > max_len)):
         unit = "characters" if isinstance(value, str) else "items"
-        bound = f"at most {max_len}" if min_len == 0 else f"{min_len}-{max_len}"
+        bound = (f"at most {max_len}" if min_len == 0 else f"exactly {min_len}" if min_len == max_len
+                 else f"{min_len}-{max_len}")
         raise FieldError(path, f"must have {bound} {unit}, got {len(value)}", value)
     if (isinstance(value, int) and not isinstance(value, bool)
             and ((lo is not None and value < lo) or (hi is not None and value > hi))):
