@@ -264,7 +264,7 @@ class BridgeOut:
         self.sources: dict[int, TransferSource] = {}  # source id -> source, until the core's Release
         self.src_ids = itertools.count(1)
         self.trackers: dict[int, list[zmq.MessageTracker]] = {}  # zmq transfer id -> its frames' trackers
-        self.writes: dict[int, list[tuple[Transfer, int, int]]] = {}  # NIXL transfer id -> posted (write, off, n)
+        self.writes: dict[int, list[Posted]] = {}  # NIXL transfer id -> its WRITEs posted, not yet DONE
         self.regs: dict[int, Registration] = {}  # NIXL transfer id -> its source's registration
         self.offers: dict[int, Offer] = {}  # NIXL transfer id -> the receiver's checked offer
         # Source registrations kept between transfers, one per region of an imported mapping, each
@@ -452,19 +452,19 @@ class BridgeOut:
             reason = "bad_offer" if isinstance(e, BadOffer) else "rdma_failed"
             self._feed(WriteFailed(a.tid, reason, str(e), time.monotonic()))
             return
-        self.writes[a.tid].append((x, a.offset, a.length))
+        self.writes[a.tid].append(Posted(x, a.offset, a.length))
 
     def _poll_rdma(self) -> None:
         """Each posted WRITE whose completion NIXL reports (DONE) is released and told to the core
         (RDMA_READY for its range; TENSOR_DATA_END once all are, R3.4-R3.5, sync-contract §6)."""
         for tid, ws in list(self.writes.items()):
             try:
-                for w in [w for w in ws if w[0].poll()]:
+                for w in [w for w in ws if w.write.poll()]:
                     if self.writes.get(tid) is not ws:
                         break  # ended while we told the peer (it was dropped): its writes are released
                     ws.remove(w)
-                    w[0].release()  # DONE: NIXL reads none of it any more
-                    self._feed(WriteDone(tid, w[1], w[2], time.monotonic()))
+                    w.write.release()  # DONE: NIXL reads none of it any more
+                    self._feed(WriteDone(tid, w.offset, w.length, time.monotonic()))
             except RdmaError as e:
                 self._feed(WriteFailed(tid, "rdma_failed", str(e), time.monotonic()))
 
@@ -474,7 +474,7 @@ class BridgeOut:
         ws = self.writes.pop(tid, [])
         try:
             while ws:
-                ws[-1][0].release()
+                ws[-1].write.release()
                 ws.pop()
         except RdmaError as e:
             log.warning(json.dumps({"event": "rdma_not_cancelled", "transfer_id": tid, "error": str(e)}))
@@ -721,6 +721,15 @@ class TransferSource:
     done: Callable[[], None]
     mapping: Mapping | None = None  # the opening it lies in (imported memory): its registration lives as long
     pool: DestinationPool | None = None  # the pool that owns ``owner`` (a staging buffer): the same
+
+
+@dataclass(frozen=True)
+class Posted:
+    """One NIXL WRITE a sending bridge posted: ``length`` bytes at ``offset`` of its transfer."""
+
+    write: Transfer
+    offset: int
+    length: int
 
 
 class DestinationPool:
