@@ -16,6 +16,7 @@ a BufferError, HurrayTimeout a TimeoutError, EndOfStream an EOFError; see hurray
 Layers, each importing only those below it::
 
     errors.py   the exception hierarchy (a leaf: imports nothing)
+    notes.py    the Note a pure core reports events through (a leaf)
     format/     the 16-byte buffer handle                        (bottom)
     contract/   sync modes per transport; array metadata; the handoff object
     wire/       the messages' codecs (IPC, interchange link) and the one strict field validator

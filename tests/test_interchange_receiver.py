@@ -134,8 +134,10 @@ class ReceiverMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.now = 0.0
+        self.notes: list[tuple[int, dict]] = []  # what the core reports (it logs nothing itself)
         self.core = self.core_class(ReceiverConfig("ch", window=WINDOW, timeout_s=TIMEOUT, max_bytes=64,
-                                                   planes=(Plane.NIXL, Plane.ZMQ), max_bounces=MAX_BOUNCES))
+                                                   planes=(Plane.NIXL, Plane.ZMQ), max_bounces=MAX_BOUNCES),
+                                    note=lambda level, fields: self.notes.append((level, fields)))
         self.credits = 0  # what the sender may still start (negative: it sent without credit)
         self.tids = iter(range(1, 1 << 30))
         self.transfers: dict[int, SentTransfer] = {}  # the sender's unended transfers
@@ -373,16 +375,6 @@ class ReceiverMachine(RuleBasedStateMachine):
         assert not left, f"destinations never given back: {left}"
 
 
-@pytest.fixture(autouse=True)
-def quiet_core() -> Any:
-    """The core logs every rejection and discard (the bridge's log): thousands here."""
-    logger = logging.getLogger("hurray.bridge")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    yield
-    logger.setLevel(level)
-
-
 def machine_settings(examples: int, steps: int = 30) -> settings:
     return settings(max_examples=examples, stateful_step_count=steps, deadline=None, derandomize=True,
                     database=None, suppress_health_check=list(HealthCheck), phases=[Phase.generate],
@@ -474,7 +466,20 @@ def test_the_machine_finds_each_broken_rule(broken: type[ReceiverCore]) -> None:
 
 
 def _core(window: int = WINDOW, planes: tuple[Plane, ...] = (Plane.ZMQ,)) -> ReceiverCore:
-    return ReceiverCore(ReceiverConfig("ch", window=window, timeout_s=TIMEOUT, planes=planes))
+    return ReceiverCore(ReceiverConfig("ch", window=window, timeout_s=TIMEOUT, planes=planes),
+                        note=lambda level, fields: None)
+
+
+def test_the_core_reports_through_its_note_and_logs_nothing(caplog):
+    """A refused transfer is reported to the note it was given (level and event), not to a logger."""
+    seen: list[tuple[int, dict]] = []
+    core = ReceiverCore(ReceiverConfig("ch", timeout_s=TIMEOUT),
+                        note=lambda level, fields: seen.append((level, fields)))
+    with caplog.at_level(logging.DEBUG, logger="hurray.bridge"):
+        core.handle(LinkReceived(TransferFault("TENSOR_DESCRIPTOR", 7, "bad_meta", "meta is not an object",
+                                               field="meta", value="array"), 0.0))
+    assert [(lv, f["event"], f.get("reason")) for lv, f in seen] == [(logging.WARNING, "reject", "bad_meta")], seen
+    assert not caplog.records
 
 
 def _sends(actions: list[ReceiverAction]) -> list[link.LinkMessage]:

@@ -45,6 +45,7 @@ from typing import Any
 from hurray_ipc.contract.meta import check_meta
 from hurray_ipc.contract.sync import Transport
 from hurray_ipc.format.handle import BufferHandle, DeviceTag, HandleError, SyncMode
+from hurray_ipc.notes import Note, to_logger
 from hurray_ipc.transport import liveness
 from hurray_ipc.transport.pairing import Endpoint, ModeCache, host_side
 from hurray_ipc.transport.route import Route
@@ -61,7 +62,6 @@ from hurray_ipc.wire.ipc import (
     json_bytes,
 )
 
-from .logfmt import Note, log_event
 from .queries import (
     QUERY_BYTES,
     QUERY_BYTES_TOTAL,
@@ -228,8 +228,8 @@ class BrokerCore:
                  entropy: Callable[[int], bytes] = os.urandom, note: Note | None = None):
         self.host = host
         # note(level, fields): where the core's events go ({"event": name, ...}); the loop's
-        # logger as one JSON object per record (logfmt) unless a test collects them.
-        self._note: Note = note or log_event
+        # logger, one JSON object per record (hurray_ipc/notes.py), unless a test collects them.
+        self._note: Note = note or to_logger("hurray.broker")
         # What a ROUTE must carry (§2.4): the server writes it to an owner-only file beside the
         # socket and hands it to the broker's own bridges; a client that cannot read it cannot
         # announce a bridge.

@@ -22,21 +22,12 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 FORMATS = ("text", "json")
 _PLAIN = re.compile(r'^[^\s"=\\\x00-\x1f\x7f]+$')  # written as is; anything else is quoted
 _CLIENT_ID = re.compile(r"^[0-9a-f]{32}$")
 _ROOT_LOGGER = "hurray.broker"  # text lines name any other logger (the bridges', NIXL's)
-
-
-Note = Callable[[int, dict[str, Any]], None]  # (level, {"event": name, ...fields}): one event
-
-
-def log_event(level: int, fields: dict[str, Any]) -> None:
-    """Log one event of the broker's core (a ``Note``) as the JSON object both formats read."""
-    logging.getLogger(_ROOT_LOGGER).log(level, json.dumps(fields))
 
 
 def iso_time(epoch: float) -> str:

@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import enum
 import itertools
-import json
 import logging
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from hurray_ipc.notes import Note, to_logger
 from hurray_ipc.wire.link import (
     INTERCHANGE_VERSION,
     Credit,
@@ -59,8 +59,6 @@ from hurray_ipc.wire.link import (
 )
 
 from .rules import MAX_BOUNCES, SENDER_ENDED, WINDOW, Coverage, Plane, transfer_bound
-
-log = logging.getLogger("hurray.bridge")
 
 HELLO_EVERY_S = 0.5  # how often an unlinked receiver says LINK_HELLO
 
@@ -305,7 +303,8 @@ class ReceiverCore:
     """The receiving side of one link (module docstring). ``handle(event)`` returns the actions to
     run, in order."""
 
-    def __init__(self, config: ReceiverConfig):
+    def __init__(self, config: ReceiverConfig, note: Note | None = None):
+        self._note: Note = note or to_logger("hurray.bridge")  # what it has to say (hurray_ipc/notes.py)
         if not 1 <= config.window <= 64:
             raise ValueError(f"window {config.window} is outside 1-64")
         self.config = config
@@ -377,8 +376,8 @@ class ReceiverCore:
         elif isinstance(event, HandOnFailed):
             self.stats.discarded += 1
             h = self.handed[event.dest]
-            log.warning(json.dumps({"event": "local_broker_unavailable", "transfer_id": h.tid,
-                                    "error": event.message}))
+            self._note(logging.WARNING, {"event": "local_broker_unavailable", "transfer_id": h.tid,
+                                         "error": event.message})
             if not event.held:
                 del self.handed[event.dest]
                 out.append(Free(event.dest))
@@ -394,7 +393,7 @@ class ReceiverCore:
                 out.append(Free(dest))
             self._release_quarantined(event.now, out)
             if self.quarantined:  # a peer's WRITE may still land in them (R4.4): never freed, left to exit
-                log.warning(json.dumps({"event": "quarantined_at_close", "buffers": len(self.quarantined)}))
+                self._note(logging.WARNING, {"event": "quarantined_at_close", "buffers": len(self.quarantined)})
                 self.quarantined.clear()
         else:  # pragma: no cover - the Union is exhaustive
             raise TypeError(f"not a receiver event: {event!r}")
@@ -468,15 +467,15 @@ class ReceiverCore:
     def _welcome(self, w: LinkWelcome, out: list[ReceiverAction]) -> None:
         plane = next((p for p in self.config.planes if p.value == w.data_plane), None)
         if plane is None:
-            log.warning(json.dumps({"event": "bad_data_plane", "data_plane": w.data_plane[:32]}))
+            self._note(logging.WARNING, {"event": "bad_data_plane", "data_plane": w.data_plane[:32]})
             self.last_hello = -math.inf  # a plane we did not offer: say hello again
             return
         # A new link: the sender knows none of our unended transfers (its ids may start again).
         self._discard_unended("the link was set up again", out)
         self.plane = plane
-        log.info(json.dumps({"event": "linked", "data_plane": w.data_plane, "window": self.config.window,
-                             "gpu_destination": self.config.gpu_destination if plane is Plane.NIXL else None,
-                             "peer_gpu_source": str(w.gpu_source)[:32]}))
+        self._note(logging.INFO, {"event": "linked", "data_plane": w.data_plane, "window": self.config.window,
+                                  "gpu_destination": self.config.gpu_destination if plane is Plane.NIXL else None,
+                                  "peer_gpu_source": str(w.gpu_source)[:32]})
         self.linked = True
         out.append(Announce())  # before any handoff of this link: CAPS then names its plane
         out.extend(self._grant_at_link())
@@ -496,8 +495,8 @@ class ReceiverCore:
                 self._discard(p, f"the sender rejected it: {r.reason}", out, sender_let_go=True)
                 out.append(Send(Credit(1)))
             else:
-                log.warning(json.dumps({"event": "peer_rejected", "transfer_id": str(r.transfer_id)[:32],
-                                        "reason": r.reason[:64]}))
+                self._note(logging.WARNING, {"event": "peer_rejected", "transfer_id": str(r.transfer_id)[:32],
+                                             "reason": r.reason[:64]})
             return
         self.linked = False  # the sender does not know us (restarted): say hello again
         self.last_hello = -math.inf
@@ -541,7 +540,7 @@ class ReceiverCore:
     def _reject(self, tid: object, reason: str, message: str, out: list[ReceiverAction]) -> None:
         """Refuse transfer ``tid``: REJECT, and the credit it used (§3 receiver rule 2)."""
         self.stats.rejected += 1
-        log.warning(json.dumps({"event": "reject", "transfer_id": tid, "reason": reason, "message": message}))
+        self._note(logging.WARNING, {"event": "reject", "transfer_id": tid, "reason": reason, "message": message})
         out.append(Send(Reject(reason, message, tid)))
         out.append(Send(Credit(1)))
 
@@ -557,7 +556,7 @@ class ReceiverCore:
         else:
             out.append(Free(p.dest))
         self.stats.discarded += 1
-        log.warning(json.dumps({"event": "partial_discarded", "transfer_id": p.tid, "why": why}))
+        self._note(logging.WARNING, {"event": "partial_discarded", "transfer_id": p.tid, "why": why})
         if reject is not None:
             self._reject(p.tid, reject, why, out)
 
@@ -607,18 +606,18 @@ class ReceiverCore:
         again (at most max_bounces times), one whose consumer was fenced is kept, any other goes back."""
         h = self.handed.get(e.dest)
         if h is None or h.state is not Hand.AT_CONSUMER:
-            log.error(json.dumps({"event": "unknown_handoff_ended", "dest": e.dest}))
+            self._note(logging.ERROR, {"event": "unknown_handoff_ended", "dest": e.dest})
             return
         if e.consumer_gone and h.bounces < self.config.max_bounces:
             h.bounces += 1
             h.state = Hand.BOUNCED
-            log.info(json.dumps({"event": "hand_on_again", "transfer_id": h.tid, "why": "consumer_gone"}))
+            self._note(logging.INFO, {"event": "hand_on_again", "transfer_id": h.tid, "why": "consumer_gone"})
             self.bounced.append(e.dest)  # never delivered: hand it on again
             return
         del self.handed[e.dest]
         if e.error is not None:
             self.stats.discarded += 1
-            log.warning(json.dumps({"event": "hand_on_refused", "transfer_id": h.tid, "error": e.error[:200]}))
+            self._note(logging.WARNING, {"event": "hand_on_refused", "transfer_id": h.tid, "error": e.error[:200]})
         if e.fenced:
             # Its consumer may still read it (ipc-protocol.md §5): never pooled, written by the
             # NIC (a registration pins its pages) or freed again while this bridge runs.

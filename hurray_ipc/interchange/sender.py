@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import enum
 import itertools
-import json
 import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from hurray_ipc.notes import Note, to_logger
 from hurray_ipc.transport.route import MAX_PEER_CHARS
 from hurray_ipc.wire.link import (
     INTERCHANGE_VERSION,
@@ -49,8 +49,6 @@ from hurray_ipc.wire.link import (
 )
 
 from .rules import Plane, transfer_bound
-
-log = logging.getLogger("hurray.bridge")
 
 MAX_IN_FLIGHT = 4  # transfers a sender has under way and not yet released (bounds the handoffs it holds)
 WRITE_CHUNK = 64 << 20  # bytes per NIXL WRITE: one per turn of the loop keeps the link answered (R6)
@@ -335,7 +333,8 @@ class SenderCore:
     """The sending side of every link of one bridge (module docstring). ``handle(event)`` returns
     the actions to run, in order."""
 
-    def __init__(self, config: SenderConfig):
+    def __init__(self, config: SenderConfig, note: Note | None = None):
+        self._note: Note = note or to_logger("hurray.bridge")  # what it has to say (hurray_ipc/notes.py)
         self.config = config
         self.planes = config.planes
         self.rdma = Plane.NIXL in config.planes  # the loop has a NIXL agent
@@ -393,7 +392,7 @@ class SenderCore:
             self._start(event, out)
         elif isinstance(event, Unreadable):
             self.stats.aborted += 1
-            log.warning(json.dumps({"event": "source_unreadable", "error": event.error}))
+            self._note(logging.WARNING, {"event": "source_unreadable", "error": event.error})
         elif isinstance(event, SendFailed):
             t = self.transfers[event.tid]
             self._abort(t.rid, t.tid, event.error, out)
@@ -402,7 +401,7 @@ class SenderCore:
             elif self.transfers.pop(t.tid, None) is not None:
                 out.append(Release(t.src))  # nothing was posted: NIXL never read it
         elif isinstance(event, Unreachable):
-            log.warning(json.dumps({"event": "peer_unreachable", "error": event.error}))
+            self._note(logging.WARNING, {"event": "peer_unreachable", "error": event.error})
             self._drop_peer(event.rid, out)
         elif isinstance(event, Reaped):
             self._reaped(event, out)
@@ -449,8 +448,8 @@ class SenderCore:
             out.append(Send(rid, LinkPong()))
         elif isinstance(msg, Reject):
             self.stats.rejected += 1
-            log.warning(json.dumps({"event": "peer_rejected", "transfer_id": str(msg.transfer_id)[:32],
-                                    "reason": msg.reason[:64], "message": msg.message[:200]}))
+            self._note(logging.WARNING, {"event": "peer_rejected", "transfer_id": str(msg.transfer_id)[:32],
+                                         "reason": msg.reason[:64], "message": msg.message[:200]})
             t = self._transfer_of(rid, msg.id)
             if t is not None and t.stage is not Stage.QUEUED:
                 self._end(t, None, "", out)  # the receiver gave up on it: NIXL must let go first
@@ -468,10 +467,10 @@ class SenderCore:
         plane = next((names[x] for x in msg.data_planes if x in names), Plane.ZMQ)
         name = f"tcp://{address}#{rid.hex()}"[:MAX_PEER_CHARS]
         self.peers[rid] = Peer(rid, name, plane, msg.window, now)
-        log.info(json.dumps({"event": "linked", "peer": name, "data_plane": plane.value,
-                             "offered": list(msg.data_planes[:8]), "window": msg.window,
-                             "gpu_source": self.config.gpu_source,
-                             "peer_gpu_destination": str(msg.gpu_destination)[:32]}))
+        self._note(logging.INFO, {"event": "linked", "peer": name, "data_plane": plane.value,
+                                  "offered": list(msg.data_planes[:8]), "window": msg.window,
+                                  "gpu_source": self.config.gpu_source,
+                                  "peer_gpu_destination": str(msg.gpu_destination)[:32]})
         out.append(Send(rid, LinkWelcome(data_plane=plane.value, gpu_source=self.config.gpu_source)))
 
     def _transfer_of(self, rid: bytes, tid: int | None) -> Transfer | None:
@@ -516,7 +515,7 @@ class SenderCore:
     def _abort(self, rid: bytes, tid: int, error: str, out: list[SenderAction]) -> None:
         self.stats.aborted += 1
         self._drop_peer(rid, out)
-        log.warning(json.dumps({"event": "transfer_aborted", "transfer_id": tid, "error": error}))
+        self._note(logging.WARNING, {"event": "transfer_aborted", "transfer_id": tid, "error": error})
 
     def _offer(self, rid: bytes, msg: RdmaRegister, out: list[SenderAction]) -> None:
         """RDMA_REGISTER: the loop checks it and registers the source (AcceptOffer)."""
@@ -570,8 +569,8 @@ class SenderCore:
             self.failed_writes += 1
         if reason is not None:
             self.stats.aborted += 1
-            log.warning(json.dumps({"event": "transfer_aborted", "transfer_id": t.tid, "reason": reason,
-                                    "error": message}))
+            self._note(logging.WARNING, {"event": "transfer_aborted", "transfer_id": t.tid, "reason": reason,
+                                         "error": message})
         t.stage, t.reason, t.message = Stage.ENDING, reason, message
         out.append(EndWrites(t.tid))
 
@@ -580,7 +579,7 @@ class SenderCore:
         if t is None or t.stage is not Stage.ENDING:
             return
         if not e.cancelled:
-            log.warning(json.dumps({"event": "rdma_not_cancelled", "transfer_id": t.tid}))
+            self._note(logging.WARNING, {"event": "rdma_not_cancelled", "transfer_id": t.tid})
             self._give_up_rdma(out)
             return
         del self.transfers[t.tid]
@@ -599,7 +598,7 @@ class SenderCore:
             del self.transfers[t.tid]
             out.append(Release(t.src))
         self._zmq_only()
-        log.warning(json.dumps({"event": "rdma_plane_dropped", "data_planes": [p.value for p in self.planes]}))
+        self._note(logging.WARNING, {"event": "rdma_plane_dropped", "data_planes": [p.value for p in self.planes]})
 
     def _zmq_only(self) -> None:
         self.rdma, self.planes = False, (Plane.ZMQ,)
