@@ -111,6 +111,9 @@ def test_wheel_installs_only_hurray_ipc_and_builds_quietly(built_wheel: tuple[Pa
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"hurray_ipc"}, tops
     assert "hurray_ipc/broker/core.py" in names and "hurray_ipc/interop/dlpack.py" in names
+    packages = {str(p.parent.relative_to(ROOT)) for p in (ROOT / "hurray_ipc").rglob("__init__.py")}
+    missing = sorted(p for p in packages if f"{p}/__init__.py" not in names)
+    assert not missing, f"packages of the tree the wheel leaves out: {missing}"
 
 
 
