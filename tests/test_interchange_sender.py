@@ -462,6 +462,18 @@ def test_a_silent_peer_is_dropped_and_its_nixl_transfers_end_link_lost() -> None
     assert out == [Send(b"a", Reject("link_lost", "the link was lost or set up again", 1)), Unregister(1), Release(7)]
 
 
+def test_a_descriptor_that_cannot_be_sent_aborts_its_nixl_transfer_once() -> None:
+    """The loop could not send the TENSOR_DESCRIPTOR: the transfer is released at once (NIXL never
+    read it) and counted aborted once, not again as link_lost when its peer is dropped."""
+    core = _core()
+    core.handle(LinkReceived(b"a", LinkHello("ch", 1, ("nixl", "zmq")), 0.0))
+    core.handle(LinkReceived(b"a", Credit(1), 0.0))
+    assert core.handle(Started(b"a", 7, 8, 0.0)) == [Describe(b"a", 1, 7)]
+    out = core.handle(SendFailed(1, "Host unreachable", 0.1))
+    assert [a for a in out if isinstance(a, Release)] == [Release(7)] and not any(isinstance(a, EndWrites) for a in out)
+    assert core.stats.aborted == 1 and b"a" not in core.peers and not core.transfers
+
+
 def test_a_queued_transfer_past_its_deadline_is_released_and_its_peer_dropped() -> None:
     core = _core()
     core.handle(LinkReceived(b"a", LinkHello("ch"), 0.0))

@@ -600,10 +600,11 @@ class BridgeOut:
         try:
             while not stop.is_set():
                 self._drain_link()
+                if self.writes:
+                    self._poll_rdma()  # before the deadlines: a WRITE that completed is not a timeout
                 self._feed(SenderTick(time.monotonic()))  # silent peers, NIXL deadlines
                 more = False
                 if self.writes:
-                    self._poll_rdma()
                     actions = self.core.handle(PostNext(time.monotonic()))
                     self._run(actions)
                     more = any(isinstance(a, PostWrite) for a in actions)

@@ -395,10 +395,13 @@ class SenderCore:
             self._note(logging.WARNING, {"event": "source_unreadable", "error": event.error})
         elif isinstance(event, SendFailed):
             t = self.transfers[event.tid]
+            queued = t.stage is Stage.QUEUED
+            if not queued:  # out before the peer is dropped, so that it is not also ended as link_lost
+                del self.transfers[t.tid]
             self._abort(t.rid, t.tid, event.error, out)
-            if t.stage is Stage.QUEUED:
+            if queued:
                 t.queued_ok = False  # released once ZeroMQ is done with what it queued (Reaped)
-            elif self.transfers.pop(t.tid, None) is not None:
+            else:
                 out.append(Release(t.src))  # nothing was posted: NIXL never read it
         elif isinstance(event, Unreachable):
             self._note(logging.WARNING, {"event": "peer_unreachable", "error": event.error})
@@ -553,8 +556,6 @@ class SenderCore:
         t.posted -= 1
         t.done_bytes += e.length
         out.append(Send(t.rid, RdmaReady(t.tid, e.offset, e.length)))
-        if t.rid not in self.peers or self.transfers.get(t.tid) is not t:
-            return  # the peer was dropped while we told it
         if t.next_off >= t.size and not t.posted:
             out.append(Send(t.rid, TensorDataEnd(t.tid, t.size)))
             self.stats.sent += 1
