@@ -78,6 +78,23 @@ def test_trim_spares_a_key_and_stops_when_enough():
     assert [r.alive for r in items] == [True, True, False, False]
 
 
+def test_close_goes_on_past_an_item_that_will_not_close(caplog):
+    """One destroy that raises is logged; the other items are still destroyed."""
+    closed: list[int] = []
+
+    def destroy(r: Res) -> None:
+        if r.key == 1:
+            raise DeviceError("test", "cannot close")
+        closed.append(r.key)
+
+    pool: Pool[int, Res] = Pool(Res, destroy, lambda r: r.key, what="test")
+    items = [pool.take(k) for k in (0, 1, 2)]
+    pool.give(items[0])
+    pool.close()
+    assert sorted(closed) == [0, 2] and pool.out == 0 and pool.idle == 0
+    assert "destroying an item failed" in caplog.text
+
+
 class PoolMachine(RuleBasedStateMachine):
     """Every item is alive exactly while it is out or idle; out and idle never overlap; idle per key
     never exceeds ``keep``; close destroys everything once."""

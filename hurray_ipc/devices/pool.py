@@ -10,6 +10,7 @@ EVENT_RELEASED, a fence that completed) is the owner's contract, stated where it
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
@@ -17,6 +18,8 @@ from typing import Generic, TypeVar
 from .errors import DeviceError
 
 __all__ = ["Pool"]
+
+log = logging.getLogger("hurray.devices")
 
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
@@ -79,7 +82,14 @@ class Pool(Generic[K, T]):
         with self._lock:
             for key, idle in self._idle.items():
                 while idle and key != spare and not enough():
-                    self._destroy(idle.pop())
+                    self._destroy_logged(idle.pop())
+
+    def _destroy_logged(self, item: T) -> None:
+        """Destroy ``item``; one that fails is logged and forgotten, and the others still go."""
+        try:
+            self._destroy(item)
+        except Exception:  # noqa: BLE001 - one resource that will not close must not keep the rest
+            log.exception("%s: destroying an item failed", self.what)
 
     def items(self) -> list[T]:
         """Every item alive: idle and out."""
@@ -93,7 +103,8 @@ class Pool(Generic[K, T]):
 
     @property
     def idle(self) -> int:
-        return sum(len(v) for v in self._idle.values())
+        with self._lock:
+            return sum(len(v) for v in self._idle.values())
 
     def close(self, *, taken_too: bool = True) -> None:
         """Destroy every idle item and (``taken_too``) every item still out; the pool stays usable."""
@@ -104,4 +115,4 @@ class Pool(Generic[K, T]):
                 self._out.clear()
             self._idle.clear()
             for item in items:
-                self._destroy(item)
+                self._destroy_logged(item)
