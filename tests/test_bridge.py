@@ -597,7 +597,7 @@ def test_broker_bridge_needs_keys_or_insecure(tmp_path):
 
 
 def test_coverage_counts_bytes_once_and_names_the_gap():
-    from hurray_ipc.broker.bridge import Coverage
+    from hurray_ipc.interchange.rules import Coverage
 
     c = Coverage(64)
     assert c.add(32, 32) and c.add(0, 16)
@@ -662,7 +662,7 @@ def test_source_registrations_live_as_long_as_the_mapping(two_brokers, monkeypat
     registrations; a registration kept past its unmap would be found again by address for the
     next buffer mapped there, naming memory that is no longer the producer's buffer). On the
     receiving side the destinations' registrations live with the pool (at most window + 1)."""
-    from hurray_ipc.broker.bridge import WINDOW
+    from hurray_ipc.interchange.rules import WINDOW
 
     monkeypatch.setenv("HURRAY_IMPORT_CACHE", import_cache)  # the bridges' consumer maps the buffers
     a, b = two_brokers
@@ -677,7 +677,7 @@ def test_source_registrations_live_as_long_as_the_mapping(two_brokers, monkeypat
 def test_nixl_transfer_in_several_writes(two_brokers):
     """A transfer over WRITE_CHUNK goes as several WRITEs, each announced by its own RDMA_READY range
     (R2): bytes land where they belong, the last, shorter range included."""
-    from hurray_ipc.broker.bridge import WRITE_CHUNK
+    from hurray_ipc.interchange.sender import WRITE_CHUNK
 
     a, b = two_brokers
     _bridged_pair(a, b, f"tcp://127.0.0.1:{free_port()}", ["--rdma"], ["--rdma"], n=2, size=2 * WRITE_CHUNK + 4097)
@@ -795,7 +795,7 @@ def test_a_bridge_without_nixl_still_links_over_zmq(two_brokers, side):
 
 
 def test_transfer_bound_is_a_link_timeout_per_started_64_mib():
-    from hurray_ipc.broker.bridge import transfer_bound
+    from hurray_ipc.interchange.rules import transfer_bound
 
     mib = 1 << 20
     assert [transfer_bound(3.0, n) for n in (0, 1, 64 * mib, 64 * mib + 1, 1 << 30)] == [3.0, 3.0, 3.0, 6.0, 48.0]
@@ -808,8 +808,8 @@ def test_offers_of_a_gone_agent_do_not_leak_the_sending_bridges_sockets(two_brok
     per transfer, without bound). The bridge now renews its agent after MAX_FAILED_WRITES failed
     transfers with none in flight, which closes them: over 100 such transfers its descriptors
     grow by less than that bound, and every handoff still goes back to its producer."""
-    from hurray_ipc.broker.bridge import MAX_FAILED_WRITES
     from hurray_ipc.broker.rdma import RdmaEngine
+    from hurray_ipc.interchange.sender import MAX_FAILED_WRITES
 
     a, _ = two_brokers
     url = f"tcp://127.0.0.1:{free_port()}"
@@ -858,12 +858,13 @@ def test_handoffs_that_ended_change_the_receiving_bridge_only_in_its_loop():
     import threading
     from collections import deque
 
-    from hurray_ipc.broker.bridge import MAX_BOUNCES, BridgeIn, Dest
+    from hurray_ipc.broker.bridge import BridgeIn, Dest
     from hurray_ipc.client.producer import Ticket
     from hurray_ipc.client.session import RemoteError
     from hurray_ipc.contract.sync import Transport
     from hurray_ipc.format.handle import SyncMode
     from hurray_ipc.interchange.receiver import HandedOn, ReceiverConfig, ReceiverCore
+    from hurray_ipc.interchange.rules import MAX_BOUNCES
 
     b = object.__new__(BridgeIn)
     b.ended, b.fenced_buffers, b.dests, b.delivered = deque(), [], {}, 0

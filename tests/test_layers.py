@@ -24,6 +24,8 @@ def _imported(path: Path, root: Path = PKG) -> set[str]:
                 out.add(full[0])
             else:  # from .. import x, y: the names are the subpackages
                 out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module == "hurray_ipc":  # from hurray_ipc import client
+            out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hurray_ipc."):
             out.add(node.module.split(".")[1])
         elif isinstance(node, ast.Import):
@@ -48,5 +50,6 @@ def test_the_check_sees_an_upward_import(tmp_path):
     """The reader above is not vacuous: a relative and an absolute upward import are both found."""
     (tmp_path / "wire").mkdir()
     probe = tmp_path / "wire" / "probe.py"
-    probe.write_text("from ..client import session\nimport hurray_ipc.devices.cpu\nfrom . import fields\n")
-    assert _imported(probe, tmp_path) == {"client", "devices", "wire"}
+    probe.write_text("from ..client import session\nimport hurray_ipc.devices.cpu\nfrom . import fields\n"
+                     "from hurray_ipc import transport\n")
+    assert _imported(probe, tmp_path) == {"client", "devices", "wire", "transport"}

@@ -85,9 +85,8 @@ from hurray_ipc.interchange.receiver import (
     Write,
 )
 from hurray_ipc.interchange.receiver import Offer as OfferAction
-from hurray_ipc.interchange.rules import MAX_BOUNCES, SENDER_ENDED, WINDOW, Coverage, Plane, transfer_bound
+from hurray_ipc.interchange.rules import WINDOW, Plane
 from hurray_ipc.interchange.sender import (
-    MAX_FAILED_WRITES,
     MAX_IN_FLIGHT,
     WRITE_CHUNK,
     AcceptOffer,
@@ -133,9 +132,7 @@ from .logfmt import configure as configure_logging
 from .rdma import BadOffer, Offer, RdmaEngine, RdmaError, Registration, Transfer, nixl_available, nixl_info
 
 log = logging.getLogger("hurray.bridge")
-# Re-exported: tests and tools import them from here.
-__all__ = ["MAX_BOUNCES", "MAX_FAILED_WRITES", "MAX_IN_FLIGHT", "SENDER_ENDED", "WINDOW", "WRITE_CHUNK", "BridgeIn",
-           "BridgeOut", "Coverage", "Dest", "main", "transfer_bound"]
+__all__ = ["BridgeIn", "BridgeOut", "Dest", "main"]
 
 CHUNK = 1 << 20
 SEND_HWM = 16  # chunks queued per peer: with CHUNK, at most 16 MiB in flight per transfer

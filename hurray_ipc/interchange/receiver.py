@@ -45,6 +45,7 @@ from typing import Any
 from hurray_ipc.notes import Note, to_logger
 from hurray_ipc.wire.link import (
     INTERCHANGE_VERSION,
+    MAX_WINDOW,
     Credit,
     LinkHello,
     LinkMessage,
@@ -305,8 +306,8 @@ class ReceiverCore:
 
     def __init__(self, config: ReceiverConfig, note: Note | None = None):
         self._note: Note = note or to_logger("hurray.bridge")  # what it has to say (hurray_ipc/notes.py)
-        if not 1 <= config.window <= 64:
-            raise ValueError(f"window {config.window} is outside 1-64")
+        if not 1 <= config.window <= MAX_WINDOW:
+            raise ValueError(f"window {config.window} is outside 1-{MAX_WINDOW}")
         self.config = config
         self.linked = False
         self.plane = Plane.ZMQ
