@@ -361,3 +361,19 @@ def test_the_machine_catches_a_broken_core(broken: type[ConsumerCore], caught: s
         run_state_machine_as_test(machine, settings=settings(
             max_examples=300, stateful_step_count=40, deadline=None, derandomize=True, database=None,
             phases=[Phase.generate], suppress_health_check=list(HealthCheck)))
+
+
+def test_a_mapping_that_will_not_close_is_never_given_back_and_stays_declared() -> None:
+    """Its memory may still be mapped here: no RELEASE, a second release does nothing, and every
+    re-HELLO lists it as held, so that no broker (a restarted one included) hands it back."""
+    core = ConsumerCore(prefetch=1)
+    core.requested(1)
+    d = Delivery("t" * 48, "p", 7, event=False)
+    core.delivered(d)
+    core.taken()
+    out = core.released(d.token)
+    assert out[0] == Unmap(d.token, d) and isinstance(out[1], Release), out
+    core.unmap_failed(d)  # the consumer could not close it: it drops the Release that followed
+    assert core.stage(d.token) is Stage.KEPT and core.held == 1
+    assert core.released(d.token) == [] and core.fence_completed(1) == []
+    assert [h["token"] for h in core.registering(2)["held"]] == [d.token]

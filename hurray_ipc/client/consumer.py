@@ -670,6 +670,7 @@ class Consumer:
                             buf.close()
                         except Exception:
                             unmap_failed.add(a.token)
+                            self.core.unmap_failed(a.delivery)
                             raise
                 elif isinstance(a, Release) and a.token in unmap_failed:
                     log.error("RELEASE of %s not sent: its mapping did not close", a.token[:16])

@@ -13,7 +13,8 @@ queued now).
 The rules it keeps (docs/spec/ipc-protocol.md §4, §6; sync-contract.md §3; ARCHITECTURE "Release"):
 
 * every delivery is given back exactly once: one RELEASE, or none when its producer is gone
-  (nobody to give it to); a rejected delivery is refused with one RELEASE carrying a ``reason``;
+  (nobody to give it to) or its mapping would not close (kept, declared held for ever); a
+  rejected delivery is refused with one RELEASE carrying a ``reason``;
 * a RELEASE goes only after every fence recorded for it completed, and after its mapping was
   closed (:class:`Unmap` comes first: the mapping of an allocation must be gone before its
   producer may reuse or free the memory);
@@ -57,9 +58,11 @@ class Delivery:
 
 @dataclass(frozen=True)
 class Unmap:
-    """Close this delivery's memory mapping now (before its RELEASE, which follows)."""
+    """Close this delivery's memory mapping now (before its RELEASE, which follows). If it will not
+    close, tell :meth:`ConsumerCore.unmap_failed` and send no RELEASE for it."""
 
     token: str
+    delivery: Delivery
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,7 @@ class Stage(Enum):
     INBOX = "inbox"
     HELD = "held"
     FENCED = "fenced"
+    KEPT = "kept"  # its mapping would not close: never given back, still declared held
 
 
 @dataclass
@@ -244,8 +248,8 @@ class ConsumerCore:
         streams it used, each reported through :meth:`fence_completed`. The RELEASE goes once all
         completed (at once when there are none); a second call does nothing."""
         e = self._entries.get(token)
-        if e is None or e.stage is Stage.FENCED:
-            return []  # given back already: exactly once
+        if e is None or e.stage in (Stage.FENCED, Stage.KEPT):
+            return []  # given back already (exactly once), or never to be
         out: list[Action] = self.event_released(token)  # the event before the buffer
         was_queued = e.stage is Stage.INBOX  # released without being received (close())
         if was_queued:
@@ -267,6 +271,13 @@ class ConsumerCore:
         e.fences.discard(fence)
         return self._advance(e)
 
+    def unmap_failed(self, d: Delivery) -> None:
+        """Closing ``d``'s mapping failed (its :class:`Unmap`): the memory may still be mapped here,
+        so its producer must never get it back. No RELEASE goes (the caller drops the one that
+        followed the Unmap, and the credits it carried); it stays owed, and a re-HELLO keeps
+        declaring it held, so that no restarted broker hands it back to its producer either."""
+        self._entries[d.token] = _Entry(d, stage=Stage.KEPT)
+
     # --- internals --------------------------------------------------------------------------
     def _advance(self, e: _Entry) -> list[Action]:
         """When ``e``'s fences all completed: close its mapping, then give it back. Its RELEASE is
@@ -278,7 +289,7 @@ class ConsumerCore:
         d = e.delivery
         del self._entries[d.token]
         self._fenced -= 1
-        unmap: list[Action] = [Unmap(d.token)]
+        unmap: list[Action] = [Unmap(d.token, d)]
         if e.gone:
             self._gone -= 1
             return unmap  # nobody to give it back to
