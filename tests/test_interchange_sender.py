@@ -17,6 +17,7 @@ Each rule is then shown to matter: a core with it broken makes the machine fail,
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import hypothesis.strategies as st
@@ -106,6 +107,8 @@ class SrcModel:
     writes: set[tuple[int, int]] = field(default_factory=set)  # posted, not DONE nor cancelled
     done: int = 0  # bytes reported DONE
     offered: bool = False
+    posted: bool = False  # a WRITE was posted: NIXL may read it until they are cancelled or the agent closed
+    cancel: str = ""  # its EndWrites: "asked", answered "cancelled" or "failed"; or "closed" (CloseEngine)
 
 
 class SenderMachine(RuleBasedStateMachine):
@@ -127,6 +130,9 @@ class SenderMachine(RuleBasedStateMachine):
         self.cancel_fails = False
         self.abandoned: set[int] = set()  # NIXL transfers the agent's closing ended: no REJECT for them
         self.prompt = False  # the receiver offers each destination at once, and the loop posts at once
+        # REJECTs after a failed cancel (R4.5): failed once their action list ran, so that a Release
+        # in the same list is reported first as the R4.1 break it is
+        self.late_rejects: list[str] = []
 
     # -- running the core's actions, checking each ---------------------------------------------
 
@@ -137,6 +143,10 @@ class SenderMachine(RuleBasedStateMachine):
         return self.srcs[self.by_tid[tid]]
 
     def run(self, actions: list[SenderAction]) -> None:
+        self.run_each(actions)
+        assert not self.late_rejects, self.late_rejects[0]
+
+    def run_each(self, actions: list[SenderAction]) -> None:
         for a in actions:
             if isinstance(a, Send):
                 self.sent(a.rid, a.msg)
@@ -168,24 +178,32 @@ class SenderMachine(RuleBasedStateMachine):
                 s = self.src_of(a.tid)
                 assert s.offered and not s.released and a.offset + a.length <= s.size
                 s.writes.add((a.offset, a.length))
+                s.posted = True
             elif isinstance(a, EndWrites):
                 s = self.src_of(a.tid)
+                s.cancel = "asked"
                 if self.cancel_fails and s.writes:
+                    s.cancel = "failed"
                     self.feed(WritesEnded(a.tid, False, self.now))
                 else:
                     s.writes.clear()  # cancelled: NIXL let go
+                    s.cancel = "cancelled"
                     self.feed(WritesEnded(a.tid, True, self.now))
             elif isinstance(a, CloseEngine):
                 for tid, sid in self.by_tid.items():
                     s = self.srcs[sid]
                     if s.nixl and not s.released:
                         s.writes.clear()  # closing the agent ends them
+                        s.cancel = "closed"
                         self.abandoned.add(tid)
                 for p in self.peers.values():
                     p.linked = False
             elif isinstance(a, Release):
                 s = self.srcs[a.src]
                 assert not s.released, f"source {a.src} released twice (sender rule 4)"
+                assert not s.posted or s.cancel in ("cancelled", "closed"), (
+                    f"source {a.src} released while NIXL may read it: cancel {s.cancel or 'not asked'}, "
+                    "agent open (R4.1)")
                 assert not s.writes, f"source {a.src} released while NIXL may still read it (R4.1)"
                 s.released = True
                 if s.tid is not None:
@@ -201,7 +219,12 @@ class SenderMachine(RuleBasedStateMachine):
             if m.id is not None and m.id in self.by_tid:
                 s = self.src_of(m.id)
                 assert m.id not in self.abandoned, "a REJECT for a transfer the closed agent ended (R4.5)"
-                assert not s.writes, f"REJECT {m.reason} while WRITEs of {m.id} may still land (R4.1)"
+                if s.nixl:
+                    assert s.cancel in ("cancelled", "failed"), (
+                        f"REJECT {m.reason} of {m.id} before its EndWrites was answered cancelled (R4.1)")
+                    if s.cancel == "failed":
+                        self.late_rejects.append(f"REJECT {m.reason} of {m.id} after its WRITEs could not be "
+                                                 "cancelled (R4.5)")
                 assert m.reason in SENDER_ENDED or m.reason in ("bad_offer", "unexpected"), m
                 p.unended.discard(m.id)
         elif isinstance(m, TensorDataEnd):
@@ -345,6 +368,8 @@ class SenderMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         """Close as the bridge does: reap what is queued, then end the rest: every source released once."""
+        if sys.exc_info()[0] is not None:
+            return  # a rule or invariant failed: its message is the finding, not this accounting
         self.cancel_fails = False
         while self.core.queued:
             self.feed(Reaped(self.core.queued[0].tid, True, self.now))
@@ -411,11 +436,18 @@ class ReleasesWhatNixlReads(SenderCore):
         super()._writes_ended(WritesEnded(e.tid, True, e.now), out)
 
 
-@pytest.mark.parametrize("broken", [IgnoresCredit, IgnoresWindow, ReleasesTwice, RejectsBeforeCancelling,
-                                    ReleasesWhatNixlReads], ids=lambda c: c.__name__)
-def test_the_machine_finds_each_broken_rule(broken: type[SenderCore]) -> None:
+@pytest.mark.parametrize(("broken", "caught"), [
+    (IgnoresCredit, r"transfers started on \d+ credits \(sender rule 3\)"),
+    (IgnoresWindow, r"unended on a window of"),
+    (ReleasesTwice, r"released twice \(sender rule 4\)"),
+    (RejectsBeforeCancelling, r"REJECT \w+ of \d+ before its EndWrites was answered cancelled \(R4\.1\)"),
+    (ReleasesWhatNixlReads, r"released while NIXL may read it: cancel failed, agent open \(R4\.1\)"),
+], ids=lambda x: x.__name__ if isinstance(x, type) else "")
+def test_the_machine_finds_each_broken_rule(broken: type[SenderCore], caught: str) -> None:
+    """Each variant fails on the invariant that states the rule it breaks, at the step that breaks
+    it (match=), not on teardown's accounting (skipped once a step failed)."""
     machine = type(f"{broken.__name__}Machine", (SenderMachine,), {"core_class": broken})
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=caught):
         run_state_machine_as_test(machine, settings=machine_settings(1000))
 
 
