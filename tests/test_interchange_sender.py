@@ -429,6 +429,18 @@ class RejectsBeforeCancelling(SenderCore):
         super()._end(t, reason, message, out)
 
 
+class RejectsAfterAFailedCancel(SenderCore):
+    """Still sends the transfer's REJECT when NIXL could not cancel its WRITEs (R4.5 says none:
+    a closed agent is no fence, the receiver must supersede or time the transfer out)."""
+
+    def _writes_ended(self, e: WritesEnded, out: list[SenderAction]) -> None:
+        t = self.transfers.get(e.tid)
+        reject = None if t is None or e.cancelled or t.reason is None else Send(t.rid, Reject(t.reason, "", t.tid))
+        super()._writes_ended(e, out)
+        if reject is not None:
+            out.append(reject)
+
+
 class ReleasesWhatNixlReads(SenderCore):
     """Releases the source even when NIXL could not cancel its WRITEs."""
 
@@ -442,6 +454,8 @@ class ReleasesWhatNixlReads(SenderCore):
     (ReleasesTwice, r"released twice \(sender rule 4\)"),
     (RejectsBeforeCancelling, r"REJECT \w+ of \d+ before its EndWrites was answered cancelled \(R4\.1\)"),
     (ReleasesWhatNixlReads, r"released while NIXL may read it: cancel failed, agent open \(R4\.1\)"),
+    # Either R4.5 check: a REJECT after the failed cancel, or for a transfer the closed agent ended.
+    (RejectsAfterAFailedCancel, r"REJECT .*\(R4\.5\)"),
 ], ids=lambda x: x.__name__ if isinstance(x, type) else "")
 def test_the_machine_finds_each_broken_rule(broken: type[SenderCore], caught: str) -> None:
     """Each variant fails on the invariant that states the rule it breaks, at the step that breaks
