@@ -10,6 +10,7 @@ from hurray_ipc.transport.pairing import Endpoint
 from hurray_ipc.transport.route import Route
 from hurray_ipc.wire.fields import ABSENT, FieldError, check, obj, one_of, shown, take
 from hurray_ipc.wire.ipc import Message, ProtocolError, field_of
+from test_protocol_raw import endpoint_dict
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=80),
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
@@ -74,3 +75,58 @@ def test_every_consumer_of_the_validator_refuses_with_its_own_error_never_anothe
         Route.parse(v, "consumer")
     except ProtocolError as e:
         assert e.code == "bad_header" and str(e.extra["field"]).startswith("route")
+
+
+def _paths(d: object, prefix: str = "") -> list[str]:
+    """Every dotted path into ``d`` (objects and arrays), leaves and inner nodes."""
+    out = []
+    items = d.items() if isinstance(d, dict) else enumerate(d) if isinstance(d, list) else ()
+    for k, v in items:
+        path = f"{prefix}.{k}" if prefix else str(k)
+        out += [path, *_paths(v, path)]
+    return out
+
+
+def _replaced(d: object, path: str, value: object) -> object:
+    if not path:
+        return value
+    head, _, rest = path.partition(".")
+    if isinstance(d, dict):
+        return {**d, head: _replaced(d[head], rest, value)}
+    return [(_replaced(x, rest, value) if i == int(head) else x) for i, x in enumerate(d)]  # type: ignore[arg-type]
+
+
+VALID_ENDPOINT = endpoint_dict(4242, ipc_events=True, uuid="GPU-0")
+VALID_ROUTE = {"direction": "export", "links": [{"peer": "tcp://h:1", "data_plane": "zmq", "gpu": None,
+                                                 "window": 2}]}
+
+
+@given(st.sampled_from(_paths(VALID_ENDPOINT)), JSON)
+def test_one_field_of_a_valid_endpoint_replaced_is_accepted_or_refused_naming_a_field(path, v):
+    """Nested fields are reached (not stopped at the top-level object check): a replaced field is
+    either valid or refused with a message naming an endpoint path; nothing else escapes."""
+    Endpoint.from_dict(VALID_ENDPOINT)
+    try:
+        Endpoint.from_dict(_replaced(VALID_ENDPOINT, path, v))
+    except FieldError as e:
+        assert e.path.startswith("endpoint"), e.path
+    except ValueError as e:
+        assert str(e).startswith("endpoint"), e
+
+
+@given(st.sampled_from(_paths(VALID_ROUTE)), JSON)
+def test_one_field_of_a_valid_route_replaced_is_accepted_or_refused_naming_it(path, v):
+    Route.parse(VALID_ROUTE, "consumer")
+    try:
+        Route.parse(_replaced(VALID_ROUTE, path, v), "consumer")
+    except ProtocolError as e:
+        assert e.code == "bad_header" and str(e.extra["field"]).startswith("route"), e.extra
+
+
+def test_a_nested_fault_names_its_full_path():
+    with pytest.raises(FieldError) as e:
+        Endpoint.from_dict(_replaced(VALID_ENDPOINT, "caps.ipc_events", "false"))
+    assert e.value.path == "endpoint.caps.ipc_events" and e.value.value == "false"
+    with pytest.raises(ProtocolError) as r:
+        Route.parse(_replaced(VALID_ROUTE, "links.0.window", True), "consumer")
+    assert r.value.extra["field"] == "route.links.0.window"
