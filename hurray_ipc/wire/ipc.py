@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,19 +59,7 @@ PAYLOAD: dict[str, tuple[str, ...]] = {
     "CHANNEL_STATE": (),
     "ERROR": (),
     "SHUTDOWN": (),
-    # the cross-machine link between two bridges (docs/spec/interchange.md)
-    "LINK_HELLO": (),
-    "LINK_WELCOME": (),
-    "LINK_PING": (),
-    "LINK_PONG": (),
-    "CREDIT": (),
-    "TENSOR_DESCRIPTOR": ("handle",),
-    "TENSOR_DATA": ("data",),
-    "TENSOR_DATA_END": (),
-    "REJECT": (),
-    "RDMA_REGISTER": ("metadata",),  # interchange.md, RDMA data plane: B offers its destination
-    "RDMA_READY": (),  # A observed a NIXL WRITE complete
-}
+}  # the interchange link's verbs are wire/link.py's PAYLOAD
 # Binary hot verbs (spec §2.2): a fixed little-endian batch header of 1..MAX_BATCH fixed-size
 # entries, each entry followed by its own frames. EVENT_RELEASE and EVENT_RELEASED are entries
 # (kind 2) of RELEASE and RELEASED messages; in a decoded Message they keep their own verb.
@@ -82,10 +70,6 @@ CLIENT_VERBS = frozenset(["HELLO", "PING", "CAPS", "STATS", "REQUEST", "READY", 
 BROKER_VERBS = frozenset(["WELCOME", "PONG", "CAPS_REPLY", "STATS_REPLY", "GRANT", "DELIVER", "ACCEPTED",
                           "RELEASED", "EVENT_RELEASED", "PRODUCER_GONE", "REVOKE", "CHANNEL_STATE", "ERROR",
                           "SHUTDOWN"])
-# what a sending bridge accepts
-LINK_RECEIVER_VERBS = frozenset(["LINK_HELLO", "CREDIT", "LINK_PING", "REJECT", "RDMA_REGISTER"])
-LINK_SENDER_VERBS = frozenset(["LINK_WELCOME", "LINK_PONG", "TENSOR_DESCRIPTOR", "TENSOR_DATA", "TENSOR_DATA_END",
-                               "REJECT", "RDMA_READY"])  # what a receiving bridge accepts
 
 MAX_HEADER_DEPTH = 16  # JSON nesting of a header (objects and arrays); our deepest is 4
 
@@ -108,10 +92,12 @@ class Message:
     header: dict[str, Any] = field(default_factory=dict)
     frames: dict[str, bytes] = field(default_factory=dict)
 
-    def encode(self) -> list[bytes]:
+    def encode(self, verbs: Mapping[str, tuple[str, ...]] | None = None) -> list[bytes]:
+        """The frames; ``verbs``: the protocol's table of verbs and their payload frames (default:
+        this one's, PAYLOAD; the link's is wire/link.py's)."""
         if self.verb in HOT_VERBS:
             return encode_batch([self])
-        names = PAYLOAD[self.verb]
+        names = (PAYLOAD if verbs is None else verbs)[self.verb]
         out = [self.verb.encode("ascii"), json_bytes(self.header)]
         gap = False
         for name in names:
@@ -130,15 +116,17 @@ class Message:
         return out
 
 
-def decode(parts: Sequence[Any], *, allowed: frozenset[str] | None = None, views: bool = False) -> Message:
+def decode(parts: Sequence[Any], *, allowed: frozenset[str] | None = None, views: bool = False,
+           verbs: Mapping[str, tuple[str, ...]] | None = None) -> Message:
     """Parse one message (a binary hot-verb message must then carry exactly one entry)."""
-    msgs = decode_all(parts, allowed=allowed, views=views)
+    msgs = decode_all(parts, allowed=allowed, views=views, verbs=verbs)
     if len(msgs) != 1:
         raise ProtocolError("bad_frames", f"{msgs[0].verb} carries {len(msgs)} entries; use decode_all")
     return msgs[0]
 
 
-def decode_all(parts: Sequence[Any], *, allowed: frozenset[str] | None = None, views: bool = False) -> list[Message]:
+def decode_all(parts: Sequence[Any], *, allowed: frozenset[str] | None = None, views: bool = False,
+               verbs: Mapping[str, tuple[str, ...]] | None = None) -> list[Message]:
     """Parse and validate the shape of a message (not its meaning): a list of one Message for a
     JSON verb, of one per entry for a binary hot verb (spec §2.2).
 
@@ -156,7 +144,8 @@ def decode_all(parts: Sequence[Any], *, allowed: frozenset[str] | None = None, v
         if allowed is not None and layout.kinds.get(1, verb) not in allowed:
             raise ProtocolError("unknown_verb", f"{verb[:32]!r} is not a verb this side accepts")
         return layout.decode(parts, allowed)
-    if verb not in PAYLOAD or (allowed is not None and verb not in allowed):
+    table = PAYLOAD if verbs is None else verbs
+    if verb not in table or (allowed is not None and verb not in allowed):
         raise ProtocolError("unknown_verb", f"{verb[:32]!r} is not a verb this side accepts")
     raw = bytes(parts[1])
     limit = (MAX_STATS_REPLY_BYTES if verb in ("STATS_REPLY", "CAPS_REPLY")
@@ -164,7 +153,7 @@ def decode_all(parts: Sequence[Any], *, allowed: frozenset[str] | None = None, v
     if len(raw) > limit:
         raise ProtocolError("bad_header", f"header of {len(raw)} bytes exceeds {limit}")
     header = _json_object(raw, f"{verb} header")
-    names = PAYLOAD[verb]
+    names = table[verb]
     required = sum(1 for n in names if not n.endswith("?"))
     payload = parts[2:]
     if not required <= len(payload) <= len(names):

@@ -32,17 +32,30 @@ from typing import Any, ClassVar, Final
 from hurray_ipc.contract.meta import check_meta
 from hurray_ipc.contract.sync import check_network_handle
 from hurray_ipc.format.handle import BufferHandle, HandleError
-from hurray_ipc.wire.ipc import (
-    LINK_RECEIVER_VERBS,
-    LINK_SENDER_VERBS,
-    Message,
-    ProtocolError,
-)
+from hurray_ipc.wire.ipc import Message, ProtocolError
 from hurray_ipc.wire.ipc import decode as decode_frames
 
 INTERCHANGE_VERSION: Final = 1
 MAX_CREDIT_N: Final = 64
 MAX_WINDOW: Final = 64  # interchange.md §3: the largest LINK_HELLO window
+# The link's verbs -> the names of their binary payload frames, in order (wire/ipc.py's framing).
+PAYLOAD: Final[dict[str, tuple[str, ...]]] = {
+    "LINK_HELLO": (),
+    "LINK_WELCOME": (),
+    "LINK_PING": (),
+    "LINK_PONG": (),
+    "CREDIT": (),
+    "TENSOR_DESCRIPTOR": ("handle",),
+    "TENSOR_DATA": ("data",),
+    "TENSOR_DATA_END": (),
+    "REJECT": (),
+    "RDMA_REGISTER": ("metadata",),  # RDMA data plane: B offers its destination
+    "RDMA_READY": (),  # A observed a NIXL WRITE complete
+}
+FROM_SENDER: Final = frozenset(["LINK_WELCOME", "LINK_PONG", "TENSOR_DESCRIPTOR", "TENSOR_DATA", "TENSOR_DATA_END",
+                                "REJECT", "RDMA_READY"])  # what a receiving bridge accepts
+FROM_RECEIVER: Final = frozenset(["LINK_HELLO", "CREDIT", "LINK_PING", "REJECT",
+                                  "RDMA_REGISTER"])  # what a sending bridge accepts
 
 
 class _NoId(enum.Enum):
@@ -224,7 +237,7 @@ def encode(msg: LinkMessage) -> list[bytes]:
     """The frames of ``msg`` (``[verb, JSON header, payload...]``)."""
     if isinstance(msg, TensorData):
         return [*tensor_data_head(msg.transfer_id, msg.offset), bytes(msg.data)]
-    return _message(msg).encode()
+    return _message(msg).encode(PAYLOAD)
 
 
 def _int(v: object) -> int | None:
@@ -323,7 +336,7 @@ def decode(parts: Sequence[Any], allowed: frozenset[str]) -> LinkMessage:
     """One link message from its frames (``zmq.Frame`` or bytes; payloads stay views of them),
     of a verb in ``allowed`` (:data:`FROM_SENDER` or :data:`FROM_RECEIVER`). Raises ProtocolError
     (dropped) or TransferFault (answered), see the module's docstring."""
-    m = decode_frames(parts, allowed=allowed, views=True)
+    m = decode_frames(parts, allowed=allowed, views=True, verbs=PAYLOAD)
     h = m.header
     if m.verb == "LINK_HELLO":
         return _hello(h)
@@ -350,6 +363,3 @@ def decode(parts: Sequence[Any], allowed: frozenset[str]) -> LinkMessage:
         return _ready(m)
     raise ProtocolError("unknown_verb", f"{m.verb!r} is not a link verb")
 
-
-FROM_SENDER: Final = LINK_SENDER_VERBS  # what a receiving bridge accepts
-FROM_RECEIVER: Final = LINK_RECEIVER_VERBS  # what a sending bridge accepts
