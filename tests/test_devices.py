@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -169,6 +170,37 @@ def test_cpu_import_keeps_idle_mappings_up_to_the_limit():
     importer.import_memory(exp).close()
     assert importer._cache.opens == 1 and len(importer._cache) == 1
     importer.close(), buf.close(), owner.close()
+
+
+def test_destroying_an_event_while_its_record_completes_never_closes_the_locked_descriptor(monkeypatch):
+    """CUDA lets the host destroy an event whose record is still pending. The emulation's record
+    checks that the event's segment is open and then flocks its descriptor; a destroy that closed
+    the descriptor in between made that flock fail (EBADF, seen once in CI) or lock a reused number.
+    Here the destroy is started exactly in that window: it must wait for the record (the stream
+    reports no error), and it runs once the record let go."""
+    from hurray_ipc.devices.backend import emulated
+
+    rt = EmulatedRuntime(emu_config(op_delay_s=0.0, race_check=False))
+    stream, ev = rt.stream_create(), rt.event_create(interprocess=True)
+    real_flock, destroyed = emulated.fcntl.flock, threading.Event()
+    window: list[threading.Thread] = []
+
+    def flock(fd, op):
+        if op == emulated.fcntl.LOCK_EX and not window and threading.current_thread().name.startswith("emu-stream"):
+            t = threading.Thread(target=lambda: (rt.event_destroy(ev), destroyed.set()))
+            window.append(t)
+            t.start()
+            # Fixed: the destroy waits on the lock this record holds, so this times out. Broken: it
+            # closes the descriptor at once and the flock below fails.
+            destroyed.wait(0.5)
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(emulated.fcntl, "flock", flock)
+    rt.event_record(ev, stream)
+    rt.stream_synchronize(stream)  # raises the stream's error (EBADF) when the descriptor went first
+    window[0].join(10)
+    assert window and destroyed.is_set() and ev.destroyed and ev.seg.closed
+    rt.stream_destroy(stream)
 
 
 def test_foreign_memory_handle_is_fetched_at_every_export():

@@ -897,8 +897,11 @@ class EmulatedRuntime(Runtime):
                         self._unraised.append(why)
         ev.destroyed = True
         # A wait already enqueued keeps its reference to the words and still completes, as in CUDA;
-        # the segment's name goes now, its mapping when the last reference does.
-        ev.seg.close()  # unlinks for the exporter; the importer only drops its copy
+        # the segment's name goes now, its mapping when the last reference does. Closed under the
+        # event's process-local lock: a record completing on a stream thread holds it from its
+        # "still open?" check to its flock's release, so the descriptor never closes in between.
+        with ev.lock.local:
+            ev.seg.close()  # unlinks for the exporter; the importer only drops its copy
 
     def event_record(self, event: Any, stream: Any) -> None:
         ev = self._event(event, "cudaEventRecord")
