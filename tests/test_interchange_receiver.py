@@ -31,7 +31,6 @@ from typing import Any
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
@@ -83,6 +82,7 @@ from hurray_ipc.wire.link import (
     TensorDataEnd,
     TransferFault,
 )
+from machines import machine_settings
 
 WINDOW = 2
 TIMEOUT = 1.0
@@ -382,12 +382,6 @@ class ReceiverMachine(RuleBasedStateMachine):
         self.feed(Closed(self.now))
         left = {k: d for k, d in self.dests.items() if d.state not in ("ended", "quarantined")}
         assert not left, f"destinations never given back: {left}"
-
-
-def machine_settings(examples: int, steps: int = 30) -> settings:
-    return settings(max_examples=examples, stateful_step_count=steps, deadline=None, derandomize=True,
-                    database=None, suppress_health_check=list(HealthCheck), phases=[Phase.generate],
-                    report_multiple_bugs=False)
 
 
 TestReceiverCore = ReceiverMachine.TestCase

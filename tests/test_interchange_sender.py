@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
@@ -76,6 +75,7 @@ from hurray_ipc.wire.link import (
     Reject,
     TensorDataEnd,
 )
+from machines import machine_settings
 
 TIMEOUT = 1.0
 MAX_IN_FLIGHT = 3
@@ -376,12 +376,6 @@ class SenderMachine(RuleBasedStateMachine):
         self.feed(Closing(self.now))
         left = [k for k, s in self.srcs.items() if not s.released]
         assert not left, f"sources never released: {left}"
-
-
-def machine_settings(examples: int, steps: int = 40) -> settings:
-    return settings(max_examples=examples, stateful_step_count=steps, deadline=None, derandomize=True,
-                    database=None, suppress_health_check=list(HealthCheck), phases=[Phase.generate],
-                    report_multiple_bugs=False)
 
 
 TestSenderCore = SenderMachine.TestCase
