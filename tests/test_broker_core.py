@@ -99,7 +99,7 @@ class BrokerMachine(RuleBasedStateMachine):
         for o in outs:
             if not isinstance(o, Send):
                 continue
-            v, h = self.views.get(o.rid), o.msg.header
+            v, h = self.views.get(o.rid), o.msg.fields()
             verb = o.msg.verb
             if verb == "GRANT":
                 v.grants.append(h["grant_id"])
@@ -374,11 +374,11 @@ def _hello(core: BrokerCore, rid: bytes, role: str, pid: int = 5, **extra) -> li
 
 
 def _errors(outs: list) -> list[dict]:
-    return [o.msg.header for o in outs if isinstance(o, Send) and o.msg.verb == "ERROR"]
+    return [o.msg.fields() for o in outs if isinstance(o, Send) and o.msg.verb == "ERROR"]
 
 
 def _grant_ids(outs: list) -> list[int]:
-    return [o.msg.header["grant_id"] for o in outs if isinstance(o, Send) and o.msg.verb == "GRANT"]
+    return [o.msg.fields()["grant_id"] for o in outs if isinstance(o, Send) and o.msg.verb == "GRANT"]
 
 
 def _handoff(core: BrokerCore, gid: int, now: float = 0.0, *, hid: int = 1, handle: bytes | None = None,
@@ -507,7 +507,7 @@ def test_unresponsive_client_keeps_its_deliveries_until_it_dies():
     assert len(core.deliveries) == 1
     alive[b"c"] = False
     outs = core.tick(10 * TIMEOUT, lambda c: alive[c.rid])
-    assert [(o.msg.verb, o.msg.header.get("reason")) for o in outs if isinstance(o, Send)] == [
+    assert [(o.msg.verb, o.msg.fields().get("reason")) for o in outs if isinstance(o, Send)] == [
         ("RELEASED", "consumer_gone")]
     core.check_invariants()
 
@@ -523,7 +523,7 @@ def _event_handoff(core: BrokerCore) -> str:
     hd = BufferHandle(4096, 256, DeviceTag.CUDA, SyncMode.EVENT).encode()
     outs = _handoff(core, gid, handle=hd, blobs=(b"M" * 64, b"E" * 64))
     (deliver,) = [o.msg for o in outs if o.msg.verb == "DELIVER"]
-    return deliver.header["token"]
+    return deliver.fields()["token"]
 
 
 def test_a_live_consumer_silent_past_the_fence_is_fenced():
@@ -592,13 +592,13 @@ def test_caps_lists_consumers_by_label_not_routing_id():
     core = _core()
     _hello(core, b"secret-rid", "consumer")
     (reply,) = [o.msg for o in core.receive(b"q", frames("CAPS", {"device": endpoint(9), "channel": "ch"}), 0.0)]
-    (entry,) = reply.header["consumers"]
-    assert entry["consumer_id"] == core.label_of(b"secret-rid") and "secret-rid" not in json.dumps(reply.header)
+    (entry,) = reply.fields()["consumers"]
+    assert entry["consumer_id"] == core.label_of(b"secret-rid") and "secret-rid" not in json.dumps(reply.fields())
 
 
 def _caps_bridges(core: BrokerCore) -> list[dict]:
     (reply,) = [o.msg for o in core.receive(b"q", frames("CAPS", {"device": endpoint(9), "channel": "ch"}), 0.0)]
-    return reply.header["bridges"]
+    return reply.fields()["bridges"]
 
 
 def _route(core: BrokerCore, rid: bytes, route: Any) -> list:
@@ -765,8 +765,8 @@ def test_release_after_producer_gone_is_unknown_token():
     (gid,) = _grant_ids(core.receive(b"p", frames("READY", {"credits": 1}), 0.0))
     (d, _) = [o.msg for o in _handoff(core, gid, ack=True)]
     gone = [o.msg for o in core.client_gone(b"p", "process gone") if isinstance(o, Send)]
-    assert [(m.verb, m.header["tokens"]) for m in gone] == [("PRODUCER_GONE", [d.header["token"]])]
-    (err,) = _errors(core.receive(b"c", frames("RELEASE", {"token": d.header["token"]}), 0.0))
+    assert [(m.verb, m.fields()["tokens"]) for m in gone] == [("PRODUCER_GONE", [d.fields()["token"]])]
+    (err,) = _errors(core.receive(b"c", frames("RELEASE", {"token": d.fields()["token"]}), 0.0))
     assert err["code"] == "unknown_token"
 
 
@@ -791,7 +791,7 @@ def test_a_caps_reply_over_64_kib_reaches_its_client():
     (out,) = core.receive(b"q", frames("CAPS", {"device": endpoint(9), "channel": "ch"}), 0.0)
     wire = out.msg.encode()
     assert len(wire[1]) > 65536
-    assert len(decode(wire).header["consumers"]) == 400
+    assert len(decode(wire).fields()["consumers"]) == 400
 
 
 def test_a_consumer_holding_8192_buffers_can_register_again():
@@ -823,7 +823,7 @@ def _claim(core: BrokerCore, rid: bytes, token: str, pid: int, now: float) -> li
 
 
 def _sent(outs: list) -> list[tuple[bytes, str, dict]]:
-    return [(o.rid, o.msg.verb, o.msg.header) for o in outs if isinstance(o, Send) and o.msg.verb != "WELCOME"]
+    return [(o.rid, o.msg.verb, o.msg.fields()) for o in outs if isinstance(o, Send) and o.msg.verb != "WELCOME"]
 
 
 @pytest.mark.parametrize("thief_releases_first", [False, True])
@@ -938,8 +938,8 @@ def test_a_deliver_that_could_not_be_sent_goes_back_to_its_producer_and_the_cred
     # The credit is back, so the producer's second READY credit is granted to the same consumer.
     assert [(rid, verb, h.get("reason")) for rid, verb, h in sent] == [
         (b"p", "RELEASED", f"undelivered: {why}"), (b"p", "GRANT", None)]
-    assert core.clients[b"c"].held == 0 and d.header["token"] not in core.deliveries
-    (err,) = _errors(core.receive(b"c", frames("RELEASE", {"token": d.header["token"]}), 0.1))
+    assert core.clients[b"c"].held == 0 and d.fields()["token"] not in core.deliveries
+    (err,) = _errors(core.receive(b"c", frames("RELEASE", {"token": d.fields()["token"]}), 0.1))
     assert err["code"] == "already_released"
     core.check_invariants()
 
@@ -1152,7 +1152,7 @@ def test_an_answer_is_charged_its_header_exactly():
         outs = [o for o in core.receive(b"q", frames(verb, header), 1.0) if isinstance(o, Send)]
         (out,) = outs
         assert core.snapshot(1.0)["gauges"]["unread_bytes"] - before == len(out.msg.encode()[1]), (verb, header)
-        ticket = out.msg.header["ticket"]
+        ticket = out.msg.fields()["ticket"]
         core.receive(b"q", frames("STATS", {"ticket": ticket}), 1.0)  # read: the next is charged alone
         core.queries.forget(b"q")
 
@@ -1172,8 +1172,8 @@ def test_a_refusal_never_grows_with_the_refused_message():
     for rid, verb, header in cases:
         (out,) = [o for o in core.receive(rid, frames(verb, header), 1.0) if isinstance(o, Send)]
         size = len(out.msg.encode()[1])
-        assert out.msg.verb == "ERROR" and size < 1024, (verb, size, str(out.msg.header)[:300])
-        assert huge not in json.dumps(out.msg.header)
+        assert out.msg.verb == "ERROR" and size < 1024, (verb, size, str(out.msg.fields())[:300])
+        assert huge not in json.dumps(out.msg.fields())
     (err,) = _sent(core.receive(b"q7", frames("STATS", {"request_id": huge}), 1.0))
     assert (err[2]["code"], err[2]["field"], "request_id" in err[2]) == ("bad_header", "request_id", False)
     assert _stats(core, b"q7", 1.0, err[2]["ticket"])[0][1] == "STATS_REPLY"  # 64 characters: fine

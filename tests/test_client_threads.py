@@ -132,7 +132,7 @@ def test_rejected_delivery_asks_again(broker):
 
         def accept(msg):
             if not refused:
-                refused.append(msg.header.get("token"))
+                refused.append(msg.fields().get("token"))
                 raise OSError("cannot map this one")
             return real_accept(msg)
 

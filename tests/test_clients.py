@@ -379,9 +379,9 @@ def test_delivery_that_cannot_be_mapped_is_rejected_naming_the_cuda_call(broker)
                 c.session.send = send
             assert not c._inbox and c.held == 0
             (rel,) = [m for m in sent if m.verb == "RELEASE"]
-            assert rel.header["token"] == "t-unmappable"
-            assert rel.header["reason"].startswith("rejected: cudaIpcOpenMemHandle: ")
-            assert "cudaErrorInvalidValue" in rel.header["reason"]
+            assert rel.fields()["token"] == "t-unmappable"
+            assert rel.fields()["reason"].startswith("rejected: cudaIpcOpenMemHandle: ")
+            assert "cudaErrorInvalidValue" in rel.fields()["reason"]
         exporter.close()
     finally:
         set_runtime(None)

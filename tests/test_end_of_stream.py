@@ -93,8 +93,8 @@ class Driver:
 
     def note(self, got: dict[str, list[Message]]) -> None:
         for who, msgs in got.items():
-            self.grants.setdefault(who, []).extend(m.header["grant_id"] for m in msgs if m.verb == "GRANT")
-            self.delivered.setdefault(who, []).extend(m.header["token"] for m in msgs if m.verb == "DELIVER")
+            self.grants.setdefault(who, []).extend(m.fields()["grant_id"] for m in msgs if m.verb == "GRANT")
+            self.delivered.setdefault(who, []).extend(m.fields()["token"] for m in msgs if m.verb == "DELIVER")
 
     def pid(self, who: str) -> int:
         """Each client its own process: same-process clients would pair in-process (§3)."""
@@ -180,7 +180,7 @@ class LiveDriver(Driver):
     def gone(self, who: str) -> bool:
         label = BrokerCore.label_of(self.rid(who))
         reply = self._ask("stats", "STATS")[1]
-        return all(c["id"] != label for c in reply.header["clients"])
+        return all(c["id"] != label for c in reply.fields()["clients"])
 
     def step(self, who: str, acts: list[dict[str, Any]]) -> dict[str, list[Message]]:
         for act in acts:
@@ -231,7 +231,7 @@ def _check(name: str, i: int, step: dict[str, Any], got: dict[str, list[Message]
         for m, w in zip(have, want, strict=True):
             for k, v in w.items():
                 if k != "verb":
-                    assert m.header.get(k) == v, f"{where}: {who}'s {m.verb} has {k}={m.header.get(k)!r}, not {v!r}"
+                    assert m.fields().get(k) == v, f"{where}: {who}'s {m.verb} has {k}={m.fields().get(k)!r}, not {v!r}"
 
 
 def play(d: Driver, scenario: dict[str, Any]) -> None:

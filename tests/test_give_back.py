@@ -91,7 +91,7 @@ def grants_revoked(endpoint: str) -> int:
         s.send_multipart(Message("STATS", {"request_id": "revoked"}).encode())
         assert s.poll(10_000), "the broker did not answer STATS"
         (reply,) = decode_all(s.recv_multipart())
-        return int(reply.header["totals"]["grants_revoked"])
+        return int(reply.fields()["totals"]["grants_revoked"])
     finally:
         ctx.destroy(linger=0)
 

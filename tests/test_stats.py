@@ -73,16 +73,16 @@ class World:
         tokens = []
         for hid in range(start, start + n):
             (g,) = [m for m in self.send(b"p", frames("READY", {"credits": 1})) if m.verb == "GRANT"]
-            assert self.send(b"p", frames("HANDOFF", {"grant_id": g.header["grant_id"], "handoff_id": hid,
+            assert self.send(b"p", frames("HANDOFF", {"grant_id": g.fields()["grant_id"], "handoff_id": hid,
                                                       "offset": 0}, cpu_handle(), b"M" * 64)) == []
             (d,) = self.to.pop(b"c")
-            tokens.append(d.header["token"])
+            tokens.append(d.fields()["token"])
         return tokens
 
     def stats(self, rid: bytes = b"observer", **header: Any) -> dict[str, Any]:
         (r,) = self.send(rid, frames("STATS", header))
         assert r.verb == "STATS_REPLY", r
-        return r.header
+        return r.fields()
 
 
 def client(reply: dict[str, Any], role: str) -> dict[str, Any]:
@@ -122,12 +122,12 @@ def test_grants_and_ready_credits_are_counted_per_channel():
 
 def test_errors_by_code_count_each_refusal():
     w = World()
-    assert w.send(b"stranger", frames("PING", {}))[0].header["code"] == "not_registered"
-    assert w.send(b"stranger", frames("REQUEST", {"credits": 1}))[0].header["code"] == "not_registered"
-    assert w.send(b"c", frames("RELEASE", {"token": "ab" * 24}))[0].header["code"] == "unknown_token"
-    assert w.send(b"c", frames("READY", {"credits": 1}))[0].header["code"] == "wrong_role"
+    assert w.send(b"stranger", frames("PING", {}))[0].fields()["code"] == "not_registered"
+    assert w.send(b"stranger", frames("REQUEST", {"credits": 1}))[0].fields()["code"] == "not_registered"
+    assert w.send(b"c", frames("RELEASE", {"token": "ab" * 24}))[0].fields()["code"] == "unknown_token"
+    assert w.send(b"c", frames("READY", {"credits": 1}))[0].fields()["code"] == "wrong_role"
     (err,) = w.send(b"x", frames("STATS", {"request_id": [1]}))  # a malformed STATS: the usual ERROR
-    assert (err.verb, err.header["code"], err.header["field"]) == ("ERROR", "bad_header", "request_id")
+    assert (err.verb, err.fields()["code"], err.fields()["field"]) == ("ERROR", "bad_header", "request_id")
     r = w.stats()
     by_code = r["errors_by_code"]
     assert set(by_code) == ERROR_CODES, "every code, zeros included"
@@ -140,10 +140,10 @@ def test_a_refused_handoff_counts_as_rejected_and_by_code():
     w = World()
     (g,) = [m for m in w.send(b"p", frames("READY", {"credits": 1})) if m.verb == "GRANT"]
     bad = cpu_handle()[:13] + b"\x02" + cpu_handle()[14:]  # a CPU buffer must be SYNC_PRODUCER_SYNCED
-    (err,) = w.send(b"p", frames("HANDOFF", {"grant_id": g.header["grant_id"], "handoff_id": 1, "offset": 0},
+    (err,) = w.send(b"p", frames("HANDOFF", {"grant_id": g.fields()["grant_id"], "handoff_id": 1, "offset": 0},
                                  bad, b"M" * 64))
     r = w.stats()
-    assert err.header["code"] == "bad_handle" and r["errors_by_code"]["bad_handle"] == 1
+    assert err.fields()["code"] == "bad_handle" and r["errors_by_code"]["bad_handle"] == 1
     assert (r["totals"]["rejected"], r["totals"]["handoffs"], r["gauges"]["outstanding"]) == (1, 0, 0)
     assert r["gauges"]["queued"] == 8, "the consumer's credit went back to the queue"
 
@@ -152,7 +152,7 @@ def test_messages_count_entries_and_wire_messages():
     w = World()
     before = w.stats()["totals"]
     grants = [m for m in w.send(b"p", frames("READY", {"credits": 2})) if m.verb == "GRANT"]
-    batch = encode_batch([Message("HANDOFF", {"grant_id": g.header["grant_id"], "handoff_id": i, "offset": 0},
+    batch = encode_batch([Message("HANDOFF", {"grant_id": g.fields()["grant_id"], "handoff_id": i, "offset": 0},
                                   {"handle": cpu_handle(), "memory": b"M" * 64}) for i, g in enumerate(grants)])
     w.send(b"p", batch)
     after = w.stats()["totals"]
@@ -179,9 +179,9 @@ def test_event_handoffs_count_until_their_event_is_released():
     tokens = []
     for hid in (1, 2):
         (g,) = [m for m in w.send(b"gp", frames("READY", {"credits": 1})) if m.verb == "GRANT"]
-        assert w.send(b"gp", frames("HANDOFF", {"grant_id": g.header["grant_id"], "handoff_id": hid, "offset": 0},
+        assert w.send(b"gp", frames("HANDOFF", {"grant_id": g.fields()["grant_id"], "handoff_id": hid, "offset": 0},
                                     event_handle, b"M" * 64, b"E" * 64)) == []
-        tokens.append(w.to.pop(b"gc")[0].header["token"])
+        tokens.append(w.to.pop(b"gc")[0].fields()["token"])
     r = w.stats()
     assert r["gauges"]["events_outstanding"] == 2
     assert w.send(b"gc", frames("EVENT_RELEASE", {"token": tokens[0]})) == []
@@ -230,7 +230,7 @@ def test_unresponsive_and_lease_state():
     w.hello(b"l", "consumer", 9, channel="ch2", lease="hurray-0-lease-1-9-0123456789abcdef", credits=1)
     w.hello(b"p2", "producer", 10, channel="ch2")
     (g,) = [m for m in w.send(b"p2", frames("READY", {"credits": 1})) if m.verb == "GRANT"]
-    w.send(b"p2", frames("HANDOFF", {"grant_id": g.header["grant_id"], "handoff_id": 1, "offset": 0}, cpu_handle(),
+    w.send(b"p2", frames("HANDOFF", {"grant_id": g.fields()["grant_id"], "handoff_id": 1, "offset": 0}, cpu_handle(),
                          b"M" * 64))
     w.now = 10.0
     w.core.tick(w.now, lambda c: True)
@@ -273,12 +273,12 @@ def test_lists_are_bounded_and_the_reply_fits_its_limit():
     assert len(core.clients) == n
     (out,) = core.receive(b"q", frames("STATS", {}), 1.0)
     assert isinstance(out, Send)
-    r = out.msg.header
+    r = out.msg.fields()
     assert (len(r["clients"]), r["clients_truncated"]) == (MAX_STATS_CLIENTS, n - MAX_STATS_CLIENTS)
     assert (len(r["channels"]), r["channels_truncated"]) == (MAX_STATS_CHANNELS, n - MAX_STATS_CHANNELS)
     parts = out.msg.encode()
     assert 4_000_000 < len(parts[1]) < MAX_STATS_REPLY_BYTES
-    assert decode(parts, allowed=BROKER_VERBS).header["clients_truncated"] == n - MAX_STATS_CLIENTS
+    assert decode(parts, allowed=BROKER_VERBS).fields()["clients_truncated"] == n - MAX_STATS_CLIENTS
 
 
 def test_stats_is_in_the_verb_tables_and_the_spec():
@@ -305,7 +305,7 @@ def test_vector_reply_has_the_fields_the_core_sends_and_the_spec_names():
     vec = json.loads((ROOT / "tests" / "vectors" / "ipc_messages.json").read_text())["messages"]
     (m,) = [m for m in vec if m["verb"] == "STATS_REPLY"]
     parts = [bytes.fromhex(f) for f in m["frames"]]
-    assert decode(parts).header == m["header"]
+    assert decode(parts).fields() == m["header"]
     w = World()
     w.handoffs(1)
     assert _keys(w.stats()) == _keys(m["header"])

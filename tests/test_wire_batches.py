@@ -59,7 +59,7 @@ def test_batch_credits_add_up():
                            Message("RELEASE", {"token": TOKEN, "credits": 2})])
     assert struct.unpack_from("<HHI", frames[1]) == (2, 3, 0)
     msgs = decode_all(frames)
-    assert "credits" not in msgs[0].header and msgs[-1].header["credits"] == 3
+    assert "credits" not in msgs[0].fields() and msgs[-1].fields()["credits"] == 3
 
 
 def test_batch_frames_must_add_up_exactly():
@@ -84,7 +84,7 @@ def _world() -> tuple[BrokerCore, int]:
     _hello(core, b"c", "consumer", 200)
     core.receive(b"c", [b"REQUEST", b'{"credits": 3}'], 0.0)
     outs = core.receive(b"p", [b"READY", b'{"credits": 3}'], 0.0)
-    return core, [m.header["grant_id"] for m in _to(outs, b"p")]
+    return core, [m.fields()["grant_id"] for m in _to(outs, b"p")]
 
 
 def test_each_entry_of_a_batch_is_answered_on_its_own():
@@ -98,10 +98,10 @@ def test_each_entry_of_a_batch_is_answered_on_its_own():
                Message("HANDOFF", {"grant_id": gids[2], "handoff_id": 3, "offset": 0, "ack": True},
                        {"handle": _handle(), "memory": b"M" * 64})]
     outs = core.receive(b"p", encode_batch(entries), 0.0)
-    assert [(m.verb, m.header["handoff_id"]) for m in _to(outs, b"c")] == [("DELIVER", 1), ("DELIVER", 3)]
+    assert [(m.verb, m.fields()["handoff_id"]) for m in _to(outs, b"c")] == [("DELIVER", 1), ("DELIVER", 3)]
     to_p = _to(outs, b"p")
-    assert [(m.verb, m.header.get("handoff_id")) for m in to_p] == [("ERROR", 2), ("ACCEPTED", 3)]
-    assert to_p[0].header["code"] == "unknown_grant"
+    assert [(m.verb, m.fields().get("handoff_id")) for m in to_p] == [("ERROR", 2), ("ACCEPTED", 3)]
+    assert to_p[0].fields()["code"] == "unknown_grant"
     core.check_invariants()
 
 
@@ -123,14 +123,14 @@ def test_consumer_endpoint_travels_once_per_pairing():
     def grants() -> list[bool]:
         core.receive(b"c", [b"REQUEST", b'{"credits": 2}'], 0.0)
         outs = core.receive(b"p", [b"READY", b'{"credits": 2}'], 0.0)
-        return ["consumer" in m.header for m in _to(outs, b"p") if m.verb == "GRANT"]
+        return ["consumer" in m.fields() for m in _to(outs, b"p") if m.verb == "GRANT"]
 
     core2, gids = BrokerCore(host=HOST), None
     _hello(core2, b"p", "producer", 100)
     _hello(core2, b"c", "consumer", 200)
     core2.receive(b"c", [b"REQUEST", b'{"credits": 2}'], 0.0)
     outs = core2.receive(b"p", [b"READY", b'{"credits": 2}'], 0.0)
-    gids = [("consumer" in m.header) for m in _to(outs, b"p")]
+    gids = [("consumer" in m.fields()) for m in _to(outs, b"p")]
     assert gids == [True, False]
     assert grants() == [False, False]  # the world's three grants already sent it
     _hello(core, b"c", "consumer", 200)  # the consumer registers again
@@ -151,16 +151,16 @@ def test_coalesce_keeps_what_clients_depend_on(verbs):
     msgs = [Message(v, {"i": i}) for i, v in enumerate(verbs)]
     groups = coalesce(msgs)
     flat = [m for g in groups for m in g]
-    assert sorted(m.header["i"] for m in flat) == list(range(len(msgs)))
+    assert sorted(m.fields()["i"] for m in flat) == list(range(len(msgs)))
     for g in groups:
         assert 1 <= len(g) <= MAX_BATCH and len({wire_verb(m.verb) for m in g}) == 1
-    pos = {m.header["i"]: k for k, m in enumerate(flat)}
+    pos = {m.fields()["i"]: k for k, m in enumerate(flat)}
     for a in msgs:
         for b in msgs:
-            if a.header["i"] < b.header["i"] and (
+            if a.fields()["i"] < b.fields()["i"] and (
                     wire_verb(a.verb) == wire_verb(b.verb) or a.verb in ("ERROR", "PRODUCER_GONE", "PONG")
                     or b.verb in ("ERROR", "PRODUCER_GONE", "PONG")):
-                assert pos[a.header["i"]] < pos[b.header["i"]], (a, b)
+                assert pos[a.fields()["i"]] < pos[b.fields()["i"]], (a, b)
 
 
 def test_received_handoff_is_freed_without_the_garbage_collector(broker):
@@ -259,7 +259,7 @@ def test_release_credits_apply_even_when_the_release_is_refused():
     core, _ = _world()  # c asked for 3, p was granted 3: c has no credits queued
     assert core.clients[b"c"].credits == 0
     outs = core.receive(b"c", encode_batch([Message("RELEASE", {"token": "ee" * 24, "credits": 2})]), 0.0)
-    assert [m.header["code"] for m in _to(outs, b"c")] == ["unknown_token"]
+    assert [m.fields()["code"] for m in _to(outs, b"c")] == ["unknown_token"]
     assert core.clients[b"c"].credits == 2
     core.check_invariants()
 
@@ -270,7 +270,7 @@ def test_credits_on_an_event_release_last_in_its_batch_are_applied():
     core, _ = _world()
     outs = core.receive(b"c", encode_batch([Message("RELEASE", {"token": "ee" * 24}),
                                             Message("EVENT_RELEASE", {"token": "ee" * 24, "credits": 2})]), 0.0)
-    assert [m.header["code"] for m in _to(outs, b"c")] == ["unknown_token", "unknown_token"]
+    assert [m.fields()["code"] for m in _to(outs, b"c")] == ["unknown_token", "unknown_token"]
     assert core.clients[b"c"].credits == 2
     core.check_invariants()
 

@@ -53,14 +53,23 @@ from hurray_ipc.wire.fields import shown
 from hurray_ipc.wire.ipc import (
     CLIENT_VERBS,
     PROTOCOL_VERSION,
+    Accepted,
+    AnyMessage,
+    Deliver,
+    EventRelease,
+    EventReleased,
+    Handoff,
     Message,
     ProtocolError,
+    Release,
+    Released,
     decode_all,
     error,
     field_of,
     is_token,
     json_bytes,
 )
+from hurray_ipc.wire.ipc import Grant as GrantMessage
 
 from .queries import (
     QUERY_BYTES,
@@ -187,7 +196,7 @@ class Stats:
 @dataclass(frozen=True)
 class Send:
     rid: bytes
-    msg: Message
+    msg: AnyMessage
 
 
 @dataclass(frozen=True)
@@ -289,12 +298,13 @@ class BrokerCore:
         self._rechecks: dict[str, float] = {}  # channel -> when a grant there will have sat a heartbeat
 
     # --- outputs ---------------------------------------------------------------------------
-    def _send(self, rid: bytes, msg: Message, size: int | None = None) -> int:
+    def _send(self, rid: bytes, msg: AnyMessage, size: int | None = None) -> int:
         """Queue ``msg`` for ``rid``. An answer to the STATS or CAPS being handled is stamped with
         a ticket and counted unread (§6a); returns its header's size in bytes (``size``: that
         size computed by the caller, ticket included), else 0."""
         a = self._asking
-        if a is not None and a.rid == rid and msg.verb in ("CAPS_REPLY", "STATS_REPLY", "ERROR"):
+        if a is not None and a.rid == rid and isinstance(msg, Message) and msg.verb in ("CAPS_REPLY", "STATS_REPLY",
+                                                                                      "ERROR"):
             ticket = self._entropy(8).hex()
             msg.header["ticket"] = ticket
             if size is None:
@@ -367,11 +377,11 @@ class BrokerCore:
             try:
                 self._dispatch(rid, msg, now)
             except ProtocolError as e:
-                extra = {k: msg.header[k] for k in ("handoff_id", "request_id", "token")
-                         if k in msg.header and echoable(msg.header[k])}
+                head = msg.header if isinstance(msg, Message) else msg.fields()
+                extra = {k: head[k] for k in ("handoff_id", "request_id", "token") if k in head and echoable(head[k])}
                 extra.update(e.extra)
                 if "field" in extra and "value" not in extra:  # null: the message has no such field
-                    extra["value"] = shown(msg.header, str(extra["field"]))
+                    extra["value"] = shown(head, str(extra["field"]))
                 self._error(rid, e.code, str(e), ref=ref, **extra)
             except Exception as e:  # noqa: BLE001 - a bug must cost one message, never the broker
                 log.exception("internal error handling a message")
@@ -379,7 +389,7 @@ class BrokerCore:
         self._asking = None
         return self._take()
 
-    def _dispatch(self, rid: bytes, msg: Message, now: float) -> None:
+    def _dispatch(self, rid: bytes, msg: Any, now: float) -> None:
         client = self.clients.get(rid)
         if client is not None:
             client.allowance = min(MAX_RATE, client.allowance + (now - client.allowance_at) * MAX_RATE)
@@ -492,7 +502,7 @@ class BrokerCore:
                 if key[0] in self.clients:
                     # Nobody claimed it, but nothing proves its holder gone (stopped across the
                     # restart, it has not spoken yet): the producer retires it (§5, §6).
-                    self._send(key[0], Message("RELEASED", {"handoff_id": key[1], "reason": "consumer_fenced"}))
+                    self._send(key[0], Released(key[1], "consumer_fenced"))
         # Claims to handoffs whose producer never came back to this broker.
         lost = [x for prod, by_hid in self.claims.items() if not self._is_producer(prod)
                 for xs in by_hid.values() for x in xs if now - x.since > self.timeout_s]
@@ -501,15 +511,14 @@ class BrokerCore:
         self._producer_gone([], lost)
         return self._take()
 
-    def undeliverable(self, rid: bytes, msg: Message, why: str) -> list[Out]:
+    def undeliverable(self, rid: bytes, msg: AnyMessage, why: str) -> list[Out]:
         """The socket could not take ``msg`` for ``rid`` ('unreachable': the peer is disconnected;
         'full': its queue is at the high-water mark). Counted and logged; the client's liveness
         (not this) decides whether it is gone, and its re-HELLO resynchronises what it holds.
         A DELIVER that did not leave never reached its consumer: the buffer goes back to its
         producer (RELEASED, reason ``undelivered: <why>``) and the consumer's credit, which it
         still counts as asked, goes back to the end of its channel's queue (spec §1)."""
-        token = msg.header.get("token") if msg.verb == "DELIVER" else None
-        d = self.deliveries.get(token) if isinstance(token, str) else None
+        d = self.deliveries.get(msg.token) if isinstance(msg, Deliver) else None
         if d is not None and d.consumer == rid:
             self._release(d, f"undelivered: {why}"[:200])
             c = self.clients.get(rid)
@@ -743,13 +752,17 @@ class BrokerCore:
             consumer.held -= 1
 
     # --- flow control ----------------------------------------------------------------------
-    def _credits(self, msg: Message, name: str = "credits", optional: bool = False) -> int:
-        n = field_of(msg, name, int, optional=optional)
-        if n is None:
-            return 0
-        if not 1 <= n <= MAX_CREDITS:
+    def _credits(self, msg: Message) -> int:
+        """A REQUEST's or READY's ``credits``: 1..MAX_CREDITS."""
+        n: int = field_of(msg, "credits", int)
+        return self._credit_count(n, "credits", least=1)
+
+    @staticmethod
+    def _credit_count(n: int, name: str, least: int = 0) -> int:
+        """Credits asked for: on a hot message's batch header 0 (none) or 1..MAX_CREDITS."""
+        if not least <= n <= MAX_CREDITS:
             raise ProtocolError("bad_header", f"{name} must be 1..{MAX_CREDITS}, got {n}", field=name)
-        return int(n)
+        return n
 
     def on_request(self, c: Client, msg: Message) -> None:
         if c.role != "consumer":
@@ -832,12 +845,12 @@ class BrokerCore:
             self.grants[g.gid] = g
             p.grants[g.gid] = None
             ch.grants[g.gid] = None
-            grant: dict[str, Any] = {"grant_id": g.gid, "epoch": p.epoch, "consumer_id": consumer.label}
+            grant = GrantMessage(g.gid, p.epoch, consumer.label)
             if p.endpoints_sent.get(consumer_rid) is not consumer.endpoint:
                 # Once per pairing (per registration of either side), not per grant.
                 p.endpoints_sent[consumer_rid] = consumer.endpoint
-                grant["consumer"] = consumer.endpoint.to_dict()
-            self._send(producer, Message("GRANT", grant))
+                grant.consumer = consumer.endpoint.to_dict()
+            self._send(producer, grant)
 
     def _revoke_for_an_able_producer(self, name: str, ch: Channel, idle_since: float) -> bool:
         """No credit is queued on channel ``name``: revoke its oldest unused grant if it sat a
@@ -902,16 +915,13 @@ class BrokerCore:
                 self._send(c.rid, Message("CHANNEL_STATE", {"ended": ended}))
 
     # --- handoffs --------------------------------------------------------------------------
-    def on_handoff(self, c: Client, msg: Message, now: float) -> None:
+    def on_handoff(self, c: Client, msg: Handoff, now: float) -> None:
         if c.role != "producer":
             raise ProtocolError("wrong_role", "HANDOFF is a producer's message")
         if c.ended:
             raise ProtocolError("ended", "this producer ended its stream (END): it sends no more handoffs")
-        gid = field_of(msg, "grant_id", int)
-        hid = field_of(msg, "handoff_id", int)
-        if not 0 <= hid < 2**64:
-            raise ProtocolError("bad_header", f"handoff_id must be 0..2**64-1, got {hid}", field="handoff_id")
-        ready = self._credits(msg, "ready", optional=True)
+        gid, hid = msg.grant_id, msg.handoff_id
+        ready = self._credit_count(msg.ready, "ready")
         if ready:
             try:
                 self._add_ready(c, ready)  # before validation: a refused handoff still asked for more
@@ -933,7 +943,7 @@ class BrokerCore:
                 raise ProtocolError("bad_header", f"handoff {hid} of this producer is still outstanding",
                                     field="handoff_id")
             try:
-                handle = BufferHandle.decode(msg.frames["handle"])
+                handle = BufferHandle.decode(msg.handle)
             except HandleError as e:
                 # The handle's own field and byte offset (buffer-handle.md), not a header field.
                 raise ProtocolError("bad_handle", str(e), reason=e.reason, handle_field=e.field,
@@ -949,12 +959,9 @@ class BrokerCore:
             raise
         token = self.session + self._token()
         self._bind(Delivery(token, c.rid, g.consumer, hid, handle.sync_mode is SyncMode.EVENT, now))
-        header = dict(msg.header)  # DELIVER's encoder takes its fields and ignores the HANDOFF's others
-        header["token"] = token
-        header["producer_id"] = c.rid_text
-        self._send(g.consumer, Message("DELIVER", header, msg.frames))
-        if msg.header.get("ack"):  # acceptance is implicit (a refusal is an ERROR) unless asked for
-            self._send(c.rid, Message("ACCEPTED", {"handoff_id": hid}))
+        self._send(g.consumer, msg.deliver(token, c.rid_text))
+        if msg.ack:  # acceptance is implicit (a refusal is an ERROR) unless asked for
+            self._send(c.rid, Accepted(hid))
         self.stats.handoffs += 1
 
     def expected_modes(self, producer: Client, consumer: Client, handle: BufferHandle) -> Any:
@@ -962,7 +969,7 @@ class BrokerCore:
         ep = host_side(producer.endpoint) if cpu else producer.endpoint
         return self.modes.get(ep, consumer.endpoint)
 
-    def _check_handoff(self, producer: Client, consumer: Client, msg: Message, handle: BufferHandle) -> None:
+    def _check_handoff(self, producer: Client, consumer: Client, msg: Handoff, handle: BufferHandle) -> None:
         """Spec §4.5, in this order: sync mode, transport payload, offset, meta."""
         pm = self.expected_modes(producer, consumer, handle)
         mode = handle.sync_mode
@@ -976,29 +983,28 @@ class BrokerCore:
                                 f"producer on {producer.endpoint.identity.host}: no shared memory or CUDA IPC handle "
                                 "reaches another host; carry the channel across machines with a bridge "
                                 "(interchange.md)", field="endpoint.device.host")
-        inproc = bool(msg.header.get("inproc"))
-        if inproc != (pm.transport is Transport.IN_PROCESS):
+        if msg.inproc != (pm.transport is Transport.IN_PROCESS):
             raise ProtocolError("payload_mismatch", "inproc flag does not match the endpoints' processes")
-        if inproc:
-            if not isinstance(msg.header.get("inproc_ref"), str) or "memory" in msg.frames or "event" in msg.frames:
+        if msg.inproc:
+            if msg.memory is not None or msg.event is not None:
                 raise ProtocolError("payload_mismatch", "an in-process handoff carries an inproc_ref and no blobs")
         else:
-            if "memory" not in msg.frames:
+            if msg.memory is None:
                 raise ProtocolError("payload_mismatch", "an IPC handoff needs the memory blob frame")
-            if (mode is SyncMode.EVENT) != ("event" in msg.frames):
+            if (mode is SyncMode.EVENT) != (msg.event is not None):
                 raise ProtocolError("payload_mismatch", f"{mode.wire_name} "
                                     f"{'needs' if mode is SyncMode.EVENT else 'carries no'} event blob frame")
-            offset = field_of(msg, "offset", int)
+            offset = msg.offset
             if not 0 <= offset < 2**63:
                 raise ProtocolError("bad_header", f"offset must be 0..2**63-1, got {offset}", field="offset",
                                     value=offset)
-        check_meta(msg.header.get("meta"), handle.size)
+        check_meta(msg.meta, handle.size)
 
     # --- releases --------------------------------------------------------------------------
-    def _delivery_of(self, c: Client, msg: Message) -> Delivery:
+    def _delivery_of(self, c: Client, msg: Release | EventRelease) -> Delivery:
         if c.role != "consumer":
             raise ProtocolError("wrong_role", f"{msg.verb} is a consumer's message")
-        token = field_of(msg, "token", str)
+        token = msg.token
         d = self.deliveries.get(token) or self.claim_of.get((c.rid, token))
         if d is None:
             if token in self.released or (c.rid, token) in self.withdrawn:
@@ -1008,28 +1014,28 @@ class BrokerCore:
             raise ProtocolError("foreign_token", f"token {token[:8]}... was delivered to another consumer")
         return d
 
-    def on_event_release(self, c: Client, msg: Message) -> None:
+    def on_event_release(self, c: Client, msg: EventRelease) -> None:
         self._with_credits(c, msg, self._event_release)
 
-    def _event_release(self, c: Client, msg: Message) -> None:
+    def _event_release(self, c: Client, msg: EventRelease) -> None:
         d = self._delivery_of(c, msg)
         if not d.event_pending:
             raise ProtocolError("already_released", "this handoff's event was already released (or it has none)")
         d.event_pending = False
         if d.producer in self.clients:
-            self._send(d.producer, Message("EVENT_RELEASED", {"handoff_id": d.handoff_id}))
+            self._send(d.producer, EventReleased(d.handoff_id))
 
-    def on_release(self, c: Client, msg: Message) -> None:
+    def on_release(self, c: Client, msg: Release) -> None:
         self._with_credits(c, msg, lambda c, m: self._release(self._delivery_of(c, m),
-                                                               str(m.header.get("reason", "released"))[:200]))
+                                                               (m.reason or "released")[:200]))
 
-    def _with_credits(self, c: Client, msg: Message, entry: Callable[[Client, Message], None]) -> None:
+    def _with_credits(self, c: Client, msg: Any, entry: Callable[[Client, Any], None]) -> None:
         """A RELEASE entry of either kind, then the REQUEST carried on it (a batch carries its
         credits on its last entry, whatever its kind and whatever became of it, spec §4): applied
         also when the entry is refused, since the consumer counts those credits as asked either
         way. Credits over a limit are not applied and answered on their own (§6a); after a refused
         entry only the entry's refusal is answered, and the dropped credits are logged."""
-        credits = self._credits(msg, "credits", optional=True)
+        credits = self._credit_count(msg.credits, "credits")
         try:
             entry(c, msg)
         except ProtocolError:
@@ -1070,8 +1076,8 @@ class BrokerCore:
         self.stats.releases += 1
         if d.producer in self.clients:
             if d.event_pending:
-                self._send(d.producer, Message("EVENT_RELEASED", {"handoff_id": d.handoff_id, "reason": reason}))
-            self._send(d.producer, Message("RELEASED", {"handoff_id": d.handoff_id, "reason": reason}))
+                self._send(d.producer, EventReleased(d.handoff_id, reason))
+            self._send(d.producer, Released(d.handoff_id, reason))
 
     # --- capability queries ----------------------------------------------------------------
     def on_route(self, c: Client, msg: Message) -> None:

@@ -33,7 +33,7 @@ from hurray_ipc.devices import shm
 from hurray_ipc.devices.base import host_id
 from hurray_ipc.transport import liveness
 from hurray_ipc.transport.sockets import NOBLOCK, readable, recv_frames, send_frames
-from hurray_ipc.wire.ipc import Message, coalesce, encode_group
+from hurray_ipc.wire.ipc import AnyMessage, coalesce, encode_group
 
 from .core import MAX_CREDITS, BrokerCore, CleanSegments, Client, Out, Send
 from .keyfile import kept_token, route_key_path
@@ -89,7 +89,7 @@ class Broker:
         self._last_tick = 0.0
         self._last_clean = 0.0
         self._verdicts: dict[bytes, tuple[float, bool | None]] = {}
-        self._pending: dict[bytes, list[Message]] = {}  # outgoing, per peer, until the drain round ends
+        self._pending: dict[bytes, list[AnyMessage]] = {}  # outgoing, per peer, until the drain round ends
         self.messages_received = 0
         self._ns = liveness.pid_namespace()
         self._clean()

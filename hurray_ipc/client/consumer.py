@@ -44,7 +44,8 @@ from ..format.handle import BufferHandle, DeviceTag, HandleError, SyncMode
 from ..interop import dlpack
 from ..transport import inproc
 from ..transport.pairing import Endpoint
-from ..wire.ipc import Message
+from ..wire import ipc as wire
+from ..wire.ipc import AnyMessage, Deliver, Message
 from .core import Action, ConsumerCore, Delivery, EventRelease, Flush, Release, Unmap
 from .session import BrokerUnavailable, RemoteError, Session, check_client_args, check_timeout
 
@@ -311,16 +312,16 @@ class ReceivedHandoff(Handoff):
     :meth:`torch` and :meth:`cupy` are zero-copy views, valid until the release.
     """
 
-    def __init__(self, consumer: Consumer, token: str, handle: BufferHandle, buf: Buffer, header: dict[str, Any],
-                 event: Any, event_blob: bytes | None, consumer_stream: CudaStream | None):
+    def __init__(self, consumer: Consumer, msg: Deliver, handle: BufferHandle, buf: Buffer, event: Any,
+                 consumer_stream: CudaStream | None):
         self._consumer = consumer
-        self.token = token
-        self.staged = bool(header.get("staged"))
-        self.producer_id = str(header.get("producer_id", ""))
-        self.handoff_id = int(header.get("handoff_id", 0))
+        self.token = msg.token
+        self.staged = msg.staged
+        self.producer_id = msg.producer_id
+        self.handoff_id = msg.handoff_id
         #: The HANDOFF's ``meta`` object as it travelled (ipc-protocol.md §4.8: typestr, shape,
         #: dl_dtype, readonly, user), for relays such as the bridge; :attr:`meta` is the sender's own.
-        self.wire_meta: dict[str, Any] = header.get("meta") or {}
+        self.wire_meta: dict[str, Any] = msg.meta or {}
         #: What the producer passed as ``send(meta=)``, exactly as sent; None when it passed none.
         self.meta: Any = self.wire_meta.get("user")
         self.producer_gone = False
@@ -329,7 +330,7 @@ class ReceivedHandoff(Handoff):
         #: is never written again); the handoff itself is over (``producer_gone`` is also true).
         self.fenced = False
         self._event = event  # in-process: the producer's CudaEvent
-        self._event_blob = event_blob
+        self._event_blob = msg.event
         self._waited: list[CudaStream] = []  # streams ordered after the producer, in order of ordering
         self._release_streams: list[CudaStream] | None = None  # release(stream=s): [s]; release(): None
         self._raw = buf
@@ -337,7 +338,7 @@ class ReceivedHandoff(Handoff):
         mode = handle.sync_mode
         super().__init__(
             handle, None, self._release_buffer,
-            sync_handle=(event if event is not None else event_blob) if mode is SyncMode.EVENT else None,
+            sync_handle=(event if event is not None else msg.event) if mode is SyncMode.EVENT else None,
             sync_handle_device_tag=handle.device_tag if mode is SyncMode.EVENT else None,
             event_release=self._release_event if mode is SyncMode.EVENT else None,
             consumer_stream=consumer_stream if mode is SyncMode.CONSUMER_STREAM else None,
@@ -676,19 +677,15 @@ class Consumer:
                     log.error("RELEASE of %s not sent: its mapping did not close", a.token[:16])
                     self.credits.answered(a.credits)  # they never left
                 elif isinstance(a, Release):
-                    header: dict[str, Any] = {"token": a.token}
-                    if a.reason is not None:
-                        header["reason"] = a.reason
-                    else:
+                    if a.reason is None:
                         self.device.order_send(order_key(a.producer_id, a.handoff_id, "release"))
-                    if a.credits > 0:
-                        header["credits"] = a.credits
+                    msg = wire.Release(a.token, a.reason, max(a.credits, 0))
                     if a.now:
-                        self.session.send(Message("RELEASE", header))
+                        self.session.send(msg)
                     else:
-                        self.session.queue(Message("RELEASE", header))
+                        self.session.queue(msg)
                 elif isinstance(a, EventRelease):
-                    self.session.queue(Message("EVENT_RELEASE", {"token": a.token}))
+                    self.session.queue(wire.EventRelease(a.token))
                 elif isinstance(a, Flush):
                     self.session.flush_out()
             except Exception as e:  # noqa: BLE001 - the pump and the other releases go on
@@ -717,21 +714,22 @@ class Consumer:
     def _hello(self, epoch: int) -> dict[str, Any]:
         return {"name": self.name, "endpoint": self.endpoint_info.to_dict(), **self.core.registering(epoch)}
 
-    def _dispatch(self, msg: Message) -> list[Any]:
-        h = msg.header
-        if msg.verb == "DELIVER":
+    def _dispatch(self, msg: AnyMessage) -> list[Any]:
+        if isinstance(msg, Deliver):
             try:
                 ho = self._accept(msg)
             except Exception as e:  # noqa: BLE001 - a bad delivery must not kill the pump
-                log.error("rejecting delivery %s: %s", h.get("token"), e)
-                token = h.get("token")
-                self._carry_out(self.core.rejected(token if isinstance(token, str) else None,
-                                                   f"rejected: {str(e)[:1000]}"))
+                log.error("rejecting delivery %s: %s", msg.token, e)
+                self._carry_out(self.core.rejected(msg.token, f"rejected: {str(e)[:1000]}"))
             else:
                 self._waiting[ho.token] = ho
                 self.core.delivered(Delivery(ho.token, ho.producer_id, ho.handoff_id,
                                              ho.handle.sync_mode is SyncMode.EVENT))
-        elif msg.verb == "PRODUCER_GONE":
+            return []
+        if not isinstance(msg, Message):
+            return []
+        h = msg.header
+        if msg.verb == "PRODUCER_GONE":
             tokens = [t for t in h.get("tokens", []) if isinstance(t, str)]
             fenced = h.get("reason") == "fenced"
             self.fenced += fenced
@@ -760,27 +758,28 @@ class Consumer:
                     log.warning("broker error: %s", err)
         return []
 
-    def _accept(self, msg: Message) -> ReceivedHandoff:
-        h = msg.header
-        handle = BufferHandle.decode(msg.frames["handle"])  # the consumer checks too: never trust the wire
-        token = str(h["token"])
-        check_meta(h.get("meta"), handle.size)  # before any view is built from it
-        self.device.order_receive(order_key(str(h.get("producer_id", "")), int(h.get("handoff_id", 0)), "handoff"))
+    def _accept(self, msg: Deliver) -> ReceivedHandoff:
+        handle = BufferHandle.decode(msg.handle)  # the consumer checks too: never trust the wire
+        token = msg.token
+        check_meta(msg.meta, handle.size)  # before any view is built from it
+        self.device.order_receive(order_key(msg.producer_id, msg.handoff_id, "handoff"))
         event = None
-        if h.get("inproc"):
-            objs = inproc.take(str(h["inproc_ref"]))
+        if msg.inproc_ref is not None:
+            objs = inproc.take(msg.inproc_ref)
             src: Buffer = objs["buffer"]
             buf = src.device.buffer_at(src.ptr, handle.size) if handle.device_tag is DeviceTag.CPU else \
                 self.gpu.buffer_at(src.ptr, handle.size)  # type: ignore[union-attr]
             event = objs.get("event")
         else:
-            exp = MemoryExport(msg.frames["memory"], int(h.get("offset", 0)), handle.size)
+            if msg.memory is None:
+                raise ValueError("an IPC delivery without its memory blob")
+            exp = MemoryExport(msg.memory, msg.offset, handle.size)
             dev = self.cpu if handle.device_tag is DeviceTag.CPU else self.gpu
             if dev is None:
                 raise HandleError("device_tag", "device_tag", 12, int(handle.device_tag),
                                   "names a GPU buffer but this consumer has no GPU")
             buf = dev.import_memory(exp)
-        ho = ReceivedHandoff(self, token, handle, buf, h, event, msg.frames.get("event"), self.declared_stream)
+        ho = ReceivedHandoff(self, msg, handle, buf, event, self.declared_stream)
         self._held[token] = ho
         self._maps[token] = buf
         return ho

@@ -16,6 +16,7 @@ from enum import Enum
 from typing import Any
 
 from ..transport.pairing import Endpoint
+from ..wire.ipc import Grant as GrantMessage
 from .credits import Credits
 
 __all__ = ["Grant", "GrantBook", "Granted"]
@@ -65,14 +66,14 @@ class GrantBook:
             self.credits.reset()  # an ended producer asks for nothing (spec §4.9)
         return self.credits.asked
 
-    def granted(self, header: dict[str, Any]) -> Granted:
-        """A GRANT arrived (its decoded header)."""
-        if header.get("epoch") != self.epoch or self.ended:
+    def granted(self, msg: GrantMessage) -> Granted:
+        """A GRANT arrived."""
+        if msg.epoch != self.epoch or self.ended:
             return Granted.VOID
         self.credits.answered()
-        g = Grant(int(header["grant_id"]), int(header["epoch"]), str(header["consumer_id"]))
-        if "consumer" in header:  # the first GRANT of this pairing carries the consumer's endpoint
-            self._consumers[g.consumer_id] = Endpoint.from_dict(header["consumer"])
+        g = Grant(msg.grant_id, msg.epoch, msg.consumer_id)
+        if msg.consumer is not None:  # the first GRANT of this pairing carries the consumer's endpoint
+            self._consumers[g.consumer_id] = Endpoint.from_dict(msg.consumer)
         if g.consumer_id not in self._consumers:
             return Granted.UNKNOWN_CONSUMER
         self.queue.append(g)

@@ -33,7 +33,8 @@ from ..interop.source import Source, check_user_meta, resolve
 from ..interop.staging import StagingExhausted, StagingPool
 from ..transport import inproc
 from ..transport.pairing import Endpoint, ModeCache, PairModes, host_side
-from ..wire.ipc import MAX_BATCH, Message
+from ..wire.ipc import MAX_BATCH, Accepted, AnyMessage, EventReleased, Handoff, Message, Released
+from ..wire.ipc import Grant as GrantMessage
 from .credits import Credits
 from .grants import Grant, GrantBook, Granted
 from .session import BrokerUnavailable, RemoteError, Session, check_client_args, check_timeout
@@ -256,24 +257,19 @@ class Producer:
                 # Which consumer holds each: the broker lets only that consumer claim it again.
                 "outstanding": [{"handoff_id": h, "consumer_id": o.ticket.consumer} for h, o in self._out.items()]}
 
-    def _dispatch(self, msg: Message) -> list[Callable[[], None]]:
-        h = msg.header
-        if msg.verb == "GRANT":
-            if self.grants.granted(h) is Granted.UNKNOWN_CONSUMER:
+    def _dispatch(self, msg: AnyMessage) -> list[Callable[[], None]]:
+        if isinstance(msg, GrantMessage):
+            if self.grants.granted(msg) is Granted.UNKNOWN_CONSUMER:
                 log.error("GRANT %s names consumer %s whose endpoint this producer was never sent; "
-                          "registering again", h["grant_id"], h["consumer_id"])
+                          "registering again", msg.grant_id, msg.consumer_id)
                 self.session.registered = False
                 self.session._register()
-        elif msg.verb == "REVOKE":
-            # Grants we did not use in time (spec §4): their consumers were asked again. One
-            # already on its way in a HANDOFF is refused unknown_grant, and send() re-sends.
-            self.grants.revoked(h.get("grant_ids"))
-        elif msg.verb == "ACCEPTED":
-            o = self._out.get(int(h.get("handoff_id", -1)))
+        elif isinstance(msg, Accepted):
+            o = self._out.get(msg.handoff_id)
             if o is not None:
                 o.ticket.accepted = True
-        elif msg.verb == "EVENT_RELEASED":
-            o = self._out.get(int(h.get("handoff_id", -1)))
+        elif isinstance(msg, EventReleased):
+            o = self._out.get(msg.handoff_id)
             # A pooled event is re-recorded for a later handoff now: a record does not change what
             # the consumer's waits, already issued, order after. One event per handoff is destroyed
             # only with the buffer (RELEASED, _finish): the consumer's waits were issued, not
@@ -281,12 +277,19 @@ class Producer:
             if o is not None and o.event is not None and self.events.pooled:  # type: ignore[union-attr]
                 self.events.release(o.event)  # type: ignore[union-attr]
                 o.event = None
-        elif msg.verb == "RELEASED":
-            hid = int(h.get("handoff_id", -1))
+        elif isinstance(msg, Released):
+            hid = msg.handoff_id
             if hid in self._out:
                 self.device.order_receive(order_key(self.session.client_id, hid, "release"))
-            return self._finish(hid, str(h.get("reason", "released")))
+            return self._finish(hid, msg.reason)
+        elif not isinstance(msg, Message):
+            pass
+        elif msg.verb == "REVOKE":
+            # Grants we did not use in time (spec §4): their consumers were asked again. One
+            # already on its way in a HANDOFF is refused unknown_grant, and send() re-sends.
+            self.grants.revoked(msg.header.get("grant_ids"))
         elif msg.verb == "ERROR":
+            h = msg.header
             ref = h.get("handoff_id")
             if isinstance(ref, int) and ref in self._out:
                 hid = ref
@@ -574,7 +577,7 @@ class Producer:
                 with self.session.lock:
                     while self.grants.queue and len(grants) < min(len(srcs) - done, MAX_BATCH):
                         grants.append(self.grants.queue.popleft())
-                batch: list[tuple[_Outgoing, Message]] = []
+                batch: list[tuple[_Outgoing, Handoff]] = []
                 try:
                     for src, g in zip(srcs[done:], grants, strict=False):
                         batch.append(self._prepare(src, g, preferred, on_release, resend=False, ack=False))
@@ -594,14 +597,14 @@ class Producer:
             raise
         return tickets
 
-    def _submit(self, batch: list[tuple[_Outgoing, Message]]) -> list[Ticket]:
+    def _submit(self, batch: list[tuple[_Outgoing, Handoff]]) -> list[Ticket]:
         """Register the prepared handoffs and send them as one message (the last carries the
         READY). If the message cannot be sent, nothing stays registered and each handoff gives
         back what it took, its grant included."""
         with self.session.lock:  # the background pump reads these too
             want = self.credits.ask_for(len(self.grants))
             if want > 0:  # ask for the next grants on this message instead of a READY of their own
-                batch[-1][1].header["ready"] = batch[-1][0].ready = want
+                batch[-1][1].ready = batch[-1][0].ready = want
             for out, _msg in batch:
                 hid = out.ticket.handoff_id
                 self._out[hid] = out
@@ -624,7 +627,7 @@ class Producer:
 
     def _prepare(self, src: Source, grant: Grant, preferred: SyncMode | None,
                  on_release: Callable[[Ticket], None] | None, resend: bool,
-                 ack: bool) -> tuple[_Outgoing, Message]:
+                 ack: bool) -> tuple[_Outgoing, Handoff]:
         """One handoff's mode, producer obligation (sync-contract §1) and HANDOFF entry; not yet sent.
         What it takes (event, staging slot, in-process reference) is given back if it raises."""
         buf = src.buffer
@@ -634,14 +637,12 @@ class Producer:
         out = _Outgoing(Ticket(hid, SyncMode.PRODUCER_SYNCED, False, pm.transport, grant.consumer_id,
                                obj=src.keep), src, grant, on_release=on_release, resend=resend)
         meta, raw = src.wire
-        frames: dict[str, bytes] = {} if raw is None else {"meta": raw}
-        header: dict[str, Any] = {"grant_id": grant.grant_id, "handoff_id": hid, "meta": meta,
-                                  "staged": False, "inproc": pm.transport is Transport.IN_PROCESS, "ack": ack}
+        msg = Handoff(grant_id=grant.grant_id, handoff_id=hid, handle=b"", meta=meta, meta_raw=raw, ack=ack)
         inproc_obj: dict[str, Any] = {}
         try:
             if on_gpu and pm.host_staged:
                 slot = self._stage(buf, src.stream, out)
-                out.ticket.staged, header["staged"] = True, True
+                out.ticket.staged = msg.staged = True
                 handle = BufferHandle(buf.size, DEFAULT_ALIGNMENT, DeviceTag.CPU)
                 target = self.cpu.buffer_at(slot.ptr, buf.size)
                 share = slot
@@ -652,22 +653,22 @@ class Producer:
                 out.ticket.mode = mode
                 target = share = buf
                 if on_gpu:
-                    self._order(mode, src.stream, out, consumer, inproc_obj, frames, pm.transport)
-            if header["inproc"]:
+                    self._order(mode, src.stream, out, consumer, inproc_obj, msg, pm.transport)
+            if pm.transport is Transport.IN_PROCESS:
                 inproc_obj["buffer"] = target
-                out.inproc_key = header["inproc_ref"] = inproc.put(inproc_obj)
+                out.inproc_key = msg.inproc_ref = inproc.put(inproc_obj)
             else:
                 exp = share.device.export_memory(share)
-                frames["memory"] = exp.blob
-                header["offset"] = exp.offset
+                msg.memory = exp.blob
+                msg.offset = exp.offset
         except BaseException:
             self._undo(out)
             raise
-        frames = {"handle": handle.encode(), **frames}
-        return out, Message("HANDOFF", header, frames)
+        msg.handle = handle.encode()
+        return out, msg
 
     def _order(self, mode: SyncMode, stream: CudaStream | None, out: _Outgoing, consumer: Endpoint,
-               inproc_obj: dict[str, Any], frames: dict[str, bytes], transport: Transport) -> None:
+               inproc_obj: dict[str, Any], msg: Handoff, transport: Transport) -> None:
         """Make the buffer's writes visible per ``mode`` (sync-contract §1), before the handle leaves."""
         if stream is None:
             raise InvalidArgument("a GPU buffer needs the stream its writes were enqueued on", where="send(stream=)")
@@ -680,7 +681,7 @@ class Producer:
             if transport is Transport.IN_PROCESS:
                 inproc_obj["event"] = ev
             else:
-                frames["event"] = ev.export()
+                msg.event = ev.export()
         else:  # CONSUMER_STREAM: the consumer's stream waits; no event crosses the boundary
             inproc.stream(consumer.stream).wait(ev)  # type: ignore[arg-type]
             out.event = None

@@ -102,6 +102,8 @@ class BrokerQuery:
             msg = decode(self._sock.recv_multipart(), allowed=BROKER_VERBS)
         except ProtocolError:
             return None
+        if not isinstance(msg, Message):
+            return None  # a hot verb: no answer to a query
         self.tickets.read(msg.header)
         return msg
 

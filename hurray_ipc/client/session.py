@@ -33,6 +33,7 @@ from ..transport.sockets import NOBLOCK, readable, recv_frames, send_frames
 from ..wire.ipc import (
     BROKER_VERBS,
     PROTOCOL_VERSION,
+    AnyMessage,
     Message,
     ProtocolError,
     coalesce,
@@ -128,7 +129,7 @@ class Session:
         role: str,
         channel: str,
         hello: Callable[[int], dict[str, Any]],
-        dispatch: Callable[[Message], list[Callback]],
+        dispatch: Callable[[AnyMessage], list[Callback]],
         *,
         heartbeat_s: float = 0.5,
         timeout_s: float = 3.0,
@@ -156,7 +157,7 @@ class Session:
         # Called (with nothing held) after a pump round that received something: the asyncio API
         # wakes its coroutine this way when the pump thread took the message it waits for.
         self.wakers: list[Callable[[], None]] = []
-        self._outbox: list[Message] = []  # hot messages held for one batch (see queue())
+        self._outbox: list[AnyMessage] = []  # hot messages held for one batch (see queue())
         self.messages_sent = 0
         self.messages_received = 0
         self.registered = False
@@ -177,11 +178,11 @@ class Session:
         self._bg.start()
 
     # --- sending ---------------------------------------------------------------------------
-    def send(self, msg: Message) -> None:
+    def send(self, msg: AnyMessage) -> None:
         """Send now (after anything queued, which keeps its order)."""
         self.send_batch([msg])
 
-    def send_batch(self, msgs: list[Message]) -> None:
+    def send_batch(self, msgs: list[AnyMessage]) -> None:
         """Send now, after anything queued, in as few messages as protocol.coalesce allows.
         Raises ClosedError after :meth:`close`."""
         with self.lock:
@@ -195,7 +196,7 @@ class Session:
             of = "" if f"channel {self.channel!r}" in what else f" of channel {self.channel!r}"
             raise ClosedError(f"this {self.role}{of} was closed before {what}; create a new one")
 
-    def queue(self, msg: Message) -> None:
+    def queue(self, msg: AnyMessage) -> None:
         """Hold a hot message for the next :meth:`flush_out` (at the latest the next pump round,
         or the next :meth:`send`), so that several travel as one batch. The caller flushes at
         once when nothing else is about to follow (a lone release waits for nothing)."""
@@ -247,7 +248,10 @@ class Session:
         for msg in msgs:
             self._handle_one(msg, out)
 
-    def _handle_one(self, msg: Message, out: list[Callback]) -> None:
+    def _handle_one(self, msg: AnyMessage, out: list[Callback]) -> None:
+        if not isinstance(msg, Message):
+            out.extend(self._dispatch(msg))
+            return
         if msg.verb == "WELCOME":
             self.registered = True
             self.shutdown_reason = None

@@ -17,7 +17,7 @@ import json
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from ..errors import ERROR_CODES as ERROR_CODES  # the codec's errors: ProtocolError and its codes
 from ..errors import ProtocolError as ProtocolError
@@ -92,6 +92,14 @@ class Message:
     header: dict[str, Any] = field(default_factory=dict)
     frames: dict[str, bytes] = field(default_factory=dict)
 
+    def fields(self) -> dict[str, Any]:
+        """Its fields: the header (as :meth:`HotMessage.fields` gives a hot entry's)."""
+        return self.header
+
+    def blobs(self) -> dict[str, bytes]:
+        """Its payload frames, by name."""
+        return self.frames
+
     def encode(self, verbs: Mapping[str, tuple[str, ...]] | None = None) -> list[bytes]:
         """The frames; ``verbs``: the protocol's table of verbs and their payload frames (default:
         this one's, PAYLOAD; the link's is wire/link.py's)."""
@@ -116,36 +124,48 @@ class Message:
         return out
 
 
-def decode(parts: Sequence[Any], *, allowed: frozenset[str] | None = None, views: bool = False,
-           verbs: Mapping[str, tuple[str, ...]] | None = None) -> Message:
+def decode(parts: Sequence[Any], *, allowed: frozenset[str] | None = None) -> AnyMessage:
     """Parse one message (a binary hot-verb message must then carry exactly one entry)."""
-    msgs = decode_all(parts, allowed=allowed, views=views, verbs=verbs)
+    msgs = decode_all(parts, allowed=allowed)
     if len(msgs) != 1:
         raise ProtocolError("bad_frames", f"{msgs[0].verb} carries {len(msgs)} entries; use decode_all")
     return msgs[0]
 
 
-def decode_all(parts: Sequence[Any], *, allowed: frozenset[str] | None = None, views: bool = False,
-               verbs: Mapping[str, tuple[str, ...]] | None = None) -> list[Message]:
+def decode_all(parts: Sequence[Any], *, allowed: frozenset[str] | None = None) -> list[AnyMessage]:
     """Parse and validate the shape of a message (not its meaning): a list of one Message for a
-    JSON verb, of one per entry for a binary hot verb (spec §2.2).
+    JSON verb, of one typed entry per entry for a binary hot verb (spec §2.2: :class:`Handoff`,
+    :class:`Release`...)."""
+    if len(parts) < 2:
+        raise ProtocolError("bad_frames", f"a message has at least 2 frames (verb, header), got {len(parts)}")
+    verb = _verb_of(parts)
+    layout = _LAYOUTS.get(verb)
+    if layout is not None and verb == layout.verb:
+        if allowed is not None and layout.kinds.get(1, layout.verb) not in allowed:
+            raise ProtocolError("unknown_verb", f"{layout.verb!r} is not a verb this side accepts")
+        return layout.decode(parts, allowed)
+    return [decode_json(parts, PAYLOAD, allowed=allowed)]
+
+
+def _verb_of(parts: Sequence[Any]) -> str:
+    try:
+        return bytes(parts[0]).decode("ascii")
+    except UnicodeDecodeError:
+        raise ProtocolError("unknown_verb", f"verb frame {bytes(parts[0])[:32]!r} is not ASCII") from None
+
+
+def decode_json(parts: Sequence[Any], verbs: Mapping[str, tuple[str, ...]], *, allowed: frozenset[str] | None = None,
+                views: bool = False) -> Message:
+    """Parse a JSON-framed message of a protocol whose verbs and payload frames are ``verbs``
+    (this one's PAYLOAD, the link's): its verb, its header object and its named frames.
 
     ``views=True`` keeps payload frames as memoryviews of the received frames (zmq.Frame from
     ``recv_multipart(copy=False)``) instead of copying them into bytes: for bulk data.
     """
     if len(parts) < 2:
         raise ProtocolError("bad_frames", f"a message has at least 2 frames (verb, header), got {len(parts)}")
-    try:
-        verb = bytes(parts[0]).decode("ascii")
-    except UnicodeDecodeError:
-        raise ProtocolError("unknown_verb", f"verb frame {bytes(parts[0])[:32]!r} is not ASCII") from None
-    layout = _LAYOUTS.get(verb)
-    if layout is not None and verb == layout.verb:
-        if allowed is not None and layout.kinds.get(1, verb) not in allowed:
-            raise ProtocolError("unknown_verb", f"{verb[:32]!r} is not a verb this side accepts")
-        return layout.decode(parts, allowed)
-    table = PAYLOAD if verbs is None else verbs
-    if verb not in table or (allowed is not None and verb not in allowed):
+    verb = _verb_of(parts)
+    if verb not in verbs or (allowed is not None and verb not in allowed):
         raise ProtocolError("unknown_verb", f"{verb[:32]!r} is not a verb this side accepts")
     raw = bytes(parts[1])
     limit = (MAX_STATS_REPLY_BYTES if verb in ("STATS_REPLY", "CAPS_REPLY")
@@ -153,7 +173,7 @@ def decode_all(parts: Sequence[Any], *, allowed: frozenset[str] | None = None, v
     if len(raw) > limit:
         raise ProtocolError("bad_header", f"header of {len(raw)} bytes exceeds {limit}")
     header = _json_object(raw, f"{verb} header")
-    names = table[verb]
+    names = verbs[verb]
     required = sum(1 for n in names if not n.endswith("?"))
     payload = parts[2:]
     if not required <= len(payload) <= len(names):
@@ -162,7 +182,7 @@ def decode_all(parts: Sequence[Any], *, allowed: frozenset[str] | None = None, v
     for name, data in zip(names, payload, strict=False):
         key = name.rstrip("?")
         frames[key] = memoryview(data) if views else bytes(data)
-    return [Message(verb, header, frames)]
+    return Message(verb, header, frames)
 
 
 def _json_object(raw: bytes, what: str, **extra: Any) -> dict[str, Any]:
@@ -177,6 +197,11 @@ def _json_object(raw: bytes, what: str, **extra: Any) -> dict[str, Any]:
 
 
 # --- binary hot verbs (spec §2.2) ---------------------------------------------------------------
+#
+# Each hot verb is a typed message, decoded from its binary entry and validated there, once: a
+# handler gets fields of the right type and never looks one up by name. ``fields()`` is the
+# spec's view of an entry (its named fields, as the vectors list them), ``hot_message`` builds one
+# from that view (tests, vectors, fuzzers).
 
 BATCH = struct.Struct("<HHI")  # count, credits (HANDOFF: ready; RELEASE: credits; else 0), reserved
 
@@ -185,20 +210,202 @@ F_MEMORY, F_EVENT, F_REF, F_META, F_STAGED, F_ACK = 0x01, 0x02, 0x04, 0x08, 0x10
 # RELEASED reason codes (anything else travels as text in a reason frame).
 REASONS = {0: "released", 1: "consumer_gone"}
 REASON_TEXT = 255
-_BLOBS = frozenset(["memory", "event"])
+
+
+class HotMessage:
+    """A typed entry of a binary hot-verb message (spec §2.2)."""
+
+    __slots__ = ()
+    verb: ClassVar[str]
+
+    def encode(self) -> list[bytes]:
+        """The frames of a message of this one entry."""
+        return encode_batch([self])
+
+    def fields(self) -> dict[str, Any]:
+        """The entry's fields as the spec names them (its frames' contents included: ``meta``,
+        ``inproc_ref``, ``reason``, a GRANT's ``consumer``); its blobs are :meth:`blobs`."""
+        raise NotImplementedError
+
+    def blobs(self) -> dict[str, bytes]:
+        """The binary frames the entry carries verbatim, by name."""
+        return {}
+
+
+@dataclass(slots=True, kw_only=True)
+class Carried(HotMessage):
+    """The buffer a HANDOFF carries and its DELIVER forwards unchanged (spec §2.2, §4.5)."""
+
+    handoff_id: int
+    handle: bytes  # 16 bytes, as sent: BufferHandle.decode checks it where it is used
+    offset: int = 0
+    memory: bytes | None = None  # the memory blob (IPC)
+    event: bytes | None = None  # the event blob (SYNC_EVENT over IPC)
+    inproc_ref: str | None = None  # the in-process reference (flag 0x04): an in-process handoff
+    meta: dict[str, Any] | None = None  # the array metadata (contract/meta.py), parsed, not yet checked
+    meta_raw: bytes | None = None  # ``meta`` as it travels: forwarded as received, never re-encoded
+    staged: bool = False
+
+    @property
+    def inproc(self) -> bool:
+        return self.inproc_ref is not None
+
+    def _flags_frames(self) -> tuple[int, list[bytes]]:
+        flags, out = 0, [bytes(self.handle)]
+        if self.memory is not None:
+            flags |= F_MEMORY
+            out.append(bytes(self.memory))
+        if self.event is not None:
+            flags |= F_EVENT
+            out.append(bytes(self.event))
+        if self.inproc_ref is not None:
+            flags |= F_REF
+            out.append(self.inproc_ref.encode("ascii"))
+        if self.meta is not None or self.meta_raw is not None:
+            flags |= F_META
+            out.append(bytes(self.meta_raw) if self.meta_raw is not None else json_bytes(self.meta))
+        if self.staged:
+            flags |= F_STAGED
+        return flags, out
+
+    def _carried_fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"handoff_id": self.handoff_id, "offset": self.offset, "staged": self.staged,
+                               "inproc": self.inproc}
+        if self.inproc_ref is not None:
+            out["inproc_ref"] = self.inproc_ref
+        if self.meta is not None:
+            out["meta"] = self.meta
+        return out
+
+    def blobs(self) -> dict[str, bytes]:
+        out = {"handle": self.handle}
+        if self.memory is not None:
+            out["memory"] = self.memory
+        if self.event is not None:
+            out["event"] = self.event
+        return out
+
+
+@dataclass(slots=True, kw_only=True)
+class Handoff(Carried):
+    """HANDOFF: a producer hands the buffer of ``grant_id`` on; ``ready`` carries a READY."""
+
+    verb: ClassVar[str] = "HANDOFF"
+    grant_id: int
+    ack: bool = False  # answer ACCEPTED
+    ready: int = 0  # the batch header's READY, on the message's last entry (0: none)
+
+    def fields(self) -> dict[str, Any]:
+        return {"grant_id": self.grant_id, **self._carried_fields(), "ack": self.ack,
+                **({"ready": self.ready} if self.ready else {})}
+
+    def deliver(self, token: str, producer_id: str) -> Deliver:
+        """The DELIVER that hands this buffer to its consumer: the same frames, unchanged."""
+        return Deliver(token=token, producer_id=producer_id, handoff_id=self.handoff_id, handle=self.handle,
+                       offset=self.offset, memory=self.memory, event=self.event, inproc_ref=self.inproc_ref,
+                       meta=self.meta, meta_raw=self.meta_raw, staged=self.staged)
+
+
+@dataclass(slots=True, kw_only=True)
+class Deliver(Carried):
+    """DELIVER: the broker hands a consumer a buffer; it releases it by ``token``."""
+
+    verb: ClassVar[str] = "DELIVER"
+    token: str  # 2 x TOKEN_BYTES lowercase hex digits
+    producer_id: str
+
+    def fields(self) -> dict[str, Any]:
+        return {"token": self.token, "producer_id": self.producer_id, **self._carried_fields()}
+
+
+@dataclass(slots=True)
+class Release(HotMessage):
+    """RELEASE (kind 1): the consumer is done with ``token``; ``credits`` carries a REQUEST."""
+
+    verb: ClassVar[str] = "RELEASE"
+    token: str
+    reason: str | None = None  # None: released; else why it was refused (a reason frame)
+    credits: int = 0  # the batch header's credits, on the message's last entry
+
+    def fields(self) -> dict[str, Any]:
+        return {"token": self.token, **({"reason": self.reason} if self.reason is not None else {}),
+                **({"credits": self.credits} if self.credits else {})}
+
+
+@dataclass(slots=True)
+class EventRelease(HotMessage):
+    """EVENT_RELEASE (RELEASE kind 2): the consumer's waits on the handoff's event were issued."""
+
+    verb: ClassVar[str] = "EVENT_RELEASE"
+    token: str
+    credits: int = 0
+
+    def fields(self) -> dict[str, Any]:
+        return {"token": self.token, **({"credits": self.credits} if self.credits else {})}
+
+
+@dataclass(slots=True)
+class Released(HotMessage):
+    """RELEASED (kind 1): the producer may reuse the buffer of ``handoff_id``."""
+
+    verb: ClassVar[str] = "RELEASED"
+    handoff_id: int
+    reason: str = "released"
+
+    def fields(self) -> dict[str, Any]:
+        return {"handoff_id": self.handoff_id, "reason": self.reason}
+
+
+@dataclass(slots=True)
+class EventReleased(HotMessage):
+    """EVENT_RELEASED (RELEASED kind 2): the producer may record the handoff's event again."""
+
+    verb: ClassVar[str] = "EVENT_RELEASED"
+    handoff_id: int
+    reason: str = "released"
+
+    def fields(self) -> dict[str, Any]:
+        return {"handoff_id": self.handoff_id, "reason": self.reason}
+
+
+@dataclass(slots=True)
+class Grant(HotMessage):
+    """GRANT: the producer may hand one buffer to consumer ``consumer_id``; ``consumer`` is that
+    consumer's endpoint, in the first GRANT of each pairing only."""
+
+    verb: ClassVar[str] = "GRANT"
+    grant_id: int
+    epoch: int
+    consumer_id: str  # the consumer's label, 16 hex digits
+    consumer: dict[str, Any] | None = None  # an endpoint (transport/pairing.Endpoint.from_dict)
+
+    def fields(self) -> dict[str, Any]:
+        return {"grant_id": self.grant_id, "epoch": self.epoch, "consumer_id": self.consumer_id,
+                **({"consumer": self.consumer} if self.consumer is not None else {})}
+
+
+@dataclass(slots=True)
+class Accepted(HotMessage):
+    """ACCEPTED: the broker took HANDOFF ``handoff_id`` (only when its ``ack`` flag asked)."""
+
+    verb: ClassVar[str] = "ACCEPTED"
+    handoff_id: int
+
+    def fields(self) -> dict[str, Any]:
+        return {"handoff_id": self.handoff_id}
 
 
 class _Layout:
-    """One binary hot verb: its entry struct and how entries map to Messages."""
+    """One binary hot verb: its entry struct, and how entries map to typed messages."""
 
     def __init__(self, verb: str, fmt: str, credits: str | None, kinds: dict[int, str] | None = None):
         self.verb = verb
         self.verb_bytes = verb.encode("ascii")
         self.entry = struct.Struct(fmt)
-        self.credits = credits  # the header field the batch header's credits carry, if any
+        self.credits = credits  # the field the batch header's credits carry, if any
         self.kinds = kinds or {1: verb}  # entry kind -> logical verb (RELEASE / EVENT_RELEASE)
 
-    def decode(self, parts: Sequence[Any], allowed: frozenset[str] | None) -> list[Message]:
+    def decode(self, parts: Sequence[Any], allowed: frozenset[str] | None) -> list[Any]:
         head = bytes(parts[1])
         v = self.verb
         if len(head) < BATCH.size:
@@ -219,7 +426,7 @@ class _Layout:
             raise
 
     def _decode_entries(self, parts: Sequence[Any], allowed: frozenset[str] | None, head: bytes, credits: int,
-                        reserved: int) -> list[Message]:
+                        reserved: int) -> list[Any]:
         v = self.verb
         if reserved:
             raise ProtocolError("bad_header", f"{v} batch header reserved bytes 4-7 must be zero", field="reserved",
@@ -227,62 +434,34 @@ class _Layout:
         if credits and self.credits is None:
             raise ProtocolError("bad_header", f"{v} carries no credits; bytes 2-3 must be zero", field="credits",
                                 value=credits)
-        out: list[Message] = []
-        it = iter(parts[2:])
-        n_frames = len(parts) - 2
+        out: list[Any] = []
+        payload = parts[2:]
+        n_frames = len(payload)
         used = 0
-        entry, frame = self._entry, self._frame
-        for i, fields in enumerate(self.entry.iter_unpack(memoryview(head)[BATCH.size:])):
-            msg, wants = entry(fields, i)
-            if allowed is not None and msg.verb not in allowed:
-                raise ProtocolError("unknown_verb", f"{msg.verb} is not a verb this side accepts")
-            used += len(wants)
-            if used > n_frames:
-                raise ProtocolError("bad_frames", f"{v} entry {i} needs frames {wants}; the message has "
+        for i, f in enumerate(self.entry.iter_unpack(memoryview(head)[BATCH.size:])):
+            verb, wants = self._verb_wants(f, i)
+            if allowed is not None and verb not in allowed:
+                raise ProtocolError("unknown_verb", f"{verb} is not a verb this side accepts")
+            if used + wants > n_frames:
+                raise ProtocolError("bad_frames", f"{v} entry {i} needs {wants} frames; the message has "
                                     f"{n_frames} payload frames in all")
-            frames = msg.frames
-            for name in wants:
-                data = bytes(next(it))
-                if name == "handle":
-                    frames[name] = data  # checked by BufferHandle.decode where it is used
-                elif name in _BLOBS and len(data) == BLOB_SIZE:
-                    frames[name] = data
-                else:
-                    frame(msg, name, data, i)
-            out.append(msg)
+            out.append(self._entry(f, [bytes(x) for x in payload[used:used + wants]], i))
+            used += wants
         if used != n_frames:
             raise ProtocolError("bad_frames", f"{v} entries name {used} payload frames, the message has {n_frames}")
         if credits:
-            out[-1].header[self.credits] = credits  # type: ignore[index]
+            setattr(out[-1], self.credits, credits)  # type: ignore[arg-type]
         return out
 
-    def _entry(self, f: tuple[Any, ...], i: int) -> tuple[Message, list[str]]:
+    def _verb_wants(self, f: tuple[Any, ...], i: int) -> tuple[str, int]:
+        """The entry's logical verb and how many payload frames follow it."""
         raise NotImplementedError
 
-    def _frame(self, msg: Message, name: str, data: bytes, i: int) -> None:
-        if name in ("memory", "event") and len(data) != BLOB_SIZE:
-            raise ProtocolError("bad_frames", f"{msg.verb} entry {i}: '{name}' frame must be {BLOB_SIZE} bytes, "
-                                f"got {len(data)}")
-        if name == "ref":
-            if not 1 <= len(data) <= MAX_REF_BYTES or not data.isascii():
-                raise ProtocolError("bad_frames", f"{msg.verb} entry {i}: 'ref' frame must be 1-{MAX_REF_BYTES} "
-                                    "ASCII bytes")
-            msg.header["inproc_ref"] = data.decode("ascii")
-        elif name in ("meta", "endpoint"):
-            if len(data) > MAX_HEADER_BYTES:
-                raise ProtocolError("bad_header", f"{msg.verb} entry {i}: '{name}' frame exceeds {MAX_HEADER_BYTES} "
-                                    "bytes", field=name)
-            key = "consumer" if name == "endpoint" else name  # GRANT: the consumer's endpoint
-            msg.header[key] = _json_object(data, f"{msg.verb} entry {i} {name}", field=name)
-            if name == "meta":
-                msg.frames["meta"] = data  # forwarded as received (DELIVER), not encoded again
-        elif name == "reason":
-            msg.header["reason"] = data[:MAX_REASON_BYTES].decode("utf-8", "replace")
-        else:
-            msg.frames[name] = data
+    def _entry(self, f: tuple[Any, ...], frames: list[bytes], i: int) -> Any:
+        raise NotImplementedError
 
-    def encode(self, msgs: Sequence[Message]) -> list[bytes]:
-        credits = sum(m.header.get(self.credits) or 0 for m in msgs) if self.credits else 0
+    def encode(self, msgs: Sequence[Any]) -> list[bytes]:
+        credits = sum(getattr(m, self.credits) for m in msgs) if self.credits else 0
         head = [BATCH.pack(len(msgs), credits, 0)]
         out = [self.verb_bytes, b""]
         pack, entry = self._pack, self.entry.pack
@@ -293,48 +472,62 @@ class _Layout:
         out[1] = b"".join(head)
         return out
 
-    def _pack(self, m: Message) -> tuple[tuple[Any, ...], list[bytes]]:
+    def _pack(self, m: Any) -> tuple[tuple[Any, ...], list[bytes]]:
         raise NotImplementedError
 
 
-def _int(h: dict[str, Any], name: str, default: int | None = None) -> int:
-    v = h.get(name, default)
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise ProtocolError("bad_header", f"'{name}' must be an integer, got {type(v).__name__}", field=name)
-    return v
+def _blob(verb: str, name: str, data: bytes, i: int) -> bytes:
+    if len(data) != BLOB_SIZE:
+        raise ProtocolError("bad_frames", f"{verb} entry {i}: '{name}' frame must be {BLOB_SIZE} bytes, "
+                            f"got {len(data)}")
+    return data
 
 
-def _buffer_frames(m: Message) -> tuple[int, list[bytes]]:
-    """A HANDOFF/DELIVER entry's flags and frames: handle, memory?, event?, ref?, meta?."""
-    h, f = m.header, m.frames
-    flags, out = 0, [bytes(f["handle"])]
-    if "memory" in f:
-        flags |= F_MEMORY
-        out.append(bytes(f["memory"]))
-    if "event" in f:
-        flags |= F_EVENT
-        out.append(bytes(f["event"]))
-    if h.get("inproc") or h.get("inproc_ref") is not None:
-        flags |= F_REF
-        out.append(str(h.get("inproc_ref", "")).encode("ascii"))
-    if h.get("meta") is not None:
-        flags |= F_META
-        raw = f.get("meta")  # as received: a broker forwards the producer's bytes
-        out.append(bytes(raw) if raw is not None else json_bytes(h["meta"]))
-    if h.get("staged"):
-        flags |= F_STAGED
-    return flags, out
+def _json_frame(verb: str, name: str, data: bytes, i: int) -> dict[str, Any]:
+    if len(data) > MAX_HEADER_BYTES:
+        raise ProtocolError("bad_header", f"{verb} entry {i}: '{name}' frame exceeds {MAX_HEADER_BYTES} bytes",
+                            field=name)
+    return _json_object(data, f"{verb} entry {i} {name}", field=name)
 
 
-def _buffer_wants(verb: str, flags: int, allowed_flags: int, i: int) -> list[str]:
+def _reason(data: bytes) -> str:
+    return data[:MAX_REASON_BYTES].decode("utf-8", "replace")
+
+
+_CARRIED_FLAGS = ((F_MEMORY, "memory"), (F_EVENT, "event"), (F_REF, "ref"), (F_META, "meta"))
+
+
+def _carried_wants(verb: str, flags: int, allowed_flags: int, i: int) -> int:
     if flags & ~allowed_flags:
         raise ProtocolError("bad_header", f"{verb} entry {i}: unknown flag bits 0x{flags & ~allowed_flags:x}",
                             field="flags", value=flags)
-    wants = ["handle"]
-    for bit, name in ((F_MEMORY, "memory"), (F_EVENT, "event"), (F_REF, "ref"), (F_META, "meta")):
-        if flags & bit:
-            wants.append(name)
-    return wants
+    return 1 + sum(1 for bit, _name in _CARRIED_FLAGS if flags & bit)
+
+
+def _carried(verb: str, flags: int, frames: list[bytes], i: int) -> dict[str, Any]:
+    """The keyword arguments of a HANDOFF / DELIVER entry's frames: handle, memory?, event?, ref?, meta?."""
+    it = iter(frames)
+    out: dict[str, Any] = {"handle": next(it), "staged": bool(flags & F_STAGED)}
+    if flags & F_MEMORY:
+        out["memory"] = _blob(verb, "memory", next(it), i)
+    if flags & F_EVENT:
+        out["event"] = _blob(verb, "event", next(it), i)
+    if flags & F_REF:
+        ref = next(it)
+        if not 1 <= len(ref) <= MAX_REF_BYTES or not ref.isascii():
+            raise ProtocolError("bad_frames", f"{verb} entry {i}: 'ref' frame must be 1-{MAX_REF_BYTES} ASCII bytes")
+        out["inproc_ref"] = ref.decode("ascii")
+    if flags & F_META:
+        raw = next(it)
+        out["meta"] = _json_frame(verb, "meta", raw, i)
+        out["meta_raw"] = raw
+    return out
+
+
+def _u64(v: Any, name: str) -> int:
+    if type(v) is not int or not 0 <= v < 2**64:
+        raise ProtocolError("bad_header", f"'{name}' must be an integer 0..2**64-1, got {str(v)[:64]}", field=name)
+    return v
 
 
 def _token_bytes(token: Any) -> bytes:
@@ -353,22 +546,23 @@ class _Handoff(_Layout):
     def __init__(self) -> None:
         super().__init__("HANDOFF", "<QQQH6s", "ready")
 
-    def _entry(self, f: tuple[Any, ...], i: int) -> tuple[Message, list[str]]:
-        gid, hid, offset, flags, reserved = f
-        if reserved != bytes(6):
+    def _verb_wants(self, f: tuple[Any, ...], i: int) -> tuple[str, int]:
+        if f[4] != bytes(6):
             raise ProtocolError("bad_header", f"HANDOFF entry {i}: reserved bytes must be zero", field="reserved",
-                                value=reserved.hex())
-        wants = _buffer_wants("HANDOFF", flags, F_MEMORY | F_EVENT | F_REF | F_META | F_STAGED | F_ACK, i)
-        h = {"grant_id": gid, "handoff_id": hid, "offset": offset, "staged": bool(flags & F_STAGED),
-             "inproc": bool(flags & F_REF), "ack": bool(flags & F_ACK)}
-        return Message("HANDOFF", h), wants
+                                value=f[4].hex())
+        return "HANDOFF", _carried_wants("HANDOFF", f[3], F_MEMORY | F_EVENT | F_REF | F_META | F_STAGED | F_ACK, i)
 
-    def _pack(self, m: Message) -> tuple[tuple[Any, ...], list[bytes]]:
-        flags, frames = _buffer_frames(m)
-        if m.header.get("ack"):
+    def _entry(self, f: tuple[Any, ...], frames: list[bytes], i: int) -> Handoff:
+        gid, hid, offset, flags, _reserved = f
+        return Handoff(grant_id=gid, handoff_id=hid, offset=offset, ack=bool(flags & F_ACK),
+                       **_carried("HANDOFF", flags, frames, i))
+
+    def _pack(self, m: Handoff) -> tuple[tuple[Any, ...], list[bytes]]:
+        flags, frames = m._flags_frames()
+        if m.ack:
             flags |= F_ACK
-        h = m.header
-        return (_int(h, "grant_id"), _int(h, "handoff_id"), _int(h, "offset", 0), flags, bytes(6)), frames
+        return (_u64(m.grant_id, "grant_id"), _u64(m.handoff_id, "handoff_id"), _u64(m.offset, "offset"), flags,
+                bytes(6)), frames
 
 
 class _Deliver(_Layout):
@@ -376,19 +570,20 @@ class _Deliver(_Layout):
     def __init__(self) -> None:
         super().__init__("DELIVER", "<24sQQHB5s32s", None)
 
-    def _entry(self, f: tuple[Any, ...], i: int) -> tuple[Message, list[str]]:
-        token, hid, offset, flags, plen, _r, pid = f
-        wants = _buffer_wants("DELIVER", flags, F_MEMORY | F_EVENT | F_REF | F_META | F_STAGED, i)
-        h = {"token": token.hex(), "handoff_id": hid, "offset": offset, "staged": bool(flags & F_STAGED),
-             "inproc": bool(flags & F_REF), "producer_id": pid[:min(plen, 32)].decode("utf-8", "replace")}
-        return Message("DELIVER", h), wants
+    def _verb_wants(self, f: tuple[Any, ...], i: int) -> tuple[str, int]:
+        return "DELIVER", _carried_wants("DELIVER", f[3], F_MEMORY | F_EVENT | F_REF | F_META | F_STAGED, i)
 
-    def _pack(self, m: Message) -> tuple[tuple[Any, ...], list[bytes]]:
-        flags, frames = _buffer_frames(m)
-        h = m.header
-        pid = str(h.get("producer_id", "")).encode()[:32]
-        return (_token_bytes(h["token"]), _int(h, "handoff_id"), _int(h, "offset", 0), flags, len(pid), bytes(5),
-                pid), frames
+    def _entry(self, f: tuple[Any, ...], frames: list[bytes], i: int) -> Deliver:
+        token, hid, offset, flags, plen, _r, pid = f
+        return Deliver(token=token.hex(), handoff_id=hid, offset=offset,
+                       producer_id=pid[:min(plen, 32)].decode("utf-8", "replace"),
+                       **_carried("DELIVER", flags, frames, i))
+
+    def _pack(self, m: Deliver) -> tuple[tuple[Any, ...], list[bytes]]:
+        flags, frames = m._flags_frames()
+        pid = m.producer_id.encode()[:32]
+        return (_token_bytes(m.token), _u64(m.handoff_id, "handoff_id"), _u64(m.offset, "offset"), flags, len(pid),
+                bytes(5), pid), frames
 
 
 class _Release(_Layout):
@@ -396,18 +591,24 @@ class _Release(_Layout):
     def __init__(self) -> None:
         super().__init__("RELEASE", "<24sBB6s", "credits", {1: "RELEASE", 2: "EVENT_RELEASE"})
 
-    def _entry(self, f: tuple[Any, ...], i: int) -> tuple[Message, list[str]]:
-        token, kind, flags, reserved = f
+    def _verb_wants(self, f: tuple[Any, ...], i: int) -> tuple[str, int]:
+        _token, kind, flags, reserved = f
         if kind not in self.kinds or flags & ~1 or reserved != bytes(6):
             raise ProtocolError("bad_header", f"RELEASE entry {i}: kind {kind} / flags 0x{flags:x} / reserved bytes "
                                 "are not 1-2 / 0-1 / zero", field="kind", value=kind)
-        return Message(self.kinds[kind], {"token": token.hex()}), ["reason"] if flags else []
+        return self.kinds[kind], flags
 
-    def _pack(self, m: Message) -> tuple[tuple[Any, ...], list[bytes]]:
-        reason = m.header.get("reason")
-        frames = [] if reason is None else [str(reason).encode()[:MAX_REASON_BYTES]]
-        kind = 2 if m.verb == "EVENT_RELEASE" else 1
-        return (_token_bytes(m.header.get("token")), kind, 1 if frames else 0, bytes(6)), frames
+    def _entry(self, f: tuple[Any, ...], frames: list[bytes], i: int) -> Release | EventRelease:
+        token = f[0].hex()
+        if f[1] == 2:
+            return EventRelease(token)  # a reason frame, which only a RELEASE has, is ignored
+        return Release(token, _reason(frames[0]) if frames else None)
+
+    def _pack(self, m: Release | EventRelease) -> tuple[tuple[Any, ...], list[bytes]]:
+        if isinstance(m, EventRelease):
+            return (_token_bytes(m.token), 2, 0, bytes(6)), []
+        frames = [] if m.reason is None else [m.reason.encode()[:MAX_REASON_BYTES]]
+        return (_token_bytes(m.token), 1, 1 if frames else 0, bytes(6)), frames
 
 
 class _Released(_Layout):
@@ -415,20 +616,24 @@ class _Released(_Layout):
     def __init__(self) -> None:
         super().__init__("RELEASED", "<QBB6s", None, {1: "RELEASED", 2: "EVENT_RELEASED"})
 
-    def _entry(self, f: tuple[Any, ...], i: int) -> tuple[Message, list[str]]:
-        hid, kind, reason, _r = f
+    def _verb_wants(self, f: tuple[Any, ...], i: int) -> tuple[str, int]:
+        _hid, kind, reason, _r = f
         if kind not in self.kinds or (reason not in REASONS and reason != REASON_TEXT):
             raise ProtocolError("bad_header", f"RELEASED entry {i}: kind {kind} / reason {reason} unknown")
-        h: dict[str, Any] = {"handoff_id": hid}
-        if reason in REASONS:
-            h["reason"] = REASONS[reason]
-        return Message(self.kinds[kind], h), ["reason"] if reason == REASON_TEXT else []
+        return self.kinds[kind], 1 if reason == REASON_TEXT else 0
 
-    def _pack(self, m: Message) -> tuple[tuple[Any, ...], list[bytes]]:
-        reason = m.header.get("reason", "released")
-        code = next((c for c, r in REASONS.items() if r == reason), REASON_TEXT)
-        frames = [str(reason).encode()[:MAX_REASON_BYTES]] if code == REASON_TEXT else []
-        return (_int(m.header, "handoff_id"), 2 if m.verb == "EVENT_RELEASED" else 1, code, bytes(6)), frames
+    def _entry(self, f: tuple[Any, ...], frames: list[bytes], i: int) -> Released | EventReleased:
+        hid, kind, code, _r = f
+        reason = _reason(frames[0]) if frames else REASONS[code]
+        return EventReleased(hid, reason) if kind == 2 else Released(hid, reason)
+
+    def _pack(self, m: Released | EventReleased) -> tuple[tuple[Any, ...], list[bytes]]:
+        code = _REASON_CODES.get(m.reason, REASON_TEXT)
+        frames = [m.reason.encode()[:MAX_REASON_BYTES]] if code == REASON_TEXT else []
+        return (_u64(m.handoff_id, "handoff_id"), 2 if isinstance(m, EventReleased) else 1, code, bytes(6)), frames
+
+
+_REASON_CODES = {r: c for c, r in REASONS.items()}
 
 
 class _Grant(_Layout):
@@ -436,30 +641,33 @@ class _Grant(_Layout):
     def __init__(self) -> None:
         super().__init__("GRANT", "<QIH2s8s", None)
 
-    def _entry(self, f: tuple[Any, ...], i: int) -> tuple[Message, list[str]]:
-        gid, epoch, flags, _r, label = f
-        if flags & ~1:
-            raise ProtocolError("bad_header", f"GRANT entry {i}: unknown flag bits 0x{flags:x}")
-        return Message("GRANT", {"grant_id": gid, "epoch": epoch, "consumer_id": label.hex()}), \
-            ["endpoint"] if flags else []
+    def _verb_wants(self, f: tuple[Any, ...], i: int) -> tuple[str, int]:
+        if f[2] & ~1:
+            raise ProtocolError("bad_header", f"GRANT entry {i}: unknown flag bits 0x{f[2]:x}")
+        return "GRANT", f[2]
 
-    def _pack(self, m: Message) -> tuple[tuple[Any, ...], list[bytes]]:
-        h = m.header
-        ep = h.get("consumer")
-        frames = [] if ep is None else [json_bytes(ep)]
-        return (_int(h, "grant_id"), _int(h, "epoch", 0) & 0xFFFFFFFF, 1 if frames else 0, bytes(2),
-                bytes.fromhex(h["consumer_id"])), frames
+    def _entry(self, f: tuple[Any, ...], frames: list[bytes], i: int) -> Grant:
+        gid, epoch, _flags, _r, label = f
+        return Grant(gid, epoch, label.hex(), _json_frame("GRANT", "endpoint", frames[0], i) if frames else None)
+
+    def _pack(self, m: Grant) -> tuple[tuple[Any, ...], list[bytes]]:
+        frames = [] if m.consumer is None else [json_bytes(m.consumer)]
+        return (_u64(m.grant_id, "grant_id"), m.epoch & 0xFFFFFFFF, 1 if frames else 0, bytes(2),
+                bytes.fromhex(m.consumer_id)), frames
 
 
 class _Accepted(_Layout):
     def __init__(self) -> None:
         super().__init__("ACCEPTED", "<Q", None)
 
-    def _entry(self, f: tuple[Any, ...], i: int) -> tuple[Message, list[str]]:
-        return Message("ACCEPTED", {"handoff_id": f[0]}), []
+    def _verb_wants(self, f: tuple[Any, ...], i: int) -> tuple[str, int]:
+        return "ACCEPTED", 0
 
-    def _pack(self, m: Message) -> tuple[tuple[Any, ...], list[bytes]]:
-        return (_int(m.header, "handoff_id"),), []
+    def _entry(self, f: tuple[Any, ...], frames: list[bytes], i: int) -> Accepted:
+        return Accepted(f[0])
+
+    def _pack(self, m: Accepted) -> tuple[tuple[Any, ...], list[bytes]]:
+        return (_u64(m.handoff_id, "handoff_id"),), []
 
 
 _LAYOUTS: dict[str, _Layout] = {}
@@ -468,24 +676,57 @@ for _l in (_Handoff(), _Deliver(), _Release(), _Released(), _Grant(), _Accepted(
         _LAYOUTS[_v] = _l
     _LAYOUTS[_l.verb] = _l
 
+AnyMessage = Message | HotMessage  # what the codec decodes and encodes
+
+_HOT_TYPES: dict[str, type[HotMessage]] = {t.verb: t for t in (Handoff, Deliver, Release, EventRelease, Released,
+                                                               EventReleased, Grant, Accepted)}
+
+
+def hot_message(verb: str, fields: Mapping[str, Any], blobs: Mapping[str, bytes] | None = None) -> HotMessage:
+    """A typed hot-verb entry from the spec's view of it (:meth:`HotMessage.fields` and
+    :meth:`~HotMessage.blobs`): for tests, vectors and fuzzers, which name fields as the spec does.
+    Fields the verb does not have are ignored, as an encoder ignores them."""
+    f, b = dict(fields), dict(blobs or {})
+    if verb in ("HANDOFF", "DELIVER"):
+        kw: dict[str, Any] = {"handoff_id": f["handoff_id"], "handle": b["handle"], "offset": f.get("offset", 0),
+                              "memory": b.get("memory"), "event": b.get("event"), "staged": bool(f.get("staged")),
+                              "inproc_ref": (str(f.get("inproc_ref", "")) if f.get("inproc")
+                                             or f.get("inproc_ref") is not None else None),
+                              "meta": f.get("meta"), "meta_raw": b.get("meta")}
+        if verb == "HANDOFF":
+            return Handoff(grant_id=f["grant_id"], ack=bool(f.get("ack")), ready=f.get("ready") or 0, **kw)
+        return Deliver(token=f["token"], producer_id=str(f.get("producer_id", "")), **kw)
+    if verb == "RELEASE":
+        return Release(f.get("token", ""), f.get("reason"), f.get("credits") or 0)
+    if verb == "EVENT_RELEASE":
+        return EventRelease(f.get("token", ""), f.get("credits") or 0)
+    if verb in ("RELEASED", "EVENT_RELEASED"):
+        return _HOT_TYPES[verb](f["handoff_id"], str(f.get("reason", "released")))  # type: ignore[call-arg]
+    if verb == "GRANT":
+        return Grant(f["grant_id"], f.get("epoch", 0), f["consumer_id"], f.get("consumer"))
+    if verb == "ACCEPTED":
+        return Accepted(f["handoff_id"])
+    raise ProtocolError("unknown_verb", f"{verb[:32]!r} is not a hot verb")
+
 
 def wire_verb(verb: str) -> str:
-    """The verb frame a Message of ``verb`` travels under (EVENT_RELEASE -> RELEASE)."""
+    """The verb frame a message of ``verb`` travels under (EVENT_RELEASE -> RELEASE)."""
     layout = _LAYOUTS.get(verb)
     return layout.verb if layout is not None else verb
 
 
-def encode_batch(msgs: Sequence[Message]) -> list[bytes]:
-    """Frames of one binary message carrying ``msgs`` (1..MAX_BATCH entries of one wire verb;
-    the batch header carries the sum of the entries' ``ready`` / ``credits``, which a decoder
-    attaches to the last entry)."""
+def encode_batch(msgs: Sequence[Any]) -> list[bytes]:
+    """Frames of one binary message carrying ``msgs`` (1..MAX_BATCH typed entries of one wire
+    verb, or Messages naming their fields as the spec does; the batch header carries the sum of
+    the entries' ``ready`` / ``credits``, which a decoder gives the last entry)."""
+    msgs = [hot_message(m.verb, m.header, m.frames) if isinstance(m, Message) else m for m in msgs]
     layout = _LAYOUTS[msgs[0].verb]
     if not 1 <= len(msgs) <= MAX_BATCH or any(_LAYOUTS.get(m.verb) is not layout for m in msgs):
         raise ProtocolError("bad_frames", f"a batch is 1..{MAX_BATCH} entries of one wire verb")
     return layout.encode(msgs)
 
 
-def encode_group(group: Sequence[Message]) -> list[bytes]:
+def encode_group(group: Sequence[Any]) -> list[bytes]:
     """Frames of one group of :func:`coalesce`: a batch of hot entries, or one JSON message."""
     return encode_batch(group) if group[0].verb in HOT_VERBS else group[0].encode()
 
@@ -495,14 +736,14 @@ def is_token(text: str) -> bool:
     return len(text) == 2 * TOKEN_BYTES and all(ch in "0123456789abcdef" for ch in text)
 
 
-def coalesce(msgs: Sequence[Message]) -> list[list[Message]]:
+def coalesce(msgs: Sequence[AnyMessage]) -> list[list[AnyMessage]]:
     """Group one peer's outgoing messages into batches, in order: between two JSON messages,
     hot messages of one wire verb share a batch (at most MAX_BATCH), batches in the order of
     their first message. Safe because a client never depends on the order of two different
     hot verbs of one such run (a GRANT and a RELEASED), while a JSON message (an ERROR, a
     PRODUCER_GONE) is never moved across a hot one."""
-    out: list[list[Message]] = []
-    run: dict[str, list[Message]] = {}
+    out: list[list[AnyMessage]] = []
+    run: dict[str, list[AnyMessage]] = {}
     for m in msgs:
         w = wire_verb(m.verb)
         if w not in _HOT_WIRE:

@@ -1,7 +1,7 @@
 """The link between a sending and a receiving bridge (docs/spec/interchange.md §2, R2), typed.
 
 One frozen dataclass per verb. :func:`decode` checks the framing (``ipc-protocol.md`` §2, through
-:func:`hurray_ipc.wire.ipc.decode`) and then every field, once, so that the bridges'
+:func:`hurray_ipc.wire.ipc.decode_json`) and then every field, once, so that the bridges'
 cores get typed messages and never look at a JSON header. :func:`encode` gives the frames, byte
 for byte those the bridges sent before these types existed (JSON key order included).
 
@@ -32,8 +32,7 @@ from typing import Any, ClassVar, Final
 from hurray_ipc.contract.meta import check_meta
 from hurray_ipc.contract.sync import check_network_handle
 from hurray_ipc.format.handle import BufferHandle, HandleError
-from hurray_ipc.wire.ipc import Message, ProtocolError
-from hurray_ipc.wire.ipc import decode as decode_frames
+from hurray_ipc.wire.ipc import Message, ProtocolError, decode_json
 
 INTERCHANGE_VERSION: Final = 1
 MAX_CREDIT_N: Final = 64
@@ -336,7 +335,7 @@ def decode(parts: Sequence[Any], allowed: frozenset[str]) -> LinkMessage:
     """One link message from its frames (``zmq.Frame`` or bytes; payloads stay views of them),
     of a verb in ``allowed`` (:data:`FROM_SENDER` or :data:`FROM_RECEIVER`). Raises ProtocolError
     (dropped) or TransferFault (answered), see the module's docstring."""
-    m = decode_frames(parts, allowed=allowed, views=True, verbs=PAYLOAD)
+    m = decode_json(parts, PAYLOAD, allowed=allowed, views=True)
     h = m.header
     if m.verb == "LINK_HELLO":
         return _hello(h)
