@@ -359,7 +359,7 @@ def test_delivery_that_cannot_be_mapped_is_rejected_naming_the_cuda_call(broker)
     from hurray_ipc.devices import CudaDevice, set_runtime
     from hurray_ipc.devices.backend.emulated import EmulatedRuntime
     from hurray_ipc.format.handle import BufferHandle, DeviceTag, SyncMode
-    from hurray_ipc.wire.ipc import Message
+    from hurray_ipc.wire.ipc import Deliver
 
     rt = EmulatedRuntime(emu_config())
     set_runtime(rt)
@@ -373,8 +373,8 @@ def test_delivery_that_cannot_be_mapped_is_rejected_naming_the_cuda_call(broker)
             send, c.session.send = c.session.send, sent.append
             try:
                 handle = BufferHandle(64, 256, DeviceTag.CUDA, SyncMode.PRODUCER_SYNCED).encode()
-                c._dispatch(Message("DELIVER", {"token": "t-unmappable", "handoff_id": 1, "offset": 0},
-                                    {"handle": handle, "memory": blob}))
+                c._dispatch(Deliver(token="t-unmappable", producer_id="p", handoff_id=1, handle=handle,
+                                    memory=blob))
             finally:
                 c.session.send = send
             assert not c._inbox and c.held == 0

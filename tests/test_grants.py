@@ -13,6 +13,7 @@ from hurray_ipc.client.credits import Credits
 from hurray_ipc.client.grants import Grant, GrantBook, Granted
 from hurray_ipc.devices.base import DeviceCapabilities, DeviceIdentity
 from hurray_ipc.transport.pairing import Endpoint
+from hurray_ipc.wire.ipc import Grant as GrantMessage
 
 
 def _endpoint(pid: int) -> dict:
@@ -22,18 +23,17 @@ def _endpoint(pid: int) -> dict:
 def test_a_grant_of_an_earlier_registration_or_after_end_is_void():
     book = GrantBook(Credits(2))
     book.registering(2)
-    assert book.granted({"grant_id": 1, "epoch": 1, "consumer_id": "c", "consumer": _endpoint(1)}) is Granted.VOID
-    assert book.granted({"grant_id": 2, "epoch": 2, "consumer_id": "c"}) is Granted.UNKNOWN_CONSUMER
-    assert book.granted({"grant_id": 3, "epoch": 2, "consumer_id": "c", "consumer": _endpoint(1)}) is Granted.QUEUED
-    assert book.granted({"grant_id": 4, "epoch": 2, "consumer_id": "c"}) is Granted.QUEUED  # endpoint known now
+    assert book.granted(GrantMessage(1, 1, "c", _endpoint(1))) is Granted.VOID
+    assert book.granted(GrantMessage(2, 2, "c")) is Granted.UNKNOWN_CONSUMER
+    assert book.granted(GrantMessage(3, 2, "c", _endpoint(1))) is Granted.QUEUED
+    assert book.granted(GrantMessage(4, 2, "c")) is Granted.QUEUED  # endpoint known now
     g = book.queue.popleft()
     book.registering(3)  # the broker forgot us: both grants are void
     assert not book.queue and book.consumer(g) is None and book.credits.asked == 1  # the queued one, again
     book.give_back(g)
     assert not book.queue
     book.end()
-    assert book.registering(4) == 0 and book.granted(
-        {"grant_id": 5, "epoch": 4, "consumer_id": "c", "consumer": _endpoint(1)}) is Granted.VOID
+    assert book.registering(4) == 0 and book.granted(GrantMessage(5, 4, "c", _endpoint(1))) is Granted.VOID
 
 
 class GrantLife(RuleBasedStateMachine):
@@ -55,10 +55,8 @@ class GrantLife(RuleBasedStateMachine):
     @rule(consumer=st.sampled_from(["a", "b"]), with_endpoint=st.booleans(), old=st.booleans())
     def grant(self, consumer: str, with_endpoint: bool, old: bool) -> None:
         self.ids += 1
-        h = {"grant_id": self.ids, "epoch": self.epoch - 1 if old else self.epoch, "consumer_id": consumer}
-        if with_endpoint:
-            h["consumer"] = _endpoint(7)
-        outcome = self.book.granted(h)
+        outcome = self.book.granted(GrantMessage(self.ids, self.epoch - 1 if old else self.epoch, consumer,
+                                                 _endpoint(7) if with_endpoint else None))
         if old or self.book.ended:
             assert outcome is Granted.VOID
             return
