@@ -161,12 +161,12 @@ class ConsumerMachine(RuleBasedStateMachine):
         self.epoch += 1
         hello = self.core.registering(self.epoch)
         owed = {t for t in self.deliveries if not self.releases.get(t) and t not in self.gone}
-        assert {h["token"] for h in hello["held"]} == owed, "HELLO does not list exactly what is owed"
+        assert {h.token for h in hello["held"]} == owed, "HELLO does not list exactly what is owed"
         assert len(hello["held"]) == len(owed), "HELLO lists a delivery twice"
         for h in hello["held"]:
-            d = self.deliveries[h["token"]]
-            assert (h["producer_id"], h["handoff_id"]) == (d.producer_id, d.handoff_id)
-            assert h["event_pending"] == (h["token"] in self.event_owed), f"{h['token']}: event_pending wrong"
+            d = self.deliveries[h.token]
+            assert (h.producer_id, h.handoff_id) == (d.producer_id, d.handoff_id)
+            assert h.event_pending == (h.token in self.event_owed), f"{h.token}: event_pending wrong"
         assert hello["credits"] == self.broker_credits, "HELLO does not re-declare the credits asked"
         assert hello.get("ended", False) == self.ended
         self.broker_credits = hello["credits"]  # the new registration counts these
@@ -320,7 +320,7 @@ class KeepsReleasesWhenInboxEmpties(ConsumerCore):
 class ForgetsReleasingOnReHello(ConsumerCore):
     def registering(self, epoch: int) -> dict[str, Any]:
         hello = super().registering(epoch)
-        hello["held"] = [h for h in hello["held"] if self.stage(h["token"]) in (Stage.INBOX, Stage.HELD)]
+        hello["held"] = [h for h in hello["held"] if self.stage(h.token) in (Stage.INBOX, Stage.HELD)]
         return hello
 
 
@@ -376,4 +376,4 @@ def test_a_mapping_that_will_not_close_is_never_given_back_and_stays_declared() 
     core.unmap_failed(d)  # the consumer could not close it: it drops the Release that followed
     assert core.stage(d.token) is Stage.KEPT and core.held == 1
     assert core.released(d.token) == [] and core.fence_completed(1) == []
-    assert [h["token"] for h in core.registering(2)["held"]] == [d.token]
+    assert [h.token for h in core.registering(2)["held"]] == [d.token]

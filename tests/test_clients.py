@@ -21,10 +21,13 @@ from hurray_ipc.client import BrokerUnavailable, Consumer, Producer, ProducerGon
 from hurray_ipc.devices import shm
 
 
-def run_pair(broker, pdev, cdev, env, n=12, size=64 << 10, mode=None, channel="ch"):
+def run_pair(broker, pdev, cdev, env, n=12, size=64 << 10, mode=None, channel="ch", pids=None):
+    """A producer and a consumer worker hand ``n`` buffers over; ``pids`` (a list) gets their pids."""
     c = Proc(workload.run_consumer, endpoint=broker.endpoint, channel=channel, device=cdev, count=n, env=env)
     p = Proc(workload.run_producer, endpoint=broker.endpoint, channel=channel, device=pdev, count=n, size=size,
              mode=mode, env=env)
+    if pids is not None:
+        pids += [c.p.pid, p.p.pid]
     pr, cr = p.result(), c.result()
     assert pr["error"] is None, pr["error"]
     assert cr["error"] is None, cr["error"]
@@ -274,12 +277,13 @@ def test_broker_shutdown_tells_clients(tmp_path):
 
 
 def test_no_segments_left_behind(broker):
-    before = set(shm.list_segments())
-    run_pair(broker, "cuda:0", "cuda:0", emu_env(), n=4)
-    run_pair(broker, "cuda:0", "cpu", emu_env(), n=4)
-    time.sleep(0.2)
-    # The workers' segments: this process's own come and go with earlier tests' objects.
-    left = {n for n in set(shm.list_segments()) - before if shm.parse_name(n)[1] != os.getpid()}
+    """The workers' segments are gone once they exited: none of their pid is left in /dev/shm
+    (only theirs are counted: other tests or test runs on this machine make and remove their own)."""
+    pids: list[int] = []
+    run_pair(broker, "cuda:0", "cuda:0", emu_env(), n=4, pids=pids)
+    run_pair(broker, "cuda:0", "cpu", emu_env(), n=4, pids=pids)
+    assert len(pids) == 4
+    left = {n for n in shm.list_segments() if shm.parse_name(n)[1] in pids}
     assert not left, left
 
 
@@ -457,14 +461,15 @@ def test_a_release_the_broker_cannot_place_is_reported_unless_it_crossed_produce
     """Red team item 5's tail: a RELEASE refused unknown_token was ignored by the library. It is
     now reported in ``Consumer.errors`` (and logged as an error), except when the broker had said
     that handoff's producer was gone (the RELEASE crossed the PRODUCER_GONE: expected)."""
-    from hurray_ipc.wire.ipc import Message
+    from hurray_ipc.wire.ipc import Release
+    from hurray_ipc.wire.messages import ProducerGone
 
     crossed, unplaced = "ab" * 24, "cd" * 24
     with Consumer(broker.endpoint, "unplaced", "cpu", prefetch=0) as c:
         with c.session.lock:
-            c._dispatch(Message("PRODUCER_GONE", {"tokens": [crossed]}))
-        c.session.send(Message("RELEASE", {"token": crossed}))
-        c.session.send(Message("RELEASE", {"token": unplaced}))
+            c._dispatch(ProducerGone([crossed]))
+        c.session.send(Release(crossed))
+        c.session.send(Release(unplaced))
         # The broker answers in order: once the second refusal is here, the first was handled.
         c.session.pump(lambda: len(c.errors) > 0, 10, "the broker's refusal")
         assert [(e.code, e.header.get("token")) for e in c.errors] == [("unknown_token", unplaced)]

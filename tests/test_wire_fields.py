@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from hurray_ipc.transport.pairing import Endpoint
 from hurray_ipc.transport.route import Route
 from hurray_ipc.wire.fields import ABSENT, FieldError, check, obj, one_of, shown, take
-from hurray_ipc.wire.ipc import Message, ProtocolError, field_of
+from hurray_ipc.wire.ipc import Message, ProtocolError
+from hurray_ipc.wire.messages import Request
 from test_protocol_raw import endpoint_dict
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=80),
@@ -68,7 +69,7 @@ def test_every_consumer_of_the_validator_refuses_with_its_own_error_never_anothe
     except ValueError:
         pass
     try:
-        field_of(Message("REQUEST", {"credits": v}), "credits", int)
+        Request.parse(Message("REQUEST", {"credits": v}))
     except ProtocolError as e:
         assert e.code == "bad_header" and e.extra["field"] == "credits"
     try:

@@ -52,9 +52,7 @@ from hurray_ipc.transport.route import Route
 from hurray_ipc.wire.fields import shown
 from hurray_ipc.wire.ipc import (
     CLIENT_VERBS,
-    PROTOCOL_VERSION,
     Accepted,
-    AnyMessage,
     Deliver,
     EventRelease,
     EventReleased,
@@ -64,12 +62,36 @@ from hurray_ipc.wire.ipc import (
     Release,
     Released,
     decode_all,
-    error,
-    field_of,
     is_token,
     json_bytes,
 )
 from hurray_ipc.wire.ipc import Grant as GrantMessage
+from hurray_ipc.wire.messages import (
+    MAX_CREDITS,
+    MAX_HELD,
+    AnyMessage,
+    Bye,
+    Caps,
+    CapsReply,
+    ChannelState,
+    End,
+    Error,
+    HeldClaim,
+    Hello,
+    Ping,
+    Pong,
+    ProducerGone,
+    Ready,
+    Request,
+    Revoke,
+    Shutdown,
+    StatsReply,
+    Welcome,
+    echoable,
+    parse,
+)
+from hurray_ipc.wire.messages import Route as RouteMessage
+from hurray_ipc.wire.messages import Stats as StatsQuery
 
 from .queries import (
     QUERY_BYTES,
@@ -80,17 +102,12 @@ from .queries import (
     QueryLedger,
     Sample,
     caps_reply,
-    echoable,
-    request_id_of,
     stats_snapshot,
 )
 
 log = logging.getLogger("hurray.broker")
-MAX_CREDITS = 4096
-MAX_HELD = 2 * MAX_CREDITS      # deliveries one consumer may hold at once
 MAX_CLIENTS = 16384             # registrations in all
 MAX_CLIENTS_PER_PROCESS = 256   # registrations of one process (by lease, else by host and pid)
-MAX_OUTSTANDING_CLAIMS = MAX_CREDITS  # handoffs a re-registering producer may list
 MAX_RATE = 50_000.0  # messages per second one registered client may send (sustained; burst of one second)
 FENCE_TIMEOUTS = 20  # a consumer alive but silent this many timeouts while holding buffers is fenced (§5)
 MAX_ROUTING_ID = 32  # bytes: a DELIVER names its producer in a 32-byte field (spec §2.2)
@@ -208,24 +225,6 @@ Out = Send | CleanSegments
 Alive = Callable[[Client], "bool | None"]  # True alive, False dead, None: cannot tell
 
 
-def _outstanding(raw: Any) -> dict[int, str | None]:
-    """A producer HELLO's ``outstanding``: handoff ids, or {handoff_id, consumer_id} objects."""
-    if raw is None:
-        return {}
-    if not isinstance(raw, list) or len(raw) > MAX_OUTSTANDING_CLAIMS:
-        raise ProtocolError("bad_header", f"outstanding must be a list of at most {MAX_OUTSTANDING_CLAIMS} entries",
-                            field="outstanding")
-    out: dict[int, str | None] = {}
-    for item in raw:
-        hid, label = (item.get("handoff_id"), item.get("consumer_id")) if isinstance(item, dict) else (item, None)
-        if not isinstance(hid, int) or isinstance(hid, bool) or not 0 <= hid < 2**64 or not (
-                label is None or isinstance(label, str)):
-            raise ProtocolError("bad_header", f"outstanding entry {str(item)[:64]} is not a handoff id or "
-                                "{handoff_id, consumer_id}", field="outstanding")
-        out[hid] = label
-    return out
-
-
 class BrokerCore:
     """Pairs consumer requests with producers, routes handoffs and releases. See the module doc."""
 
@@ -303,12 +302,11 @@ class BrokerCore:
         a ticket and counted unread (§6a); returns its header's size in bytes (``size``: that
         size computed by the caller, ticket included), else 0."""
         a = self._asking
-        if a is not None and a.rid == rid and isinstance(msg, Message) and msg.verb in ("CAPS_REPLY", "STATS_REPLY",
-                                                                                      "ERROR"):
+        if a is not None and a.rid == rid and isinstance(msg, CapsReply | StatsReply | Error):
             ticket = self._entropy(8).hex()
-            msg.header["ticket"] = ticket
+            msg.ticket = ticket
             if size is None:
-                size = len(json_bytes(msg.header))
+                size = len(json_bytes(msg.fields()))
             self.queries.stamp(a, ticket, size, self._now)
         else:
             size = 0
@@ -337,7 +335,7 @@ class BrokerCore:
             self._note(level, {"event": "error", "client": rid.decode(errors="replace")[:32], "code": code,
                                "message": message[:500], "count_of_code": n,
                                **{k: str(v)[:64] for k, v in extra.items()}})
-        self._send(rid, error(code, message, **extra))
+        self._send(rid, Error(code, message, extra))
 
     @staticmethod
     def label_of(rid: bytes) -> str:
@@ -403,40 +401,49 @@ class BrokerCore:
                 client.unresponsive = False
                 self.stats.unresponsive -= 1
                 self._note(logging.INFO, {"event": "client_responsive", "client": rid.decode(errors="replace")})
-        if msg.verb == "HELLO":
-            self.on_hello(rid, msg, now)
-        elif msg.verb in ("CAPS", "STATS"):
-            ticket = msg.header.get("ticket")
-            a = self.queries.asker(rid, ticket, now)
-            if a is None:
+        if isinstance(msg, Message):
+            if msg.verb in ("CAPS", "STATS"):
+                self._query(rid, msg, now)
                 return
-            self._asking = a  # what is sent to rid from here on is its answer (_send)
-            if not self.queries.admit(a, ticket, now):
+            if msg.verb == "HELLO":
+                self.on_hello(rid, Hello.parse(msg), now)
                 return
-            size = self.on_caps(rid, msg) if msg.verb == "CAPS" else self.on_stats(rid, msg, now)
-            self.queries.charge(a, size)
-        elif client is None:
+        if client is None:
             if msg.verb == "BYE":
                 return  # nothing registered to end: silently done (spec §2)
             raise ProtocolError("not_registered", f"{msg.verb} before HELLO (or the broker restarted): send HELLO")
-        elif msg.verb == "BYE":
-            self._drop(rid, "bye")
-        elif msg.verb == "PING":
-            self._send(rid, Message("PONG", {}))
-        elif msg.verb == "REQUEST":
-            self.on_request(client, msg)
-        elif msg.verb == "READY":
-            self.on_ready(client, msg)
-        elif msg.verb == "HANDOFF":
-            self.on_handoff(client, msg, now)
-        elif msg.verb == "RELEASE":
-            self.on_release(client, msg)
-        elif msg.verb == "EVENT_RELEASE":
-            self.on_event_release(client, msg)
-        elif msg.verb == "ROUTE":
-            self.on_route(client, msg)
-        elif msg.verb == "END":
+        m = parse(msg) if isinstance(msg, Message) else msg  # fields after registration, before role (§2)
+        if isinstance(m, Handoff):
+            self.on_handoff(client, m, now)
+        elif isinstance(m, Release):
+            self.on_release(client, m)
+        elif isinstance(m, EventRelease):
+            self.on_event_release(client, m)
+        elif isinstance(m, Request):
+            self.on_request(client, m)
+        elif isinstance(m, Ready):
+            self.on_ready(client, m)
+        elif isinstance(m, Ping):
+            self._send(rid, Pong())
+        elif isinstance(m, RouteMessage):
+            self.on_route(client, m)
+        elif isinstance(m, End):
             self.on_end(client)
+        elif isinstance(m, Bye):
+            self._drop(rid, "bye")
+
+    def _query(self, rid: bytes, msg: Message, now: float) -> None:
+        """CAPS or STATS: answered whether or not ``rid`` registered, within the query ledger's
+        limits (§6a), which see the query before its fields are judged: a refusal is an answer."""
+        a = self.queries.asker(rid, msg.header.get("ticket"), now)
+        if a is None:
+            return
+        self._asking = a  # what is sent to rid from here on is its answer (_send)
+        if not self.queries.admit(a, now):
+            return
+        q = parse(msg)
+        size = self.on_caps(rid, q) if isinstance(q, Caps) else self.on_stats(rid, q, now)  # type: ignore[arg-type]
+        self.queries.charge(a, size)
 
     def tick(self, now: float, alive: Alive) -> list[Out]:
         """Time passed. ``alive(client)`` judges same-host clients by their process (a lease);
@@ -448,7 +455,7 @@ class BrokerCore:
             s = self.stats
             self.samples.append(Sample(now, s.handoffs, s.releases, s.messages_in, s.messages_out))
         for rid in self.queries.due_probes(now):
-            self._send(rid, Message("PONG", {}))
+            self._send(rid, Pong())
         granted: set[bytes] | None = None
         for rid, c in list(self.clients.items()):
             verdict = alive(c) if c.endpoint.identity.host == self.host else None
@@ -548,44 +555,24 @@ class BrokerCore:
 
     def shutdown(self, reason: str) -> list[Out]:
         for rid in list(self.clients):
-            self._send(rid, Message("SHUTDOWN", {"reason": reason}))
+            self._send(rid, Shutdown(reason))
         return self._take()
 
     # --- registration ----------------------------------------------------------------------
-    def on_hello(self, rid: bytes, msg: Message, now: float) -> None:
-        version = field_of(msg, "protocol", int)
-        if version != PROTOCOL_VERSION:
-            raise ProtocolError("protocol_version", f"this broker speaks protocol {PROTOCOL_VERSION}, not {version}")
+    def on_hello(self, rid: bytes, msg: Hello, now: float) -> None:
         if not 1 <= len(rid) <= MAX_ROUTING_ID:
             raise ProtocolError("bad_header", f"the routing id (client_id) must be 1-{MAX_ROUTING_ID} bytes, got "
                                 f"{len(rid)}", field="client_id")
-        role = field_of(msg, "role", str)
-        if role not in ("producer", "consumer"):
-            raise ProtocolError("bad_header", f"role must be 'producer' or 'consumer', not {role!r}", field="role")
-        channel = field_of(msg, "channel", str)
-        if not channel or len(channel) > 256:
-            raise ProtocolError("bad_header", "channel must be a non-empty string of at most 256 characters",
-                                field="channel")
         try:
-            endpoint = Endpoint.from_dict(field_of(msg, "endpoint", dict))
+            endpoint = Endpoint.from_dict(msg.endpoint)
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ProtocolError("bad_header", f"endpoint: {e!r}", field="endpoint") from None
-        credits = field_of(msg, "credits", int, optional=True) or 0
-        if not 0 <= credits <= MAX_CREDITS:
-            raise ProtocolError("bad_header", f"credits must be 0..{MAX_CREDITS}, got {credits}", field="credits")
-        epoch = field_of(msg, "epoch", int, optional=True) or 0
-        ended = bool(field_of(msg, "ended", bool, optional=True))
-        lease = field_of(msg, "lease", str, optional=True)
+        role, channel, credits, ended, lease = msg.role, msg.channel, msg.credits, msg.ended, msg.lease
         if lease is not None and liveness.parse(lease) is None:
             raise ProtocolError("bad_header", f"lease {lease[:80]!r} is not a lease name", field="lease")
         # Everything that can refuse this HELLO is checked before any state changes.
-        outstanding = _outstanding(msg.header.get("outstanding")) if role == "producer" else {}
-        held = msg.header.get("held") or []
-        if not isinstance(held, list) or len(held) > MAX_HELD:
-            raise ProtocolError("bad_header", f"held must be a list of at most {MAX_HELD} entries", field="held",
-                                value=len(held) if isinstance(held, list) else type(held).__name__)
         old = self.clients.get(rid)
-        c = Client(rid, role, channel, endpoint, str(msg.header.get("name", ""))[:128], now, lease, credits, epoch,
+        c = Client(rid, role, channel, endpoint, msg.name, now, lease, credits, msg.epoch,
                    label=self.label_of(rid), allowance_at=now)
         if old is not None:
             c.allowance = old.allowance  # a re-HELLO does not refill the bucket
@@ -611,15 +598,13 @@ class BrokerCore:
             c.ended = ended
             if ended:
                 c.credits = 0  # an ended producer asks for nothing
-            self._restore_outstanding(c, outstanding, now)
+            self._restore_outstanding(c, msg.outstanding, now)
         else:
-            self._restore_held(c, held, now)
+            self._restore_held(c, msg.held, now)
             c.credits = 0  # the HELLO's credits are queued (the Client was built with them)
             self._queue_credits(c, min(credits, MAX_HELD - c.held))
-        self._send(rid, Message("WELCOME", {"protocol": PROTOCOL_VERSION, "session": self.session,
-                                            "heartbeat_ms": int(self.heartbeat_s * 1000),
-                                            "timeout_ms": int(self.timeout_s * 1000),
-                                            "fence_ms": int(self.fence_s * 1000)}))
+        self._send(rid, Welcome(session=self.session, heartbeat_ms=int(self.heartbeat_s * 1000),
+                                timeout_ms=int(self.timeout_s * 1000), fence_ms=int(self.fence_s * 1000)))
         self._note(logging.INFO, {"event": "hello", "client": rid.decode(errors="replace"), "role": role,
                                   "channel": channel, "device": endpoint.identity.spec, "pid": endpoint.pid})
         if role == "producer":
@@ -630,7 +615,7 @@ class BrokerCore:
                 # A restarted broker learns from its consumers that the stream had ended.
                 self._set_stream(channel, True, told=rid)
             if ch.ended != ended:
-                self._send(rid, Message("CHANNEL_STATE", {"ended": ch.ended}))
+                self._send(rid, ChannelState(ch.ended))
         self._match(channel)
 
     def _limit(self, what: str, limit: str, value: int) -> None:
@@ -639,7 +624,7 @@ class BrokerCore:
         self.stats.limits_refused += 1
         raise ProtocolError("limit_exceeded", what, limit=limit, value=value)
 
-    def _restore_held(self, c: Client, held: list[Any], now: float) -> None:
+    def _restore_held(self, c: Client, held: list[HeldClaim], now: float) -> None:
         """A consumer re-registering (after a broker restart, or because it thought us gone) lists
         what it holds. It keeps what this broker bound to it. A token of an earlier broker is a
         claim to its (producer, handoff): refused when someone holds that handoff here or its
@@ -652,16 +637,14 @@ class BrokerCore:
         for item in held[:MAX_HELD]:
             if c.held >= MAX_HELD:
                 break
-            if not isinstance(item, dict) or not isinstance(item.get("token"), str):
-                continue
-            token = item["token"]
+            token = item.token
             if token in self.fenced and token not in self.deliveries:
-                self._send(c.rid, Message("PRODUCER_GONE", {"tokens": [token], "reason": "fenced"}))
+                self._send(c.rid, ProducerGone([token], "fenced"))
                 continue
             if token in self.deliveries or token in self.released or token.startswith(prefix) or not is_token(token):
                 continue  # ours: still bound to whoever it was delivered to (the same client, unchanged)
-            prod, hid = item.get("producer_id"), item.get("handoff_id")
-            if not isinstance(prod, str) or not isinstance(hid, int) or isinstance(hid, bool) or not 0 <= hid < 2**64:
+            prod, hid = item.producer_id, item.handoff_id
+            if prod is None or hid is None:
                 continue
             key = (prod.encode(), hid)
             if key in self.by_handoff or (c.rid, token) in self.claim_of:
@@ -672,9 +655,9 @@ class BrokerCore:
             named = producer.confirmed.get(hid, "") if producer is not None else None
             if key in self.expired or named == "":
                 # Its producer already got it back, or does not count it outstanding.
-                self._send(c.rid, Message("PRODUCER_GONE", {"tokens": [token], "reason": "reclaimed"}))
+                self._send(c.rid, ProducerGone([token], "reclaimed"))
                 continue
-            claim = Delivery(token, key[0], c.rid, hid, bool(item.get("event_pending")), now)
+            claim = Delivery(token, key[0], c.rid, hid, item.event_pending, now)
             if producer is not None:
                 if named is None or named == c.label:
                     self._bind(claim)
@@ -705,7 +688,7 @@ class BrokerCore:
                 self._bind(winner)
             for x in claims:
                 if x is not winner and x.consumer in self.clients:
-                    self._send(x.consumer, Message("PRODUCER_GONE", {"tokens": [x.token], "reason": "reclaimed"}))
+                    self._send(x.consumer, ProducerGone([x.token], "reclaimed"))
         deadline = now + self.timeout_s
         for hid in outstanding:
             if (c.rid, hid) not in self.by_handoff:
@@ -752,11 +735,6 @@ class BrokerCore:
             consumer.held -= 1
 
     # --- flow control ----------------------------------------------------------------------
-    def _credits(self, msg: Message) -> int:
-        """A REQUEST's or READY's ``credits``: 1..MAX_CREDITS."""
-        n: int = field_of(msg, "credits", int)
-        return self._credit_count(n, "credits", least=1)
-
     @staticmethod
     def _credit_count(n: int, name: str, least: int = 0) -> int:
         """Credits asked for: on a hot message's batch header 0 (none) or 1..MAX_CREDITS."""
@@ -764,10 +742,10 @@ class BrokerCore:
             raise ProtocolError("bad_header", f"{name} must be 1..{MAX_CREDITS}, got {n}", field=name)
         return n
 
-    def on_request(self, c: Client, msg: Message) -> None:
+    def on_request(self, c: Client, msg: Request) -> None:
         if c.role != "consumer":
             raise ProtocolError("wrong_role", "REQUEST is a consumer's message")
-        self._add_requests(c, self._credits(msg))
+        self._add_requests(c, msg.credits)
 
     def _add_requests(self, c: Client, n: int) -> None:
         self._check_queued(c, n)
@@ -789,12 +767,12 @@ class BrokerCore:
         if front:
             requests.move_to_end(c.rid, last=False)
 
-    def on_ready(self, c: Client, msg: Message) -> None:
+    def on_ready(self, c: Client, msg: Ready) -> None:
         if c.role != "producer":
             raise ProtocolError("wrong_role", "READY is a producer's message")
         if c.ended:
             raise ProtocolError("ended", "this producer ended its stream (END): it sends no more handoffs")
-        self._add_ready(c, self._credits(msg))
+        self._add_ready(c, msg.credits)
 
     def _add_ready(self, c: Client, n: int) -> None:
         self._check_queued(c, n)
@@ -877,7 +855,7 @@ class BrokerCore:
         producer = self.clients.get(g.producer)
         if producer is not None:
             producer.revoked = True
-            self._send(g.producer, Message("REVOKE", {"grant_ids": [g.gid]}))
+            self._send(g.producer, Revoke([g.gid]))
         self._void_grant(g)
 
     # --- end of stream (spec §4.9) ------------------------------------------------------------
@@ -912,7 +890,7 @@ class BrokerCore:
         self._note(logging.INFO, {"event": "channel_ended" if ended else "channel_reopened", "channel": name})
         for c in self.clients.values():
             if c.role == "consumer" and c.channel == name and c.rid != told:
-                self._send(c.rid, Message("CHANNEL_STATE", {"ended": ended}))
+                self._send(c.rid, ChannelState(ended))
 
     # --- handoffs --------------------------------------------------------------------------
     def on_handoff(self, c: Client, msg: Handoff, now: float) -> None:
@@ -1080,29 +1058,28 @@ class BrokerCore:
             self._send(d.producer, Released(d.handoff_id, reason))
 
     # --- capability queries ----------------------------------------------------------------
-    def on_route(self, c: Client, msg: Message) -> None:
+    def on_route(self, c: Client, msg: RouteMessage) -> None:
         """ROUTE {route: object | null}: the client's route across machines (spec §2.4), replacing
         the one it announced before; no reply. A refused one leaves the earlier route in place."""
-        key = msg.header.get("key")
-        if not isinstance(key, str) or not hmac.compare_digest(key.encode(), self.route_key.encode()):
+        key = msg.key
+        if key is None or not hmac.compare_digest(key.encode(), self.route_key.encode()):
             raise ProtocolError("not_authorized", "a ROUTE must carry the broker's route key ('key': the content "
                                 "of the owner-only file <socket>.route-key): only the broker's user may announce "
-                                "a bridge", field="key", value=shown(msg.header, "key"))
-        if "route" not in msg.header:
+                                "a bridge", field="key")
+        if not msg.has_route:
             raise ProtocolError("bad_header", "ROUTE header lacks 'route' (an object, or null to withdraw)",
                                 field="route")
-        d = msg.header["route"]
-        c.route = None if d is None else Route.parse(d, c.role)
+        c.route = None if msg.route is None else Route.parse(msg.route, c.role)
 
-    def on_caps(self, rid: bytes, msg: Message) -> int:
+    def on_caps(self, rid: bytes, msg: Caps) -> int:
         """CAPS -> CAPS_REPLY (queries.caps_reply); returns the answer's size (§6a)."""
-        return self._send(rid, Message("CAPS_REPLY", caps_reply(self, msg)))
+        return self._send(rid, CapsReply(body=caps_reply(self, msg), request_id=msg.request_id))
 
     # --- observability (STATS, spec §2.3) ----------------------------------------------------
-    def on_stats(self, rid: bytes, msg: Message, now: float) -> int:
+    def on_stats(self, rid: bytes, msg: StatsQuery, now: float) -> int:
         """STATS {request_id?} -> STATS_REPLY: the snapshot of :meth:`snapshot`; returns the
         answer's size (§6a)."""
-        request_id = request_id_of(msg)
+        request_id = msg.request_id
         snap = self._snap
         if snap is None or not 0.0 <= now - self._snap_at < self.stats_cache_s:
             snap = self._snap = self.snapshot(now)
@@ -1111,7 +1088,7 @@ class BrokerCore:
         # The reply's header is {"request_id":R,<the snapshot's fields>,"ticket":"<16 hex>"}: its
         # size without encoding the snapshot again (a STATS flood reuses one for 0.25 s).
         size = self._snap_bytes + len(json_bytes(request_id)) + len('"request_id":,,"ticket":""') + 16
-        return self._send(rid, Message("STATS_REPLY", {"request_id": request_id, **snap}), size)
+        return self._send(rid, StatsReply(body=snap, request_id=request_id), size)
 
     def note_sent(self) -> None:
         """The loop sent one ZeroMQ message (a batch counts one): ``totals.wire_out``."""
@@ -1139,7 +1116,7 @@ class BrokerCore:
             by_consumer.setdefault(x.consumer, []).append(x.token)
         for rid, tokens in by_consumer.items():
             if rid in self.clients:
-                self._send(rid, Message("PRODUCER_GONE", {"tokens": tokens}))
+                self._send(rid, ProducerGone(tokens))
 
     def _void_credits(self, c: Client) -> None:
         """Forget a client's queued credits and grants: a producer's grants give their consumers'
@@ -1207,7 +1184,7 @@ class BrokerCore:
                     self._release(d, "consumer_gone")
             else:
                 self.stats.consumers_fenced += 1
-                self._send(rid, Message("PRODUCER_GONE", {"tokens": [d.token for d in held], "reason": "fenced"}))
+                self._send(rid, ProducerGone([d.token for d in held], "fenced"))
                 for d in held:
                     self._fence(d)
         else:

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 from hurray_ipc import __version__
 from hurray_ipc.contract.sync import Transport
 from hurray_ipc.transport.pairing import Endpoint, pair_modes
-from hurray_ipc.wire.ipc import ERROR_CODES, PROTOCOL_VERSION, Message, ProtocolError, field_of
+from hurray_ipc.wire.ipc import ERROR_CODES, PROTOCOL_VERSION, ProtocolError
+from hurray_ipc.wire.messages import Caps
 
 if TYPE_CHECKING:
     from .core import BrokerCore, Stats
@@ -138,14 +139,12 @@ class QueryLedger:
             return None
         return a
 
-    def admit(self, a: Asker, ticket: Any, now: float) -> bool:
+    def admit(self, a: Asker, now: float) -> bool:
         """Steps 3-5 of §6a for a query from ``a``: raises ProtocolError (an answer, stamped like
-        a reply) for a malformed ticket, past ``unread_bytes_total``, and over a ``query_bytes``
-        budget at most once a second per connection; False (no answer) for the rest of those.
-        True: answer it, then :meth:`charge` its size."""
-        if ticket is not None and not isinstance(ticket, str):
-            raise ProtocolError("bad_header", "ticket must be a string: the 'ticket' of the latest answer "
-                                "this connection read", field="ticket")
+        a reply) past ``unread_bytes_total``, and over a ``query_bytes`` budget at most once a
+        second per connection; False (no answer) for the rest of those. True: answer it (its
+        fields are judged next: a malformed one is answered ERROR, stamped the same), then
+        :meth:`charge` its size."""
         a.allowance = min(self.query_bytes, a.allowance + max(0.0, now - a.at) * self.query_bytes)
         a.at = now
         t = self._total
@@ -210,42 +209,26 @@ class QueryLedger:
         return due
 
 
-def echoable(v: Any) -> bool:
-    """Whether an ERROR may echo ``v`` as a ``request_id``, ``token`` or ``handoff_id`` (§2): a
-    string of at most 64 characters or a 64-bit integer. A longer one would let a peer make
-    every refusal as large as its header."""
-    return (isinstance(v, str) and len(v) <= 64) or (type(v) is int and -(1 << 63) <= v < 1 << 63)
-
-
-def request_id_of(msg: Message) -> str | int | None:
-    """The query's ``request_id`` (echoed in its answer): absent, or what :func:`echoable` allows."""
-    request_id = msg.header.get("request_id")
-    if request_id is not None and not echoable(request_id):
-        raise ProtocolError("bad_header", "request_id must be a string of at most 64 characters or a 64-bit "
-                            "integer", field="request_id")
-    return request_id
-
-
-def caps_reply(core: BrokerCore, msg: Message) -> dict[str, Any]:
-    """CAPS {device: endpoint, peer?: endpoint, channel?, transport?} -> the CAPS_REPLY header (§2)."""
-    request_id = request_id_of(msg)
+def caps_reply(core: BrokerCore, msg: Caps) -> dict[str, Any]:
+    """CAPS {device: endpoint, peer?: endpoint, channel?, transport?} -> the CAPS_REPLY's fields
+    but its request_id and ticket (§2)."""
+    request_id = msg.request_id
     try:
-        me = Endpoint.from_dict(field_of(msg, "device", dict))
-        peer_d = field_of(msg, "peer", dict, optional=True)
-        peer = Endpoint.from_dict(peer_d) if peer_d is not None else None
+        me = Endpoint.from_dict(msg.device)
+        peer = Endpoint.from_dict(msg.peer) if msg.peer is not None else None
     except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise ProtocolError("bad_header", f"CAPS endpoint: {e!r}", field="device", request_id=request_id) from None
-    transport = field_of(msg, "transport", str, optional=True)
+    transport = msg.transport
     try:
         t = Transport.parse(transport) if transport is not None else None
     except ValueError:
-        raise ProtocolError("bad_header", f"transport {transport[:32]!r} is not one of "
+        raise ProtocolError("bad_header", f"transport {str(transport)[:32]!r} is not one of "
                             f"{[x.value for x in Transport]}", field="transport", request_id=request_id) from None
-    channel = msg.header.get("channel")
-    reply: dict[str, Any] = {"request_id": request_id}
+    channel = msg.channel
+    reply: dict[str, Any] = {}
     if peer is not None:
         reply.update(pair_modes(me, peer, t).to_dict())
-    elif isinstance(channel, str) and channel in core.channels:
+    elif channel is not None and channel in core.channels:
         members = [core.clients[r] for r in core.channels[channel].members]  # not every client (red team 9)
         per = [{"consumer_id": cl.label, "name": cl.name, **pair_modes(me, cl.endpoint, t).to_dict()}
                for cl in members if cl.role == "consumer"]

@@ -33,9 +33,10 @@ from hurray_ipc.devices import shm
 from hurray_ipc.devices.base import host_id
 from hurray_ipc.transport import liveness
 from hurray_ipc.transport.sockets import NOBLOCK, readable, recv_frames, send_frames
-from hurray_ipc.wire.ipc import AnyMessage, coalesce, encode_group
+from hurray_ipc.wire.ipc import coalesce, encode_group
+from hurray_ipc.wire.messages import MAX_CREDITS, AnyMessage
 
-from .core import MAX_CREDITS, BrokerCore, CleanSegments, Client, Out, Send
+from .core import BrokerCore, CleanSegments, Client, Out, Send
 from .keyfile import kept_token, route_key_path
 from .lock import BrokerAlreadyRunning, EndpointLock, acquire_endpoint
 

@@ -45,7 +45,9 @@ from ..interop import dlpack
 from ..transport import inproc
 from ..transport.pairing import Endpoint
 from ..wire import ipc as wire
-from ..wire.ipc import AnyMessage, Deliver, Message
+from ..wire import messages
+from ..wire.ipc import Deliver
+from ..wire.messages import AnyMessage, ChannelState, Error
 from .core import Action, ConsumerCore, Delivery, EventRelease, Flush, Release, Unmap
 from .session import BrokerUnavailable, RemoteError, Session, check_client_args, check_timeout
 
@@ -726,12 +728,9 @@ class Consumer:
                 self.core.delivered(Delivery(ho.token, ho.producer_id, ho.handoff_id,
                                              ho.handle.sync_mode is SyncMode.EVENT))
             return []
-        if not isinstance(msg, Message):
-            return []
-        h = msg.header
-        if msg.verb == "PRODUCER_GONE":
-            tokens = [t for t in h.get("tokens", []) if isinstance(t, str)]
-            fenced = h.get("reason") == "fenced"
+        if isinstance(msg, messages.ProducerGone):
+            tokens = msg.tokens
+            fenced = msg.reason == "fenced"
             self.fenced += fenced
             dropped, actions = self.core.producer_gone(tokens)
             gone = set(tokens)
@@ -743,17 +742,17 @@ class Consumer:
             for t in dropped:
                 self._waiting.pop(t, None)  # no receive() hands it out; collected, it is released
             self._carry_out(actions)
-        elif msg.verb == "CHANNEL_STATE":
-            self.core.channel_state(h.get("ended") is True)
-        elif msg.verb == "ERROR":
-            err = RemoteError(str(h.get("code")), str(h.get("message")), h)
-            if err.code in ("unknown_token", "already_released") and self.core.crossed(h.get("token")):
+        elif isinstance(msg, ChannelState):
+            self.core.channel_state(msg.ended)
+        elif isinstance(msg, Error):
+            err = RemoteError(msg.code, msg.message, msg.fields())
+            if err.code in ("unknown_token", "already_released") and self.core.crossed(msg.token):
                 log.debug("RELEASE crossed PRODUCER_GONE: %s", err)  # expected: nothing to report
             else:
                 self.errors.append(err)
                 if err.code == "unknown_token":
                     log.error("the broker does not count buffer %s as this consumer's: its producer may "
-                              "have had it back while it was read (%s)", str(h.get("token"))[:16], err)
+                              "have had it back while it was read (%s)", str(msg.token)[:16], err)
                 else:
                     log.warning("broker error: %s", err)
         return []

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from ..wire.messages import HeldClaim
 from .credits import Credits
 
 __all__ = ["Action", "ConsumerCore", "Delivery", "EventRelease", "Flush", "Release", "Stage", "Unmap"]
@@ -178,9 +179,9 @@ class ConsumerCore:
         answers a listed gone one PRODUCER_GONE again, and nothing proves it ours); ``credits``
         re-declares what was asked, since a REQUEST sent to a broker that lost us is lost with it."""
         self.epoch = epoch
-        held = [{"token": t, "producer_id": e.delivery.producer_id, "handoff_id": e.delivery.handoff_id,
-                 "event_pending": e.event_pending} for t, e in self._entries.items() if not e.gone]
-        return {"held": held, "credits": self.credits.asked, **({"ended": True} if self.ended else {})}
+        held = [HeldClaim(t, e.delivery.producer_id, e.delivery.handoff_id, e.event_pending)
+                for t, e in self._entries.items() if not e.gone]
+        return {"held": held, "credits": self.credits.asked, "ended": self.ended}
 
     # --- the broker's messages --------------------------------------------------------------
     def delivered(self, d: Delivery) -> None:

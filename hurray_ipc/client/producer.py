@@ -33,8 +33,9 @@ from ..interop.source import Source, check_user_meta, resolve
 from ..interop.staging import StagingExhausted, StagingPool
 from ..transport import inproc
 from ..transport.pairing import Endpoint, ModeCache, PairModes, host_side
-from ..wire.ipc import MAX_BATCH, Accepted, AnyMessage, EventReleased, Handoff, Message, Released
+from ..wire.ipc import MAX_BATCH, Accepted, EventReleased, Handoff, Released
 from ..wire.ipc import Grant as GrantMessage
+from ..wire.messages import AnyMessage, End, Error, Revoke
 from .credits import Credits
 from .grants import Grant, GrantBook, Granted
 from .session import BrokerUnavailable, RemoteError, Session, check_client_args, check_timeout
@@ -252,10 +253,9 @@ class Producer:
         # Every handoff not released is listed, accepted or not (acceptance is implicit, so we may
         # not know): one a consumer holds is claimed by it; one that never arrived comes back
         # after the timeout as RELEASED consumer_gone. None is freed before the broker says so.
-        return {"name": self.name, "endpoint": self.endpoint_info.to_dict(), "credits": credits,
-                **({"ended": True} if self.ended else {}),
+        return {"name": self.name, "endpoint": self.endpoint_info.to_dict(), "credits": credits, "ended": self.ended,
                 # Which consumer holds each: the broker lets only that consumer claim it again.
-                "outstanding": [{"handoff_id": h, "consumer_id": o.ticket.consumer} for h, o in self._out.items()]}
+                "outstanding": {h: o.ticket.consumer for h, o in self._out.items()}}
 
     def _dispatch(self, msg: AnyMessage) -> list[Callable[[], None]]:
         if isinstance(msg, GrantMessage):
@@ -282,36 +282,34 @@ class Producer:
             if hid in self._out:
                 self.device.order_receive(order_key(self.session.client_id, hid, "release"))
             return self._finish(hid, msg.reason)
-        elif not isinstance(msg, Message):
-            pass
-        elif msg.verb == "REVOKE":
+        elif isinstance(msg, Revoke):
             # Grants we did not use in time (spec §4): their consumers were asked again. One
             # already on its way in a HANDOFF is refused unknown_grant, and send() re-sends.
-            self.grants.revoked(msg.header.get("grant_ids"))
-        elif msg.verb == "ERROR":
-            h = msg.header
-            ref = h.get("handoff_id")
-            if isinstance(ref, int) and ref in self._out:
+            self.grants.revoked(msg.grant_ids)
+        elif isinstance(msg, Error):
+            h = msg.fields()
+            ref = msg.handoff_id
+            if ref is not None and ref in self._out:
                 hid = ref
                 o = self._out[hid]
-                o.ticket.error = RemoteError(str(h.get("code")), str(h.get("message")), h)
+                o.ticket.error = RemoteError(msg.code, msg.message, h)
                 keep = o.resend and o.ticket.error.code in ("consumer_gone", "unknown_grant")  # send() may re-send
-                return self._finish(int(hid), "rejected", free_source=not keep)
-            ids = h.get("handoff_ids")
-            if isinstance(ids, list) and any(isinstance(i, int) and i in self._out for i in ids):
+                return self._finish(hid, "rejected", free_source=not keep)
+            ids = msg.handoff_ids
+            if any(i in self._out for i in ids):
                 # A HANDOFF message refused as a whole (spec §2.2): the broker used none of its
                 # grants, so they are still ours; each handoff fails with the broker's reason.
                 out: list[Callable[[], None]] = []
                 for i in ids:
-                    o = self._out.get(i) if isinstance(i, int) else None
+                    o = self._out.get(i)
                     if o is None:
                         continue
-                    o.ticket.error = RemoteError(str(h.get("code")), str(h.get("message")), h)
+                    o.ticket.error = RemoteError(msg.code, msg.message, h)
                     self.grants.give_back(o.grant)
                     self.credits.answered(o.ready)  # its READY was not applied either
                     out += self._finish(i, "rejected")
                 return out
-            log.warning("broker error: %s: %s", h.get("code"), h.get("message"))
+            log.warning("broker error: %s: %s", msg.code, msg.message)
         return []
 
     def _finish(self, handoff_id: int, outcome: str, free_source: bool = True) -> list[Callable[[], None]]:
@@ -726,7 +724,7 @@ class Producer:
                 return
             self.session.check_open("end()")
             self.grants.end()
-            self.session.send(Message("END", {}))
+            self.session.send(End())
 
     def close(self, timeout: float | None = None, *, end: bool = True) -> None:
         """End the stream (unless ``end=False``: for a producer another one takes over from),

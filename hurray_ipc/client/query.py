@@ -20,6 +20,7 @@ from typing import Any
 import zmq
 
 from ..wire.ipc import BROKER_VERBS, Message, ProtocolError, decode
+from ..wire.messages import CapsReply, Error, JsonMessage, StatsReply, parse
 
 __all__ = ["BrokerQuery", "NoAnswer", "Tickets", "stats"]
 
@@ -88,23 +89,20 @@ class BrokerQuery:
             if left <= 0 or not self._sock.poll(max(1, int(left * 1000))):
                 raise silent
             msg = self._read()
-            if msg is None or msg.header.get("request_id") != request_id:
-                continue
-            if msg.verb == "ERROR":
-                raise NoAnswer(f"broker at {self.endpoint} refused {verb}: {msg.header.get('code')}: "
-                               f"{msg.header.get('message')}")
-            if msg.verb == f"{verb}_REPLY":
-                return msg.header
+            if isinstance(msg, Error) and msg.extra.get("request_id") == request_id:
+                raise NoAnswer(f"broker at {self.endpoint} refused {verb}: {msg.code}: {msg.message}")
+            if isinstance(msg, CapsReply | StatsReply) and msg.verb == f"{verb}_REPLY" and msg.request_id == request_id:
+                return msg.fields()
 
-    def _read(self) -> Message | None:
+    def _read(self) -> JsonMessage | None:
         """One message from the broker (None: not one a query understands); its ticket noted."""
         try:
-            msg = decode(self._sock.recv_multipart(), allowed=BROKER_VERBS)
+            raw = decode(self._sock.recv_multipart(), allowed=BROKER_VERBS)
+            msg = parse(raw) if isinstance(raw, Message) else None  # a hot verb answers no query
         except ProtocolError:
             return None
-        if not isinstance(msg, Message):
-            return None  # a hot verb: no answer to a query
-        self.tickets.read(msg.header)
+        if msg is not None:
+            self.tickets.read(msg.fields())
         return msg
 
     def close(self) -> None:

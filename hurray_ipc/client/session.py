@@ -30,16 +30,9 @@ import zmq
 from ..errors import ClosedError, HurrayError, HurrayTimeout, InvalidArgument
 from ..transport.liveness import process_lease
 from ..transport.sockets import NOBLOCK, readable, recv_frames, send_frames
-from ..wire.ipc import (
-    BROKER_VERBS,
-    PROTOCOL_VERSION,
-    AnyMessage,
-    Message,
-    ProtocolError,
-    coalesce,
-    decode_all,
-    encode_group,
-)
+from ..wire.ipc import BROKER_VERBS, HotMessage, Message, ProtocolError, coalesce, decode_all, encode_group
+from ..wire.messages import AnyMessage, Bye, Error, Hello, Ping, Pong, Ready, Request, Shutdown, Welcome, parse
+from ..wire.messages import Route as RouteMessage
 from .endpoint import check_endpoint, check_socket_dir, default_endpoint
 
 log = logging.getLogger("hurray.client")
@@ -225,15 +218,13 @@ class Session:
                 return
             self.route = route
             if self.registered:
-                self.send(Message("ROUTE", {"route": route, "key": key}))
+                self.send(RouteMessage(key, route))
 
     def _register(self) -> None:
         # The epoch tells this registration's GRANTs from those of an earlier one still in flight.
         self.epoch = getattr(self, "epoch", 0) + 1
-        header = {"protocol": PROTOCOL_VERSION, "role": self.role, "channel": self.channel,
-                  "client_id": self.client_id, "pid": os.getpid(), "epoch": self.epoch,
-                  "lease": process_lease().name, **self._hello(self.epoch)}
-        self.send(Message("HELLO", header))
+        self.send(Hello(role=self.role, channel=self.channel, client_id=self.client_id, pid=os.getpid(),
+                        epoch=self.epoch, lease=process_lease().name, **self._hello(self.epoch)))
         self._hello_sent = time.monotonic()
 
     # --- receiving -------------------------------------------------------------------------
@@ -248,24 +239,26 @@ class Session:
         for msg in msgs:
             self._handle_one(msg, out)
 
-    def _handle_one(self, msg: AnyMessage, out: list[Callback]) -> None:
-        if not isinstance(msg, Message):
-            out.extend(self._dispatch(msg))
+    def _handle_one(self, raw: Message | HotMessage, out: list[Callback]) -> None:
+        try:
+            msg = parse(raw) if isinstance(raw, Message) else raw
+        except ProtocolError as e:
+            log.warning("dropping malformed %s from broker: %s", raw.verb, e)
             return
-        if msg.verb == "WELCOME":
+        if isinstance(msg, Welcome):
             self.registered = True
             self.shutdown_reason = None
-            self.broker_session = msg.header.get("session")
+            self.broker_session = msg.session
             if self.route is not None:
-                self.send(Message("ROUTE", {"route": self.route, "key": self.route_key}))
+                self.send(RouteMessage(self.route_key, self.route))
             return
-        if msg.verb == "PONG":
+        if isinstance(msg, Pong):
             return
-        if msg.verb == "SHUTDOWN":
+        if isinstance(msg, Shutdown):
             self.registered = False
-            self.shutdown_reason = str(msg.header.get("reason", "broker shut down"))
+            self.shutdown_reason = msg.reason
             return
-        if msg.verb == "ERROR" and msg.header.get("code") == "not_registered":
+        if isinstance(msg, Error) and msg.code == "not_registered":
             # A restarted broker (or one that timed us out): register again, once per round trip.
             self.registered = False
             if time.monotonic() - self._hello_sent > min(self.heartbeat_s, 0.2):
@@ -301,7 +294,7 @@ class Session:
                 return True
             n = want()
             if n > 0:
-                self.send(Message(verb, {"credits": n}))
+                self.send(Request(n) if verb == "REQUEST" else Ready(n))
                 asked(n)
             return False
 
@@ -350,7 +343,7 @@ class Session:
             if not self.registered and now - self._hello_sent >= self.heartbeat_s:
                 self._register()
             else:
-                self.send(Message("PING", {}))
+                self.send(Ping())
         wait = self.heartbeat_s if deadline is None else max(0.0, min(self.heartbeat_s, deadline - now))
         if busy:
             wait = min(wait, POLL_BUSY_S)
@@ -404,7 +397,7 @@ class Session:
                 self.flush_out()
                 # Also before the WELCOME came: the HELLO went first on this socket, so the BYE
                 # ends that registration (a BYE the broker cannot place is ignored, spec §2).
-                self.send(Message("BYE", {}))
+                self.send(Bye())
             except zmq.ZMQError:
                 pass
             self.closed = True

@@ -9,6 +9,11 @@ A message is a ZeroMQ multipart message::
 The 16-byte buffer handle always travels verbatim in its own frame; IPC blobs (64 bytes) travel
 in frames of their own, never inside the handle or the JSON. The broker's ROUTER socket adds the
 sender's routing id in front; nothing here deals with it.
+
+:func:`decode_all` gives the hot verbs' entries typed (:class:`Handoff`, :class:`Deliver`,
+:class:`Release`... every field checked there) and a JSON verb framed (:class:`Message`: verb,
+header object, frames), which ``wire/messages.parse`` types when its receiver is ready to judge
+its fields (spec §8 gives the order).
 """
 
 from __future__ import annotations
@@ -17,11 +22,10 @@ import json
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from ..errors import ERROR_CODES as ERROR_CODES  # the codec's errors: ProtocolError and its codes
 from ..errors import ProtocolError as ProtocolError
-from .fields import FieldError, check
 
 PROTOCOL_VERSION = 2
 MAX_HEADER_BYTES = 64 * 1024
@@ -85,8 +89,10 @@ def json_bytes(obj: Any) -> bytes:
 
 @dataclass
 class Message:
-    """One message, or one entry of a binary batch (hot verbs): ``header`` holds its fields
-    (for hot verbs the decoded binary fields, named as in the spec), ``frames`` its blobs."""
+    """A JSON-framed message as it travels: its verb, its ``header`` object and its payload
+    ``frames`` by name; not yet judged (``wire/messages.parse`` types an IPC one, ``wire/link``
+    a link one). Tests and fuzzers also build hot-verb entries this way, naming their fields as the
+    spec does (:func:`hot_message`)."""
 
     verb: str
     header: dict[str, Any] = field(default_factory=dict)
@@ -124,7 +130,7 @@ class Message:
         return out
 
 
-def decode(parts: Sequence[Any], *, allowed: frozenset[str] | None = None) -> AnyMessage:
+def decode(parts: Sequence[Any], *, allowed: frozenset[str] | None = None) -> Decoded:
     """Parse one message (a binary hot-verb message must then carry exactly one entry)."""
     msgs = decode_all(parts, allowed=allowed)
     if len(msgs) != 1:
@@ -132,7 +138,7 @@ def decode(parts: Sequence[Any], *, allowed: frozenset[str] | None = None) -> An
     return msgs[0]
 
 
-def decode_all(parts: Sequence[Any], *, allowed: frozenset[str] | None = None) -> list[AnyMessage]:
+def decode_all(parts: Sequence[Any], *, allowed: frozenset[str] | None = None) -> list[Decoded]:
     """Parse and validate the shape of a message (not its meaning): a list of one Message for a
     JSON verb, of one typed entry per entry for a binary hot verb (spec §2.2: :class:`Handoff`,
     :class:`Release`...)."""
@@ -676,7 +682,7 @@ for _l in (_Handoff(), _Deliver(), _Release(), _Released(), _Grant(), _Accepted(
         _LAYOUTS[_v] = _l
     _LAYOUTS[_l.verb] = _l
 
-AnyMessage = Message | HotMessage  # what the codec decodes and encodes
+Decoded = Message | HotMessage  # what decode_all gives: a JSON verb framed, hot entries typed
 
 _HOT_TYPES: dict[str, type[HotMessage]] = {t.verb: t for t in (Handoff, Deliver, Release, EventRelease, Released,
                                                                EventReleased, Grant, Accepted)}
@@ -736,14 +742,26 @@ def is_token(text: str) -> bool:
     return len(text) == 2 * TOKEN_BYTES and all(ch in "0123456789abcdef" for ch in text)
 
 
-def coalesce(msgs: Sequence[AnyMessage]) -> list[list[AnyMessage]]:
+class Outgoing(Protocol):
+    """Anything that travels as a message: a Message, a typed hot entry, a typed JSON message."""
+
+    @property
+    def verb(self) -> str: ...
+
+    def encode(self) -> list[bytes]: ...
+
+
+_O = TypeVar("_O", bound=Outgoing)
+
+
+def coalesce(msgs: Sequence[_O]) -> list[list[_O]]:
     """Group one peer's outgoing messages into batches, in order: between two JSON messages,
     hot messages of one wire verb share a batch (at most MAX_BATCH), batches in the order of
     their first message. Safe because a client never depends on the order of two different
     hot verbs of one such run (a GRANT and a RELEASED), while a JSON message (an ERROR, a
     PRODUCER_GONE) is never moved across a hot one."""
-    out: list[list[AnyMessage]] = []
-    run: dict[str, list[AnyMessage]] = {}
+    out: list[list[_O]] = []
+    run: dict[str, list[_O]] = {}
     for m in msgs:
         w = wire_verb(m.verb)
         if w not in _HOT_WIRE:
@@ -784,22 +802,3 @@ def check_depth(raw: bytes, what: str, limit: int = MAX_HEADER_DEPTH, field: str
                                     **({"field": field} if field else {}))
         elif ch in (0x5D, 0x7D):
             depth -= 1
-
-
-def field_of(msg: Message, name: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:
-    """Header field ``name``, checked strictly (``wire.fields.check``); a null field counts as
-    absent. ProtocolError('bad_header') naming the field otherwise."""
-    v = msg.header.get(name)
-    if v is None:
-        if optional:
-            return None
-        raise ProtocolError("bad_header", f"{msg.verb} header lacks '{name}'", field=name)
-    try:
-        return check(v, name, kind)
-    except FieldError as e:
-        raise ProtocolError("bad_header", f"{msg.verb} header: {e}", field=name) from None
-
-
-def error(code: str, message: str, **extra: Any) -> Message:
-    return Message("ERROR", {"code": code, "message": message, **extra})
-
