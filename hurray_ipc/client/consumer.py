@@ -44,10 +44,11 @@ from ..format.handle import BufferHandle, DeviceTag, HandleError, SyncMode
 from ..interop import dlpack
 from ..transport import inproc
 from ..transport.pairing import Endpoint
-from ..wire import ipc as wire
-from ..wire import messages
 from ..wire.ipc import Deliver
+from ..wire.ipc import EventRelease as EventReleaseMessage
+from ..wire.ipc import Release as ReleaseMessage
 from ..wire.messages import AnyMessage, ChannelState, Error
+from ..wire.messages import ProducerGone as ProducerGoneMessage
 from .core import Action, ConsumerCore, Delivery, EventRelease, Flush, Release, Unmap
 from .session import BrokerUnavailable, RemoteError, Session, check_client_args, check_timeout
 
@@ -681,13 +682,13 @@ class Consumer:
                 elif isinstance(a, Release):
                     if a.reason is None:
                         self.device.order_send(order_key(a.producer_id, a.handoff_id, "release"))
-                    msg = wire.Release(a.token, a.reason, max(a.credits, 0))
+                    msg = ReleaseMessage(a.token, a.reason, max(a.credits, 0))
                     if a.now:
                         self.session.send(msg)
                     else:
                         self.session.queue(msg)
                 elif isinstance(a, EventRelease):
-                    self.session.queue(wire.EventRelease(a.token))
+                    self.session.queue(EventReleaseMessage(a.token))
                 elif isinstance(a, Flush):
                     self.session.flush_out()
             except Exception as e:  # noqa: BLE001 - the pump and the other releases go on
@@ -728,7 +729,7 @@ class Consumer:
                 self.core.delivered(Delivery(ho.token, ho.producer_id, ho.handoff_id,
                                              ho.handle.sync_mode is SyncMode.EVENT))
             return []
-        if isinstance(msg, messages.ProducerGone):
+        if isinstance(msg, ProducerGoneMessage):
             tokens = msg.tokens
             fenced = msg.reason == "fenced"
             self.fenced += fenced
