@@ -312,9 +312,14 @@ class Runner:
             live = end is None or now < end  # past the deadline: no kills or restarts; the workers drain
             if quiet:
                 quiet = not self._all_registered()
-            if live and not quiet and self.rng.random() < cfg.kill_consumers * tick:
+            # Each kind of kill asked for happens at least once, at the first chance once a tenth of
+            # the handoffs arrived: a run with kills always tests them, however fast it goes.
+            owed = live and not quiet and self._sum("consumer", workload.C_INTACT) >= cfg.count // 10
+            if live and not quiet and (self.rng.random() < cfg.kill_consumers * tick or (
+                    owed and cfg.kill_consumers and not self.summary.consumers_killed)):
                 self._kill("consumer")
-            if live and not quiet and self.rng.random() < cfg.kill_producers * tick:
+            if live and not quiet and (self.rng.random() < cfg.kill_producers * tick or (
+                    owed and cfg.kill_producers and not self.summary.producers_killed)):
                 self._kill("producer")
             if live and restarts_at and now >= restarts_at[0]:
                 restarts_at.pop(0)
@@ -426,9 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", type=device, default=d.device,
                    help="cpu or cuda:N; cuda:N runs on the CUDA emulation when HURRAY_CUDA=emulated is set")
     p.add_argument("--kill-consumers", type=float, default=d.kill_consumers, metavar="RATE",
-                   help="SIGKILLs of consumers per second")
+                   help="SIGKILLs of consumers per second (at least one, once a tenth of the handoffs arrived)")
     p.add_argument("--kill-producers", type=float, default=d.kill_producers, metavar="RATE",
-                   help="SIGKILLs of producers per second")
+                   help="SIGKILLs of producers per second (at least one, as for consumers)")
     p.add_argument("--broker-restarts", type=int, default=d.broker_restarts, metavar="K",
                    help="SIGKILL and restart the broker K times, spread over the run")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the kill schedule")
