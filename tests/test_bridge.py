@@ -376,8 +376,12 @@ def test_link_cut_mid_transfer_releases_once(two_brokers, plane):
     a, b = two_brokers
     ch = fresh("y")
     url = f"tcp://127.0.0.1:{free_port()}"
-    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", *rdma)
-    inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure", *rdma)
+    # A link timeout of 1 s (3 s by default): the sending bridge learns of the cut by the
+    # receiver's silence, so the release after the cut comes a link timeout later.
+    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", "--timeout", "1",
+                 *rdma)
+    inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure", "--timeout", "1",
+                 *rdma)
     try:
         counters = SPAWN.Array("q", workload.COUNTERS)
         # several transfers in flight (the receiver's window is 4) when the link is cut
