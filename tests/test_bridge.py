@@ -24,6 +24,7 @@ from conftest import SPAWN, emu_config
 from hurray_ipc import workload
 from hurray_ipc.client import Consumer, Producer
 from test_clients import Proc
+from workers import once_let_through
 
 
 def free_port() -> int:
@@ -413,21 +414,25 @@ def test_a_late_local_consumer_loses_nothing_and_keeps_the_link(two_brokers, pla
     a, b = two_brokers
     ch = fresh("late")
     url = f"tcp://127.0.0.1:{free_port()}"
+    timeout = 0.5  # the link timeout: a receiver silent this long is dropped by its sender
     out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure",
-                 "--timeout", "1", *rdma)
+                 "--timeout", str(timeout), *rdma)
     inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure",
-                 "--timeout", "1", *rdma)
+                 "--timeout", str(timeout), *rdma)
     try:
         counters = SPAWN.Array("q", workload.COUNTERS)
         p = Proc(workload.run_producer, endpoint=a.endpoint, channel=ch, device="cpu", count=8, size=1 << 20,
                  env={}, pool=8, counters=counters, timeout=60)
+        # B's consumer: its process starts now, and connects to B only once let through below
+        gate = SPAWN.Event()
+        c = Proc(once_let_through, gate=gate, target=workload.run_consumer, endpoint=b.endpoint, channel=ch,
+                 device="cpu", count=8, env={}, timeout=60)
         deadline = time.monotonic() + 60
         while counters[workload.P_SENT] < 4:  # the receiver's window of transfers is under way
             assert time.monotonic() < deadline, "the handoffs never reached the bridge"
             time.sleep(0.01)
-        time.sleep(3.0)  # the scenario: no consumer on B for three link timeouts
-        c = Proc(workload.run_consumer, endpoint=b.endpoint, channel=ch, device="cpu", count=8, env={},
-                 timeout=60)
+        time.sleep(3 * timeout)  # the scenario: no consumer on B for three link timeouts
+        gate.set()
         pr, cr = p.result(), c.result()
     finally:
         out_err, in_err = stop_all(out, inn)

@@ -190,3 +190,12 @@ def receive_one_later(endpoint, channel, ready, go):
     except Exception:  # noqa: BLE001 - reported to the parent
         import traceback
         return {"error": traceback.format_exc()}
+
+
+def once_let_through(gate, target, **kwargs):
+    """``target(**kwargs)`` once ``gate`` (a multiprocessing Event) is set: a test starts the process
+    ahead of the moment its scenario needs it (a spawned interpreter takes a good part of a
+    second), and lets it through then. Nothing of ``target`` runs before: a consumer has not connected."""
+    if not gate.wait(60):
+        return {"error": "the test never let this process through"}
+    return target(**kwargs)
