@@ -714,13 +714,14 @@ def _all_through(pr, cr, n, out_err, in_err):
     return logs
 
 
-def _bridged_pair(a, b, url, out_args, in_args, n=6, size=(3 << 20) + 12345):
+def _bridged_pair(a, b, url, out_args, in_args, n=6, size=(3 << 20) + 12345, pool=4):
     ch = fresh("r")
     out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", *out_args)
     inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure", *in_args)
     try:
         c = Proc(workload.run_consumer, endpoint=b.endpoint, channel=ch, device="cpu", count=n, env={})
-        p = Proc(workload.run_producer, endpoint=a.endpoint, channel=ch, device="cpu", count=n, size=size, env={})
+        p = Proc(workload.run_producer, endpoint=a.endpoint, channel=ch, device="cpu", count=n, size=size, env={},
+                 pool=pool)
         pr, cr = p.result(), c.result()
     finally:
         out_err, in_err = stop_all(out, inn)
@@ -767,7 +768,9 @@ def test_nixl_transfer_in_several_writes(two_brokers):
     from hurray_ipc.interchange.sender import WRITE_CHUNK
 
     a, b = two_brokers
-    _bridged_pair(a, b, f"tcp://127.0.0.1:{free_port()}", ["--rdma"], ["--rdma"], n=2, size=2 * WRITE_CHUNK + 4097)
+    # pool=2: the producer allocates only the two buffers it sends (each over 128 MiB)
+    _bridged_pair(a, b, f"tcp://127.0.0.1:{free_port()}", ["--rdma"], ["--rdma"], n=2, size=2 * WRITE_CHUNK + 4097,
+                  pool=2)
 
 
 @NEEDS_NIXL
