@@ -547,7 +547,8 @@ def test_sending_bridge_leaves_its_broker_when_its_last_peer_goes(two_brokers):
     a, _ = two_brokers
     ch = fresh("lv")
     url = f"tcp://127.0.0.1:{free_port()}"
-    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", "--timeout", "1")
+    # a 0.5 s link timeout: the peer stays linked while it speaks (below), goes half a second after it falls silent
+    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", "--timeout", "0.5")
     s, say, expect = raw_receiver(url)
 
     def bridges():
@@ -560,6 +561,7 @@ def test_sending_bridge_leaves_its_broker_when_its_last_peer_goes(two_brokers):
         deadline = time.monotonic() + 20
         while bridges() != [("export", 1)]:
             assert time.monotonic() < deadline, f"never linked in CAPS: {bridges()}"
+            say("LINK_PING", {})  # a linked receiver's keep-alive: the peer is not silent yet
             time.sleep(0.05)
         s.close()  # the peer falls silent
         deadline = time.monotonic() + 20
