@@ -381,6 +381,8 @@ def test_a_consumer_gone_before_its_handoff_arrived_neither_loses_it_nor_stops_t
         got = collector.result()
         assert [g["hex"] for g in got] == [data.hex()]
     finally:
+        if not gate.is_set():  # the test failed before: it never ran
+            collector.kill()
         err = stop(inn)
         s.close()
         gone.close()
@@ -438,22 +440,24 @@ def test_a_late_local_consumer_loses_nothing_and_keeps_the_link(two_brokers, pla
                  "--timeout", str(timeout), *rdma)
     inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure",
                  "--timeout", str(timeout), *rdma)
+    gate, c = SPAWN.Event(), None
     try:
         counters = SPAWN.Array("q", workload.COUNTERS)
         p = Proc(workload.run_producer, endpoint=a.endpoint, channel=ch, device="cpu", count=8, size=1 << 20,
                  env={}, pool=8, counters=counters, timeout=60)
-        # B's consumer: its process starts now, and connects to B only once let through below
-        gate = SPAWN.Event()
-        c = Proc(once_let_through, gate=gate, target=workload.run_consumer, endpoint=b.endpoint, channel=ch,
-                 device="cpu", count=8, env={}, timeout=60)
         deadline = time.monotonic() + 60
         while counters[workload.P_SENT] < 4:  # the receiver's window of transfers is under way
             assert time.monotonic() < deadline, "the handoffs never reached the bridge"
             time.sleep(0.01)
+        # B's consumer: its process starts now, and connects to B only once let through after the wait
+        c = Proc(once_let_through, gate=gate, target=workload.run_consumer, endpoint=b.endpoint, channel=ch,
+                 device="cpu", count=8, env={}, timeout=60)
         time.sleep(3 * timeout)  # the scenario: no consumer on B for three link timeouts
         gate.set()
         pr, cr = p.result(), c.result()
     finally:
+        if c is not None and not gate.is_set():  # the test failed before: it never ran
+            c.kill()
         out_err, in_err = stop_all(out, inn)
     logs = _all_through(pr, cr, 8, out_err, in_err)
     assert in_err.count('"event": "linked"') == 1 and "transfer_aborted" not in out_err, logs
@@ -653,11 +657,18 @@ def test_an_aborting_bridge_costs_its_link_not_the_broker(tmp_path, keys):
                           "--log-file", str(a_log), "--export", f"e={url}", "--bridge-keys", str(keys)])
     b = subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker", "--endpoint", b_ep, "--log-level", "warning",
                           "--import", f"e={url}", "--bridge-keys", str(keys)], stderr=subprocess.PIPE, text=True)
+    gate, procs = SPAWN.Event(), []
     try:
         (started,) = _until_logged(a_log, "bridge_started", 1, a)
         os.kill(started["pid"], signal.SIGABRT)  # what a UCX assertion does
         (exited,) = _until_logged(a_log, "bridge_exited", 1, a)
         assert exited["signal"] == "SIGABRT" and exited["restart_in_s"] > 0, exited
+        # The channel's consumer and producer: their processes start during the back-off, and reach
+        # the brokers only once let through below, after the restart (across the restarted link).
+        procs = [Proc(once_let_through, gate=gate, target=workload.run_consumer, endpoint=b_ep, channel="e",
+                      device="cpu", count=3, env={}),
+                 Proc(once_let_through, gate=gate, target=workload.run_producer, endpoint=a_ep, channel="e",
+                      device="cpu", count=3, size=1 << 16, env={})]
         again = _until_logged(a_log, "bridge_started", 2, a)[1]
         assert again["restarts"] == 1 and again["pid"] != started["pid"]
         with Producer(a_ep, "local", "cpu") as p, Consumer(a_ep, "local", "cpu") as c, \
@@ -666,13 +677,16 @@ def test_an_aborting_bridge_costs_its_link_not_the_broker(tmp_path, keys):
             p.send(workload.pattern(3, 1, 4096), timeout=30)
             with got.result(timeout=60) as h:
                 assert workload.verify(h.numpy())[2]
-        cr = Proc(workload.run_consumer, endpoint=b_ep, channel="e", device="cpu", count=3, env={})
-        pr = Proc(workload.run_producer, endpoint=a_ep, channel="e", device="cpu", count=3, size=1 << 16, env={})
+        gate.set()
+        cr, pr = procs
         pres, cres = pr.result(), cr.result()
         assert pres["error"] is None and cres["error"] is None, (pres["error"], cres["error"])
         assert cres["intact"] == 3 and pres["released"] == 3
         assert a.poll() is None, "the exporting broker died"
     finally:
+        if not gate.is_set():  # the test failed before: they never ran
+            for x in procs:
+                x.kill()
         stop(b)
         stop(a)
     assert a.returncode == 0, a_log.read_text()[-2000:]
