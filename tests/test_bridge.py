@@ -24,7 +24,7 @@ from conftest import SPAWN, emu_config
 from hurray_ipc import workload
 from hurray_ipc.client import Consumer, Producer
 from test_clients import Proc
-from workers import once_let_through
+from workers import collect, once_let_through
 
 
 def free_port() -> int:
@@ -344,7 +344,7 @@ def test_a_consumer_gone_before_its_handoff_arrived_neither_loses_it_nor_stops_t
                  "--timeout", str(timeout))
     # The next consumer: its process starts now, and connects to B only once let through below
     gate = SPAWN.Event()
-    collector = Proc(once_let_through, gate=gate, target=_collect, endpoint=b.endpoint, channel=ch, n=1)
+    collector = Proc(once_let_through, gate=gate, target=collect, endpoint=b.endpoint, channel=ch, n=1)
     data = workload.pattern(5, 0, 4096).tobytes()
     gone = zmq.Context.instance().socket(zmq.DEALER)
     gone.setsockopt(zmq.LINGER, 1000)
@@ -379,6 +379,7 @@ def test_a_consumer_gone_before_its_handoff_arrived_neither_loses_it_nor_stops_t
         assert gap < timeout, f"the receiver said nothing for {gap:.2f} s after its consumer went"
         gate.set()
         got = collector.result()
+        assert isinstance(got, list), got  # else the collector's error
         assert [g["hex"] for g in got] == [data.hex()]
     finally:
         if not gate.is_set():  # the test failed before: it never ran
@@ -518,19 +519,6 @@ def test_bridge_across_network_namespaces(two_brokers, keys, netns_pair, plane):
         out_err, in_err = stop_all(out, inn)
     said = f'"data_plane": "{plane}"'
     assert said in out_err and said in in_err, (out_err[-800:], in_err[-800:])
-
-
-def _collect(endpoint, channel, n):
-    from hurray_ipc.client import Consumer
-
-    out = []
-    with Consumer(endpoint, channel, "cpu") as c:
-        for _ in range(n):
-            h = c.receive(timeout=30)
-            out.append({"hex": bytes(h.buffer.host_view()).hex(), "typestr": h.buffer.typestr,
-                        "shape": list(h.buffer.shape)})
-            h.release()
-    return out
 
 
 def _routes(endpoint, channel):
