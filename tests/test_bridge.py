@@ -60,11 +60,8 @@ def _start_brokers(d):
 
 
 def _stop_brokers(*brokers):
-    for x in brokers:
-        if x.proc is not None and x.proc.poll() is None:
-            x.proc.terminate()  # all of them first: their shutdowns overlap
-    for x in brokers:
-        x.stop()
+    with ThreadPoolExecutor(len(brokers)) as pool:  # their shutdowns overlap
+        list(pool.map(BrokerProcess.stop, brokers))
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +94,17 @@ def keys(tmp_path_factory):
     return d
 
 
-def stop(p):
-    """SIGTERM ``p``, wait for it (SIGKILL after 10 s), and return its log."""
-    if p.poll() is None:
+def _terminate(p):
+    """SIGTERM ``p``, once: a second SIGTERM may come while it shuts down, its handler gone, and
+    kill it (a broker's status is then -15, not 0)."""
+    if p.poll() is None and not getattr(p, "terminated", False):
         p.send_signal(signal.SIGTERM)
+        p.terminated = True
+
+
+def stop(p):
+    """SIGTERM ``p`` (unless it was), wait for it (SIGKILL after 10 s), and return its log."""
+    _terminate(p)
     try:
         err = p.communicate(timeout=10)[1]
     except subprocess.TimeoutExpired:
@@ -119,8 +123,7 @@ def stop(p):
 def stop_all(*procs):
     """:func:`stop` each of ``procs``, all signalled first so that their shutdowns overlap; their logs."""
     for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
+        _terminate(p)
     return tuple(stop(p) for p in procs)
 
 
@@ -607,7 +610,7 @@ def test_brokers_bridge_channels_themselves(tmp_path, keys, plane):
         assert cr["intact"] == 3 and pr["released"] == 3
     finally:
         errs = stop_all(*procs)
-    assert all(x.returncode == 0 for x in procs), errs
+    assert all(x.returncode == 0 for x in procs), ([x.returncode for x in procs], errs)
     assert f'"data_plane": "{plane}"' in errs[1], errs[1][-1500:]
 
 
