@@ -3,6 +3,7 @@ it, across two network namespaces joined by veth)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -23,6 +24,7 @@ from conftest import SPAWN, emu_config
 from hurray_ipc import workload
 from hurray_ipc.client import Consumer, Producer
 from test_clients import Proc
+from workers import collect, once_let_through
 
 
 def free_port() -> int:
@@ -41,26 +43,68 @@ def bridge(*args, env=None):
     return p
 
 
-@pytest.fixture
-def two_brokers(tmp_path):
-    a = BrokerProcess(f"ipc://{tmp_path}/a.sock").start()
-    b = BrokerProcess(f"ipc://{tmp_path}/b.sock").start()
-    yield a, b
-    a.stop(), b.stop()
+_SEQ = itertools.count(1)
+
+
+def fresh(name: str) -> str:
+    """A channel name no other test of this module uses: the brokers are shared between tests
+    (:func:`two_brokers`), so each test's channel starts with no producer, consumer or end."""
+    return f"{name}-{next(_SEQ)}"
+
+
+def _start_brokers(d):
+    """Brokers A and B on ``d``, started together (each start is mostly the interpreter's import)."""
+    pair = BrokerProcess(f"ipc://{d}/a.sock"), BrokerProcess(f"ipc://{d}/b.sock")
+    with ThreadPoolExecutor(2) as pool:
+        return tuple(pool.map(BrokerProcess.start, pair))
+
+
+def _stop_brokers(*brokers):
+    with ThreadPoolExecutor(len(brokers)) as pool:  # their shutdowns overlap
+        list(pool.map(BrokerProcess.stop, brokers))
+
+
+@pytest.fixture(scope="module")
+def _shared_brokers(tmp_path_factory):
+    d = tmp_path_factory.mktemp("brokers")
+    pair = list(_start_brokers(d))
+    yield d, pair
+    _stop_brokers(*pair)
 
 
 @pytest.fixture
-def keys(tmp_path):
-    d = tmp_path / "keys"
+def two_brokers(_shared_brokers):
+    """Brokers A and B, shared by the tests of this module: each test uses channels of its own
+    (:func:`fresh`). A broker a test took down is started again for the next test, and that test
+    fails: every test here leaves both brokers running."""
+    d, pair = _shared_brokers
+    if any(x.proc is None or x.proc.poll() is not None for x in pair):
+        _stop_brokers(*pair)
+        pair[:] = _start_brokers(d)
+    yield tuple(pair)
+    down = [x.endpoint for x in pair if x.proc is None or x.proc.poll() is not None]
+    assert not down, f"a broker went down during the test: {down}"
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bridge") / "keys"
     r = subprocess.run([sys.executable, "-m", "hurray_ipc.broker.bridge", "keygen", str(d)], capture_output=True)
     assert r.returncode == 0
     return d
 
 
-def stop(p):
-    """SIGTERM ``p``, wait for it (SIGKILL after 10 s), and return its log."""
-    if p.poll() is None:
+def _terminate(p):
+    """SIGTERM ``p``, once: a second SIGTERM may come while it shuts down, its handler gone, and
+    kill it (a broker's status is then -15, not 0)."""
+    if p.poll() is None and not getattr(p, "terminated", False):
         p.send_signal(signal.SIGTERM)
+        p.terminated = True
+
+
+def stop(p):
+    """SIGTERM ``p`` (unless it was), wait for it (SIGKILL after 10 s), and return its log."""
+    _terminate(p)
     try:
         err = p.communicate(timeout=10)[1]
     except subprocess.TimeoutExpired:
@@ -76,18 +120,26 @@ def stop(p):
     return err
 
 
+def stop_all(*procs):
+    """:func:`stop` each of ``procs``, all signalled first so that their shutdowns overlap; their logs."""
+    for p in procs:
+        _terminate(p)
+    return tuple(stop(p) for p in procs)
+
+
 def test_bridged_handoffs_curve(two_brokers, keys):
     a, b = two_brokers
+    ch = fresh("x")
     url = f"tcp://127.0.0.1:{free_port()}"
-    out = bridge("out", "--channel", "x", "--endpoint", a.endpoint, "--listen", url,
+    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url,
                  "--server-key", str(keys / "server.key_secret"), "--clients", str(keys / "clients"))
-    inn = bridge("in", "--channel", "x", "--endpoint", b.endpoint, "--connect", url,
+    inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url,
                  "--client-key", str(keys / "client.key_secret"), "--server-public", str(keys / "server.key"))
     try:
         env = emu_config().to_env()
         n, size = 6, (3 << 20) + 12345  # several chunks, not a multiple of the chunk size
-        c = Proc(workload.run_consumer, endpoint=b.endpoint, channel="x", device="cpu", count=n, env=env)
-        p = Proc(workload.run_producer, endpoint=a.endpoint, channel="x", device="cuda:0", count=n, size=size, env=env)
+        c = Proc(workload.run_consumer, endpoint=b.endpoint, channel=ch, device="cpu", count=n, env=env)
+        p = Proc(workload.run_producer, endpoint=a.endpoint, channel=ch, device="cuda:0", count=n, size=size, env=env)
         pr, cr = p.result(), c.result()
         assert pr["error"] is None and cr["error"] is None, (pr["error"], cr["error"])
         assert cr["received"] == cr["intact"] == n and cr["corrupt"] == 0
@@ -95,7 +147,7 @@ def test_bridged_handoffs_curve(two_brokers, keys):
         assert pr["staged"] == n, "the sending bridge is a CPU consumer: GPU buffers reach it host-staged"
         assert pr["released"] == n
     finally:
-        stop(out), stop(inn)
+        stop_all(out, inn)
 
 
 def test_arrays_and_user_metadata_cross_the_bridges_as_sent(two_brokers):
@@ -106,14 +158,15 @@ def test_arrays_and_user_metadata_cross_the_bridges_as_sent(two_brokers):
     from hurray_ipc.client import Consumer, Producer
 
     a, b = two_brokers
+    ch = fresh("m")
     url = f"tcp://127.0.0.1:{free_port()}"
-    out = bridge("out", "--channel", "m", "--endpoint", a.endpoint, "--listen", url, "--insecure")
-    inn = bridge("in", "--channel", "m", "--endpoint", b.endpoint, "--connect", url, "--insecure")
+    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure")
+    inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure")
     sent = [(np.arange(6, dtype=">i2").reshape(2, 3), {"frame": 1, "tags": ["a", "b"]}),
             (np.float32(2.5).reshape(()), ["x", 2]),
             (np.arange(4, dtype=np.uint8), None)]
     try:
-        with Producer(a.endpoint, "m", "cpu") as p, Consumer(b.endpoint, "m", "cpu") as c:
+        with Producer(a.endpoint, ch, "cpu") as p, Consumer(b.endpoint, ch, "cpu") as c:
             for arr, meta in sent:
                 p.send(arr, meta=meta, block=False, timeout=30)
                 with c.receive(timeout=30) as h:
@@ -121,7 +174,7 @@ def test_arrays_and_user_metadata_cross_the_bridges_as_sent(two_brokers):
                     assert (got.dtype.str, got.shape, h.meta) == (arr.dtype.str, arr.shape, meta)
                     assert np.array_equal(got, arr)
     finally:
-        stop(out), stop(inn)
+        stop_all(out, inn)
 
 
 def _channel_state(endpoint, channel):
@@ -139,30 +192,32 @@ def test_an_ended_stream_on_one_side_neither_stops_nor_ends_the_bridge(two_broke
     from hurray_ipc.client import Consumer, Producer
 
     a, b = two_brokers
+    ch = fresh("e")
     url = f"tcp://127.0.0.1:{free_port()}"
-    out = bridge("out", "--channel", "e", "--endpoint", a.endpoint, "--listen", url, "--insecure")
-    inn = bridge("in", "--channel", "e", "--endpoint", b.endpoint, "--connect", url, "--insecure")
+    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure")
+    inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure")
     try:
-        with Consumer(b.endpoint, "e", "cpu") as c:
+        with Consumer(b.endpoint, ch, "cpu") as c:
             for i in range(2):
-                with Producer(a.endpoint, "e", "cpu") as p:  # leaving the block ends A's stream
+                with Producer(a.endpoint, ch, "cpu") as p:  # leaving the block ends A's stream
                     p.send(bytes([i]) * 8, block=False, timeout=30)
                     with c.receive(timeout=30) as h:
                         assert bytes(h.buffer.host_view()) == bytes([i]) * 8
             assert out.poll() is None, stop(out)
             assert stop(inn) is not None and inn.returncode is not None
             deadline = time.monotonic() + 10
-            while _channel_state(b.endpoint, "e")[0]:  # the receiving bridge, B's producer, went
+            while _channel_state(b.endpoint, ch)[0]:  # the receiving bridge, B's producer, went
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
-            assert _channel_state(b.endpoint, "e") == (0, False) and not c.ended
+            assert _channel_state(b.endpoint, ch) == (0, False) and not c.ended
     finally:
-        stop(out), stop(inn)
+        stop_all(out, inn)
 
 
 def test_keys_required_unless_insecure(two_brokers):
     a, _ = two_brokers
-    p = bridge("out", "--channel", "x", "--endpoint", a.endpoint, "--listen", f"tcp://127.0.0.1:{free_port()}")
+    ch = fresh("x")
+    p = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", f"tcp://127.0.0.1:{free_port()}")
     assert p.wait(30) == 2 and "--insecure" in stop(p)
 
 
@@ -209,18 +264,28 @@ def raw_receiver(url):
     return s, say, expect
 
 
-def _longest_silence(s, rid, seconds):
-    """As a hand-driven sender, speak to the receiver every 50 ms for ``seconds`` and return the
-    longest time it said nothing to us."""
+def _longest_silence(s, rid, seconds, after=lambda: True, within=30.0):
+    """As a hand-driven sender, speak to the receiver every 50 ms until ``after()`` holds (at most
+    ``within`` s), then for ``seconds`` more, and return the longest time it said nothing to us."""
     heard = [time.monotonic()]
-    end = heard[0] + seconds
-    while time.monotonic() < end:
+    end, deadline = None, heard[0] + within
+    while end is None or time.monotonic() < end:
+        if end is None and after():
+            end = time.monotonic() + seconds
+        assert end is not None or time.monotonic() < deadline, "what the observation waits for never happened"
         send(s, rid, "LINK_PONG", {})
         if s.poll(50):
             s.recv_multipart()
             heard.append(time.monotonic())
     heard.append(time.monotonic())
     return max(y - x for x, y in zip(heard, heard[1:], strict=False))
+
+
+def log_so_far(p) -> str:
+    """What the bridge ``p`` (started by :func:`bridge`) logged so far, read while it runs: pread
+    leaves alone the file offset the bridge shares with us (a seek would move where it writes)."""
+    fd = p.log.fileno()
+    return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
 
 
 def test_descriptors_that_fit_alone_but_not_together_get_no_space_not_sigbus(two_brokers):
@@ -235,10 +300,11 @@ def test_descriptors_that_fit_alone_but_not_together_get_no_space_not_sigbus(two
     if shutil.which("unshare") is None or subprocess.run([*ns, "true"], capture_output=True).returncode != 0:
         pytest.skip("this machine does not let this user create user+mount namespaces")
     _, b = two_brokers
+    ch = fresh("full")
     url = f"tcp://127.0.0.1:{free_port()}"
     s = raw_sender(url)
     inn = subprocess.Popen([*ns, "sh", "-c", "mount -t tmpfs -o size=96m tmpfs /dev/shm && exec \"$@\"", "sh",
-                            sys.executable, "-m", "hurray_ipc.broker.bridge", "in", "--channel", "full",
+                            sys.executable, "-m", "hurray_ipc.broker.bridge", "in", "--channel", ch,
                             "--endpoint", b.endpoint, "--connect", url, "--insecure"],
                            stderr=subprocess.PIPE, text=True)
     size = 60 << 20
@@ -273,9 +339,15 @@ def test_a_consumer_gone_before_its_handoff_arrived_neither_loses_it_nor_stops_t
     from test_vectors_refusals import _ep
 
     _, b = two_brokers
+    ch = fresh("v")
     url = f"tcp://127.0.0.1:{free_port()}"
     s = raw_sender(url)
-    inn = bridge("in", "--channel", "v", "--endpoint", b.endpoint, "--connect", url, "--insecure", "--timeout", "1.5")
+    timeout = 1.0  # the link timeout: a receiver silent this long is dropped by its sender
+    inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure",
+                 "--timeout", str(timeout))
+    # The next consumer: its process starts now, and connects to B only once let through below
+    gate = SPAWN.Event()
+    collector = Proc(once_let_through, gate=gate, target=collect, endpoint=b.endpoint, channel=ch, n=1)
     data = workload.pattern(5, 0, 4096).tobytes()
     gone = zmq.Context.instance().socket(zmq.DEALER)
     gone.setsockopt(zmq.LINGER, 1000)
@@ -292,22 +364,29 @@ def test_a_consumer_gone_before_its_handoff_arrived_neither_loses_it_nor_stops_t
 
         def ready():  # the bridge's READY the broker holds for channel v (STATS, spec §2.3)
             reply = watcher.stats(5.0)
-            return sum(c["ready"] for c in reply["channels"] if c["name"] == "v")
+            return sum(c["ready"] for c in reply["channels"] if c["name"] == ch)
 
         deadline = time.monotonic() + 20
         while not ready():  # the ended transfer waits and the bridge has asked for a consumer
             assert time.monotonic() < deadline, "the bridge never asked for a consumer"
+            send(s, rid, "LINK_PONG", {})  # the sender keeps the link answered meanwhile
             time.sleep(0.02)
         # One burst, handled in order by the broker: the GRANT goes to the bridge, then the consumer is gone.
-        for verb, header in (("HELLO", {"protocol": 2, "role": "consumer", "channel": "v", "pid": os.getpid(),
+        for verb, header in (("HELLO", {"protocol": 2, "role": "consumer", "channel": ch, "pid": os.getpid(),
                                         "endpoint": _ep(os.getpid())}),
                              ("REQUEST", {"credits": 1}), ("BYE", {})):
             gone.send_multipart([verb.encode(), json.dumps(header).encode()])
-        gap = _longest_silence(s, rid, 3.0)
-        assert gap < 1.5, f"the receiver said nothing for {gap:.2f} s after its consumer went"
-        got = Proc(_collect, endpoint=b.endpoint, n=1).result()
+        # From the burst until two link timeouts after the bridge bounced the refused handoff (the
+        # moment a bridge that waited for another consumer in its loop would fall silent):
+        gap = _longest_silence(s, rid, 2 * timeout, after=lambda: '"hand_on_again"' in log_so_far(inn))
+        assert gap < timeout, f"the receiver said nothing for {gap:.2f} s after its consumer went"
+        gate.set()
+        got = collector.result()
+        assert isinstance(got, list), got  # else the collector's error
         assert [g["hex"] for g in got] == [data.hex()]
     finally:
+        if not gate.is_set():  # the test failed before: it never ran
+            collector.kill()
         err = stop(inn)
         s.close()
         gone.close()
@@ -321,13 +400,18 @@ def test_link_cut_mid_transfer_releases_once(two_brokers, plane):
         pytest.skip(f"NIXL unusable: {_nixl_reason()}")
     rdma = ["--rdma"] if plane == "nixl" else []
     a, b = two_brokers
+    ch = fresh("y")
     url = f"tcp://127.0.0.1:{free_port()}"
-    out = bridge("out", "--channel", "y", "--endpoint", a.endpoint, "--listen", url, "--insecure", *rdma)
-    inn = bridge("in", "--channel", "y", "--endpoint", b.endpoint, "--connect", url, "--insecure", *rdma)
+    # A link timeout of 1 s (3 s by default): the sending bridge learns of the cut by the
+    # receiver's silence, so the release after the cut comes a link timeout later.
+    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", "--timeout", "1",
+                 *rdma)
+    inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure", "--timeout", "1",
+                 *rdma)
     try:
         counters = SPAWN.Array("q", workload.COUNTERS)
         # several transfers in flight (the receiver's window is 4) when the link is cut
-        p = Proc(workload.run_producer, endpoint=a.endpoint, channel="y", device="cpu", count=4, size=96 << 20,
+        p = Proc(workload.run_producer, endpoint=a.endpoint, channel=ch, device="cpu", count=4, size=96 << 20,
                  env={}, pool=4, counters=counters)
         deadline = time.monotonic() + 60
         while counters[workload.P_SENT] < 4:  # the bridge took all four: transfers are under way
@@ -338,7 +422,7 @@ def test_link_cut_mid_transfer_releases_once(two_brokers, plane):
         assert pr["error"] is None, pr["error"]
         assert pr["sent"] == pr["released"] == 4, "each released back to the producer exactly once"
     finally:
-        stop(out), stop(inn)
+        stop_all(out, inn)
 
 
 @pytest.mark.parametrize("plane", ["zmq", "nixl"])
@@ -353,25 +437,32 @@ def test_a_late_local_consumer_loses_nothing_and_keeps_the_link(two_brokers, pla
         pytest.skip(f"NIXL unusable: {_nixl_reason()}")
     rdma = ["--rdma"] if plane == "nixl" else []
     a, b = two_brokers
+    ch = fresh("late")
     url = f"tcp://127.0.0.1:{free_port()}"
-    out = bridge("out", "--channel", "late", "--endpoint", a.endpoint, "--listen", url, "--insecure",
-                 "--timeout", "1", *rdma)
-    inn = bridge("in", "--channel", "late", "--endpoint", b.endpoint, "--connect", url, "--insecure",
-                 "--timeout", "1", *rdma)
+    timeout = 0.5  # the link timeout: a receiver silent this long is dropped by its sender
+    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure",
+                 "--timeout", str(timeout), *rdma)
+    inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure",
+                 "--timeout", str(timeout), *rdma)
+    gate, c = SPAWN.Event(), None
     try:
         counters = SPAWN.Array("q", workload.COUNTERS)
-        p = Proc(workload.run_producer, endpoint=a.endpoint, channel="late", device="cpu", count=8, size=1 << 20,
+        p = Proc(workload.run_producer, endpoint=a.endpoint, channel=ch, device="cpu", count=8, size=1 << 20,
                  env={}, pool=8, counters=counters, timeout=60)
         deadline = time.monotonic() + 60
         while counters[workload.P_SENT] < 4:  # the receiver's window of transfers is under way
             assert time.monotonic() < deadline, "the handoffs never reached the bridge"
             time.sleep(0.01)
-        time.sleep(3.0)  # the scenario: no consumer on B for three link timeouts
-        c = Proc(workload.run_consumer, endpoint=b.endpoint, channel="late", device="cpu", count=8, env={},
-                 timeout=60)
+        # B's consumer: its process starts now, and connects to B only once let through after the wait
+        c = Proc(once_let_through, gate=gate, target=workload.run_consumer, endpoint=b.endpoint, channel=ch,
+                 device="cpu", count=8, env={}, timeout=60)
+        time.sleep(3 * timeout)  # the scenario: no consumer on B for three link timeouts
+        gate.set()
         pr, cr = p.result(), c.result()
     finally:
-        out_err, in_err = stop(out), stop(inn)
+        if c is not None and not gate.is_set():  # the test failed before: it never ran
+            c.kill()
+        out_err, in_err = stop_all(out, inn)
     logs = _all_through(pr, cr, 8, out_err, in_err)
     assert in_err.count('"event": "linked"') == 1 and "transfer_aborted" not in out_err, logs
 
@@ -409,40 +500,28 @@ def test_bridge_across_network_namespaces(two_brokers, keys, netns_pair, plane):
         pytest.skip(f"NIXL unusable: {_nixl_reason()}")
     rdma = ["--rdma"] if plane == "nixl" else []
     a, b = two_brokers
+    ch = fresh("z")
     ns_a, ns_b = netns_pair
     url = f"tcp://10.77.0.1:{5599 if plane == 'zmq' else 5598}"
     out = subprocess.Popen(["ip", "netns", "exec", ns_a, sys.executable, "-m", "hurray_ipc.broker.bridge", "out",
-                            "--channel", "z", "--endpoint", a.endpoint, "--listen", url,
+                            "--channel", ch, "--endpoint", a.endpoint, "--listen", url,
                             "--server-key", str(keys / "server.key_secret"), "--clients", str(keys / "clients"),
                             *rdma], stderr=subprocess.PIPE, text=True)
     inn = subprocess.Popen(["ip", "netns", "exec", ns_b, sys.executable, "-m", "hurray_ipc.broker.bridge", "in",
-                            "--channel", "z", "--endpoint", b.endpoint, "--connect", url,
+                            "--channel", ch, "--endpoint", b.endpoint, "--connect", url,
                             "--client-key", str(keys / "client.key_secret"),
                             "--server-public", str(keys / "server.key"), *rdma],
                            stderr=subprocess.PIPE, text=True)
     try:
-        c = Proc(workload.run_consumer, endpoint=b.endpoint, channel="z", device="cpu", count=4, env={})
-        p = Proc(workload.run_producer, endpoint=a.endpoint, channel="z", device="cpu", count=4, size=2 << 20, env={})
+        c = Proc(workload.run_consumer, endpoint=b.endpoint, channel=ch, device="cpu", count=4, env={})
+        p = Proc(workload.run_producer, endpoint=a.endpoint, channel=ch, device="cpu", count=4, size=2 << 20, env={})
         pr, cr = p.result(), c.result()
         assert pr["error"] is None and cr["error"] is None, (pr["error"], cr["error"])
         assert cr["intact"] == 4 and pr["released"] == 4
     finally:
-        out_err, in_err = stop(out), stop(inn)
+        out_err, in_err = stop_all(out, inn)
     said = f'"data_plane": "{plane}"'
     assert said in out_err and said in in_err, (out_err[-800:], in_err[-800:])
-
-
-def _collect(endpoint, n):
-    from hurray_ipc.client import Consumer
-
-    out = []
-    with Consumer(endpoint, "v", "cpu") as c:
-        for _ in range(n):
-            h = c.receive(timeout=30)
-            out.append({"hex": bytes(h.buffer.host_view()).hex(), "typestr": h.buffer.typestr,
-                        "shape": list(h.buffer.shape)})
-            h.release()
-    return out
 
 
 def _routes(endpoint, channel):
@@ -461,20 +540,23 @@ def test_sending_bridge_leaves_its_broker_when_its_last_peer_goes(two_brokers):
     from hurray_ipc.cli.caps import broker_answer
 
     a, _ = two_brokers
+    ch = fresh("lv")
     url = f"tcp://127.0.0.1:{free_port()}"
-    out = bridge("out", "--channel", "lv", "--endpoint", a.endpoint, "--listen", url, "--insecure", "--timeout", "1")
+    # a 0.5 s link timeout: the peer stays linked while it speaks (below), goes half a second after it falls silent
+    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", "--timeout", "0.5")
     s, say, expect = raw_receiver(url)
 
     def bridges():
-        return [(x["direction"], len(x["links"])) for x in broker_answer(a.endpoint, "cpu", None, "lv", None, 5.0)
+        return [(x["direction"], len(x["links"])) for x in broker_answer(a.endpoint, "cpu", None, ch, None, 5.0)
                 .get("bridges", [])]
 
     try:
-        say("LINK_HELLO", {"protocol": 1, "channel": "lv", "window": 2})
+        say("LINK_HELLO", {"protocol": 1, "channel": ch, "window": 2})
         expect("LINK_WELCOME")
         deadline = time.monotonic() + 20
         while bridges() != [("export", 1)]:
             assert time.monotonic() < deadline, f"never linked in CAPS: {bridges()}"
+            say("LINK_PING", {})  # a linked receiver's keep-alive: the peer is not silent yet
             time.sleep(0.05)
         s.close()  # the peer falls silent
         deadline = time.monotonic() + 20
@@ -488,19 +570,20 @@ def test_sending_bridge_leaves_its_broker_when_its_last_peer_goes(two_brokers):
 def test_bridge_copies_to_receiver_gpu(two_brokers):
     """--device cuda:0 on the receiving side: buffers reach B's consumers in GPU memory, synced."""
     a, b = two_brokers
+    ch = fresh("g")
     url = f"tcp://127.0.0.1:{free_port()}"
     env = emu_config().to_env()
-    out = bridge("out", "--channel", "g", "--endpoint", a.endpoint, "--listen", url, "--insecure")
-    inn = bridge("in", "--channel", "g", "--endpoint", b.endpoint, "--connect", url, "--insecure", "--device", "cuda:0",
+    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure")
+    inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure", "--device", "cuda:0",
                  env=env)
     try:
-        c = Proc(workload.run_consumer, endpoint=b.endpoint, channel="g", device="cuda:0", count=3, env=env)
-        p = Proc(workload.run_producer, endpoint=a.endpoint, channel="g", device="cpu", count=3, size=1 << 20, env={})
+        c = Proc(workload.run_consumer, endpoint=b.endpoint, channel=ch, device="cuda:0", count=3, env=env)
+        p = Proc(workload.run_producer, endpoint=a.endpoint, channel=ch, device="cpu", count=3, size=1 << 20, env={})
         pr, cr = p.result(), c.result()
         assert pr["error"] is None and cr["error"] is None, (pr["error"], cr["error"])
         assert cr["intact"] == 3 and cr["modes"] == {"SYNC_PRODUCER_SYNCED": 3} and cr["staged"] == 0
     finally:
-        stop(out), stop(inn)
+        stop_all(out, inn)
 
 
 @pytest.mark.parametrize("plane", ["zmq", "nixl"])
@@ -526,8 +609,8 @@ def test_brokers_bridge_channels_themselves(tmp_path, keys, plane):
         assert pr["error"] is None and cr["error"] is None, (pr["error"], cr["error"])
         assert cr["intact"] == 3 and pr["released"] == 3
     finally:
-        errs = [stop(x) for x in procs]
-    assert all(x.returncode == 0 for x in procs), errs
+        errs = stop_all(*procs)
+    assert all(x.returncode == 0 for x in procs), ([x.returncode for x in procs], errs)
     assert f'"data_plane": "{plane}"' in errs[1], errs[1][-1500:]
 
 
@@ -565,11 +648,18 @@ def test_an_aborting_bridge_costs_its_link_not_the_broker(tmp_path, keys):
                           "--log-file", str(a_log), "--export", f"e={url}", "--bridge-keys", str(keys)])
     b = subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker", "--endpoint", b_ep, "--log-level", "warning",
                           "--import", f"e={url}", "--bridge-keys", str(keys)], stderr=subprocess.PIPE, text=True)
+    gate, procs = SPAWN.Event(), []
     try:
         (started,) = _until_logged(a_log, "bridge_started", 1, a)
         os.kill(started["pid"], signal.SIGABRT)  # what a UCX assertion does
         (exited,) = _until_logged(a_log, "bridge_exited", 1, a)
         assert exited["signal"] == "SIGABRT" and exited["restart_in_s"] > 0, exited
+        # The channel's consumer and producer: their processes start during the back-off, and reach
+        # the brokers only once let through below, after the restart (across the restarted link).
+        procs = [Proc(once_let_through, gate=gate, target=workload.run_consumer, endpoint=b_ep, channel="e",
+                      device="cpu", count=3, env={}),
+                 Proc(once_let_through, gate=gate, target=workload.run_producer, endpoint=a_ep, channel="e",
+                      device="cpu", count=3, size=1 << 16, env={})]
         again = _until_logged(a_log, "bridge_started", 2, a)[1]
         assert again["restarts"] == 1 and again["pid"] != started["pid"]
         with Producer(a_ep, "local", "cpu") as p, Consumer(a_ep, "local", "cpu") as c, \
@@ -578,13 +668,16 @@ def test_an_aborting_bridge_costs_its_link_not_the_broker(tmp_path, keys):
             p.send(workload.pattern(3, 1, 4096), timeout=30)
             with got.result(timeout=60) as h:
                 assert workload.verify(h.numpy())[2]
-        cr = Proc(workload.run_consumer, endpoint=b_ep, channel="e", device="cpu", count=3, env={})
-        pr = Proc(workload.run_producer, endpoint=a_ep, channel="e", device="cpu", count=3, size=1 << 16, env={})
+        gate.set()
+        cr, pr = procs
         pres, cres = pr.result(), cr.result()
         assert pres["error"] is None and cres["error"] is None, (pres["error"], cres["error"])
         assert cres["intact"] == 3 and pres["released"] == 3
         assert a.poll() is None, "the exporting broker died"
     finally:
+        if not gate.is_set():  # the test failed before: they never ran
+            for x in procs:
+                x.kill()
         stop(b)
         stop(a)
     assert a.returncode == 0, a_log.read_text()[-2000:]
@@ -628,15 +721,17 @@ def _all_through(pr, cr, n, out_err, in_err):
     return logs
 
 
-def _bridged_pair(a, b, url, out_args, in_args, n=6, size=(3 << 20) + 12345):
-    out = bridge("out", "--channel", "r", "--endpoint", a.endpoint, "--listen", url, "--insecure", *out_args)
-    inn = bridge("in", "--channel", "r", "--endpoint", b.endpoint, "--connect", url, "--insecure", *in_args)
+def _bridged_pair(a, b, url, out_args, in_args, n=6, size=(3 << 20) + 12345, pool=4):
+    ch = fresh("r")
+    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", *out_args)
+    inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure", *in_args)
     try:
-        c = Proc(workload.run_consumer, endpoint=b.endpoint, channel="r", device="cpu", count=n, env={})
-        p = Proc(workload.run_producer, endpoint=a.endpoint, channel="r", device="cpu", count=n, size=size, env={})
+        c = Proc(workload.run_consumer, endpoint=b.endpoint, channel=ch, device="cpu", count=n, env={})
+        p = Proc(workload.run_producer, endpoint=a.endpoint, channel=ch, device="cpu", count=n, size=size, env={},
+                 pool=pool)
         pr, cr = p.result(), c.result()
     finally:
-        out_err, in_err = stop(out), stop(inn)
+        out_err, in_err = stop_all(out, inn)
     _all_through(pr, cr, n, out_err, in_err)
     return out_err, in_err
 
@@ -680,7 +775,9 @@ def test_nixl_transfer_in_several_writes(two_brokers):
     from hurray_ipc.interchange.sender import WRITE_CHUNK
 
     a, b = two_brokers
-    _bridged_pair(a, b, f"tcp://127.0.0.1:{free_port()}", ["--rdma"], ["--rdma"], n=2, size=2 * WRITE_CHUNK + 4097)
+    # pool=2: the producer allocates only the two buffers it sends (each over 128 MiB)
+    _bridged_pair(a, b, f"tcp://127.0.0.1:{free_port()}", ["--rdma"], ["--rdma"], n=2, size=2 * WRITE_CHUNK + 4097,
+                  pool=2)
 
 
 @NEEDS_NIXL
@@ -701,19 +798,20 @@ def test_nixl_writes_into_receiver_gpu_and_flushes_before_handing_on(two_brokers
     before the buffer is handed on: the emulation's race check fails a consumer's read of memory
     offered to a NIC with no flush since."""
     a, b = two_brokers
+    ch = fresh("v")
     url = f"tcp://127.0.0.1:{free_port()}"
     env = emu_config().to_env()
-    out = bridge("out", "--channel", "v", "--endpoint", a.endpoint, "--listen", url, "--insecure", "--rdma")
-    inn = bridge("in", "--channel", "v", "--endpoint", b.endpoint, "--connect", url, "--insecure", "--rdma",
+    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", "--rdma")
+    inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure", "--rdma",
                  "--device", "cuda:0", env=env)
     try:
-        c = Proc(workload.run_consumer, endpoint=b.endpoint, channel="v", device="cuda:0", count=4, env=env)
-        p = Proc(workload.run_producer, endpoint=a.endpoint, channel="v", device="cpu", count=4, size=1 << 20, env={})
+        c = Proc(workload.run_consumer, endpoint=b.endpoint, channel=ch, device="cuda:0", count=4, env=env)
+        p = Proc(workload.run_producer, endpoint=a.endpoint, channel=ch, device="cpu", count=4, size=1 << 20, env={})
         pr, cr = p.result(), c.result()
         # Each bridge announced its link before the first handoff of it (ROUTE): its broker says so.
-        routes = _routes(a.endpoint, "v"), _routes(b.endpoint, "v")
+        routes = _routes(a.endpoint, ch), _routes(b.endpoint, ch)
     finally:
-        out_err, in_err = stop(out), stop(inn)
+        out_err, in_err = stop_all(out, inn)
     assert pr["error"] is None and cr["error"] is None, (pr["error"], cr["error"], in_err[-1500:])
     assert cr["races"] == 0, "a read of NIC-written memory before the flush"
     assert cr["intact"] == 4 and cr["modes"] == {"SYNC_PRODUCER_SYNCED": 4} and cr["staged"] == 0
@@ -732,19 +830,20 @@ def test_sending_bridge_on_the_gpu_reads_retired_device_memory(two_brokers, plan
         pytest.skip(f"NIXL unusable: {_nixl_reason()}")
     rdma = ["--rdma"] if plane == "nixl" else []
     a, b = two_brokers
+    ch = fresh("s")
     url = f"tcp://127.0.0.1:{free_port()}"
     env = emu_config().to_env()
-    out = bridge("out", "--channel", "s", "--endpoint", a.endpoint, "--listen", url, "--insecure", "--device",
+    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", "--device",
                  "cuda:0", *rdma, env=env)
-    inn = bridge("in", "--channel", "s", "--endpoint", b.endpoint, "--connect", url, "--insecure", *rdma)
+    inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure", *rdma)
     try:
-        c = Proc(workload.run_consumer, endpoint=b.endpoint, channel="s", device="cpu", count=4, env={}, timeout=40)
-        p = Proc(workload.run_producer, endpoint=a.endpoint, channel="s", device="cuda:0", count=4, size=1 << 20,
+        c = Proc(workload.run_consumer, endpoint=b.endpoint, channel=ch, device="cpu", count=4, env={}, timeout=40)
+        p = Proc(workload.run_producer, endpoint=a.endpoint, channel=ch, device="cuda:0", count=4, size=1 << 20,
                  env=env, timeout=40)
         pr, cr = p.result(), c.result()
-        routes = _routes(a.endpoint, "s"), _routes(b.endpoint, "s")
+        routes = _routes(a.endpoint, ch), _routes(b.endpoint, ch)
     finally:
-        out_err, in_err = stop(out), stop(inn)
+        out_err, in_err = stop_all(out, inn)
     assert pr["error"] is None and cr["error"] is None, (pr["error"], cr["error"], out_err[-1500:], in_err[-800:])
     assert pr["staged"] == 0 and pr["races"] == 0, pr
     assert pr["sent"] == pr["released"] == 4 and cr["received"] == cr["intact"] == 4, (pr, cr)
@@ -766,19 +865,20 @@ def test_real_gpu_to_gpu_over_nixl(two_brokers):
     if REAL_SKIP:
         pytest.skip(f"real CUDA not available here: {REAL_SKIP}")
     a, b = two_brokers
+    ch = fresh("g2g")
     url = f"tcp://127.0.0.1:{free_port()}"
     env = {"HURRAY_CUDA": "real"}
-    out = bridge("out", "--channel", "g2g", "--endpoint", a.endpoint, "--listen", url, "--insecure", "--rdma",
+    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", "--rdma",
                  "--device", "cuda:0", env=env)
-    inn = bridge("in", "--channel", "g2g", "--endpoint", b.endpoint, "--connect", url, "--insecure", "--rdma",
+    inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure", "--rdma",
                  "--device", "cuda:0", env=env)
     try:
-        c = Proc(workload.run_consumer, endpoint=b.endpoint, channel="g2g", device="cuda:0", count=4, env=env)
-        p = Proc(workload.run_producer, endpoint=a.endpoint, channel="g2g", device="cuda:0", count=4, size=64 << 20,
+        c = Proc(workload.run_consumer, endpoint=b.endpoint, channel=ch, device="cuda:0", count=4, env=env)
+        p = Proc(workload.run_producer, endpoint=a.endpoint, channel=ch, device="cuda:0", count=4, size=64 << 20,
                  env=env)
         pr, cr = p.result(), c.result()
     finally:
-        out_err, in_err = stop(out), stop(inn)
+        out_err, in_err = stop_all(out, inn)
     logs = _all_through(pr, cr, 4, out_err, in_err)
     path = "device" if nixl_info().gpudirect else "host-staged"
     assert f'"gpu_source": "{path}"' in out_err and f'"path": "{path}"' in in_err, logs
@@ -812,23 +912,24 @@ def test_offers_of_a_gone_agent_do_not_leak_the_sending_bridges_sockets(two_brok
     from hurray_ipc.interchange.sender import MAX_FAILED_WRITES
 
     a, _ = two_brokers
+    ch = fresh("gone")
     url = f"tcp://127.0.0.1:{free_port()}"
     # A link timeout far past the run: this hand-driven receiver sends no LINK_PING, and under load
     # 100 failed NIXL connects may leave it silent longer than the default (it was dropped, link_lost).
-    out = bridge("out", "--channel", "gone", "--endpoint", a.endpoint, "--listen", url, "--insecure", "--rdma",
+    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", "--rdma",
                  "--timeout", "60")
     s, say, expect = raw_receiver(url)
     with RdmaEngine("gone-rx") as rx:
         offer = rx.expose(rx.register_array(np.zeros(4096, np.uint8)))
     n = 100
-    p = Proc(workload.run_producer, endpoint=a.endpoint, channel="gone", device="cpu", count=n, size=4096, env={},
+    p = Proc(workload.run_producer, endpoint=a.endpoint, channel=ch, device="cpu", count=n, size=4096, env={},
              timeout=60)
 
     def fds() -> int:
         return len(os.listdir(f"/proc/{out.pid}/fd"))
 
     try:
-        say("LINK_HELLO", {"protocol": 1, "channel": "gone", "data_planes": ["nixl", "zmq"], "window": 1})
+        say("LINK_HELLO", {"protocol": 1, "channel": ch, "data_planes": ["nixl", "zmq"], "window": 1})
         assert expect("LINK_WELCOME")["data_plane"] == "nixl"
         say("CREDIT", {"n": 1})
         counts = []

@@ -190,3 +190,26 @@ def receive_one_later(endpoint, channel, ready, go):
     except Exception:  # noqa: BLE001 - reported to the parent
         import traceback
         return {"error": traceback.format_exc()}
+
+
+def collect(endpoint, channel, n):
+    """Receive ``n`` CPU buffers of ``channel``: their bytes (hex), typestr and shape, each released."""
+    from hurray_ipc.client import Consumer
+
+    out = []
+    with Consumer(endpoint, channel, "cpu") as c:
+        for _ in range(n):
+            h = c.receive(timeout=30)
+            out.append({"hex": bytes(h.buffer.host_view()).hex(), "typestr": h.buffer.typestr,
+                        "shape": list(h.buffer.shape)})
+            h.release()
+    return out
+
+
+def once_let_through(gate, target, **kwargs):
+    """``target(**kwargs)`` once ``gate`` (a multiprocessing Event) is set: a test starts the process
+    ahead of the moment its scenario needs it (a spawned interpreter takes a good part of a
+    second), and lets it through then. Nothing of ``target`` runs before: a consumer has not connected."""
+    if not gate.wait(60):
+        return {"error": "the test never let this process through"}
+    return target(**kwargs)
