@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import signal
 import socket
@@ -12,6 +13,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -41,6 +43,67 @@ def bridge(*args, env=None):
                          env={**os.environ, **(env or {})})
     p.log = log  # type: ignore[attr-defined]
     return p
+
+
+class InThread:
+    """A bridge built as ``python -m hurray_ipc.broker.bridge *args`` builds it (bridge.build), serving
+    in a thread of this process: for tests whose subject is the link, not the process (no interpreter
+    to start). Its log is what its serving thread logged (the lines a bridge process writes);
+    :func:`stop` sets its stop event, joins it and returns that log."""
+
+    def __init__(self, *args: str):
+        from hurray_ipc.broker.bridge import build, log, parser
+
+        self.lines: list[str] = []
+        self.error: BaseException | None = None
+        self.threads = {threading.get_ident()}  # its construction's lines, then its thread's
+        self.handler = logging.Handler(logging.INFO)
+        self.handler.emit = self._emit  # type: ignore[method-assign]
+        self.handler.addFilter(lambda r: r.thread in self.threads)
+        self.log, self.level = log, log.level
+        log.addHandler(self.handler)
+        log.setLevel(logging.INFO)
+        try:
+            self.bridge = build(parser().parse_args(list(args)))
+        except BaseException:
+            self._unhook()
+            raise
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve, name=f"bridge-{args[0]}", daemon=True)
+        self.thread.start()
+        self.returncode: int | None = None
+
+    def _emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.handler.format(record))
+
+    def _serve(self) -> None:
+        self.threads = {threading.get_ident()}
+        try:
+            self.bridge.serve(self.stopping)
+        except BaseException as e:  # noqa: BLE001 - reported by stop()
+            self.error = e
+
+    def _unhook(self) -> None:
+        self.log.removeHandler(self.handler)
+        self.log.setLevel(self.level)
+
+    def poll(self) -> int | None:
+        return None if self.thread.is_alive() else 0
+
+    def log_so_far(self) -> str:
+        return "\n".join(list(self.lines))
+
+    def stop(self) -> str:
+        """Stop it (once), wait for its loop to close the bridge (10 s at most) and return its log;
+        a loop that raised or did not end fails the test."""
+        self.stopping.set()
+        if self.returncode is None:
+            self.thread.join(10)
+            self._unhook()
+            self.returncode = 0
+            assert not self.thread.is_alive(), f"the bridge's loop did not end: {self.log_so_far()[-1500:]}"
+            assert self.error is None, f"the bridge's loop raised {self.error!r}: {self.log_so_far()[-1500:]}"
+        return self.log_so_far()
 
 
 _SEQ = itertools.count(1)
@@ -96,14 +159,18 @@ def keys(tmp_path_factory):
 
 def _terminate(p):
     """SIGTERM ``p``, once: a second SIGTERM may come while it shuts down, its handler gone, and
-    kill it (a broker's status is then -15, not 0)."""
-    if p.poll() is None and not getattr(p, "terminated", False):
+    kill it (a broker's status is then -15, not 0). An :class:`InThread` bridge: its stop event."""
+    if isinstance(p, InThread):
+        p.stopping.set()
+    elif p.poll() is None and not getattr(p, "terminated", False):
         p.send_signal(signal.SIGTERM)
         p.terminated = True
 
 
 def stop(p):
     """SIGTERM ``p`` (unless it was), wait for it (SIGKILL after 10 s), and return its log."""
+    if isinstance(p, InThread):
+        return p.stop()
     _terminate(p)
     try:
         err = p.communicate(timeout=10)[1]
@@ -160,8 +227,8 @@ def test_arrays_and_user_metadata_cross_the_bridges_as_sent(two_brokers):
     a, b = two_brokers
     ch = fresh("m")
     url = f"tcp://127.0.0.1:{free_port()}"
-    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure")
-    inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure")
+    out = InThread("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure")
+    inn = InThread("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure")
     sent = [(np.arange(6, dtype=">i2").reshape(2, 3), {"frame": 1, "tags": ["a", "b"]}),
             (np.float32(2.5).reshape(()), ["x", 2]),
             (np.arange(4, dtype=np.uint8), None)]
@@ -194,8 +261,8 @@ def test_an_ended_stream_on_one_side_neither_stops_nor_ends_the_bridge(two_broke
     a, b = two_brokers
     ch = fresh("e")
     url = f"tcp://127.0.0.1:{free_port()}"
-    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure")
-    inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure")
+    out = InThread("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure")
+    inn = InThread("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure")
     try:
         with Consumer(b.endpoint, ch, "cpu") as c:
             for i in range(2):
@@ -284,6 +351,8 @@ def _longest_silence(s, rid, seconds, after=lambda: True, within=30.0):
 def log_so_far(p) -> str:
     """What the bridge ``p`` (started by :func:`bridge`) logged so far, read while it runs: pread
     leaves alone the file offset the bridge shares with us (a seek would move where it writes)."""
+    if isinstance(p, InThread):
+        return p.log_so_far()
     fd = p.log.fileno()
     return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
 
@@ -343,8 +412,8 @@ def test_a_consumer_gone_before_its_handoff_arrived_neither_loses_it_nor_stops_t
     url = f"tcp://127.0.0.1:{free_port()}"
     s = raw_sender(url)
     timeout = 1.0  # the link timeout: a receiver silent this long is dropped by its sender
-    inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure",
-                 "--timeout", str(timeout))
+    inn = InThread("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure",
+                   "--timeout", str(timeout))
     # The next consumer: its process starts now, and connects to B only once let through below
     gate = SPAWN.Event()
     collector = Proc(once_let_through, gate=gate, target=collect, endpoint=b.endpoint, channel=ch, n=1)
@@ -440,10 +509,10 @@ def test_a_late_local_consumer_loses_nothing_and_keeps_the_link(two_brokers, pla
     ch = fresh("late")
     url = f"tcp://127.0.0.1:{free_port()}"
     timeout = 0.5  # the link timeout: a receiver silent this long is dropped by its sender
-    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure",
-                 "--timeout", str(timeout), *rdma)
-    inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure",
-                 "--timeout", str(timeout), *rdma)
+    out = InThread("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure",
+                   "--timeout", str(timeout), *rdma)
+    inn = InThread("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure",
+                   "--timeout", str(timeout), *rdma)
     gate, c = SPAWN.Event(), None
     try:
         counters = SPAWN.Array("q", workload.COUNTERS)
@@ -543,7 +612,7 @@ def test_sending_bridge_leaves_its_broker_when_its_last_peer_goes(two_brokers):
     ch = fresh("lv")
     url = f"tcp://127.0.0.1:{free_port()}"
     # a 0.5 s link timeout: the peer stays linked while it speaks (below), goes half a second after it falls silent
-    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", "--timeout", "0.5")
+    out = InThread("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", "--timeout", "0.5")
     s, say, expect = raw_receiver(url)
 
     def bridges():
