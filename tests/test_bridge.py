@@ -790,10 +790,12 @@ def _all_through(pr, cr, n, out_err, in_err):
     return logs
 
 
-def _bridged_pair(a, b, url, out_args, in_args, n=6, size=(3 << 20) + 12345, pool=4):
+def _bridged_pair(a, b, url, out_args, in_args, n=6, size=(3 << 20) + 12345, pool=4, start=InThread):
+    """``n`` buffers from a producer on A to a consumer on B across a pair of bridges (``start``:
+    :class:`InThread`, or :func:`bridge` for processes); the bridges' logs."""
     ch = fresh("r")
-    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", *out_args)
-    inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure", *in_args)
+    out = start("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", *out_args)
+    inn = start("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure", *in_args)
     try:
         c = Proc(workload.run_consumer, endpoint=b.endpoint, channel=ch, device="cpu", count=n, env={})
         p = Proc(workload.run_producer, endpoint=a.endpoint, channel=ch, device="cpu", count=n, size=size, env={},
@@ -830,8 +832,9 @@ def test_source_registrations_live_as_long_as_the_mapping(two_brokers, monkeypat
 
     monkeypatch.setenv("HURRAY_IMPORT_CACHE", import_cache)  # the bridges' consumer maps the buffers
     a, b = two_brokers
+    # Bridge processes: a process reads HURRAY_IMPORT_CACHE once (this one's CPU device has read it)
     out_err, in_err = _bridged_pair(a, b, f"tcp://127.0.0.1:{free_port()}", ["--rdma"], ["--rdma"], n=12,
-                                    size=1 << 20)
+                                    size=1 << 20, start=bridge)
     out, inn = _closed(out_err), _closed(in_err)
     assert out["sent"] == 12 and out["nixl_registrations"] == (4 if import_cache == "64" else 12), out
     assert inn["delivered"] == 12 and inn["nixl_registrations"] <= WINDOW + 1, inn
@@ -854,9 +857,9 @@ def test_bridged_over_nixl_on_ucx_tcp(two_brokers, monkeypatch):
     """NIXL runs without its progress thread in a bridge (it spins a core per agent): on UCX's TCP
     transport a WRITE lands only while the receiving bridge makes progress, which it must do
     while it has a region offered (RdmaEngine.progress)."""
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TLS", "tcp")  # read by UCX once per process: bridges of their own
     a, b = two_brokers
-    out_err, in_err = _bridged_pair(a, b, f"tcp://127.0.0.1:{free_port()}", ["--rdma"], ["--rdma"], n=3)
+    out_err, in_err = _bridged_pair(a, b, f"tcp://127.0.0.1:{free_port()}", ["--rdma"], ["--rdma"], n=3, start=bridge)
     assert '"data_plane": "nixl"' in in_err and "transfer_aborted" not in out_err, out_err[-800:]
 
 
