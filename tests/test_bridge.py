@@ -45,11 +45,24 @@ def bridge(*args, env=None):
     return p
 
 
+class _ThreadLog(logging.Handler):
+    """Keeps the lines of the records that pass its filter (one :class:`InThread`'s log)."""
+
+    def __init__(self, lines: list[str]):
+        super().__init__(logging.INFO)
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
 class InThread:
     """A bridge built as ``python -m hurray_ipc.broker.bridge *args`` builds it (bridge.build), serving
     in a thread of this process: for tests whose subject is the link, not the process (no interpreter
     to start). Its log is what its serving thread logged (the lines a bridge process writes);
     :func:`stop` sets its stop event, joins it and returns that log."""
+
+    level = logging.NOTSET  # the bridge logger's level before the first of those serving hooked it
 
     def __init__(self, *args: str):
         from hurray_ipc.broker.bridge import build, log, parser
@@ -57,10 +70,11 @@ class InThread:
         self.lines: list[str] = []
         self.error: BaseException | None = None
         self.threads = {threading.get_ident()}  # its construction's lines, then its thread's
-        self.handler = logging.Handler(logging.INFO)
-        self.handler.emit = self._emit  # type: ignore[method-assign]
+        self.handler = _ThreadLog(self.lines)
         self.handler.addFilter(lambda r: r.thread in self.threads)
-        self.log, self.level = log, log.level
+        self.log = log
+        if not any(isinstance(h, _ThreadLog) for h in log.handlers):  # the first of those hooked
+            InThread.level = log.level
         log.addHandler(self.handler)
         log.setLevel(logging.INFO)
         try:
@@ -71,10 +85,8 @@ class InThread:
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._serve, name=f"bridge-{args[0]}", daemon=True)
         self.thread.start()
+        _LIVE.append(self)
         self.returncode: int | None = None
-
-    def _emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(self.handler.format(record))
 
     def _serve(self) -> None:
         self.threads = {threading.get_ident()}
@@ -85,7 +97,8 @@ class InThread:
 
     def _unhook(self) -> None:
         self.log.removeHandler(self.handler)
-        self.log.setLevel(self.level)
+        if not any(isinstance(h, _ThreadLog) for h in self.log.handlers):  # the last of those hooked
+            self.log.setLevel(InThread.level)
 
     def poll(self) -> int | None:
         return None if self.thread.is_alive() else 0
@@ -97,6 +110,8 @@ class InThread:
         """Stop it (once), wait for its loop to close the bridge (10 s at most) and return its log;
         a loop that raised or did not end fails the test."""
         self.stopping.set()
+        if self in _LIVE:
+            _LIVE.remove(self)
         if self.returncode is None:
             self.thread.join(10)
             self._unhook()
@@ -104,6 +119,19 @@ class InThread:
             assert not self.thread.is_alive(), f"the bridge's loop did not end: {self.log_so_far()[-1500:]}"
             assert self.error is None, f"the bridge's loop raised {self.error!r}: {self.log_so_far()[-1500:]}"
         return self.log_so_far()
+
+
+_LIVE: list[InThread] = []  # started and not yet stopped
+
+
+@pytest.fixture(autouse=True)
+def _no_bridge_thread_left():
+    """Stop the :class:`InThread` bridges a test left serving (one that failed before its
+    ``finally``, e.g. building its second bridge): a loop left running would hold its sockets and
+    context into the next tests."""
+    yield
+    while _LIVE:
+        _LIVE.pop().stop()
 
 
 _SEQ = itertools.count(1)
