@@ -501,9 +501,8 @@ def test_link_cut_mid_transfer_releases_once(two_brokers, plane):
     url = f"tcp://127.0.0.1:{free_port()}"
     # A link timeout of 1 s (3 s by default): the sending bridge learns of the cut by the
     # receiver's silence, so the release after the cut comes a link timeout later.
-    # The receiving bridge is a process (killed below); the sending one, whose releases are checked, a thread.
-    out = InThread("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", "--timeout",
-                   "1", *rdma)
+    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", "--timeout", "1",
+                 *rdma)
     inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure", "--timeout", "1",
                  *rdma)
     try:
