@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import signal
 import socket
@@ -12,6 +13,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -41,6 +43,95 @@ def bridge(*args, env=None):
                          env={**os.environ, **(env or {})})
     p.log = log  # type: ignore[attr-defined]
     return p
+
+
+class _ThreadLog(logging.Handler):
+    """Keeps the lines of the records that pass its filter (one :class:`InThread`'s log)."""
+
+    def __init__(self, lines: list[str]):
+        super().__init__(logging.INFO)
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
+class InThread:
+    """A bridge built as ``python -m hurray_ipc.broker.bridge *args`` builds it (bridge.build), serving
+    in a thread of this process: for tests whose subject is the link, not the process (no interpreter
+    to start). Its log is what its serving thread logged (the lines a bridge process writes);
+    :func:`stop` sets its stop event, joins it and returns that log."""
+
+    level = logging.NOTSET  # the bridge logger's level before the first of those serving hooked it
+
+    def __init__(self, *args: str):
+        from hurray_ipc.broker.bridge import build, log, parser
+
+        self.lines: list[str] = []
+        self.error: BaseException | None = None
+        self.threads = {threading.get_ident()}  # its construction's lines, then its thread's
+        self.handler = _ThreadLog(self.lines)
+        self.handler.addFilter(lambda r: r.thread in self.threads)
+        self.log = log
+        if not any(isinstance(h, _ThreadLog) for h in log.handlers):  # the first of those hooked
+            InThread.level = log.level
+        log.addHandler(self.handler)
+        log.setLevel(logging.INFO)
+        try:
+            self.bridge = build(parser().parse_args(list(args)))
+        except BaseException:
+            self._unhook()
+            raise
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve, name=f"bridge-{args[0]}", daemon=True)
+        self.thread.start()
+        _LIVE.append(self)
+        self.returncode: int | None = None
+
+    def _serve(self) -> None:
+        self.threads = {threading.get_ident()}
+        try:
+            self.bridge.serve(self.stopping)
+        except BaseException as e:  # noqa: BLE001 - reported by stop()
+            self.error = e
+
+    def _unhook(self) -> None:
+        self.log.removeHandler(self.handler)
+        if not any(isinstance(h, _ThreadLog) for h in self.log.handlers):  # the last of those hooked
+            self.log.setLevel(InThread.level)
+
+    def poll(self) -> int | None:
+        return None if self.thread.is_alive() else 0
+
+    def log_so_far(self) -> str:
+        return "\n".join(list(self.lines))
+
+    def stop(self) -> str:
+        """Stop it (once), wait for its loop to close the bridge (10 s at most) and return its log;
+        a loop that raised or did not end fails the test."""
+        self.stopping.set()
+        if self in _LIVE:
+            _LIVE.remove(self)
+        if self.returncode is None:
+            self.thread.join(10)
+            self._unhook()
+            self.returncode = 0
+            assert not self.thread.is_alive(), f"the bridge's loop did not end: {self.log_so_far()[-1500:]}"
+            assert self.error is None, f"the bridge's loop raised {self.error!r}: {self.log_so_far()[-1500:]}"
+        return self.log_so_far()
+
+
+_LIVE: list[InThread] = []  # started and not yet stopped
+
+
+@pytest.fixture(autouse=True)
+def _no_bridge_thread_left():
+    """Stop the :class:`InThread` bridges a test left serving (one that failed before its
+    ``finally``, e.g. building its second bridge): a loop left running would hold its sockets and
+    context into the next tests."""
+    yield
+    while _LIVE:
+        _LIVE.pop().stop()
 
 
 _SEQ = itertools.count(1)
@@ -96,14 +187,18 @@ def keys(tmp_path_factory):
 
 def _terminate(p):
     """SIGTERM ``p``, once: a second SIGTERM may come while it shuts down, its handler gone, and
-    kill it (a broker's status is then -15, not 0)."""
-    if p.poll() is None and not getattr(p, "terminated", False):
+    kill it (a broker's status is then -15, not 0). An :class:`InThread` bridge: its stop event."""
+    if isinstance(p, InThread):
+        p.stopping.set()
+    elif p.poll() is None and not getattr(p, "terminated", False):
         p.send_signal(signal.SIGTERM)
         p.terminated = True
 
 
 def stop(p):
     """SIGTERM ``p`` (unless it was), wait for it (SIGKILL after 10 s), and return its log."""
+    if isinstance(p, InThread):
+        return p.stop()
     _terminate(p)
     try:
         err = p.communicate(timeout=10)[1]
@@ -160,8 +255,8 @@ def test_arrays_and_user_metadata_cross_the_bridges_as_sent(two_brokers):
     a, b = two_brokers
     ch = fresh("m")
     url = f"tcp://127.0.0.1:{free_port()}"
-    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure")
-    inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure")
+    out = InThread("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure")
+    inn = InThread("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure")
     sent = [(np.arange(6, dtype=">i2").reshape(2, 3), {"frame": 1, "tags": ["a", "b"]}),
             (np.float32(2.5).reshape(()), ["x", 2]),
             (np.arange(4, dtype=np.uint8), None)]
@@ -194,8 +289,8 @@ def test_an_ended_stream_on_one_side_neither_stops_nor_ends_the_bridge(two_broke
     a, b = two_brokers
     ch = fresh("e")
     url = f"tcp://127.0.0.1:{free_port()}"
-    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure")
-    inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure")
+    out = InThread("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure")
+    inn = InThread("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure")
     try:
         with Consumer(b.endpoint, ch, "cpu") as c:
             for i in range(2):
@@ -284,6 +379,8 @@ def _longest_silence(s, rid, seconds, after=lambda: True, within=30.0):
 def log_so_far(p) -> str:
     """What the bridge ``p`` (started by :func:`bridge`) logged so far, read while it runs: pread
     leaves alone the file offset the bridge shares with us (a seek would move where it writes)."""
+    if isinstance(p, InThread):
+        return p.log_so_far()
     fd = p.log.fileno()
     return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
 
@@ -343,8 +440,8 @@ def test_a_consumer_gone_before_its_handoff_arrived_neither_loses_it_nor_stops_t
     url = f"tcp://127.0.0.1:{free_port()}"
     s = raw_sender(url)
     timeout = 1.0  # the link timeout: a receiver silent this long is dropped by its sender
-    inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure",
-                 "--timeout", str(timeout))
+    inn = InThread("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure",
+                   "--timeout", str(timeout))
     # The next consumer: its process starts now, and connects to B only once let through below
     gate = SPAWN.Event()
     collector = Proc(once_let_through, gate=gate, target=collect, endpoint=b.endpoint, channel=ch, n=1)
@@ -440,10 +537,10 @@ def test_a_late_local_consumer_loses_nothing_and_keeps_the_link(two_brokers, pla
     ch = fresh("late")
     url = f"tcp://127.0.0.1:{free_port()}"
     timeout = 0.5  # the link timeout: a receiver silent this long is dropped by its sender
-    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure",
-                 "--timeout", str(timeout), *rdma)
-    inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure",
-                 "--timeout", str(timeout), *rdma)
+    out = InThread("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure",
+                   "--timeout", str(timeout), *rdma)
+    inn = InThread("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure",
+                   "--timeout", str(timeout), *rdma)
     gate, c = SPAWN.Event(), None
     try:
         counters = SPAWN.Array("q", workload.COUNTERS)
@@ -543,7 +640,7 @@ def test_sending_bridge_leaves_its_broker_when_its_last_peer_goes(two_brokers):
     ch = fresh("lv")
     url = f"tcp://127.0.0.1:{free_port()}"
     # a 0.5 s link timeout: the peer stays linked while it speaks (below), goes half a second after it falls silent
-    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", "--timeout", "0.5")
+    out = InThread("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", "--timeout", "0.5")
     s, say, expect = raw_receiver(url)
 
     def bridges():
@@ -721,10 +818,12 @@ def _all_through(pr, cr, n, out_err, in_err):
     return logs
 
 
-def _bridged_pair(a, b, url, out_args, in_args, n=6, size=(3 << 20) + 12345, pool=4):
+def _bridged_pair(a, b, url, out_args, in_args, n=6, size=(3 << 20) + 12345, pool=4, start=InThread):
+    """``n`` buffers from a producer on A to a consumer on B across a pair of bridges (``start``:
+    :class:`InThread`, or :func:`bridge` for processes); the bridges' logs."""
     ch = fresh("r")
-    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", *out_args)
-    inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure", *in_args)
+    out = start("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", *out_args)
+    inn = start("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure", *in_args)
     try:
         c = Proc(workload.run_consumer, endpoint=b.endpoint, channel=ch, device="cpu", count=n, env={})
         p = Proc(workload.run_producer, endpoint=a.endpoint, channel=ch, device="cpu", count=n, size=size, env={},
@@ -761,8 +860,9 @@ def test_source_registrations_live_as_long_as_the_mapping(two_brokers, monkeypat
 
     monkeypatch.setenv("HURRAY_IMPORT_CACHE", import_cache)  # the bridges' consumer maps the buffers
     a, b = two_brokers
+    # Bridge processes: a process reads HURRAY_IMPORT_CACHE once (this one's CPU device has read it)
     out_err, in_err = _bridged_pair(a, b, f"tcp://127.0.0.1:{free_port()}", ["--rdma"], ["--rdma"], n=12,
-                                    size=1 << 20)
+                                    size=1 << 20, start=bridge)
     out, inn = _closed(out_err), _closed(in_err)
     assert out["sent"] == 12 and out["nixl_registrations"] == (4 if import_cache == "64" else 12), out
     assert inn["delivered"] == 12 and inn["nixl_registrations"] <= WINDOW + 1, inn
@@ -785,9 +885,9 @@ def test_bridged_over_nixl_on_ucx_tcp(two_brokers, monkeypatch):
     """NIXL runs without its progress thread in a bridge (it spins a core per agent): on UCX's TCP
     transport a WRITE lands only while the receiving bridge makes progress, which it must do
     while it has a region offered (RdmaEngine.progress)."""
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TLS", "tcp")  # read by UCX once per process: bridges of their own
     a, b = two_brokers
-    out_err, in_err = _bridged_pair(a, b, f"tcp://127.0.0.1:{free_port()}", ["--rdma"], ["--rdma"], n=3)
+    out_err, in_err = _bridged_pair(a, b, f"tcp://127.0.0.1:{free_port()}", ["--rdma"], ["--rdma"], n=3, start=bridge)
     assert '"data_plane": "nixl"' in in_err and "transfer_aborted" not in out_err, out_err[-800:]
 
 

@@ -1139,7 +1139,8 @@ class BridgeIn:
 
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m hurray_ipc.broker.bridge`` (:func:`main`)."""
     ap = argparse.ArgumentParser(prog="python -m hurray_ipc.broker.bridge", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -1173,7 +1174,25 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--device", default="cpu", help="hand buffers on as cpu or cuda:N")
     i.add_argument("--window", type=int, default=WINDOW,
                    help=f"transfers granted ahead and held at once (1-{MAX_WINDOW}); memory: window x buffer size")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def build(a: argparse.Namespace, route_key: str | None = None) -> BridgeOut | BridgeIn:
+    """The bridge that the parsed command line ``a`` (an ``out`` or ``in`` of :func:`parser`) names,
+    not yet serving. Raises OSError, ValueError or zmq.ZMQError (keys, endpoints) and DeviceError."""
+    if a.cmd == "out":
+        curve = None if a.insecure else Curve.server(a.server_key or "", a.clients or "")
+        return BridgeOut(a.channel, a.listen, endpoint=a.endpoint, curve=curve, timeout_s=a.timeout,
+                         rdma=a.rdma, device=a.device, route_key=route_key)
+    curve = None if a.insecure else Curve.client(a.client_key or "", a.server_public or "")
+    return BridgeIn(
+        a.channel, a.connect, endpoint=a.endpoint, curve=curve, device=a.device, timeout_s=a.timeout,
+        rdma=a.rdma, window=a.window, route_key=route_key,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     if a.cmd == "keygen":
         keygen(a.dir)
         print(f"certificates written to {a.dir}")
@@ -1186,16 +1205,7 @@ def main(argv: list[str] | None = None) -> int:
     # from the broker's owner-only file.
     route_key = os.environ.pop("HURRAY_ROUTE_KEY", None)
     try:
-        if a.cmd == "out":
-            curve = None if a.insecure else Curve.server(a.server_key or "", a.clients or "")
-            bridge: Any = BridgeOut(a.channel, a.listen, endpoint=a.endpoint, curve=curve, timeout_s=a.timeout,
-                                    rdma=a.rdma, device=a.device, route_key=route_key)
-        else:
-            curve = None if a.insecure else Curve.client(a.client_key or "", a.server_public or "")
-            bridge = BridgeIn(
-                a.channel, a.connect, endpoint=a.endpoint, curve=curve, device=a.device, timeout_s=a.timeout,
-                rdma=a.rdma, window=a.window, route_key=route_key,
-            )
+        bridge = build(a, route_key)
     except (OSError, ValueError, zmq.ZMQError) as e:
         print(f"bridge: {e} (CurveZMQ keys are required unless --insecure)", file=sys.stderr)
         return 2
