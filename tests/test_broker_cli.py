@@ -265,3 +265,17 @@ def test_refusals_other_than_not_registered_stay_warnings(caplog):
     levels = {json.loads(r.getMessage())["code"]: r.levelname for r in caplog.records}
     assert levels == {"not_registered": "INFO", "unknown_verb": "WARNING"}, levels
 
+
+
+def test_a_stopping_broker_ignores_another_sigterm_to_the_end(tmp_path):
+    """A second SIGTERM while the broker shuts down (tests and process managers send them) must not
+    kill it: Python restores SIG_DFL while the interpreter finalizes, after the broker's own handler,
+    and a SIGTERM there ended it with -15. What the broker's SIGTERM disposition is at its very end
+    (an atexit hook, which runs before that restore) decides it, with no race to win."""
+    code = ("import atexit, signal, sys\n"
+            "from hurray_ipc.broker.__main__ import main\n"
+            "atexit.register(lambda: print('at exit:', signal.getsignal(signal.SIGTERM) is signal.SIG_IGN))\n"
+            f"sys.exit(main(['--endpoint', 'ipc://{tmp_path}/b.sock', '--duration', '0.1']))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.splitlines()[-1] == "at exit: True", r.stdout

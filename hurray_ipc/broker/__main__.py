@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -169,6 +170,11 @@ def main(argv: list[str] | None = None) -> int:
             supervisor.start()
         b.serve(stop_after=a.duration)
     finally:
+        # Stopping from here on: a second SIGTERM must not cut the shutdown short. The Python
+        # handler would do nothing, but Python puts SIG_DFL back while the interpreter finalizes,
+        # and a SIGTERM then killed the broker (exit -15) after its bridges and socket were gone.
+        # SIG_IGN stays in place to the end.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if supervisor is not None:
             supervisor.stop()
     return 0
