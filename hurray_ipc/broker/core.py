@@ -442,7 +442,8 @@ class BrokerCore:
         if not self.queries.admit(a, now):
             return
         q = parse(msg)
-        size = self.on_caps(rid, q) if isinstance(q, Caps) else self.on_stats(rid, q, now)  # type: ignore[arg-type]
+        assert isinstance(q, Caps | StatsQuery)  # msg.verb is CAPS or STATS
+        size = self.on_caps(rid, q) if isinstance(q, Caps) else self.on_stats(rid, q, now)
         self.queries.charge(a, size)
 
     def tick(self, now: float, alive: Alive) -> list[Out]:

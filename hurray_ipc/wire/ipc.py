@@ -684,9 +684,6 @@ for _l in (_Handoff(), _Deliver(), _Release(), _Released(), _Grant(), _Accepted(
 
 Decoded = Message | HotMessage  # what decode_all gives: a JSON verb framed, hot entries typed
 
-_HOT_TYPES: dict[str, type[HotMessage]] = {t.verb: t for t in (Handoff, Deliver, Release, EventRelease, Released,
-                                                               EventReleased, Grant, Accepted)}
-
 
 def hot_message(verb: str, fields: Mapping[str, Any], blobs: Mapping[str, bytes] | None = None) -> HotMessage:
     """A typed hot-verb entry from the spec's view of it (:meth:`HotMessage.fields` and
@@ -707,7 +704,8 @@ def hot_message(verb: str, fields: Mapping[str, Any], blobs: Mapping[str, bytes]
     if verb == "EVENT_RELEASE":
         return EventRelease(f.get("token", ""), f.get("credits") or 0)
     if verb in ("RELEASED", "EVENT_RELEASED"):
-        return _HOT_TYPES[verb](f["handoff_id"], str(f.get("reason", "released")))  # type: ignore[call-arg]
+        kind = EventReleased if verb == "EVENT_RELEASED" else Released
+        return kind(f["handoff_id"], str(f.get("reason", "released")))
     if verb == "GRANT":
         return Grant(f["grant_id"], f.get("epoch", 0), f["consumer_id"], f.get("consumer"))
     if verb == "ACCEPTED":

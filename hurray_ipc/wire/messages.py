@@ -306,7 +306,8 @@ class _Query(JsonMessage):
 
 
 def _ticket(m: Message) -> str | None:
-    return _field(m, "ticket", str, None)  # type: ignore[no-any-return]
+    ticket: str | None = _field(m, "ticket", str, None)
+    return ticket
 
 
 @_verb
