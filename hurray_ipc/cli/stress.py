@@ -314,7 +314,8 @@ class Runner:
                 quiet = not self._all_registered()
             # Each kind of kill asked for happens at least once, at the first chance once a tenth of
             # the handoffs arrived: a run with kills always tests them, however fast it goes.
-            owed = live and not quiet and self._sum("consumer", workload.C_INTACT) >= cfg.count // 10
+            owed = live and not quiet and bool(cfg.kill_consumers or cfg.kill_producers) and \
+                self._sum("consumer", workload.C_INTACT) >= cfg.count // 10
             if live and not quiet and (self.rng.random() < cfg.kill_consumers * tick or (
                     owed and cfg.kill_consumers and not self.summary.consumers_killed)):
                 self._kill("consumer")

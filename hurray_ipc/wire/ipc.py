@@ -142,18 +142,19 @@ def decode_all(parts: Sequence[Any], *, allowed: frozenset[str] | None = None) -
     """Parse and validate the shape of a message (not its meaning): a list of one Message for a
     JSON verb, of one typed entry per entry for a binary hot verb (spec §2.2: :class:`Handoff`,
     :class:`Release`...)."""
-    if len(parts) < 2:
-        raise ProtocolError("bad_frames", f"a message has at least 2 frames (verb, header), got {len(parts)}")
     verb = _verb_of(parts)
     layout = _LAYOUTS.get(verb)
     if layout is not None and verb == layout.verb:
         if allowed is not None and layout.kinds.get(1, layout.verb) not in allowed:
             raise ProtocolError("unknown_verb", f"{layout.verb!r} is not a verb this side accepts")
         return layout.decode(parts, allowed)
-    return [decode_json(parts, PAYLOAD, allowed=allowed)]
+    return [_framed(parts, verb, PAYLOAD, allowed, False)]
 
 
 def _verb_of(parts: Sequence[Any]) -> str:
+    """The verb of a message of at least two frames (verb, header)."""
+    if len(parts) < 2:
+        raise ProtocolError("bad_frames", f"a message has at least 2 frames (verb, header), got {len(parts)}")
     try:
         return bytes(parts[0]).decode("ascii")
     except UnicodeDecodeError:
@@ -168,9 +169,11 @@ def decode_json(parts: Sequence[Any], verbs: Mapping[str, tuple[str, ...]], *, a
     ``views=True`` keeps payload frames as memoryviews of the received frames (zmq.Frame from
     ``recv_multipart(copy=False)``) instead of copying them into bytes: for bulk data.
     """
-    if len(parts) < 2:
-        raise ProtocolError("bad_frames", f"a message has at least 2 frames (verb, header), got {len(parts)}")
-    verb = _verb_of(parts)
+    return _framed(parts, _verb_of(parts), verbs, allowed, views)
+
+
+def _framed(parts: Sequence[Any], verb: str, verbs: Mapping[str, tuple[str, ...]], allowed: frozenset[str] | None,
+            views: bool) -> Message:
     if verb not in verbs or (allowed is not None and verb not in allowed):
         raise ProtocolError("unknown_verb", f"{verb[:32]!r} is not a verb this side accepts")
     raw = bytes(parts[1])
