@@ -869,15 +869,19 @@ def test_source_registrations_live_as_long_as_the_mapping(two_brokers, monkeypat
 
 
 @NEEDS_NIXL
-def test_nixl_transfer_in_several_writes(two_brokers):
-    """A transfer over WRITE_CHUNK goes as several WRITEs, each announced by its own RDMA_READY range
-    (R2): bytes land where they belong, the last, shorter range included."""
-    from hurray_ipc.interchange.sender import WRITE_CHUNK
+def test_nixl_transfer_in_several_writes(two_brokers, monkeypatch):
+    """A transfer over the write chunk goes as several WRITEs, each announced by its own RDMA_READY
+    range (R2): bytes land where they belong, the last, shorter range included. The sending bridge
+    serves in this process with a 1 MiB chunk (64 MiB by default): the same three WRITEs per
+    transfer as 2 x 64 MiB + 4097 bytes, without moving 256 MiB."""
+    from hurray_ipc.broker import bridge as bridge_module
 
+    chunk = 1 << 20
+    monkeypatch.setattr(bridge_module, "WRITE_CHUNK", chunk)  # read when a sending bridge is built
     a, b = two_brokers
-    # pool=2: the producer allocates only the two buffers it sends (each over 128 MiB)
-    _bridged_pair(a, b, f"tcp://127.0.0.1:{free_port()}", ["--rdma"], ["--rdma"], n=2, size=2 * WRITE_CHUNK + 4097,
-                  pool=2)
+    out_err, _ = _bridged_pair(a, b, f"tcp://127.0.0.1:{free_port()}", ["--rdma"], ["--rdma"], n=2,
+                               size=2 * chunk + 4097, pool=2)
+    assert _closed(out_err)["rdma_writes"] == 2 * 3, _closed(out_err)
 
 
 @NEEDS_NIXL

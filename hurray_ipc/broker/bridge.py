@@ -279,7 +279,7 @@ class BridgeOut:
     @property
     def stats(self) -> dict[str, int]:
         s = self.core.stats
-        return {"sent": s.sent, "rejected": s.rejected, "aborted": s.aborted}
+        return {"sent": s.sent, "rejected": s.rejected, "aborted": s.aborted, "rdma_writes": s.writes}
 
     @property
     def gpu_source(self) -> str:

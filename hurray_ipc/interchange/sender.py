@@ -327,6 +327,7 @@ class SenderStats:
     sent: int = 0
     rejected: int = 0
     aborted: int = 0
+    writes: int = 0  # NIXL WRITEs posted
 
 
 class SenderCore:
@@ -546,6 +547,7 @@ class SenderCore:
             out.append(PostWrite(t.tid, t.next_off, n, last=t.next_off + n >= t.size))
             t.next_off += n
             t.posted += 1
+            self.stats.writes += 1
             return
 
     def _write_done(self, e: WriteDone, out: list[SenderAction]) -> None:
