@@ -203,6 +203,10 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                            "            self.staging.retire(o.slot)\n",
                            "            self.staging.release(o.slot)  # MUTANT: back to the pool\n",
                            *FENCING),
+    "fenced-copy-pooled": ("hurray_ipc/client/producer.py",
+                           "            self.staging.retire(o.source.slot)\n",
+                           "            self.staging.release(o.source.slot)  # MUTANT: back to the pool\n",
+                           *FENCING),
     "fenced-event-destroyed": ("hurray_ipc/client/producer.py",
                                "        # nor destroyed before close().\n        o.event = None\n",
                                "        if o.event is not None:  # MUTANT: destroyed under the fenced consumer\n"

@@ -7,8 +7,8 @@ it got back: it writes new bytes into the same ``allocate()``d buffer and hands 
 the next handoff of the same size. Only then does the stopped consumer resume and look at its old
 view. Every step waits on the one before (a release, a received handoff, a pipe), so the check
 is decided by what the library does, never by timing: a producer that reused the memory under
-the consumer fails it every run (mutants fence-as-gone, fenced-slot-pooled, fenced-memory-kept in
-scripts/check-sync-mutants).
+the consumer fails it every run (mutants fence-as-gone, fenced-slot-pooled, fenced-copy-pooled,
+fenced-memory-kept in scripts/check-sync-mutants).
 """
 
 from __future__ import annotations
@@ -60,22 +60,25 @@ def _write(p: Producer, buf, seq: int) -> None:
         np.frombuffer(buf.host_view(), dtype=np.uint8)[:] = data
 
 
-@pytest.mark.parametrize("path,delay", [("allocated", None), ("staged", 0.0), ("staged", 0.05), ("device", 0.0),
-                                        ("device", 0.05)])
+@pytest.mark.parametrize("path,delay", [("allocated", None), ("copied", None), ("staged", 0.0), ("staged", 0.05),
+                                        ("device", 0.0), ("device", 0.05)])
 def test_a_fenced_consumer_never_reads_memory_its_producer_reused(fencing, path, delay):
     """``allocated``: a CPU producer's own shared-memory buffer, written again and sent again once
-    it came back (the library moved it to fresh pages). ``staged``: a GPU producer's buffer
+    it came back (the library moved it to fresh pages). ``copied``: a numpy array, which the
+    library copied into a slot of its pool; the next array of the same size must not get the
+    fenced consumer's slot. ``staged``: a GPU producer's buffer
     staged for a CPU consumer; the next staged handoff of the same size must not get the fenced
     consumer's slot. ``device``: a GPU buffer a GPU consumer maps cannot be moved: the producer
     keeps it out of reach (``holds`` stays true) instead, and keeps its event alive until close:
     no RELEASE ever orders the stopped consumer's stream-wait on it before a destroy, so destroying
     it is the checker's destroy-before-wait race (conftest's no_unexpected_races fails the test)."""
     with contextlib.ExitStack() as stack:  # emulated device operations taking no time, and 50 ms each
-        device = stack.enter_context(emulated_gpu(delay)) if path != "allocated" else "cpu"
-        _fence_and_reuse(fencing, device, "cuda:0" if path == "device" else "cpu", delay)
+        device = stack.enter_context(emulated_gpu(delay)) if path not in ("allocated", "copied") else "cpu"
+        _fence_and_reuse(fencing, device, "cuda:0" if path == "device" else "cpu", delay, copied=path == "copied")
 
 
-def _fence_and_reuse(fencing: BrokerProcess, device, consumer_device: str, delay: float | None) -> None:
+def _fence_and_reuse(fencing: BrokerProcess, device, consumer_device: str, delay: float | None,
+                     copied: bool = False) -> None:
     ctx = mp.get_context("spawn")
     ready, go = ctx.Event(), ctx.Event()
     env = emu_config(op_delay_s=delay).to_env() if consumer_device != "cpu" else None
@@ -83,9 +86,11 @@ def _fence_and_reuse(fencing: BrokerProcess, device, consumer_device: str, delay
              device=consumer_device, env=env)
     stopped = False
     with Producer(fencing.endpoint, "fence", device) as p:
-        buf = p.allocate(SIZE)
-        _write(p, buf, 1)
-        t = p.send(buf, timeout=30)
+        buf = None if copied else p.allocate(SIZE)
+        if buf is not None:
+            _write(p, buf, 1)
+        obj = workload.pattern(7, 1, SIZE).copy() if buf is None else buf
+        t = p.send(obj, timeout=30)
         if not ready.wait(60):
             pytest.fail(f"the consumer never held the buffer: {c.result(timeout=5)}")
         os.kill(c.p.pid, signal.SIGSTOP)
@@ -96,7 +101,7 @@ def _fence_and_reuse(fencing: BrokerProcess, device, consumer_device: str, delay
             if consumer_device != "cpu":  # mapped device memory: never to be written or freed again
                 assert p.holds(buf) and not t.staged
             else:
-                assert not p.holds(buf)
+                assert not p.holds(obj)
                 _reuse(fencing, p, buf)
         finally:
             if stopped:
@@ -112,10 +117,12 @@ def _fence_and_reuse(fencing: BrokerProcess, device, consumer_device: str, delay
 def _reuse(fencing: BrokerProcess, p: Producer, buf) -> None:
     """What any producer does with a buffer it got back: write it and send it again (here while
     the fenced consumer is stopped), to a consumer in another process, which must attach it (a
-    renewed segment under a new name) and read the new bytes."""
+    renewed segment under a new name) and read the new bytes. ``buf`` None: a new numpy array of
+    the same size instead, which the library copies into a slot of its pool."""
     other = Proc(workload.run_consumer, endpoint=fencing.endpoint, channel="fence", device="cpu", count=1, env={})
-    _write(p, buf, 2)
-    t2 = p.send(buf, timeout=30)
+    if buf is not None:
+        _write(p, buf, 2)
+    t2 = p.send(workload.pattern(7, 2, SIZE).copy() if buf is None else buf, timeout=30)
     r = other.result()
     assert r["error"] is None, r["error"]
     assert r["intact"] == 1 and [tuple(x) for x in r["seen"]] == [(7, 2)], "the next handoff lost the new bytes"

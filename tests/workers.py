@@ -213,3 +213,30 @@ def once_let_through(gate, target, **kwargs):
     if not gate.wait(60):
         return {"error": "the test never let this process through"}
     return target(**kwargs)
+
+
+def hold_first_then_receive(endpoint, channel, count, held, go, timeout=20.0):
+    """A CPU consumer that keeps its first handoff (A) unreleased, sets ``held``, receives and
+    releases ``count`` more (waiting for ``go`` before releasing A, if given, else after the
+    rest), then reads A again. Reports A's bytes as received and as read at the end, the others'
+    (tag, seq, intact) and how many shared-memory mappings it opened (tests/test_host_slots.py)."""
+    from hurray_ipc import Consumer, workload
+
+    with Consumer(endpoint, channel, "cpu") as c:
+        a = c.receive(timeout=timeout)
+        first = a.numpy().copy()
+        held.set()
+        if go is not None:
+            assert go.wait(timeout), "go was never set"
+            a.release()
+        others = []
+        for _ in range(count):
+            h = c.receive(timeout=timeout)
+            others.append(workload.verify(h.numpy()))
+            h.release()
+        last = a.numpy().copy() if go is None else first
+        if go is None:
+            a.release()
+        c.flush_releases(timeout)
+        return {"first": first.tobytes(), "last": last.tobytes(), "others": others,
+                "opens": c.device._cache.opens}

@@ -333,8 +333,8 @@ class Producer:
     def _retire(self, o: _Outgoing) -> None:
         """A fenced consumer may still read this handoff (spec §5): nothing it may read or wait on
         is written, re-recorded or handed out again until this producer closes. Its event is kept
-        idle until close; its staging slot, or the copy the library made, is freed (the pages stay
-        with the consumer's mapping and are never handed out again). The caller's own shared
+        idle until close; its staging slot, or the slot holding the copy the library made, is
+        freed (the pages stay with the consumer's mapping and are never handed out again). The caller's own shared
         memory gets fresh pages in place, so the caller may reuse it. Anything else (device
         memory, memory another process exported) cannot be moved: it is kept alive and
         :meth:`holds` stays true for it until :meth:`close` (cudaFree under an importer's mapping
@@ -345,6 +345,9 @@ class Producer:
         if o.slot is not None:
             self.staging.retire(o.slot)
             o.slot = None
+        if o.source.slot is not None:  # the library's copy: retired, never written again
+            self.staging.retire(o.source.slot)
+            o.source.slot = o.source.cleanup = None
         buf = o.source.buffer
         if o.ticket.staged or o.source.copied:
             return  # the consumer maps the slot or the copy, not the caller's memory
@@ -499,7 +502,7 @@ class Producer:
         if meta is not None:
             check_user_meta(meta)
         explicit = self._explicit_stream(stream)
-        src = resolve(obj, self.cpu, self.gpu, explicit, self.stream)
+        src = resolve(obj, self._host_slot, self.gpu, explicit, self.stream)
         try:
             if preferred is not None and preferred is not SyncMode.PRODUCER_SYNCED and not isinstance(
                     src.buffer.device, CudaDevice):
@@ -685,16 +688,29 @@ class Producer:
             out.event = None
             self.events.release(ev)  # type: ignore[union-attr]
 
-    def _stage(self, buf: Buffer, stream: CudaStream | None, out: _Outgoing) -> Buffer:
-        """Copy a GPU buffer into a staging slot (``out.slot``) and host-wait the copy (host-staged fallback)."""
+    def _slot(self, nbytes: int) -> Buffer:
+        """A slot of the staging pool for ``nbytes``: one idle of its size class, or a new one.
+        At the pool's byte limit with every slot in use, waits (pumping the session) until a
+        consumer's release gives one back, at most 4 session timeouts (then HurrayTimeout);
+        larger than the limit: InvalidArgument at once (:meth:`StagingPool.acquire`)."""
         while True:
             try:
-                slot = out.slot = self.staging.acquire(buf.size)
-                break
+                return self.staging.acquire(nbytes)
             except StagingExhausted:
                 before = self.staging.in_use
                 self.session.pump(partial(_fewer_in_use, self.staging, before), self.session.timeout_s * 4,
                                   "waiting for a staging slot to be released")
+
+    def _host_slot(self, nbytes: int) -> tuple[Buffer, Callable[[], None]]:
+        """Where ``send`` copies host bytes that are not in shared memory (interop.source.HostSlot):
+        a slot given back when the handoff's release frees its source (:meth:`_finish`), or
+        retired when a fenced consumer may still read it (:meth:`_retire`)."""
+        slot = self._slot(nbytes)
+        return slot, partial(self.staging.release, slot)
+
+    def _stage(self, buf: Buffer, stream: CudaStream | None, out: _Outgoing) -> Buffer:
+        """Copy a GPU buffer into a staging slot (``out.slot``) and host-wait the copy (host-staged fallback)."""
+        slot = out.slot = self._slot(buf.size)
         s = stream or self.stream
         assert s is not None
         s.copy(slot, buf, buf.size)

@@ -6,8 +6,9 @@ Accepted, in this order: a device-layer :class:`Buffer`; an object with
 object with ``__dlpack__`` on the CPU (torch CPU tensors, read through its capsule, every dtype
 DLPack has); anything exposing the buffer protocol (numpy, bytes, memoryview). For GPU objects the
 source also names the stream the producer must order after (see :func:`resolve`). Host memory
-that is not already in our shared memory is copied once into a shared-memory buffer, since
-another process can only map shared memory.
+that is not already in our shared memory is copied once into a shared-memory slot the producer
+lends (:data:`HostSlot`: a recycled slot of its staging pool), since another process can only
+map shared memory.
 
 One rule for layout, host and GPU alike: memory is handed off as it lies, never re-laid out. An
 array that is not C-contiguous is refused with its strides and the fix (a contiguous copy made
@@ -21,7 +22,7 @@ import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 
@@ -41,6 +42,7 @@ class Source:
     shape: tuple[int, ...] = ()
     stream: CudaStream | None = None  # where the producer's writes were enqueued (GPU buffers)
     copied: bool = False  # host bytes were copied into shared memory to be shareable
+    slot: Buffer | None = None  # the lent slot ``buffer`` lies at the start of (a copy); ``cleanup`` gives it back
     keep: Any = None  # the user's object, alive until the handoff is released
     pin: Any = None  # what else must live until then (a DLPack capsule taken from ``keep``)
     cleanup: Callable[[], None] | None = None
@@ -198,12 +200,20 @@ def _contiguous_nbytes(obj: Any, shape: tuple[int, ...], typestr: str, strides: 
     return n
 
 
+#: Lends a shared-memory slot of at least ``nbytes`` for a host copy: (slot, give_back).
+#: ``give_back()`` returns it for reuse, so it may be called only once no consumer can read it.
+HostSlot: TypeAlias = Callable[[int], tuple[Buffer, Callable[[], None]]]
+
+
 LEGACY_DEFAULT_STREAM = 1  # cudaStreamLegacy, as CUDA Array Interface v3 and DLPack number it
 
 
-def resolve(obj: Any, cpu: CpuDevice, gpu: CudaDevice | None, stream: CudaStream | None,
+def resolve(obj: Any, host_slot: HostSlot, gpu: CudaDevice | None, stream: CudaStream | None,
             own_stream: CudaStream | None) -> Source:
     """Describe ``obj`` as a shareable buffer, with the stream its GPU writes are ordered on.
+
+    ``host_slot``: where host bytes not in our shared memory are copied (the Source's buffer is
+    then the first ``nbytes`` of the slot, its ``cleanup`` the slot's give-back).
 
     ``stream``: the caller's explicit choice (``send(stream=)``), which always wins. Without it:
     a CUDA Array Interface object names its stream itself (:func:`_cai_source`); a CUDA
@@ -220,7 +230,7 @@ def resolve(obj: Any, cpu: CpuDevice, gpu: CudaDevice | None, stream: CudaStream
     if cai is not None:
         return _cai_source(obj, cai, _need_gpu(gpu), stream, own_stream)
     if isinstance(obj, np.ndarray):
-        return _host_source(obj, cpu)  # checks the dtype itself (numpy exports no datetime by DLPack)
+        return _host_source(obj, host_slot)  # checks the dtype itself (numpy exports no datetime by DLPack)
     if hasattr(obj, "__dlpack_device__") and not _has_buffer(obj):
         dev_type, _ = obj.__dlpack_device__()
         if int(dev_type) == dlpack.KDL_CUDA:
@@ -228,8 +238,8 @@ def resolve(obj: Any, cpu: CpuDevice, gpu: CudaDevice | None, stream: CudaStream
         if int(dev_type) not in (dlpack.KDL_CPU, dlpack.KDL_CUDA_HOST):
             raise UnsupportedObject(f"a DLPack object on device type {int(dev_type)} is not supported (CPU, CUDA "
                                     "host and CUDA memory are)", where="send()", value=int(dev_type))
-        return _host_dlpack_source(obj, cpu)
-    return _host_source(obj, cpu)
+        return _host_dlpack_source(obj, host_slot)
+    return _host_source(obj, host_slot)
 
 
 def _need_gpu(gpu: CudaDevice | None) -> CudaDevice:
@@ -286,21 +296,32 @@ def _dlpack_source(obj: Any, gpu: CudaDevice, stream: CudaStream | None) -> Sour
                   dl_dtype=t.dl_dtype)
 
 
-def _host_dlpack_source(obj: Any, cpu: CpuDevice) -> Source:
+def _copy_source(nbytes: int, host_slot: HostSlot) -> tuple[Buffer, Buffer, Callable[[], None]]:
+    """The first ``nbytes`` of a lent slot, as its own Buffer (exported as the slot's segment at
+    offset 0, so a consumer maps each slot once however often it comes back), the slot and its
+    give-back."""
+    slot, give_back = host_slot(nbytes)
+    cpu: CpuDevice = slot.device  # type: ignore[assignment]
+    return cpu.buffer_at(slot.ptr, nbytes), slot, give_back
+
+
+def _host_dlpack_source(obj: Any, host_slot: HostSlot) -> Source:
     """A host object that speaks DLPack but not the buffer protocol (a torch CPU tensor): read
     through its capsule, so every dtype DLPack has (bfloat16, float8) keeps its code."""
     capsule = obj.__dlpack__()
     t = dlpack.read_capsule(capsule)  # the capsule stays unconsumed: its destructor frees it
     nbytes = _contiguous_nbytes(obj, t.shape, t.typestr, t.strides)
-    buf = cpu.allocate(nbytes)
+    buf, slot, give_back = _copy_source(nbytes, host_slot)
     if nbytes:
         ctypes.memmove(buf.ptr, t.ptr, nbytes)
     del capsule
-    return Source(buf, t.typestr, t.shape, copied=True, keep=obj, cleanup=buf.close, dl_dtype=t.dl_dtype)
+    return Source(buf, t.typestr, t.shape, copied=True, slot=slot, keep=obj, cleanup=give_back,
+                  dl_dtype=t.dl_dtype)
 
 
-def _host_source(obj: Any, cpu: CpuDevice) -> Source:
-    """Host bytes, copied once into shared memory (another process can only map shared memory)."""
+def _host_source(obj: Any, host_slot: HostSlot) -> Source:
+    """Host bytes, copied once into a lent shared-memory slot (another process can only map
+    shared memory)."""
     try:
         arr = np.asarray(memoryview(obj)) if not isinstance(obj, np.ndarray) else obj
     except (TypeError, ValueError):
@@ -315,10 +336,10 @@ def _host_source(obj: Any, cpu: CpuDevice) -> Source:
         arr = arr.view(np.uint8)
     if not arr.flags.c_contiguous:
         _contiguous_nbytes(obj, tuple(arr.shape), arr.dtype.str, arr.strides)  # raises, naming the strides
-    buf = cpu.allocate(arr.nbytes)
+    buf, slot, give_back = _copy_source(arr.nbytes, host_slot)
     if arr.nbytes:
         np.frombuffer(buf.host_view(), dtype=np.uint8)[:] = arr.reshape(-1).view(np.uint8)
-    return Source(buf, arr.dtype.str, tuple(arr.shape), copied=True, keep=obj, cleanup=buf.close,
+    return Source(buf, arr.dtype.str, tuple(arr.shape), copied=True, slot=slot, keep=obj, cleanup=give_back,
                   readonly=not arr.flags.writeable)
 
 

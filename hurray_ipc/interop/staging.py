@@ -1,11 +1,23 @@
-"""The host-staged fallback's pool of POSIX shared-memory slots (sync-contract §5).
+"""The producer's pool of POSIX shared-memory slots: every copy the library makes to share bytes.
 
-When no sync mode is valid for a GPU buffer, the producer copies it into a slot, host-waits the
-copy, and hands the slot off as a CPU buffer (SYNC_PRODUCER_SYNCED). Slots come in power-of-two
-size classes (at least 64 KiB), are page-locked with CUDA when the given device supports it
-(cudaDevAttrHostRegisterSupported; the emulation does not), so the copy runs at DMA speed, and go
-back to their class when the consumer releases them. Pinning is an optimisation only: if
-cudaHostRegister fails, the pool logs it once and goes on with unpinned slots.
+Two uses, one pool (one byte limit, one set of idle slots, one release and retire rule):
+
+- the host-staged fallback (sync-contract §5): when no sync mode is valid for a GPU buffer, the
+  producer copies it into a slot, host-waits the copy, and hands the slot off as a CPU buffer
+  (SYNC_PRODUCER_SYNCED);
+- host bytes not already in shared memory (``send(numpy_array)``, bytes, a torch CPU tensor): one
+  memcpy into a slot, handed off as the slot's first ``nbytes`` (interop/source.py).
+
+Slots come in power-of-two size classes (at least 64 KiB), so a steady stream of arrays of one
+size class reuses the same few slots: no segment is created or unlinked per send, and a consumer
+maps each slot once (its import cache is keyed by segment). A slot goes back to its class only
+when the consumer released its handoff; one a fenced consumer may still read is retired (freed,
+never handed out again). Idle slots are kept for reuse (as many per class as were ever in use at
+once), freed when a slot of another class needs their room under the byte limit, and all freed at
+close. Slots are page-locked with CUDA when the given device supports it
+(cudaDevAttrHostRegisterSupported; the emulation does not), so a staged copy runs at DMA speed.
+Pinning is an optimisation only: if cudaHostRegister fails, the pool logs it once and goes on with
+unpinned slots.
 """
 
 from __future__ import annotations
@@ -34,8 +46,9 @@ def size_class(nbytes: int) -> int:
 
 
 class StagingPool:
-    """Host slots for staged handoffs. The producer acquires a slot, copies into it, hands it off,
-    and releases it when the consumer released the handoff; ``close`` frees (and unpins) them all.
+    """Host slots for staged handoffs and host copies. The producer acquires a slot, copies into
+    it, hands it off, and releases it when the consumer released the handoff (or retires it when a
+    fenced consumer may still read it); ``close`` frees (and unpins) them all.
 
     ``pin_with``: the CUDA device the slots are copied from; slots are page-locked for it when it
     supports cudaHostRegister (:attr:`pin_with` is None when they are not pinned).
@@ -65,9 +78,10 @@ class StagingPool:
         Idle slots of other sizes are freed to make room before the limit refuses."""
         cls = size_class(nbytes)
         if cls > self.max_bytes:
-            raise InvalidArgument(f"a host-staged copy of {nbytes} bytes needs a {cls}-byte slot; the staging "
-                                  f"pool holds at most {self.max_bytes} bytes (HURRAY_STAGING_BYTES)",
-                                  where="send()", value=nbytes)
+            raise InvalidArgument(f"a copy of {nbytes} bytes into shared memory needs a {cls}-byte slot; the "
+                                  f"producer's staging pool holds at most {self.max_bytes} bytes "
+                                  "(HURRAY_STAGING_BYTES): raise it, or send a buffer from Producer.allocate(), "
+                                  "which travels without a copy", where="send()", value=nbytes)
         return self._slots.take(cls)
 
     def _new_slot(self, cls: int) -> Buffer:

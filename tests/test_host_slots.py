@@ -1,0 +1,176 @@
+"""Host arrays travel in recycled shared-memory slots (issue 24): ``send(numpy_array)`` is one
+memcpy into a slot of the producer's staging pool, handed off as the slot's first ``nbytes``
+and given back only when the consumer released it.
+
+Why each rule fails every time when broken, not by timing:
+
+- Reuse is deterministic: a fresh producer's pool holds no slot; the first send of a size class
+  makes slot S; once S is back, the next send of that class takes S again (the only idle one).
+  So a slot given back before its consumer released it (at send time) is overwritten by the
+  very next send, and a consumer that reads its held handoff only after it received that next
+  one sees the other's bytes.
+- Counts, not timings: segments made (the pool's ``made``), mappings the consumer opened (its
+  import cache's ``opens``), slots in use.
+- Exhaustion: the blocked send is observed through the pool refusing (an Event), and proceeds
+  only after the consumer was told (another Event) to release.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conftest import Proc
+from hurray_ipc import DeviceError, InvalidArgument, Producer, workload
+from hurray_ipc.devices import CpuDevice
+from hurray_ipc.interop.staging import MIN_SLOT, StagingExhausted, StagingPool
+from hurray_ipc.workload import SPAWN
+from workers import hold_first_then_receive
+
+SIZE = 4096
+TAG = 24
+
+
+def segments() -> set[str]:
+    """This process's CPU shared-memory segments (devices/shm.py names: kind c)."""
+    prefix = f"hurray-{os.getuid()}-{os.getpid()}-c"
+    return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
+
+
+def data(seq: int, nbytes: int = SIZE) -> np.ndarray:
+    return workload.pattern(TAG, seq, nbytes).copy()  # a new array each send, as a user makes them
+
+
+def holder(broker: Any, channel: str, count: int, go: Any = None) -> tuple[Proc, Any]:
+    held = SPAWN.Event()
+    return Proc(hold_first_then_receive, endpoint=broker.endpoint, channel=channel, count=count, held=held,
+                go=go), held
+
+
+def check(r: dict[str, Any], count: int) -> None:
+    assert "error" not in r, r.get("trace")
+    assert r["others"] == [(TAG, seq, True) for seq in range(1, count + 1)], r["others"]
+
+
+def test_a_held_handoff_keeps_its_bytes_while_later_sends_of_its_size_class_go(broker):
+    before = segments()
+    c, held = holder(broker, "keep", 3)
+    with Producer(broker.endpoint, "keep", "cpu") as p:
+        p.send(data(0), timeout=10)  # A, in slot S: the consumer holds it
+        assert held.wait(20)
+        for seq in range(1, 4):  # same size class: S must not be among the slots they take
+            p.send(data(seq), timeout=10)
+        r = c.result()
+        assert "error" not in r, r.get("trace")
+        assert r["first"] == data(0).tobytes(), "A arrived wrong"
+        assert r["last"] == r["first"], "A's slot was written while its consumer held it"
+        check(r, 3)
+        p.flush(10)
+        assert p.staging.in_use == 0
+    assert segments() <= before, "a slot was left behind after close"
+
+
+def test_steady_state_creates_no_segment_and_the_consumer_maps_each_slot_once(broker):
+    n = 30
+    before = segments()
+    c, held = holder(broker, "steady", n)
+    with Producer(broker.endpoint, "steady", "cpu") as p:
+        p.send(data(0), timeout=10)
+        assert held.wait(20)
+        for seq in range(1, n + 1):
+            p.send(data(seq), timeout=10)
+        r = c.result()
+        check(r, n)
+        made = p.staging._slots.made
+        # The held A, plus the few in flight at once (a send returns when the broker accepted it,
+        # before its release came back): a handful, not one per send.
+        assert made <= 4, f"{made} segments for {n + 1} same-size sends"
+        assert r["opens"] == made, f"the consumer opened {r['opens']} mappings for {made} slots"
+        assert p.staging.in_use == 0
+    assert segments() <= before, "a slot was left behind after close"
+
+
+@pytest.mark.parametrize("how", ["send", "send_many"])
+def test_a_failed_send_gives_its_slot_back_for_the_next(broker, monkeypatch, how):
+    before = segments()
+    c, held = holder(broker, f"fail-{how}", 1)
+    with Producer(broker.endpoint, f"fail-{how}", "cpu") as p:
+        real = CpuDevice.export_memory
+        calls = [0]
+
+        def fail_first(self: CpuDevice, buf: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == 1:
+                raise DeviceError("export", "injected")
+            return real(self, buf)
+
+        monkeypatch.setattr(CpuDevice, "export_memory", fail_first)
+        with pytest.raises(DeviceError, match="injected"):
+            if how == "send":
+                p.send(data(99), timeout=10)
+            else:
+                p.send_many([data(99)], timeout=10)
+        assert p.staging.in_use == 0, "the failed send kept its slot"
+        assert p.staging._slots.made == 1
+        p.send(data(0), timeout=10)
+        assert held.wait(20)
+        p.send(data(1), timeout=10)
+        r = c.result()
+        check(r, 1)
+        assert r["first"] == data(0).tobytes()
+        assert p.staging._slots.made == 2, "the failed send's slot was not reused"  # A's and the last one's
+    assert segments() <= before
+
+
+def test_an_exhausted_pool_waits_for_a_release_then_proceeds(broker, monkeypatch):
+    go = SPAWN.Event()
+    c, held = holder(broker, "full", 1, go=go)
+    with Producer(broker.endpoint, "full", "cpu") as p:
+        p.staging.max_bytes = MIN_SLOT  # one slot
+        p.send(data(0), timeout=10)  # A takes it; the consumer holds A until go
+        assert held.wait(20)
+        refused = threading.Event()
+        real = StagingPool.acquire
+
+        def watch(self: StagingPool, nbytes: int) -> Any:
+            try:
+                return real(self, nbytes)
+            except StagingExhausted:
+                refused.set()
+                raise
+
+        monkeypatch.setattr(StagingPool, "acquire", watch)
+        done: list[BaseException | None] = []
+
+        def send_b() -> None:
+            try:
+                p.send(data(1), timeout=10)
+                done.append(None)
+            except BaseException as e:  # noqa: BLE001 - checked in the test's thread
+                done.append(e)
+
+        t = threading.Thread(target=send_b, daemon=True)
+        t.start()
+        assert refused.wait(20), "B never found the pool full"
+        assert not done, "B was sent while A's consumer held the only slot"
+        go.set()  # the consumer releases A: its slot comes back, B proceeds
+        t.join(20)
+        assert done == [None], done
+        r = c.result()
+        check(r, 1)
+        assert r["first"] == data(0).tobytes()
+        assert p.staging._slots.made == 1
+
+
+def test_an_array_larger_than_the_pool_is_refused_up_front_naming_the_limit(broker):
+    with Producer(broker.endpoint, "big", "cpu") as p:
+        p.staging.max_bytes = MIN_SLOT
+        with pytest.raises(InvalidArgument, match=r"HURRAY_STAGING_BYTES") as e:
+            p.send(np.zeros(MIN_SLOT + 1, np.uint8), timeout=5)
+        assert f"at most {MIN_SLOT} bytes" in str(e.value)
+        assert not p.grants and not p._out and p.credits.asked == 0  # refused before a grant was asked for
+        assert p.staging._slots.made == 0
