@@ -209,21 +209,107 @@ def bench_hurray(endpoint: str, label: str, pdev: str, cdev: str, size: int, n: 
             "messages_per_handoff": round((pr["messages"] + cr["messages"]) / n, 2)}
 
 
+# --- Hurray with host arrays the library copies (issue 24): the pair of the torch rows -------
+
+def _hurray_host_producer(endpoint: str, channel: str, size: int, n: int, fresh: bool,
+                          broker_pid: int | None = None) -> dict[str, Any]:
+    """Send numpy arrays (copied into a recycled shared-memory slot per send): ``fresh``, a new
+    array made before each send (as a pipeline that produces a new tensor per step), else the
+    same preallocated one. Same phases and outputs as :func:`_hurray_producer`."""
+    from ..client import Producer
+
+    keep = np.ones(size, np.uint8)
+
+    def make(i: int) -> np.ndarray:
+        return np.full(size, i & 0xFF, np.uint8) if fresh else keep
+
+    with Producer(endpoint, channel, "cpu", prefetch=WINDOW) as p, Profiled(f"{channel}-producer"):
+        for i in range(10):  # warm-up: the pool's slots and the consumer's import cache
+            p.send(make(i))
+            p.flush(30)
+        stall = []
+        for i in range(n):
+            x = make(i)
+            t = time.monotonic()
+            p.send(x, meta={"t": t})
+            stall.append(time.monotonic() - t)
+            del x
+            p.flush(30)
+            time.sleep(PACE)
+        ses = p.session
+        msgs0 = ses.messages_sent + ses.messages_received
+        broker0 = proc_cpu_s(broker_pid) if broker_pid else 0.0
+        cpu0 = time.process_time()
+        t0 = time.perf_counter()
+        for i in range(n):
+            while p.outstanding >= WINDOW:
+                p.wait_released(30)
+            p.send(make(i), block=False)
+        p.flush(60)
+        rate = n / (time.perf_counter() - t0)
+        cpu = time.process_time() - cpu0
+        broker = proc_cpu_s(broker_pid) - broker0 if broker_pid else float("nan")
+        msgs = ses.messages_sent + ses.messages_received - msgs0
+        segments = p.staging._slots.made
+    return {"per_s": round(rate), "send_call": latency(stall), "cpu_us": round(cpu / n * 1e6, 1),
+            "broker_cpu_us": round(broker / n * 1e6, 1), "messages": msgs, "segments": segments}
+
+
+def bench_host(endpoint: str, size: int, n: int, fresh: bool, broker_pid: int | None = None) -> dict[str, Any]:
+    """Hurray sending host arrays through the public API (one memcpy into a pooled slot each);
+    ``segments``: shared-memory segments the producer created in all (the pool's slots)."""
+    label = "new array per send" if fresh else "reused array"
+    ch = f"bench-host-{'new' if fresh else 'reused'}-{size}"
+    pr, cr = run_pair((_hurray_host_producer, {"endpoint": endpoint, "channel": ch, "size": size, "n": n,
+                                               "fresh": fresh, "broker_pid": broker_pid}),
+                      (_hurray_consumer, {"endpoint": endpoint, "channel": ch, "device": "cpu", "n": n, "env": {}}))
+    return {"name": f"hurray cpu, {label}", "what": "one-way handoff (numpy array, copied to a pooled slot)",
+            "size": size, "latency": cr["latency"], "per_s": pr["per_s"], "modes": cr["modes"],
+            "producer_send_call": pr["send_call"],
+            "cpu_us": {"producer": pr["cpu_us"], "broker": pr["broker_cpu_us"], "consumer": cr["cpu_us"]},
+            "messages_per_handoff": round((pr["messages"] + cr["messages"]) / n, 2), "segments": pr["segments"]}
+
+
+def host_rows(endpoint: str, size: int, n: int, broker_pid: int | None) -> list[tuple[str, Callable[[], Any]]]:
+    """Issue 24's pairs, shuffled with every other row: Hurray and torch.multiprocessing, each with a
+    new host tensor per send and with one reused."""
+    return [(f"host new {size}", partial(bench_host, endpoint, size, n, True, broker_pid)),
+            (f"host reused {size}", partial(bench_host, endpoint, size, n, False, broker_pid)),
+            (f"torch new {size}", partial(bench_torch, size, n, "cpu", True))]
+
+
+def host_targets(raw: list[dict[str, Any]], add: Callable[[str, float | None, Callable[[float], bool]], None],
+                 p50: Callable[[dict[str, Any]], float]) -> None:
+    """Issue 24: host arrays sent through Hurray at <= 0.7x torch.multiprocessing's p50, with a new
+    tensor per send and with a reused one (rows of the same round)."""
+    for size in sorted({r["size"] for r in raw if r["name"].startswith("hurray cpu, ") and "skipped" not in r}):
+        add(f"new host array per send p50 <= 0.7x torch.multiprocessing ({size} B)",
+            _side_by_side(raw, "hurray cpu, new array per send", size,
+                          "torch.multiprocessing Queue (cpu tensor, new per send)", p50), lambda v: v <= 0.7)
+        add(f"reused host array p50 <= 0.7x torch.multiprocessing ({size} B)",
+            _side_by_side(raw, "hurray cpu, reused array", size, "torch.multiprocessing Queue (cpu tensor)", p50),
+            lambda v: v <= 0.7)
+
+
 # --- multiprocessing.Queue with numpy arrays -------------------------------------------------
 
-def _queue_producer(q: Any, ack: Any, item: Any, n: int) -> dict[str, Any]:
-    """Ping-pong ``n`` (paced) for the consumer's latency, then ``n`` with a window for the rate."""
+def _queue_producer(q: Any, ack: Any, item: Any, n: int,
+                    make: Callable[[int], Any] | None = None) -> dict[str, Any]:
+    """Ping-pong ``n`` (paced) for the consumer's latency, then ``n`` with a window for the rate.
+    ``make(i)``: a new item per put instead of ``item``, made before the timestamp is taken."""
     for i in range(5 + n):
         time.sleep(PACE)
-        q.put((time.monotonic() if i >= 5 else None, item))
+        x = make(i) if make is not None else item
+        q.put((time.monotonic() if i >= 5 else None, x))
+        del x
         ack.get()
     t0 = time.perf_counter()
     inflight = 0
-    for _ in range(n):
+    for i in range(n):
         if inflight >= WINDOW:
             ack.get()
             inflight -= 1
-        q.put((None, item))
+        q.put((None, make(i) if make is not None else item))
         inflight += 1
     for _ in range(inflight):
         ack.get()
@@ -313,17 +399,24 @@ def bench_shared_memory(size: int, n: int) -> dict[str, Any]:
 
 # --- torch.multiprocessing --------------------------------------------------------------------
 
-def _torch_producer(q: Any, ack: Any, size: int, n: int, device: str) -> dict[str, Any]:
+def _torch_producer(q: Any, ack: Any, size: int, n: int, device: str, fresh: bool = False) -> dict[str, Any]:
+    """``fresh``: a new CPU tensor per put (torch moves each to a new shared-memory segment);
+    else the same tensor every time (moved once, then only its handle travels)."""
     import torch
 
     t = torch.ones(size, dtype=torch.uint8, device=device)
     if device != "cpu":
         torch.cuda.synchronize()
-    return _queue_producer(q, ack, t, n)
+    make = (lambda i: torch.full((size,), i & 0xFF, dtype=torch.uint8)) if fresh else None
+    return _queue_producer(q, ack, t, n, make)
 
 
-def bench_torch(size: int, n: int, device: str = "cpu") -> dict[str, Any]:
-    row = {"name": f"torch.multiprocessing Queue ({device} tensor)", "what": "one-way (shared)", "size": size}
+def bench_torch(size: int, n: int, device: str = "cpu", fresh: bool = False) -> dict[str, Any]:
+    """torch.multiprocessing as a new user would use it: a tensor put on its Queue. ``fresh``
+    (CPU): a new tensor per send, the pair of :func:`bench_host`'s ``fresh`` row."""
+    row = {"name": f"torch.multiprocessing Queue ({device} tensor{', new per send' if fresh else ''})",
+           "what": "one-way (shared, " + ("a new tensor each send)" if fresh else "the same tensor each send)"),
+           "size": size}
     try:
         import torch.multiprocessing as tmp  # noqa: F401
     except ImportError:
@@ -331,7 +424,8 @@ def bench_torch(size: int, n: int, device: str = "cpu") -> dict[str, Any]:
     ctx = tmp.get_context("spawn")
     q, ack = ctx.Queue(), ctx.Queue()
     pp = ctx.Process(target=run_into_queue,
-                     args=(_torch_producer, {"q": q, "ack": ack, "size": size, "n": n, "device": device},
+                     args=(_torch_producer, {"q": q, "ack": ack, "size": size, "n": n, "device": device,
+                                             "fresh": fresh},
                            rq := ctx.Queue()))
     pc = ctx.Process(target=run_into_queue, args=(_queue_consumer, {"q": q, "ack": ack, "n": n}, rc := ctx.Queue()))
     pp.start()
@@ -441,6 +535,7 @@ def run_suite(sizes: list[int], n_small: int, n_large: int, progress: Callable[[
                     (f"mp.Queue {size}", partial(bench_mp_queue, size, n)),
                     (f"shared_memory {size}", partial(bench_shared_memory, size, n)),
                     (f"torch {size}", partial(bench_torch, size, n)),
+                    *host_rows(ep, size, n, broker.pid),
                 ]
                 if rnd == 0:  # bandwidth rows, once: they are not compared side by side
                     fns.append((f"staging {size}", partial(bench_staging, size, max(5, n // 4), emu)))
@@ -509,7 +604,9 @@ def aggregate(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 _ORDER = {"pyzmq ROUTER/DEALER echo (200 B)": 0, "relay, forwarding only": 1, "relay, struct header": 2,
-          "hurray cpu": 3, "hurray cpu, send_many": 4, "hurray emulated cuda": 5}
+          "hurray cpu": 3, "hurray cpu, send_many": 4, "hurray emulated cuda": 5,
+          "hurray cpu, new array per send": 6, "torch.multiprocessing Queue (cpu tensor, new per send)": 7,
+          "hurray cpu, reused array": 8, "torch.multiprocessing Queue (cpu tensor)": 9}
 
 
 def _side_by_side(raw: list[dict[str, Any]], name: str, size: int, base: str,
@@ -574,6 +671,7 @@ def targets(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
             add(f"bridge over NIXL >= 0.8x raw NIXL ({size} B, {memory} memory)",
                 _side_by_side(raw, "bridge, NIXL data plane, control over TCP (CurveZMQ)", size, floor, mbps),
                 lambda v: v >= 0.8)
+    host_targets(raw, add, p50)
     for r in raw:
         if r["name"].startswith("host-staged") and "ratio" in r:
             add(f"host-staged copy >= 0.8x memcpy ({r['size']} B)", r["ratio"], lambda v: v >= 0.8)

@@ -322,8 +322,8 @@ class Producer:
         if outcome == "consumer_fenced":
             self._retire(o)
         self._undo(o)
-        if free_source and o.source.cleanup is not None:
-            o.source.cleanup()
+        if free_source:
+            o.source.free()
         o.ticket.outcome = outcome
         if not free_source:
             return []  # re-sent: on_release belongs to the handoff that is delivered
@@ -490,8 +490,8 @@ class Producer:
                 pending = [o for o in self._out.values() if o.source is src]
             for o in pending:
                 o.resend = False  # nobody will re-send it now: its release must free and report
-            if src.cleanup is not None and not pending:
-                src.cleanup()
+            if not pending:
+                src.free()
             raise
 
     def _source(self, obj: Any, stream: Any, preferred: SyncMode | None, meta: Any, shape: Any, dtype: Any,
@@ -516,8 +516,7 @@ class Producer:
             src.user = meta
             src.wire = src.wire_meta()
         except BaseException:
-            if src.cleanup is not None:
-                src.cleanup()
+            src.free()
             raise
         return src
 
@@ -567,8 +566,7 @@ class Producer:
                 srcs.append(self._source(obj, stream, preferred, meta, None, None, None))
         except BaseException:
             for src in srcs:
-                if src.cleanup is not None:
-                    src.cleanup()
+                src.free()
             raise
         tickets: list[Ticket] = []
         done = 0
@@ -593,8 +591,7 @@ class Producer:
                         done += len(batch)
         except BaseException:
             for src in srcs[done:]:
-                if src.cleanup is not None:
-                    src.cleanup()
+                src.free()
             raise
         return tickets
 

@@ -51,6 +51,13 @@ class Source:
     readonly: bool = False  # the consumer must not write (the sender's object was read-only)
     wire: tuple[dict[str, Any] | None, bytes | None] = (None, None)  # wire_meta(), once the source is final
 
+    def free(self) -> None:
+        """Run ``cleanup`` once (a later call does nothing): a source may be freed both where its
+        handoff finished (a refusal, a release) and by the send that then raises."""
+        cleanup, self.cleanup = self.cleanup, None
+        if cleanup is not None:
+            cleanup()
+
     def meta(self) -> dict[str, Any]:
         m: dict[str, Any] = {"typestr": self.typestr, "shape": list(self.shape)}
         if self.dl_dtype is not None:
