@@ -282,9 +282,10 @@ def host_targets(raw: list[dict[str, Any]], add: Callable[[str, float | None, Ca
                  p50: Callable[[dict[str, Any]], float]) -> None:
     """Issue 24: host arrays sent through Hurray at <= 0.7x torch.multiprocessing's p50, with a new
     tensor per send and with a reused one (rows of the same round)."""
-    for size in sorted({r["size"] for r in raw if r["name"].startswith("hurray cpu, ") and "skipped" not in r}):
+    new = "hurray cpu, new array per send"
+    for size in sorted({r["size"] for r in raw if r["name"] == new and "skipped" not in r}):
         add(f"new host array per send p50 <= 0.7x torch.multiprocessing ({size} B)",
-            _side_by_side(raw, "hurray cpu, new array per send", size,
+            _side_by_side(raw, new, size,
                           "torch.multiprocessing Queue (cpu tensor, new per send)", p50), lambda v: v <= 0.7)
         add(f"reused host array p50 <= 0.7x torch.multiprocessing ({size} B)",
             _side_by_side(raw, "hurray cpu, reused array", size, "torch.multiprocessing Queue (cpu tensor)", p50),
