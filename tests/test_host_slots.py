@@ -174,3 +174,44 @@ def test_an_array_larger_than_the_pool_is_refused_up_front_naming_the_limit(brok
         assert f"at most {MIN_SLOT} bytes" in str(e.value)
         assert not p.grants and not p._out and p.credits.asked == 0  # refused before a grant was asked for
         assert p.staging._slots.made == 0
+
+
+def _lend(pool: StagingPool) -> Any:
+    def host_slot(nbytes: int) -> Any:
+        slot = pool.acquire(nbytes)
+        return slot, lambda: pool.release(slot)
+    return host_slot
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_the_copy_is_the_slots_first_nbytes_with_the_arrays_own_shape_and_dtype(kind):
+    """The handoff describes the array, not the slot's size class, and exports as the slot's
+    segment at offset 0 (so a consumer's import cache, keyed by segment, hits when it comes back)."""
+    from hurray_ipc.interop.source import resolve
+
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        obj: Any = torch.arange(1000, dtype=torch.float32).reshape(10, 100)
+        expect = obj.numpy().tobytes()
+    else:
+        obj = np.arange(1000, dtype=np.float32).reshape(10, 100)
+        expect = obj.tobytes()
+    cpu = CpuDevice()
+    pool = StagingPool(cpu)
+    try:
+        src = resolve(obj, _lend(pool), None, None, None)
+        assert src.copied and src.slot is not None and src.slot.size == MIN_SLOT
+        assert src.buffer.size == 4000 and src.buffer.ptr == src.slot.ptr
+        assert (src.typestr, src.shape) == ("<f4", (10, 100))
+        assert bytes(src.buffer.host_view()) == expect
+        exp, slot_exp = cpu.export_memory(src.buffer), cpu.export_memory(src.slot)
+        assert (exp.blob, exp.offset, exp.size) == (slot_exp.blob, 0, 4000)
+        src.free()
+        src.free()  # once only: a second free gives nothing back twice
+        assert pool.in_use == 0 and pool.slots() == [src.slot]  # idle, for the next copy
+        again = resolve(obj, _lend(pool), None, None, None)
+        assert again.slot is src.slot and cpu.export_memory(again.buffer).blob == exp.blob
+        again.free()
+    finally:
+        pool.close()
+        cpu.close()
