@@ -215,3 +215,31 @@ def test_the_copy_is_the_slots_first_nbytes_with_the_arrays_own_shape_and_dtype(
     finally:
         pool.close()
         cpu.close()
+
+
+def test_idle_slots_of_a_size_no_longer_sent_are_freed_and_a_size_in_use_keeps_its_own():
+    now = [0.0]
+    cpu = CpuDevice()
+    pool = StagingPool(cpu, idle_s=10, clock=lambda: now[0])
+    try:
+        a = pool.acquire(SIZE)  # the 64 KiB class, asked for at t=0
+        gone = cpu.segment_of(a)[0].name.lstrip("/")
+        pool.release(a)
+        now[0] = 5
+        b = pool.acquire(2 * MIN_SLOT)  # the 128 KiB class, at t=5
+        pool.release(b)
+        assert {id(s) for s in pool.slots()} == {id(a), id(b)}
+        now[0] = 12  # 64 KiB not asked for in 10 s; 128 KiB asked for again now
+        assert pool.acquire(2 * MIN_SLOT) is b, "the slot of a size still sent was not reused"
+        assert pool.slots() == [b] and pool.total == 2 * MIN_SLOT
+        assert gone not in segments(), "the idle slot of a size no longer sent is still in /dev/shm"
+        pool.release(b)
+    finally:
+        pool.close()
+        cpu.close()
+
+
+def test_staging_idle_s_must_be_seconds(monkeypatch):
+    monkeypatch.setenv("HURRAY_STAGING_IDLE_S", "soon")
+    with pytest.raises(InvalidArgument, match="HURRAY_STAGING_IDLE_S"):
+        StagingPool(CpuDevice())

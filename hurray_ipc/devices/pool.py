@@ -84,6 +84,14 @@ class Pool(Generic[K, T]):
                 while idle and key != spare and not enough():
                     self._destroy_logged(idle.pop())
 
+    def drop_idle(self, key: K) -> int:
+        """Destroy every idle item of ``key`` (items out stay out); returns how many went."""
+        with self._lock:
+            idle = self._idle.pop(key, [])
+            for item in idle:
+                self._destroy_logged(item)
+            return len(idle)
+
     def _destroy_logged(self, item: T) -> None:
         """Destroy ``item``; one that fails is logged and forgotten, and the others still go."""
         try:

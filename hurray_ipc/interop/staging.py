@@ -13,8 +13,9 @@ size class reuses the same few slots: no segment is created or unlinked per send
 maps each slot once (its import cache is keyed by segment). A slot goes back to its class only
 when the consumer released its handoff; one a fenced consumer may still read is retired (freed,
 never handed out again). Idle slots are kept for reuse (as many per class as were ever in use at
-once), freed when a slot of another class needs their room under the byte limit, and all freed at
-close. Slots are page-locked with CUDA when the given device supports it
+once), freed when a slot of another class needs their room under the byte limit, freed when their
+class was not asked for during ``HURRAY_STAGING_IDLE_S`` seconds (30; checked when a slot is
+taken), and all freed at close. Slots are page-locked with CUDA when the given device supports it
 (cudaDevAttrHostRegisterSupported; the emulation does not), so a staged copy runs at DMA speed.
 Pinning is an optimisation only: if cudaHostRegister fails, the pool logs it once and goes on with
 unpinned slots.
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from collections.abc import Callable
 
 from ..devices.base import Buffer
 from ..devices.cpu import CpuDevice
@@ -54,7 +57,8 @@ class StagingPool:
     supports cudaHostRegister (:attr:`pin_with` is None when they are not pinned).
     """
 
-    def __init__(self, cpu: CpuDevice, pin_with: CudaDevice | None = None, max_bytes: int | None = None):
+    def __init__(self, cpu: CpuDevice, pin_with: CudaDevice | None = None, max_bytes: int | None = None,
+                 idle_s: float | None = None, clock: Callable[[], float] = time.monotonic):
         self.cpu = cpu
         self.pin_with: CudaDevice | None = None
         if pin_with is not None:
@@ -68,6 +72,18 @@ class StagingPool:
         if max_bytes is None:
             max_bytes = int(os.environ.get("HURRAY_STAGING_BYTES", str(1 << 30)))
         self.max_bytes = max_bytes
+        if idle_s is None:
+            raw = os.environ.get("HURRAY_STAGING_IDLE_S", "30")
+            try:
+                idle_s = float(raw)
+            except ValueError:
+                idle_s = -1.0
+            if not idle_s >= 0:  # also NaN
+                raise InvalidArgument("expected seconds >= 0", where="HURRAY_STAGING_IDLE_S", value=raw)
+        self.idle_s = idle_s
+        self._clock = clock
+        self._asked: dict[int, float] = {}  # size class -> when a slot of it was last asked for
+        self._swept = clock()
         self.total = 0  # bytes in slots, idle or in use
         self._slots: Pool[int, Buffer] = Pool(self._new_slot, self._close_slot, lambda slot: slot.size,
                                               what="staging")
@@ -82,7 +98,20 @@ class StagingPool:
                                   f"producer's staging pool holds at most {self.max_bytes} bytes "
                                   "(HURRAY_STAGING_BYTES): raise it, or send a buffer from Producer.allocate(), "
                                   "which travels without a copy", where="send()", value=nbytes)
+        now = self._clock()
+        self._asked[cls] = now
+        if now - self._swept >= self.idle_s:
+            self._sweep(now)
         return self._slots.take(cls)
+
+    def _sweep(self, now: float) -> None:
+        """Free the idle slots of every class not asked for during ``idle_s``: a size the
+        producer stopped sending holds no shared memory for long."""
+        self._swept = now
+        for cls, asked in list(self._asked.items()):
+            if now - asked >= self.idle_s:
+                self._asked.pop(cls, None)
+                self._slots.drop_idle(cls)
 
     def _new_slot(self, cls: int) -> Buffer:
         """A new slot of ``cls`` bytes (under the pool's lock), once idle ones made room."""
