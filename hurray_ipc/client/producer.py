@@ -456,6 +456,11 @@ class Producer:
         item size must be the buffer's size exactly (InvalidArgument otherwise).
         ``readonly``: the consumer must not write (default: True when ``obj`` is read-only,
         e.g. bytes or a non-writeable array); its array views and DLPack capsules say so.
+        Host bytes not in shared memory (numpy, bytes, a torch CPU tensor) are copied into a slot
+        of the producer's pool (:attr:`staging`), which is written again only after this handoff's
+        release; when every slot is in use at ``HURRAY_STAGING_BYTES``, ``send`` waits for a
+        release (at most 4 session timeouts, then HurrayTimeout); a copy larger than that limit is
+        refused (InvalidArgument) before a grant is taken. A buffer from :meth:`allocate` is not copied.
 
         A handoff whose consumer died before it arrived is re-sent to the next consumer. A send
         that raises gives back everything it took: the consumer's grant (the next send takes
