@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..bench.scaling import run_scaling, scaling_targets
 from ..bench.suite import aggregate, machine, markdown, plot, run_suite, targets
+from ..errors import InvalidArgument
 from .common import add_version
 from .stress import parse_size
 
@@ -69,9 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     say = (lambda s: None) if a.quiet else (lambda s: print(f"  running {s} ...", file=sys.stderr, flush=True))
     rounds = a.rounds or (5 if a.full else 3)
     if a.scaling:
-        counts = [int(c) for c in a.scaling_counts.split(",") if c]
-        sc = run_scaling(counts, a.scaling_channels, a.scaling_handoffs or (20000 if a.full else 3000), rounds,
-                         a.seed, say)
+        try:
+            counts = [int(c) for c in a.scaling_counts.split(",") if c]
+        except ValueError:
+            p.error(f"--scaling-counts: comma-separated integers, got {a.scaling_counts!r}")
+        try:
+            sc = run_scaling(counts, a.scaling_channels, a.scaling_handoffs or (20000 if a.full else 3000), rounds,
+                             a.seed, say)
+        except InvalidArgument as e:
+            p.error(str(e))
         res = {"machine": machine(), "window": sc["window"], "rounds": rounds, "rows": [], "raw": [],
                "targets": [], "scaling": sc}
         md = markdown(res)
