@@ -8,12 +8,18 @@ results.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from ..workload import spawn
 
-__all__ = ["PACE", "WINDOW", "latency", "pct", "run_pair"]
+__all__ = ["PACE", "WINDOW", "broker_process", "latency", "pct", "proc_cpu_s", "proc_rss_kib", "run_pair"]
 
 WINDOW = 8
 PACE = 0.0005  # seconds idle between round trips; comparing a paced row with a hot one is unfair
@@ -42,3 +48,43 @@ def run_pair(a: tuple[Callable[..., Any], dict[str, Any]], b: tuple[Callable[...
         if isinstance(r, dict) and "error" in r:
             raise RuntimeError(r["error"] + "\n" + r.get("trace", ""))
     return ra, rb
+
+
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far, from /proc (any process of ours)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_rss_kib(pid: int) -> int:
+    """Resident memory (VmRSS, KiB) of process ``pid`` now, from /proc/<pid>/status."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+@contextmanager
+def broker_process(tmp: Path, profile: Path | None = None,
+                   start_timeout: float = 30) -> Iterator[subprocess.Popen[bytes]]:
+    """A broker in its own process listening on ``ipc://<tmp>/broker.sock`` until the block ends
+    (then terminated and reaped). ``profile``: cProfile output of it in ``<profile>/broker.pstats``.
+    Raises RuntimeError when it exits or is not listening within ``start_timeout`` seconds."""
+    ep = f"ipc://{tmp}/broker.sock"
+    cmd = [sys.executable, "-m", "hurray_ipc.broker", "--endpoint", ep, "--log-level", "error"]
+    if profile is not None:
+        profile.mkdir(parents=True, exist_ok=True)
+        cmd[1:1] = ["-m", "cProfile", "-o", str(profile / "broker.pstats")]
+    broker = subprocess.Popen(cmd)
+    try:
+        deadline = time.monotonic() + start_timeout
+        while not (tmp / "broker.sock").exists():
+            if broker.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("broker did not start")
+            time.sleep(0.02)  # polling for a file another process creates: no event to wait on
+        yield broker
+    finally:
+        broker.terminate()
+        broker.wait(10)

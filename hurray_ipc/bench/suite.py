@@ -28,7 +28,7 @@ import numpy as np
 from ..workload import SPAWN, run_into_queue, spawn
 from . import nixl
 from .floor import bench_relay
-from .harness import PACE, WINDOW, latency, run_pair
+from .harness import PACE, WINDOW, broker_process, latency, proc_cpu_s, run_pair
 
 # --- raw pyzmq echo: the floor for one broker hop --------------------------------------------------
 
@@ -84,13 +84,6 @@ def bench_zmq_echo(tmp: Path, n: int) -> dict[str, Any]:
 def _back_to(free: list[Any], buf: Any) -> Callable[[object], None]:
     """An ``on_release`` callback that puts ``buf`` (bound now, not when it runs) back on ``free``."""
     return lambda _ticket: free.append(buf)
-
-
-def proc_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) process ``pid`` has used so far, from /proc (any process of ours)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Profiled:
@@ -505,19 +498,11 @@ def run_suite(sizes: list[int], n_small: int, n_large: int, progress: Callable[[
     emu = cuda_env if cuda_env is not None else EmulationConfig(devices=1, op_delay_s=0.0).to_env()
     tmp = Path(tempfile.mkdtemp(prefix="hurray-bench-"))
     ep = f"ipc://{tmp}/broker.sock"
-    cmd = [sys.executable, "-m", "hurray_ipc.broker", "--endpoint", ep, "--log-level", "error"]
     if profile is not None:
-        profile.mkdir(parents=True, exist_ok=True)
         os.environ["HURRAY_BENCH_PROFILE"] = str(profile)  # the spawned bench processes inherit it
-        cmd[1:1] = ["-m", "cProfile", "-o", str(profile / "broker.pstats")]
     rng = random.Random(seed)
     raw: list[dict[str, Any]] = []
-    broker = subprocess.Popen(cmd)
-    try:
-        while not (tmp / "broker.sock").exists():
-            if broker.poll() is not None:
-                raise RuntimeError("broker did not start")
-            time.sleep(0.02)
+    with broker_process(tmp, profile) as broker:
         for rnd in range(rounds):
             fns: list[tuple[str, Callable[[], dict[str, Any]]]] = [
                 ("pyzmq echo", partial(bench_zmq_echo, tmp, n_small))]
@@ -560,9 +545,6 @@ def run_suite(sizes: list[int], n_small: int, n_large: int, progress: Callable[[
                            "skipped": f"failed: {e}"}
                 row["round"] = rnd
                 raw.append(row)
-    finally:
-        broker.terminate()
-        broker.wait(10)
     rows = aggregate(raw)
     return {"machine": machine(), "window": WINDOW, "rounds": rounds, "rows": rows, "raw": raw,
             "targets": targets(raw), "emulation": {k: v for k, v in emu.items() if k.startswith("HURRAY")}}
@@ -721,6 +703,12 @@ def markdown(res: dict[str, Any]) -> str:
     if res.get("targets"):
         lines += ["", "| target | measured | met |", "|---|---:|---|"]
         lines += [f"| {t['target']} | {t['value']} | {'yes' if t['met'] else 'no'} |" for t in res["targets"]]
+    if res.get("scaling"):
+        from .scaling import scaling_markdown
+
+        if not res["rows"]:  # a scaling-only run: no empty main table
+            lines = lines[:1]
+        lines += scaling_markdown(res["scaling"], m["cores"])
     return "\n".join(lines) + "\n"
 
 

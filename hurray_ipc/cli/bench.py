@@ -5,6 +5,8 @@ shared_memory, torch.multiprocessing (when installed) and memcpy, in one run.
     hurray-bench --full               # more iterations (minutes)
     hurray-bench --sizes 4K,1M --out results/mine
     hurray-bench --sizes 4K --rounds 7 --profile   # cProfile per process in <out>/profile/
+    hurray-bench --scaling            # only the scaling table: 1x1, 4x4, 16x16 on 1 and 16 channels
+    hurray-bench --scaling --full     # the same with more handoffs per configuration and 5 rounds
 
 Writes results.json, results.md and plot.png (with the bench extra) into the results folder and
 prints the markdown table. Targets are reported, never asserted.
@@ -18,7 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-from ..bench.suite import aggregate, markdown, plot, run_suite, targets
+from ..bench.scaling import run_scaling, scaling_targets
+from ..bench.suite import aggregate, machine, markdown, plot, run_suite, targets
+from ..errors import InvalidArgument
 from .common import add_version
 from .stress import parse_size
 
@@ -40,11 +44,22 @@ def main(argv: list[str] | None = None) -> int:
                         "to <out>/profile/*.pstats (read with python -m pstats; slows every row)")
     p.add_argument("--render", metavar="RESULTS_JSON", default=None,
                    help="no run: aggregate and print the markdown of an earlier run's results.json again")
+    p.add_argument("--scaling", action="store_true",
+                   help="run only the scaling table: N producers x N consumers on one channel and on several")
+    p.add_argument("--scaling-counts", default="1,4,16", help="the N of the scaling table, comma-separated")
+    p.add_argument("--scaling-channels", type=int, default=16,
+                   help="channels of the spread configurations (each N uses min(this, N))")
+    p.add_argument("--scaling-handoffs", type=int, default=None,
+                   help="handoffs per scaling configuration, split over its producers (default 3000; --full 20000)")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     if a.render:
         res = json.loads(Path(a.render).read_text())
         res["rows"], res["targets"] = aggregate(res["raw"]), targets(res["raw"])
+        if res.get("scaling"):
+            res["scaling"]["rows"] = sorted(aggregate(res["scaling"]["raw"]),
+                                            key=lambda r: (r["producers"], r["channels"]))
+            res["scaling"]["targets"] = scaling_targets(res["scaling"]["raw"])
         print(markdown(res))
         return 0
     sizes = [parse_size(s) for s in a.sizes.split(",") if s]
@@ -54,6 +69,24 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     say = (lambda s: None) if a.quiet else (lambda s: print(f"  running {s} ...", file=sys.stderr, flush=True))
     rounds = a.rounds or (5 if a.full else 3)
+    if a.scaling:
+        try:
+            counts = [int(c) for c in a.scaling_counts.split(",") if c]
+        except ValueError:
+            p.error(f"--scaling-counts: comma-separated integers, got {a.scaling_counts!r}")
+        try:
+            sc = run_scaling(counts, a.scaling_channels, a.scaling_handoffs or (20000 if a.full else 3000), rounds,
+                             a.seed, say)
+        except InvalidArgument as e:
+            p.error(str(e))
+        res = {"machine": machine(), "window": sc["window"], "rounds": rounds, "rows": [], "raw": [],
+               "targets": [], "scaling": sc}
+        md = markdown(res)
+        (out / "results.json").write_text(json.dumps(res, indent=1))
+        (out / "results.md").write_text(md)
+        print(md)
+        print(f"results in {out}/")
+        return 0
     res = run_suite(sizes, n_small, n_large, say, rounds=rounds, seed=a.seed,
                     profile=(out / "profile").resolve() if a.profile else None)
     (out / "results.json").write_text(json.dumps(res, indent=1))
