@@ -25,6 +25,10 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import random
+import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -49,7 +53,7 @@ from ..wire.ipc import (
 )
 from .harness import WINDOW
 
-__all__ = ["STAGES", "broker_stage", "consumer_stage", "producer_stage", "run_stages"]
+__all__ = ["STAGES", "TARGETS_US", "broker_stage", "consumer_stage", "markdown", "producer_stage", "run_stages"]
 
 SIZE = 4096
 _PEER = b"peer"  # the far peer's routing id inside the peer thread
@@ -276,27 +280,63 @@ def broker_stage(n: int = 5000) -> float:
 
 STAGES: dict[str, Callable[[int], float]] = {"broker": broker_stage, "producer": producer_stage,
                                               "consumer": consumer_stage}
+TARGETS_US = {"broker": 15.0, "producer": 25.0, "consumer": 25.0}  # issue 24
 
 
-def run_stages(n: int = 5000, rounds: int = 5, seed: int | None = None) -> dict[str, Any]:
-    """Each stage in each of ``rounds`` rounds, in a new shuffled order per round; the medians."""
-    import random
-    import statistics
+def _one(stage: str, n: int, pure: bool) -> float:
+    """``stage`` in a new process (HURRAY_PURE as given): a stage never inherits another's caches."""
+    env = {**os.environ, "HURRAY_PURE": "1" if pure else "0"}
+    out = subprocess.run([sys.executable, "-m", "hurray_ipc.bench.stages", "--one", stage, str(n)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"stage {stage} failed: {out.stderr[-2000:]}")
+    return float(json.loads(out.stdout.strip().splitlines()[-1])["us"])
 
+
+def run_stages(n: int = 5000, rounds: int = 5, seed: int | None = 0,
+               say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Each stage, pure and compiled (where built), in each of ``rounds`` rounds, every round in a
+    new shuffled order, each run in its own process; medians, and the compiled/pure ratio of each
+    round's pair (side by side) as their median."""
     from ..compiled import status
 
+    built = "compiled" in status().values()
+    variants = [False, True] if built else [True]
     rng = random.Random(seed)
-    per: dict[str, list[float]] = {name: [] for name in STAGES}
-    for _ in range(rounds):
-        order = list(STAGES)
+    per: dict[str, list[float]] = {f"{st} {'pure' if pure else 'compiled'}": [] for st in STAGES for pure in variants}
+    for r in range(rounds):
+        order = [(st, pure) for st in STAGES for pure in variants]
         rng.shuffle(order)
-        for name in order:
-            per[name].append(STAGES[name](n))
-    return {"n": n, "rounds": rounds, "compiled": status(), "us_per_handoff": per,
-            "median_us": {name: statistics.median(v) for name, v in per.items()}}
+        for st, pure in order:
+            say(f"round {r + 1}: {st} {'pure' if pure else 'compiled'}")
+            per[f"{st} {'pure' if pure else 'compiled'}"].append(_one(st, n, pure))
+    rows = []
+    for st in STAGES:
+        pure_us = per[f"{st} pure"]
+        row: dict[str, Any] = {"stage": st, "pure_us": statistics.median(pure_us), "target_us": TARGETS_US[st]}
+        if built:
+            comp = per[f"{st} compiled"]
+            row["compiled_us"] = statistics.median(comp)
+            row["compiled_over_pure"] = round(statistics.median(c / p for c, p in zip(comp, pure_us, strict=True)), 2)
+        best = row.get("compiled_us", row["pure_us"])
+        row["met"] = best <= TARGETS_US[st]
+        rows.append(row)
+    return {"n": n, "rounds": rounds, "compiled": status(), "raw": per, "rows": rows}
+
+
+def markdown(res: dict[str, Any]) -> str:
+    """The stage table of :func:`run_stages`' result."""
+    lines = [f"CPU µs per handoff, each stage alone (hurray_ipc/bench/stages.py), {res['n']} handoffs, medians "
+             f"of {res['rounds']} shuffled rounds", "",
+             "| stage | pure Python | compiled | compiled / pure | target | met |", "|---|---:|---:|---:|---:|---|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['stage']} | {r['pure_us']:.1f} | {r.get('compiled_us', float('nan')):.1f} | "
+                     f"{r.get('compiled_over_pure', '')} | {r['target_us']:g} | {'yes' if r['met'] else 'no'} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    import sys
-
-    print(json.dumps(run_stages(int(sys.argv[1]) if len(sys.argv) > 1 else 5000)))
+    if sys.argv[1:2] == ["--one"]:
+        print(json.dumps({"us": STAGES[sys.argv[2]](int(sys.argv[3]))}))
+    else:
+        print(markdown(run_stages(int(sys.argv[1]) if len(sys.argv) > 1 else 5000)))

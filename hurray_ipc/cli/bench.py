@@ -5,6 +5,7 @@ shared_memory, torch.multiprocessing (when installed) and memcpy, in one run.
     hurray-bench --full               # more iterations (minutes)
     hurray-bench --sizes 4K,1M --out results/mine
     hurray-bench --sizes 4K --rounds 7 --profile   # cProfile per process in <out>/profile/
+    hurray-bench --stages             # CPU per handoff of broker, producer, consumer alone (pure vs compiled)
 
 Writes results.json, results.md and plot.png (with the bench extra) into the results folder and
 prints the markdown table. Targets are reported, never asserted.
@@ -40,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
                         "to <out>/profile/*.pstats (read with python -m pstats; slows every row)")
     p.add_argument("--render", metavar="RESULTS_JSON", default=None,
                    help="no run: aggregate and print the markdown of an earlier run's results.json again")
+    p.add_argument("--stages", action="store_true",
+                   help="instead of the rows: the CPU per handoff of each stage alone (broker dispatch, producer, "
+                        "consumer; hurray_ipc/bench/stages.py), pure Python and compiled side by side")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     if a.render:
@@ -47,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         res["rows"], res["targets"] = aggregate(res["raw"]), targets(res["raw"])
         print(markdown(res))
         return 0
+    if a.stages:
+        return _stages(a)
     sizes = [parse_size(s) for s in a.sizes.split(",") if s]
     n_small = a.iterations or (2000 if a.full else 300)
     n_large = max(5, n_small // 10) if a.iterations else (200 if a.full else 40)
@@ -62,6 +68,22 @@ def main(argv: list[str] | None = None) -> int:
     why = plot(res, out / "plot.png")
     print(md)
     print(f"results in {out}/" + (f" (no plot: {why})" if why else ""))
+    return 0
+
+
+def _stages(a: argparse.Namespace) -> int:
+    from ..bench import stages
+
+    say = (lambda s: None) if a.quiet else (lambda s: print(f"  running {s} ...", file=sys.stderr, flush=True))
+    n = a.iterations or (20000 if a.full else 5000)
+    res = stages.run_stages(n, rounds=a.rounds or (5 if a.full else 3), seed=a.seed, say=say)
+    out = Path(a.out or f"results/stages-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "stages.json").write_text(json.dumps(res, indent=1))
+    md = stages.markdown(res)
+    (out / "stages.md").write_text(md)
+    print(md)
+    print(f"results in {out}/")
     return 0
 
 
