@@ -30,6 +30,7 @@ Layers, each importing only those below it::
 
 from typing import TYPE_CHECKING
 
+from . import compiled as _compiled  # noqa: F401 - first: HURRAY_PURE must act before a compiled module loads
 from .contract import (
     AlreadyReleasedError,
     EndpointCapabilities,

@@ -27,7 +27,14 @@ if [ -n "$gpu_extra" ]; then
 fi
 all="$(printf '%s\n' $installed ${script_extras:-} ${HURRAY_EXTRAS:-} $gpu_extra | tr ',' '\n' | sed '/^$/d' \
        | sort -u | paste -sd, -)"
-if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ] || [ "$all" != "$have" ]; then
+# The compiled modules (hurray_ipc/compiled.py) are rebuilt when their source changed: an extension
+# older than its source is not run (the source is), so without the rebuild tests judge the fallback.
+stale=""
+for src in $("$VENV/bin/python" "$ROOT/hurray_ipc/compiled.py" "$ROOT"); do
+    if [ -f "$stamp" ] && [ "$src" -nt "$stamp" ]; then stale=1; fi
+done
+if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ] || [ "$ROOT/setup.py" -nt "$stamp" ] \
+        || [ -n "$stale" ] || [ "$all" != "$have" ]; then
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip "setuptools>=77" >/dev/null
     extras="$(printf '%s\n' ${all//,/ } | sed '/^+/d' | paste -sd, -)"
     # The filter hides setuptools' one informational note on editable installs; real warnings show.

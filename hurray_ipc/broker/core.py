@@ -799,7 +799,8 @@ class BrokerCore:
                 return
             # Producers take turns, passing over one that sits on a grant unused for a heartbeat,
             # or let one be revoked, while another can take the grant (a hoarder, §4.3a).
-            producer = first_ready = None
+            producer: bytes | None = None
+            first_ready: bytes | None = None
             for rid in ch.producers:
                 c = self.clients[rid]
                 if c.credits > 0:

@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -242,7 +243,7 @@ class Broker:
         self._apply(self.core.shutdown(reason))
         log.info(json.dumps({"event": "shutdown", "reason": reason, "clients": len(self.core.clients),
                              "messages_received": self.messages_received, "messages_sent": self.core.stats.wire_out,
-                             **self.core.stats.__dict__, "errors_by_code": self.core.errors_by_code}))
+                             **asdict(self.core.stats), "errors_by_code": self.core.errors_by_code}))
         self.sock.close(linger=200)
         if self.endpoint.startswith("ipc://"):
             Path(self.endpoint[len("ipc://"):]).unlink(missing_ok=True)

@@ -7,6 +7,7 @@ shared_memory, torch.multiprocessing (when installed) and memcpy, in one run.
     hurray-bench --sizes 4K --rounds 7 --profile   # cProfile per process in <out>/profile/
     hurray-bench --scaling            # only the scaling table: 1x1, 4x4, 16x16 on 1 and 16 channels
     hurray-bench --scaling --full     # the same with more handoffs per configuration and 5 rounds
+    hurray-bench --stages             # CPU per handoff of broker, producer, consumer alone (pure vs compiled)
 
 Writes results.json, results.md and plot.png (with the bench extra) into the results folder and
 prints the markdown table. Targets are reported, never asserted.
@@ -51,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="channels of the spread configurations (each N uses min(this, N))")
     p.add_argument("--scaling-handoffs", type=int, default=None,
                    help="handoffs per scaling configuration, split over its producers (default 3000; --full 20000)")
+    p.add_argument("--stages", action="store_true",
+                   help="instead of the rows: the CPU per handoff of each stage alone (broker dispatch, producer, "
+                        "consumer; hurray_ipc/bench/stages.py), pure Python and compiled side by side")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     if a.render:
@@ -62,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             res["scaling"]["targets"] = scaling_targets(res["scaling"]["raw"])
         print(markdown(res))
         return 0
+    if a.stages:
+        return _stages(a)
     sizes = [parse_size(s) for s in a.sizes.split(",") if s]
     n_small = a.iterations or (2000 if a.full else 300)
     n_large = max(5, n_small // 10) if a.iterations else (200 if a.full else 40)
@@ -95,6 +101,22 @@ def main(argv: list[str] | None = None) -> int:
     why = plot(res, out / "plot.png")
     print(md)
     print(f"results in {out}/" + (f" (no plot: {why})" if why else ""))
+    return 0
+
+
+def _stages(a: argparse.Namespace) -> int:
+    from ..bench import stages
+
+    say = (lambda s: None) if a.quiet else (lambda s: print(f"  running {s} ...", file=sys.stderr, flush=True))
+    n = a.iterations or (20000 if a.full else 5000)
+    res = stages.run_stages(n, rounds=a.rounds or (5 if a.full else 3), seed=a.seed, say=say)
+    out = Path(a.out or f"results/stages-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "stages.json").write_text(json.dumps(res, indent=1))
+    md = stages.markdown(res)
+    (out / "stages.md").write_text(md)
+    print(md)
+    print(f"results in {out}/")
     return 0
 
 
