@@ -30,12 +30,14 @@ def _ext_modules() -> list:
         return []
     here = os.path.dirname(os.path.abspath(__file__))
     paths = runpy.run_path(os.path.join(here, "hurray_ipc", "compiled.py"))["sources"]()
-    # The build environment has no numpy or pyzmq: modules the compiled ones import are read for
-    # their types (silently: mypy judges them in scripts/test), and missing libraries are Any.
+    # Modules the compiled ones import are read for their types (silently: mypy judges them in
+    # scripts/test); third-party libraries are Any, whatever the environment holds
+    # (--no-site-packages: a venv with torch made mypy read torch for ten minutes).
     # One group: its modules call each other natively, through mypyc's shared library, a top-level
     # extension module named by a hash of the group (<hash>__mypyc; mypyc 1.13 cannot place it in
     # the package: a dotted group name builds a library without its init function).
-    exts = mypycify(["--ignore-missing-imports", "--follow-imports=silent", *paths], opt_level="3")
+    exts = mypycify(["--ignore-missing-imports", "--follow-imports=silent", "--no-site-packages", *paths],
+                    opt_level="3")
     for ext in exts:
         ext.optional = True  # a C compile that fails leaves the pure module in place (build_ext says why)
     return exts
