@@ -18,7 +18,7 @@ import os
 import warnings
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -546,6 +546,11 @@ class ReceivedHandoff(Handoff):
             consumer._dropped.append(self)  # resurrects self until the pump released it (PEP 442)
 
 
+def _check_max_n(max_n: Any, where: str) -> None:
+    if type(max_n) is not int or max_n < 1:
+        raise InvalidArgument(f"max_n must be a positive int, not {max_n!r}", where=where, value=max_n)
+
+
 class Consumer:
     """Receive buffers from the producers of ``channel``.
 
@@ -804,6 +809,41 @@ class Consumer:
             raise EndOfStream(f"every producer of channel {self.session.channel!r} ended its stream and every "
                               "handoff they sent was received")
         return got
+
+    def receive_many(self, max_n: int, timeout: float | None = None) -> list[ReceivedHandoff]:
+        """Up to ``max_n`` handoffs at once: waits for the first as :meth:`receive` does (same
+        errors: EndOfStream only when nothing is left), then takes, without waiting, every further
+        one already delivered (a DELIVER batch arrives whole), oldest first. Release them one by
+        one or together with :meth:`release_many`. Thread-safe: concurrent callers never get the
+        same handoff."""
+        _check_max_n(max_n, "receive_many(max_n=)")
+        return self._more([self.receive(timeout)], max_n)
+
+    async def areceive_many(self, max_n: int, timeout: float | None = None) -> list[ReceivedHandoff]:
+        """:meth:`receive_many` on the running asyncio loop: the first handoff awaited as
+        :meth:`areceive` does, the others already delivered taken with it."""
+        _check_max_n(max_n, "areceive_many(max_n=)")
+        return self._more([await self.areceive(timeout)], max_n)
+
+    def _more(self, got: list[ReceivedHandoff], max_n: int) -> list[ReceivedHandoff]:
+        """``got`` and, up to ``max_n`` in all, the deliveries already in the inbox (no waiting)."""
+        with self.session.lock:
+            while len(got) < max_n and self.core.inbox:
+                got.append(self._take())
+        return got
+
+    def release_many(self, handoffs: Iterable[ReceivedHandoff], stream: Any = None) -> None:
+        """:meth:`ReceivedHandoff.release` for each of ``handoffs``, their RELEASEs leaving
+        together (one message where the protocol batches them): each is still sent only once its
+        own device work completed (a fenced one later, with the next batch). A handoff already
+        released raises AlreadyReleasedError before any is released."""
+        batch = list(handoffs)
+        done = [h for h in batch if h.released]
+        if done:
+            raise AlreadyReleasedError(f"{len(done)} of these {len(batch)} handoffs were already released")
+        with self.session.holding():
+            for h in batch:
+                h.release(stream)
 
     def _take(self) -> ReceivedHandoff:
         """Under the lock, inside the pump: the oldest delivery, for one ``receive()``."""

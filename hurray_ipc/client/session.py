@@ -21,7 +21,8 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +152,7 @@ class Session:
         # wakes its coroutine this way when the pump thread took the message it waits for.
         self.wakers: list[Callable[[], None]] = []
         self._outbox: list[AnyMessage] = []  # hot messages held for one batch (see queue())
+        self._held = 0  # holding() depth: flush_out waits for the outermost to end
         self.messages_sent = 0
         self.messages_received = 0
         self.registered = False
@@ -196,9 +198,21 @@ class Session:
         with self.lock:
             self._outbox.append(msg)
 
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        """Under the lock: what is sent meanwhile is held, and leaves on exit in as few messages
+        as coalesce allows (a batch of releases travels as one)."""
+        with self.lock:
+            self._held += 1
+            try:
+                yield
+            finally:
+                self._held -= 1
+                self.flush_out()
+
     def flush_out(self) -> None:
         with self.lock:
-            if not self._outbox:
+            if not self._outbox or self._held:
                 return
             out, self._outbox = self._outbox, []
             for group in coalesce(out):
