@@ -16,7 +16,8 @@ def test_bench_smoke(tmp_path):
     names = {row["name"] for row in res["rows"]}
     assert {"pyzmq ROUTER/DEALER echo (200 B)", "relay, forwarding only", "relay, struct header", "hurray cpu",
             "hurray emulated cuda", "multiprocessing.Queue + numpy", "shared_memory + names via Queue",
-            "host-staged copy vs memcpy", "hurray cpu, new array per send", "hurray cpu, reused array"} <= names
+            "host-staged copy vs memcpy", "hurray cpu, new array per send", "hurray cpu, reused array",
+            "hurray cpu, send_many", "hurray cpu, send_many + receive_many"} <= names
     failed = [row for row in res["rows"] if str(row.get("skipped", "")).startswith("failed")]
     assert not failed, failed
     assert any(t["target"].startswith("one-way p50 <= 1.5x relay") for t in res["targets"])

@@ -162,40 +162,50 @@ def _hurray_producer(endpoint: str, channel: str, device: str, size: int, n: int
             "broker_cpu_us": round(broker / n * 1e6, 1), "messages": msgs}
 
 
-def _hurray_consumer(endpoint: str, channel: str, device: str, n: int, env: dict[str, str]) -> dict[str, Any]:
+def _hurray_consumer(endpoint: str, channel: str, device: str, n: int, env: dict[str, str],
+                     batch: bool = False) -> dict[str, Any]:
+    """``batch``: the pipelined phase takes what was delivered with ``receive_many`` and gives it
+    back with ``release_many``."""
     os.environ.update(env)
     from ..client import Consumer
 
     lat = []
     modes = set()
     mark: tuple[float, int, int] | None = None  # (cpu, messages, handoffs) when the pipelined phase began
+    total = 10 + 2 * n
     with Consumer(endpoint, channel, device, prefetch=WINDOW) as c, Profiled(f"{channel}-consumer"):
         ses = c.session
-        for i in range(10 + 2 * n):
-            h = c.receive(timeout=60)
-            h.wait()
-            t = (h.meta or {}).get("t")
-            if t is not None:
-                lat.append(time.monotonic() - t)
-            elif mark is None and i >= 10:
-                mark = (time.process_time(), ses.messages_sent + ses.messages_received - 1, i)
-            modes.add(h.sync_mode.wire_name + (" staged" if h.staged else ""))
-            h.release()
+        i = 0
+        while i < total:
+            hs = c.receive_many(min(WINDOW, total - i), timeout=60) if batch and mark else [c.receive(timeout=60)]
+            for h in hs:
+                h.wait()
+                t = (h.meta or {}).get("t")
+                if t is not None:
+                    lat.append(time.monotonic() - t)
+                elif mark is None and i >= 10:
+                    mark = (time.process_time(), ses.messages_sent + ses.messages_received - 1, i)
+                modes.add(h.sync_mode.wire_name + (" staged" if h.staged else ""))
+                i += 1
+            c.release_many(hs)
         c.flush_releases(30)
         cpu, msgs = time.process_time(), ses.messages_sent + ses.messages_received
-    count = 10 + 2 * n - mark[2] if mark else 1
+    count = total - mark[2] if mark else 1
     return {"latency": latency(lat), "modes": sorted(modes),
             "cpu_us": round((cpu - mark[0]) / count * 1e6, 1) if mark else float("nan"),
             "messages": msgs - mark[1] if mark else 0}
 
 
 def bench_hurray(endpoint: str, label: str, pdev: str, cdev: str, size: int, n: int, env: dict[str, str],
-                 mode: str | None = None, broker_pid: int | None = None, batch: bool = False) -> dict[str, Any]:
-    """``batch``: the pipelined phase sends with ``send_many`` (every free buffer at once)."""
+                 mode: str | None = None, broker_pid: int | None = None, batch: bool = False,
+                 receive_batch: bool = False) -> dict[str, Any]:
+    """``batch``: the pipelined phase sends with ``send_many`` (every free buffer at once);
+    ``receive_batch``: the consumer takes it with ``receive_many`` and ``release_many``."""
     ch = f"bench-{label}-{size}".replace(" ", "-").replace(",", "")
     pr, cr = run_pair((_hurray_producer, {"endpoint": endpoint, "channel": ch, "device": pdev, "size": size, "n": n,
                                        "env": env, "mode": mode, "broker_pid": broker_pid, "batch": batch}),
-                   (_hurray_consumer, {"endpoint": endpoint, "channel": ch, "device": cdev, "n": n, "env": env}))
+                   (_hurray_consumer, {"endpoint": endpoint, "channel": ch, "device": cdev, "n": n, "env": env,
+                                       "batch": receive_batch}))
     return {"name": f"hurray {label}", "what": "one-way handoff", "size": size, "latency": cr["latency"],
             "per_s": pr["per_s"], "modes": cr["modes"], "producer_send_call": pr["send_call"],
             "cpu_us": {"producer": pr["cpu_us"], "broker": pr["broker_cpu_us"], "consumer": cr["cpu_us"]},
@@ -516,6 +526,9 @@ def run_suite(sizes: list[int], n_small: int, n_large: int, progress: Callable[[
                                             broker_pid=broker.pid)),
                     (f"cpu send_many {size}", partial(bench_hurray, ep, "cpu, send_many", "cpu", "cpu", size, n, {},
                                                       broker_pid=broker.pid, batch=True)),
+                    (f"cpu many both ways {size}", partial(bench_hurray, ep, "cpu, send_many + receive_many", "cpu",
+                                                           "cpu", size, n, {}, broker_pid=broker.pid, batch=True,
+                                                           receive_batch=True)),
                     (f"emulated cuda {size}", partial(bench_hurray, ep, "emulated cuda", "cuda:0", "cuda:0", size, n,
                                                       emu, broker_pid=broker.pid)),
                     (f"mp.Queue {size}", partial(bench_mp_queue, size, n)),
@@ -587,7 +600,8 @@ def aggregate(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 _ORDER = {"pyzmq ROUTER/DEALER echo (200 B)": 0, "relay, forwarding only": 1, "relay, struct header": 2,
-          "hurray cpu": 3, "hurray cpu, send_many": 4, "hurray emulated cuda": 5,
+          "hurray cpu": 3, "hurray cpu, send_many": 4, "hurray cpu, send_many + receive_many": 4.5,
+          "hurray emulated cuda": 5,
           "hurray cpu, new array per send": 6, "torch.multiprocessing Queue (cpu tensor, new per send)": 7,
           "hurray cpu, reused array": 8, "torch.multiprocessing Queue (cpu tensor)": 9}
 
@@ -622,6 +636,8 @@ def targets(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
             _side_by_side(raw, "hurray cpu", size, relay, rate), lambda v: v >= 0.5)
         add(f"handoffs/s with batching (send_many) >= 1.0x relay ({size} B, cpu)",
             _side_by_side(raw, "hurray cpu, send_many", size, relay, rate), lambda v: v >= 1.0)
+        add(f"handoffs/s with send_many + receive_many >= 2.0x relay ({size} B, cpu)",
+            _side_by_side(raw, "hurray cpu, send_many + receive_many", size, relay, rate), lambda v: v >= 2.0)
         add(f"one-way p50 <= 1.5x relay ({size} B, cpu)", _side_by_side(raw, "hurray cpu", size, relay, p50),
             lambda v: v <= 1.5)
         cpu = [r["cpu_us"] for r in raw if r["name"] == "hurray cpu" and r.get("size") == size and "cpu_us" in r]
