@@ -49,6 +49,13 @@ MUTANTS: dict[str, tuple[str, ...]] = {
     "release-after-work": ("hurray_ipc/client/consumer.py",
                            "        self._consumer._release_after(self, fences)\n",
                            "        self._consumer._release_after(self, [])  # MUTANT: early RELEASE\n"),
+    # release_many (issue 24): a batch's RELEASEs leave together, each still after its own fences.
+    "release-many-unfenced": ("hurray_ipc/client/consumer.py",
+                              "            for h in batch:\n                h.release(fence)\n",
+                              "            for h in batch:  # MUTANT: the batch released without its fences\n"
+                              "                h._release_streams = []\n"
+                              "                super(ReceivedHandoff, h).release()\n",
+                              "tests/test_paths.py"),
     # Issue 22's library mutants that no test caught before.
     "release-fences-own-stream": ("hurray_ipc/client/consumer.py",
                                   "        for s in self._waited + [self.consumer_stream, self._consumer.stream]:\n",

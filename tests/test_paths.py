@@ -332,6 +332,60 @@ def test_broken_twin_release_while_reads_pending_races_with_the_rewrite(broker, 
     assert caught and rt.races
 
 
+def _batch_release_then_rewrite(broker, delay: float, channel: str, release) -> tuple[EmulatedRuntime, list, list]:
+    """As :func:`_release_then_rewrite` for a whole batch: three buffers taken with
+    ``receive_many``, a read of each enqueued, ``release(c, batch)`` at once; the producer
+    rewrites all three as soon as their RELEASEs arrived."""
+    with emulated(delay) as (rt, dev):
+        with Producer(broker.endpoint, channel, dev) as p, Consumer(broker.endpoint, channel, dev, prefetch=4) as c:
+            bufs = [p.allocate(SIZE) for _ in range(3)]
+            for i, b in enumerate(bufs):
+                p.stream.copy(b, workload.pattern(7, i, SIZE))
+            th = threading.Thread(target=lambda: [p.send(b, SyncMode.EVENT, block=False, timeout=10) for b in bufs],
+                                  daemon=True)
+            th.start()
+            batch = [c.receive(timeout=10)]
+            c.session.pump(lambda: len(c.core.inbox) >= 2, 10, "waiting for the other two deliveries")
+            batch += c.receive_many(4)
+            assert len(batch) == 3
+            outs = []
+            for h in batch:
+                h.wait()
+                outs.append(_read(c, h))  # still pending when release_many() returns
+            release(c, batch)
+            th.join(10)
+            p.flush(10)  # every RELEASE arrived: the producer reuses the buffers
+            for b in bufs:
+                p.stream.memset(b, 0)
+            caught = _drain(rt, p.stream, c.stream)
+            for b in bufs:
+                b.close()
+        return rt, outs, caught
+
+
+@pytest.mark.parametrize("delay", DELAYS)
+@pytest.mark.parametrize("how", ["release_many", "release_many_stream"])
+def test_release_many_waits_for_the_pending_reads_of_the_batch(broker, delay, how):
+    """Each RELEASE of a batch still waits for its own handoff's device work (the batch only makes
+    them leave together). A release_many that sent the batch's RELEASEs at once fails here."""
+    def release(c: Consumer, batch: list) -> None:
+        c.release_many(batch, stream=c.stream if how == "release_many_stream" else None)
+
+    rt, outs, caught = _batch_release_then_rewrite(broker, delay, f"relm-{how}", release)
+    assert not caught and not rt.races
+    assert [workload.verify(o) for o in outs] == [(7, i, True) for i in range(3)]
+
+
+@NEEDS_HB
+@pytest.mark.parametrize("delay", DELAYS)
+def test_broken_twin_release_many_fenced_on_an_idle_stream_races_with_the_rewrite(broker, delay):
+    def release(c: Consumer, batch: list) -> None:
+        c.release_many(batch, stream=c.gpu.create_stream())  # not the reads' stream: RELEASEs go at once
+
+    rt, _outs, caught = _batch_release_then_rewrite(broker, delay, "relm-bad", release)
+    assert caught and rt.races
+
+
 # --- array interfaces without side effects ---------------------------------------------------------
 @pytest.mark.parametrize("delay", DELAYS)
 def test_reading_cuda_array_interface_twice_sends_nothing(broker, delay):

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from hurray_ipc import AlreadyReleasedError, Consumer, HurrayTimeout, InvalidArgument, Producer
+from hurray_ipc import AlreadyReleasedError, Consumer, EndOfStream, HurrayTimeout, InvalidArgument, Producer
 
 
 def _queued(c: Consumer, n: int) -> None:
@@ -97,6 +97,90 @@ def test_release_many_refuses_a_released_handoff_and_releases_none(pair):
         c.release_many([b, a])
     assert not b.released
     c.release_many([b])
+
+
+@pytest.mark.parametrize("bad", ["twice", "not a handoff", "another consumer's", "a stream on a cpu consumer"])
+def test_release_many_is_all_or_nothing(pair, broker, bad):
+    """Each bad list is refused with a typed error naming the item, and every handoff of it stays
+    held (a failed call gives back what it took: here, it took nothing). Checking item by item
+    while releasing releases ``a`` before it meets the bad one: this test then fails."""
+    p, c = pair
+    _send(p, range(2))
+    a = c.receive(timeout=10)
+    _queued(c, 1)
+    (b,) = c.receive_many(4)
+    kwargs: dict = {}
+    if bad == "twice":
+        items, error = [a, b, a], InvalidArgument
+    elif bad == "not a handoff":
+        items, error = [a, b, "h"], InvalidArgument
+    elif bad == "another consumer's":
+        with Producer(broker.endpoint, "other", "cpu") as p2, Consumer(broker.endpoint, "other", "cpu") as c2:
+            t = threading.Thread(target=lambda: p2.send(np.zeros(8, np.uint8), block=False, timeout=30))
+            t.start()
+            foreign = c2.receive(timeout=10)
+            t.join(30)
+            with pytest.raises(InvalidArgument, match="item 2 is not a handoff this consumer received") as e:
+                c.release_many([a, b, foreign])
+            assert not foreign.released
+            foreign.release()
+            p2.flush(10)
+        items = None
+    else:
+        items, error, kwargs = [a, b], InvalidArgument, {"stream": 7}
+    if items is not None:
+        with pytest.raises(error) as e:
+            c.release_many(items, **kwargs)
+        assert e.value.where in ("release_many(handoffs=)", "stream=")
+    assert not a.released and not b.released, "a refused release_many released part of its list"
+    sent = c.session.messages_sent
+    c.release_many([a, b])
+    assert c.session.messages_sent - sent == 1
+    p.flush(10)
+
+
+def test_end_of_stream_mid_batch_gives_what_was_sent_then_ends(pair):
+    """The producer ends its stream after 3 sends: receive_many(8) gives the 3 (not an error for
+    asking more), the next raises EndOfStream; nothing is lost or doubled."""
+    p, c = pair
+    _send(p, range(3))
+    first = c.receive(timeout=10)
+    _queued(c, 2)
+    _SENDERS.pop()[0].join(30)
+    p.end()
+    got = [first, *c.receive_many(8, timeout=10)]
+    assert [int(h.numpy()[0]) for h in got] == [0, 1, 2]
+    c.release_many(got)
+    with pytest.raises(EndOfStream):
+        c.receive_many(8, timeout=10)
+
+
+def test_concurrent_batches_never_share_a_handoff(pair):
+    """Two threads take batches from one consumer until 40 handoffs arrived: each handoff comes
+    to exactly one of them (the inbox is taken under the session lock)."""
+    p, c = pair
+    _send(p, range(40))
+    seen: list[list[int]] = [[], []]
+    stop = threading.Event()
+
+    def take(mine: list[int]) -> None:
+        while not stop.is_set():
+            try:
+                batch = c.receive_many(5, timeout=0.5)
+            except HurrayTimeout:
+                continue
+            mine.extend(int(h.numpy()[0]) for h in batch)
+            c.release_many(batch)
+            if len(seen[0]) + len(seen[1]) >= 40:
+                stop.set()
+
+    workers = [threading.Thread(target=take, args=(m,)) for m in seen]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert sorted(seen[0] + seen[1]) == list(range(40))
+    p.flush(10)
 
 
 def test_nothing_to_receive_times_out(pair):

@@ -835,15 +835,29 @@ class Consumer:
     def release_many(self, handoffs: Iterable[ReceivedHandoff], stream: Any = None) -> None:
         """:meth:`ReceivedHandoff.release` for each of ``handoffs``, their RELEASEs leaving
         together (one message where the protocol batches them): each is still sent only once its
-        own device work completed (a fenced one later, with the next batch). A handoff already
-        released raises AlreadyReleasedError before any is released."""
+        own device work completed (a fenced one later, with the next batch). All or nothing: the
+        whole list is checked before any is released, and a bad one (not a handoff this consumer
+        received: InvalidArgument; listed twice: InvalidArgument; already released:
+        AlreadyReleasedError; a ``stream`` that is not one: as :meth:`ReceivedHandoff.release`)
+        leaves every handoff of the list held."""
+        where = "release_many(handoffs=)"
         batch = list(handoffs)
-        done = [h for h in batch if h.released]
+        seen: set[int] = set()
+        for i, h in enumerate(batch):
+            if not isinstance(h, ReceivedHandoff) or h._consumer is not self:
+                raise InvalidArgument(f"item {i} is not a handoff this consumer received: {h!r}", where=where,
+                                      value=h)
+            if id(h) in seen:
+                raise InvalidArgument(f"item {i} (handoff {h.handoff_id}) is listed twice", where=where, value=h)
+            seen.add(id(h))
+        done = [h.handoff_id for h in batch if h.released]
         if done:
-            raise AlreadyReleasedError(f"{len(done)} of these {len(batch)} handoffs were already released")
+            raise AlreadyReleasedError(f"{len(done)} of these {len(batch)} handoffs were already released "
+                                       f"(handoff ids {done[:8]}); none was released now")
+        fence = None if stream is None else self.as_stream(stream)
         with self.session.holding():
             for h in batch:
-                h.release(stream)
+                h.release(fence)
 
     def _take(self) -> ReceivedHandoff:
         """Under the lock, inside the pump: the oldest delivery, for one ``receive()``."""
