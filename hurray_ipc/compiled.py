@@ -29,9 +29,10 @@ from types import ModuleType
 
 __all__ = ["COMPILED", "PURE_ENV", "status"]
 
-# The broker's per-handoff dispatch (HANDOFF in, DELIVER out; RELEASE in, RELEASED and GRANT out)
-# and its queries. Each entry must compile with mypyc and import only what its annotations name.
-COMPILED: tuple[str, ...] = ("hurray_ipc.broker.core", "hurray_ipc.broker.queries")
+# The broker's per-handoff dispatch (HANDOFF in, DELIVER out; RELEASE in, RELEASED and GRANT out),
+# its queries, and the binary codec of the hot verbs that the broker and both clients run per
+# handoff. Each entry must compile with mypyc and import only what its annotations name.
+COMPILED: tuple[str, ...] = ("hurray_ipc.broker.core", "hurray_ipc.broker.queries", "hurray_ipc.wire.ipc")
 PURE_ENV = "HURRAY_PURE"
 
 

@@ -22,7 +22,7 @@ import json
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from ..errors import ERROR_CODES as ERROR_CODES  # the codec's errors: ProtocolError and its codes
 from ..errors import ProtocolError as ProtocolError
@@ -225,7 +225,13 @@ class HotMessage:
     """A typed entry of a binary hot-verb message (spec §2.2)."""
 
     __slots__ = ()
-    verb: ClassVar[str]
+
+    @property
+    def verb(self) -> str:
+        """The verb this entry travels as. A property, not a ``ClassVar``: this module is
+        compiled with mypyc (hurray_ipc/compiled.py), and mypyc 1.13 turns a dataclass's
+        ``ClassVar`` into a field."""
+        raise NotImplementedError
 
     def encode(self) -> list[bytes]:
         """The frames of a message of this one entry."""
@@ -299,7 +305,10 @@ class Carried(HotMessage):
 class Handoff(Carried):
     """HANDOFF: a producer hands the buffer of ``grant_id`` on; ``ready`` carries a READY."""
 
-    verb: ClassVar[str] = "HANDOFF"
+    @property
+    def verb(self) -> str:
+        return "HANDOFF"
+
     grant_id: int
     ack: bool = False  # answer ACCEPTED
     ready: int = 0  # the batch header's READY, on the message's last entry (0: none)
@@ -319,7 +328,10 @@ class Handoff(Carried):
 class Deliver(Carried):
     """DELIVER: the broker hands a consumer a buffer; it releases it by ``token``."""
 
-    verb: ClassVar[str] = "DELIVER"
+    @property
+    def verb(self) -> str:
+        return "DELIVER"
+
     token: str  # 2 x TOKEN_BYTES lowercase hex digits
     producer_id: str
 
@@ -331,7 +343,10 @@ class Deliver(Carried):
 class Release(HotMessage):
     """RELEASE (kind 1): the consumer is done with ``token``; ``credits`` carries a REQUEST."""
 
-    verb: ClassVar[str] = "RELEASE"
+    @property
+    def verb(self) -> str:
+        return "RELEASE"
+
     token: str
     reason: str | None = None  # None: released; else why it was refused (a reason frame)
     credits: int = 0  # the batch header's credits, on the message's last entry
@@ -345,7 +360,10 @@ class Release(HotMessage):
 class EventRelease(HotMessage):
     """EVENT_RELEASE (RELEASE kind 2): the consumer's waits on the handoff's event were issued."""
 
-    verb: ClassVar[str] = "EVENT_RELEASE"
+    @property
+    def verb(self) -> str:
+        return "EVENT_RELEASE"
+
     token: str
     credits: int = 0
 
@@ -357,7 +375,10 @@ class EventRelease(HotMessage):
 class Released(HotMessage):
     """RELEASED (kind 1): the producer may reuse the buffer of ``handoff_id``."""
 
-    verb: ClassVar[str] = "RELEASED"
+    @property
+    def verb(self) -> str:
+        return "RELEASED"
+
     handoff_id: int
     reason: str = "released"
 
@@ -369,7 +390,10 @@ class Released(HotMessage):
 class EventReleased(HotMessage):
     """EVENT_RELEASED (RELEASED kind 2): the producer may record the handoff's event again."""
 
-    verb: ClassVar[str] = "EVENT_RELEASED"
+    @property
+    def verb(self) -> str:
+        return "EVENT_RELEASED"
+
     handoff_id: int
     reason: str = "released"
 
@@ -382,7 +406,10 @@ class Grant(HotMessage):
     """GRANT: the producer may hand one buffer to consumer ``consumer_id``; ``consumer`` is that
     consumer's endpoint, in the first GRANT of each pairing only."""
 
-    verb: ClassVar[str] = "GRANT"
+    @property
+    def verb(self) -> str:
+        return "GRANT"
+
     grant_id: int
     epoch: int
     consumer_id: str  # the consumer's label, 16 hex digits
@@ -397,7 +424,10 @@ class Grant(HotMessage):
 class Accepted(HotMessage):
     """ACCEPTED: the broker took HANDOFF ``handoff_id`` (only when its ``ack`` flag asked)."""
 
-    verb: ClassVar[str] = "ACCEPTED"
+    @property
+    def verb(self) -> str:
+        return "ACCEPTED"
+
     handoff_id: int
 
     def fields(self) -> dict[str, Any]:
