@@ -281,78 +281,30 @@ def test_streams_as_protocol_objects_and_raw_ints_everywhere(broker, delay, form
 
 
 # --- release after device work ---------------------------------------------------------------------
-def _release_then_rewrite(broker, delay: float, channel: str, release) -> tuple[EmulatedRuntime, np.ndarray, list]:
-    """The consumer enqueues a read and releases per ``release(c, h)`` at once; the producer
-    rewrites the buffer as soon as the release arrives. Returns the runtime, the bytes read and
-    the race errors seen."""
+def _release_then_rewrite(broker, delay: float, channel: str, release,
+                          n: int = 1) -> tuple[EmulatedRuntime, list, list]:
+    """The consumer takes ``n`` handoffs (the first with ``receive``, the others with
+    ``receive_many``), enqueues a read of each and releases them per ``release(c, handoffs)`` at
+    once; the producer rewrites every buffer as soon as their RELEASEs arrived. Returns the
+    runtime, the bytes read (one array per handoff) and the race errors seen."""
     with emulated(delay) as (rt, dev):
-        with Producer(broker.endpoint, channel, dev) as p, Consumer(broker.endpoint, channel, dev) as c:
-            buf = p.allocate(SIZE)
-            p.stream.copy(buf, workload.pattern(7, 9, SIZE))
-            th = _send_in_thread(p, buf)
-            h = c.receive(timeout=10)
-            h.wait()
-            out = _read(c, h)  # still pending when release() returns
-            release(c, h)
-            th.join(10)
-            p.flush(10)  # RELEASE arrived: the producer reuses the buffer
-            p.stream.memset(buf, 0)
-            caught = _drain(rt, p.stream, c.stream)
-            buf.close()
-        return rt, out, caught
-
-
-@pytest.mark.parametrize("delay", DELAYS)
-@pytest.mark.parametrize("how", ["release_stream", "release_stream_protocol", "release", "with"])
-def test_release_waits_for_pending_reads(broker, delay, how):
-    def release(c: Consumer, h: Any) -> None:
-        if how == "release_stream":
-            h.release(stream=c.stream)
-        elif how == "release_stream_protocol":
-            h.release(stream=CudaStreamLike(c.stream))
-        elif how == "release":
-            h.release()
-        else:
-            with h:
-                pass
-
-    rt, out, caught = _release_then_rewrite(broker, delay, f"rel-{how}", release)
-    assert not caught and not rt.races
-    assert workload.verify(out) == (7, 9, True)
-
-
-@NEEDS_HB
-@pytest.mark.parametrize("delay", DELAYS)
-def test_broken_twin_release_while_reads_pending_races_with_the_rewrite(broker, delay):
-    def release(c: Consumer, h: Any) -> None:
-        idle = c.gpu.create_stream()
-        h.release(stream=idle)  # fences a stream the read is not on: RELEASE goes at once
-
-    rt, _out, caught = _release_then_rewrite(broker, delay, "rel-bad", release)
-    assert caught and rt.races
-
-
-def _batch_release_then_rewrite(broker, delay: float, channel: str, release) -> tuple[EmulatedRuntime, list, list]:
-    """As :func:`_release_then_rewrite` for a whole batch: three buffers taken with
-    ``receive_many``, a read of each enqueued, ``release(c, batch)`` at once; the producer
-    rewrites all three as soon as their RELEASEs arrived."""
-    with emulated(delay) as (rt, dev):
-        with Producer(broker.endpoint, channel, dev) as p, Consumer(broker.endpoint, channel, dev, prefetch=4) as c:
-            bufs = [p.allocate(SIZE) for _ in range(3)]
+        with Producer(broker.endpoint, channel, dev) as p, Consumer(broker.endpoint, channel, dev, prefetch=n) as c:
+            bufs = [p.allocate(SIZE) for _ in range(n)]
             for i, b in enumerate(bufs):
                 p.stream.copy(b, workload.pattern(7, i, SIZE))
             th = threading.Thread(target=lambda: [p.send(b, SyncMode.EVENT, block=False, timeout=10) for b in bufs],
                                   daemon=True)
             th.start()
-            batch = [c.receive(timeout=10)]
-            c.session.pump(lambda: len(c.core.inbox) >= 2, 10, "waiting for the other two deliveries")
-            batch += c.receive_many(4)
-            assert len(batch) == 3
+            got = [c.receive(timeout=10)]
+            if n > 1:
+                c.session.pump(lambda: len(c.core.inbox) >= n - 1, 10, f"waiting for the other {n - 1} deliveries")
+                got += c.receive_many(n)
+            assert len(got) == n
             outs = []
-            for h in batch:
+            for h in got:
                 h.wait()
-                outs.append(_read(c, h))  # still pending when release_many() returns
-            release(c, batch)
+                outs.append(_read(c, h))  # still pending when the release returns
+            release(c, got)
             th.join(10)
             p.flush(10)  # every RELEASE arrived: the producer reuses the buffers
             for b in bufs:
@@ -364,6 +316,37 @@ def _batch_release_then_rewrite(broker, delay: float, channel: str, release) -> 
 
 
 @pytest.mark.parametrize("delay", DELAYS)
+@pytest.mark.parametrize("how", ["release_stream", "release_stream_protocol", "release", "with"])
+def test_release_waits_for_pending_reads(broker, delay, how):
+    def release(c: Consumer, hs: list) -> None:
+        (h,) = hs
+        if how == "release_stream":
+            h.release(stream=c.stream)
+        elif how == "release_stream_protocol":
+            h.release(stream=CudaStreamLike(c.stream))
+        elif how == "release":
+            h.release()
+        else:
+            with h:
+                pass
+
+    rt, outs, caught = _release_then_rewrite(broker, delay, f"rel-{how}", release)
+    assert not caught and not rt.races
+    assert workload.verify(outs[0]) == (7, 0, True)
+
+
+@NEEDS_HB
+@pytest.mark.parametrize("delay", DELAYS)
+def test_broken_twin_release_while_reads_pending_races_with_the_rewrite(broker, delay):
+    def release(c: Consumer, hs: list) -> None:
+        idle = c.gpu.create_stream()
+        hs[0].release(stream=idle)  # fences a stream the read is not on: RELEASE goes at once
+
+    rt, _outs, caught = _release_then_rewrite(broker, delay, "rel-bad", release)
+    assert caught and rt.races
+
+
+@pytest.mark.parametrize("delay", DELAYS)
 @pytest.mark.parametrize("how", ["release_many", "release_many_stream"])
 def test_release_many_waits_for_the_pending_reads_of_the_batch(broker, delay, how):
     """Each RELEASE of a batch still waits for its own handoff's device work (the batch only makes
@@ -371,7 +354,7 @@ def test_release_many_waits_for_the_pending_reads_of_the_batch(broker, delay, ho
     def release(c: Consumer, batch: list) -> None:
         c.release_many(batch, stream=c.stream if how == "release_many_stream" else None)
 
-    rt, outs, caught = _batch_release_then_rewrite(broker, delay, f"relm-{how}", release)
+    rt, outs, caught = _release_then_rewrite(broker, delay, f"relm-{how}", release, n=3)
     assert not caught and not rt.races
     assert [workload.verify(o) for o in outs] == [(7, i, True) for i in range(3)]
 
@@ -382,7 +365,7 @@ def test_broken_twin_release_many_fenced_on_an_idle_stream_races_with_the_rewrit
     def release(c: Consumer, batch: list) -> None:
         c.release_many(batch, stream=c.gpu.create_stream())  # not the reads' stream: RELEASEs go at once
 
-    rt, _outs, caught = _batch_release_then_rewrite(broker, delay, "relm-bad", release)
+    rt, _outs, caught = _release_then_rewrite(broker, delay, "relm-bad", release, n=3)
     assert caught and rt.races
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -109,29 +111,30 @@ def test_release_many_is_all_or_nothing(pair, broker, bad):
     a = c.receive(timeout=10)
     _queued(c, 1)
     (b,) = c.receive_many(4)
-    kwargs: dict = {}
-    if bad == "twice":
-        items, error = [a, b, a], InvalidArgument
-    elif bad == "not a handoff":
-        items, error = [a, b, "h"], InvalidArgument
-    elif bad == "another consumer's":
-        with Producer(broker.endpoint, "other", "cpu") as p2, Consumer(broker.endpoint, "other", "cpu") as c2:
+    with contextlib.ExitStack() as other:
+        kwargs: dict = {}
+        where, match = "release_many(handoffs=)", "item 2"
+        if bad == "twice":
+            items, match = [a, b, a], "item 2 .* is listed twice"
+        elif bad == "not a handoff":
+            items = [a, b, "h"]
+        elif bad == "another consumer's":
+            p2 = other.enter_context(Producer(broker.endpoint, "other", "cpu"))
+            c2 = other.enter_context(Consumer(broker.endpoint, "other", "cpu"))
             t = threading.Thread(target=lambda: p2.send(np.zeros(8, np.uint8), block=False, timeout=30))
             t.start()
             foreign = c2.receive(timeout=10)
             t.join(30)
-            with pytest.raises(InvalidArgument, match="item 2 is not a handoff this consumer received") as e:
-                c.release_many([a, b, foreign])
+            items, match = [a, b, foreign], "item 2 is not a handoff this consumer received"
+        else:
+            items, kwargs, where, match = [a, b], {"stream": 7}, "stream=", "has no streams"
+        with pytest.raises(InvalidArgument, match=match) as e:
+            c.release_many(items, **kwargs)
+        assert e.value.where == where
+        if bad == "another consumer's":
             assert not foreign.released
             foreign.release()
             p2.flush(10)
-        items = None
-    else:
-        items, error, kwargs = [a, b], InvalidArgument, {"stream": 7}
-    if items is not None:
-        with pytest.raises(error) as e:
-            c.release_many(items, **kwargs)
-        assert e.value.where in ("release_many(handoffs=)", "stream=")
     assert not a.released and not b.released, "a refused release_many released part of its list"
     sent = c.session.messages_sent
     c.release_many([a, b])
@@ -163,8 +166,10 @@ def test_concurrent_batches_never_share_a_handoff(pair):
     seen: list[list[int]] = [[], []]
     stop = threading.Event()
 
+    deadline = time.monotonic() + 60  # a lost handoff fails the assertion below, never hangs the run
+
     def take(mine: list[int]) -> None:
-        while not stop.is_set():
+        while not stop.is_set() and time.monotonic() < deadline:
             try:
                 batch = c.receive_many(5, timeout=0.5)
             except HurrayTimeout:
@@ -174,7 +179,7 @@ def test_concurrent_batches_never_share_a_handoff(pair):
             if len(seen[0]) + len(seen[1]) >= 40:
                 stop.set()
 
-    workers = [threading.Thread(target=take, args=(m,)) for m in seen]
+    workers = [threading.Thread(target=take, args=(m,), daemon=True) for m in seen]
     for w in workers:
         w.start()
     for w in workers:
