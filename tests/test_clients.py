@@ -399,9 +399,6 @@ def test_event_pool_and_event_per_handoff(broker, pooled, monkeypatch):
     from hurray_ipc.devices import CudaDevice, set_runtime
     from hurray_ipc.devices.backend.emulated import EmulatedRuntime
 
-    def live_events():  # an emulated event is one "v" segment of its creating process
-        return {n for n in shm.list_segments(pid=os.getpid()) if shm.parse_name(n)[2] == "v"}
-
     monkeypatch.delenv("HURRAY_EVENT_POOL", raising=False)
     rt = EmulatedRuntime(emu_config())
     records: dict[int, int] = {}  # event object id -> cudaEventRecord calls on it
@@ -418,7 +415,6 @@ def test_event_pool_and_event_per_handoff(broker, pooled, monkeypatch):
     try:
         c = Proc(workload.run_consumer, endpoint=broker.endpoint, channel="evp", device="cuda:0", count=4,
                  env=emu_env())
-        before = live_events()
         keep = []
         with Producer(broker.endpoint, "evp", CudaDevice(0, runtime=rt), event_pool=pooled) as p:
             for i in range(4):
@@ -428,10 +424,10 @@ def test_event_pool_and_event_per_handoff(broker, pooled, monkeypatch):
                 t = p.send(buf, workload.SyncMode.EVENT, on_release=lambda t, b=buf: b.close())
                 assert t.mode is workload.SyncMode.EVENT and t.transport.value == "ipc"
                 p.flush(10)
-                assert len(live_events() - before) == (1 if pooled else 0)
+                assert rt.live_events == (1 if pooled else 0)
             assert p.events.created == (1 if pooled else 4)
             assert p.events.size == (1 if pooled else 0)
-        assert not live_events() - before, "every event destroyed"
+        assert rt.live_events == 0, "every event destroyed"
         if pooled:
             assert sorted(records.values()) == [4]
         else:

@@ -172,12 +172,11 @@ def test_cpu_import_keeps_idle_mappings_up_to_the_limit():
     importer.close(), buf.close(), owner.close()
 
 
-def test_destroying_an_event_while_its_record_completes_never_closes_the_locked_descriptor(monkeypatch):
+def test_destroying_an_event_while_its_record_completes_waits_for_the_record(monkeypatch):
     """CUDA lets the host destroy an event whose record is still pending. The emulation's record
-    checks that the event's segment is open and then flocks its descriptor; a destroy that closed
-    the descriptor in between made that flock fail (EBADF, seen once in CI) or lock a reused number.
-    Here the destroy is started exactly in that window: it must wait for the record (the stream
-    reports no error), and it runs once the record let go."""
+    flocks its table's descriptor; a destroy in the middle of it (an event was once a segment of
+    its own, closed by the destroy: the flock failed with EBADF, seen once in CI) must wait for the
+    record (the stream reports no error), and the slot is reused only once the record completed."""
     from hurray_ipc.devices.backend import emulated
 
     rt = EmulatedRuntime(emu_config(op_delay_s=0.0, race_check=False))
@@ -199,7 +198,11 @@ def test_destroying_an_event_while_its_record_completes_never_closes_the_locked_
     rt.event_record(ev, stream)
     rt.stream_synchronize(stream)  # raises the stream's error (EBADF) when the descriptor went first
     window[0].join(10)
-    assert window and destroyed.is_set() and ev.destroyed and ev.seg.closed
+    assert window and destroyed.is_set() and ev.destroyed and rt.live_events == 0
+    again = rt.event_create(interprocess=True)
+    assert (again.table, again.slot) == (ev.table, ev.slot) and again.generation == ev.generation + 1
+    assert again.words[1] == again.words[2] == ev.words[1], "the slot's counters go on; nothing pending"
+    rt.event_destroy(again)
     rt.stream_destroy(stream)
 
 

@@ -1,19 +1,25 @@
-"""The emulation's event locking: a cross-process flock only where another process can reach the event.
+"""The emulation's events: locking, and the event tables that hold interprocess events.
 
 A non-interprocess event has no IPC handle, so no other process maps its state: its record,
 completion and queries exclude threads only (no flock syscalls on the consumer's fence path). An
 interprocess event is recorded, waited on and destroyed from several processes, so every update of
 its shared state still takes the flock (test_races and test_fencing keep the verdicts).
+
+An interprocess event is a slot of its process's event table, named in its handle with the slot's
+generation (devices/DESIGN.md, "The emulation"): a destroyed event's handle must not open, an
+importer's use of it after the destroy must fail, and a reused slot must look like a new event.
 """
 
 from __future__ import annotations
 
 import fcntl
+import threading
 
 import pytest
 
 from hurray_ipc.devices.backend import emulated
 from hurray_ipc.devices.backend.emulated import EmulatedRuntime
+from hurray_ipc.devices.errors import DeviceError
 from tests.conftest import emu_config
 
 
@@ -54,3 +60,73 @@ def test_an_interprocess_event_locks_across_processes(flocks: list[int]) -> None
     # Three records, their completions and the reads of the latest record: each one locked section.
     assert flocks.count(fcntl.LOCK_EX) >= 9
     assert flocks.count(fcntl.LOCK_EX) == flocks.count(fcntl.LOCK_UN)
+
+
+def test_a_destroyed_events_handle_does_not_open_even_when_its_slot_serves_a_new_event() -> None:
+    rt = EmulatedRuntime(emu_config(op_delay_s=0.0))
+    old = rt.event_create(interprocess=True)
+    blob = rt.ipc_get_event_handle(old)
+    rt.event_destroy(old)
+    with pytest.raises(DeviceError, match="destroyed by its exporter") as e:
+        rt.ipc_open_event_handle(blob)
+    assert e.value.code == "cudaErrorInvalidValue"
+    new = rt.event_create(interprocess=True)
+    assert (new.table, new.slot) == (old.table, old.slot), "the freed slot is reused"
+    with pytest.raises(DeviceError, match="destroyed by its exporter"):
+        rt.ipc_open_event_handle(blob)  # the slot is live again, under a later generation
+    opened = rt.ipc_open_event_handle(rt.ipc_get_event_handle(new))
+    assert rt.event_query(opened)
+    rt.event_destroy(opened)
+    rt.event_destroy(new)
+    assert rt.live_events == 0
+
+
+@pytest.mark.races_expected
+def test_an_importers_use_of_an_event_its_exporter_destroyed_fails() -> None:
+    exporter, importer = EmulatedRuntime(emu_config(op_delay_s=0.0)), EmulatedRuntime(emu_config(op_delay_s=0.0))
+    ev = exporter.event_create(interprocess=True)
+    theirs = importer.ipc_open_event_handle(exporter.ipc_get_event_handle(ev))
+    s = importer.stream_create()
+    importer.stream_wait_event(s, theirs)  # before the destroy: fine
+    exporter.event_destroy(ev)
+    assert any("destroy-before-wait race" in r for r in exporter.races), "the checker's verdict is unchanged"
+    for call in (lambda: importer.stream_wait_event(s, theirs), lambda: importer.event_record(theirs, s),
+                 lambda: importer.event_query(theirs), lambda: importer.event_synchronize(theirs)):
+        with pytest.raises(DeviceError, match="destroyed by its exporter") as e:
+            call()
+        assert e.value.code == "cudaErrorInvalidResourceHandle"
+    importer.event_destroy(theirs)  # dropping the importer's copy still works
+    importer.stream_synchronize(s)
+    importer.stream_destroy(s)
+
+
+def test_a_slot_whose_last_record_is_pending_is_not_reused_and_the_old_wait_completes() -> None:
+    """The destroyed event's record is still queued behind a gate (an event recorded by no stream,
+    completed by hand): a new event must not take its slot (it would look recorded and never
+    complete), and a wait an importer issued on the old event completes when the record does."""
+    exporter = EmulatedRuntime(emu_config(op_delay_s=0.0, race_check=False))
+    importer = EmulatedRuntime(emu_config(op_delay_s=0.0, race_check=False))
+    gate = exporter.event_create(interprocess=False)
+    gate.words[1] = 1  # recorded, not yet completed: whatever waits on it is held back
+    s = exporter.stream_create()
+    exporter.stream_wait_event(s, gate)
+    old = exporter.event_create(interprocess=True)
+    exporter.event_record(old, s)  # pending behind the gate
+    theirs = importer.ipc_open_event_handle(exporter.ipc_get_event_handle(old))
+    t = importer.stream_create()
+    importer.stream_wait_event(t, theirs)
+    exporter.event_destroy(old)
+    new = exporter.event_create(interprocess=True)
+    assert (new.table, new.slot) != (old.table, old.slot), "a slot with a pending record was reused"
+    assert exporter.event_query(new), "a new event that was never recorded is complete"
+    assert not importer.stream_query(t), "the importer's wait ran before the record it orders after"
+    done = threading.Event()
+    threading.Thread(target=lambda: (importer.stream_synchronize(t), done.set()), daemon=True).start()
+    gate.words[2] = 1
+    assert done.wait(10), "the importer's wait on the destroyed event never completed"
+    exporter.stream_synchronize(s)
+    again = exporter.event_create(interprocess=True)
+    assert exporter.event_query(again)
+    for ev in (new, again, gate):
+        exporter.event_destroy(ev)
+    importer.event_destroy(theirs)

@@ -9,8 +9,10 @@ What is emulated, and how (see ../DESIGN.md for why):
 * **Streams** are per-process worker threads that run queued operations in order. Each memory
   operation (copy, memset) takes ``op_delay_s``: it reads its source when it starts and its
   writes land when it ends, so an unsynchronised reader reliably sees stale bytes.
-* **Events** live in a small shared segment holding two counters: ``recorded`` (bumped when
+* **Events** are slots of a shared table segment of the creating process (one table serves 32
+  events; an importer attaches it once), each holding two counters: ``recorded`` (bumped when
   ``event_record`` is *called*) and ``completed`` (raised when the stream *reaches* the record).
+  An IPC event handle names the table, the slot and the slot's generation (bumped by the destroy).
   ``stream_wait_event`` captures ``recorded`` at call time and blocks the stream until
   ``completed`` reaches it: CUDA's rule that a wait orders after the latest record at the time of
   the wait, so a released event may be re-recorded.
@@ -42,6 +44,7 @@ import struct
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -55,12 +58,15 @@ from . import hb
 from .base import EMULATED_MAGIC, IPC_HANDLE_SIZE, Runtime, check_blob
 
 HEADER = 64 << 10  # per allocation: magic, size, device, then the shadow memory of the race check
-EVENT_SEGMENT = 16 << 10  # per event: the counters, then the clock of its latest record
+EVENT_SLOT = 16 << 10  # per event: the counters, then the race-check state of its latest records
+TABLE_SLOTS = 32  # event slots per shared table segment (see _EventTable)
+IDLE_TABLES = 8  # other processes' event tables an importer keeps attached with no event open
 # Both keep their race-check state marshalled at _STATE, its length a u32 at _STATE_LEN.
 _STATE_LEN, _STATE = 32, 64
 # An allocation's u8 at _NIC: 1 while it is offered for NIC (GPUDirect RDMA) writes and no
 # cudaDeviceFlushGPUDirectRDMAWrites of its device followed; in the header, so importers see it.
 _NIC = 24
+_GEN = 36  # an event slot's u32 generation (see _EventTable)
 _MEM_MAGIC = EMULATED_MAGIC + b"M1"
 _EVT_MAGIC = EMULATED_MAGIC + b"E1"
 _BLOB = struct.Struct("<8sIIQ40s")  # magic, device ordinal, pid of exporter, size, segment name
@@ -124,25 +130,24 @@ class EmulationConfig:
 class _Locked:
     """Process-local lock plus flock on the segment: threads and processes both exclude.
 
-    ``shared=False``: the segment never leaves this process (a non-interprocess event: no handle
-    names it), so only threads need excluding and the flock's two syscalls per section are skipped.
+    ``seg=None``: the state never leaves this process (a non-interprocess event: no handle names
+    it), so only threads need excluding and the flock's two syscalls per section are skipped.
     """
 
-    def __init__(self, seg: Segment, shared: bool = True):
+    def __init__(self, seg: Segment | None):
         self.seg = seg
-        self.shared = shared
         self.local = threading.Lock()
 
     def __enter__(self) -> None:
         self.local.acquire()
-        # A destroyed event's late record needs no cross-process lock.
-        self.held = self.shared and not self.seg.closed
+        # Past the segment's close (the runtime's teardown) a late record needs no cross-process lock.
+        self.held = self.seg is not None and not self.seg.closed
         if self.held:
-            fcntl.flock(self.seg.fd, fcntl.LOCK_EX)
+            fcntl.flock(self.seg.fd, fcntl.LOCK_EX)  # type: ignore[union-attr]  # held implies seg
 
     def __exit__(self, *exc: object) -> None:
         if self.held:
-            fcntl.flock(self.seg.fd, fcntl.LOCK_UN)
+            fcntl.flock(self.seg.fd, fcntl.LOCK_UN)  # type: ignore[union-attr]
         self.local.release()
 
 
@@ -204,17 +209,19 @@ def _small(clock: hb.Clock) -> hb.Clock:
     return hb.prune(clock, _agent_gone) if len(clock) > PRUNE_AT else clock
 
 
-def _load(seg: Segment, limit: int) -> Any:
-    n = struct.unpack_from("<I", seg.map, _STATE_LEN)[0]
-    return marshal.loads(seg.map[_STATE:_STATE + n]) if 0 < n <= limit - _STATE else None
+def _load(buf: Any, off: int, limit: int) -> Any:
+    """The race-check state marshalled in ``buf[off:off + limit]`` (an allocation's header or an
+    event's slot), or None when none was stored."""
+    n = struct.unpack_from("<I", buf, off + _STATE_LEN)[0]
+    return marshal.loads(buf[off + _STATE:off + _STATE + n]) if 0 < n <= limit - _STATE else None
 
 
-def _store(seg: Segment, limit: int, value: Any, what: str) -> None:
+def _store(buf: Any, off: int, limit: int, value: Any, what: str) -> None:
     raw = marshal.dumps(value)
     if _STATE + len(raw) > limit:
         raise DeviceError("emulated race check", f"{what} outgrew its {limit - _STATE} bytes of shared state")
-    seg.map[_STATE:_STATE + len(raw)] = raw
-    struct.pack_into("<I", seg.map, _STATE_LEN, len(raw))
+    buf[off + _STATE:off + _STATE + len(raw)] = raw
+    struct.pack_into("<I", buf, off + _STATE_LEN, len(raw))
 
 
 @dataclass
@@ -229,8 +236,8 @@ class _Alloc:
     def access(self, lo: int, hi: int, is_write: bool, rec: hb.Record, clock: hb.Clock) -> list[str]:
         """Check and record one access to bytes [lo, hi) in the shared shadow; the races found."""
         with self.lock:
-            shadow, races = hb.access(_load(self.seg, HEADER) or [], lo, hi, is_write, rec, clock, _gone)
-            _store(self.seg, HEADER, shadow, f"the shadow memory of {self.seg.name}")
+            shadow, races = hb.access(_load(self.seg.map, 0, HEADER) or [], lo, hi, is_write, rec, clock, _gone)
+            _store(self.seg.map, 0, HEADER, shadow, f"the shadow memory of {self.seg.name}")
         return [hb.describe(kind, self.seg.name, rec, other, a, b) for kind, other, a, b in races]
 
 
@@ -245,28 +252,69 @@ def _mapping_end(a: _Alloc) -> int:
 _RECORDS_KEPT = 4  # records an event remembers for the race check (a wait picks among them)
 
 
-class _Event:
-    """Shared state: [magic, recorded, completed, owner_pid] counters, then (its latest records,
-    newest last, each ``(sequence number, clock of its operation, recording host agent, that
-    host's count at the call)``; the stream-waits other processes issued on it since the latest
-    record: their access records)."""
+class _EventTable:
+    """One shared segment of event slots, each ``EVENT_SLOT`` bytes: [magic, recorded, completed,
+    recording process] as u64 words, the race-check state's length (u32 at _STATE_LEN) and the
+    slot's generation (u32 at _GEN), then the state. The process that creates events makes the
+    tables; an importer attaches a table once for every event of it. One lock per table and process.
 
-    def __init__(self, seg: Segment, owner: bool, interprocess: bool, device: int):
+    A destroy bumps its slot's generation (an IPC handle carries the generation it was made for,
+    so a handle of a destroyed event no longer opens) and frees the slot; a later event of the
+    process reuses it, its counters going on from where the last one left them, so a wait issued
+    on the old event still completes. A slot is reused only once its last record completed.
+    """
+
+    def __init__(self, seg: Segment):
         self.seg = seg
+        self.lock = _Locked(seg)
+        self.slots = seg.size // EVENT_SLOT
+        self.refs = 0  # importer: events of this table opened and not yet destroyed
+
+    def generation(self, slot: int) -> int:
+        return int(struct.unpack_from("<I", self.seg.map, slot * EVENT_SLOT + _GEN)[0])
+
+    def idle(self, slot: int) -> bool:
+        """No record of the slot's last event is still pending on a stream (recorded == completed)."""
+        recorded, completed = struct.unpack_from("<QQ", self.seg.map, slot * EVENT_SLOT + 8)
+        return bool(recorded == completed)
+
+
+class _Event:
+    """One event: a slot of an :class:`_EventTable` (interprocess), or a private buffer of the
+    same layout (no other process ever sees it, so no cross-process lock). After the counters,
+    the race-check state: (its latest records, newest last, each ``(sequence number, clock of its
+    operation, recording host agent, that host's count at the call)``; the stream-waits other
+    processes issued on it since the latest record: their access records)."""
+
+    def __init__(self, buf: Any, off: int, lock: _Locked, *, owner: bool, interprocess: bool, device: int,
+                 table: _EventTable | None = None, slot: int = 0, generation: int = 0):
+        self.buf, self.off = buf, off
         self.owner = owner
         self.interprocess = interprocess
         self.device = device
-        self.lock = _Locked(seg, shared=interprocess)
-        self.words = np.frombuffer(seg.map, dtype=np.uint64, count=4)
+        self.lock = lock
+        self.table, self.slot, self.generation = table, slot, generation
+        self.words = np.frombuffer(buf, dtype=np.uint64, count=4, offset=off)
         self.destroyed = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.table.seg.name}#{self.slot}" if self.table is not None else f"local event {id(self):#x}"
+
+    def stale(self) -> bool:
+        """An imported event whose exporter destroyed it (its slot moved to a later generation)."""
+        return self.table is not None and self.table.generation(self.slot) != self.generation
 
     def owner_pid(self) -> int:
         return int(self.words[3])
 
     def _state(self) -> tuple[list[Any], list[hb.Record]]:
-        """(records, waits) from the shared segment (caller holds the lock)."""
-        records, waits = _load(self.seg, EVENT_SEGMENT) or ([], [])
+        """(records, waits) from the slot (caller holds the lock)."""
+        records, waits = _load(self.buf, self.off, EVENT_SLOT) or ([], [])
         return records, waits
+
+    def _put(self, records: list[Any], waits: list[hb.Record], what: str) -> None:
+        _store(self.buf, self.off, EVENT_SLOT, (records, waits), what)
 
     def record(self, clock: hb.Clock | None, host: int = 0, stamp: int = 0) -> int:
         """Note a record (at call time) whose operation runs with ``clock``, called by ``host`` at
@@ -276,7 +324,7 @@ class _Event:
             self.words[1] = seq
             if clock is not None:
                 records = [*self._state()[0][-(_RECORDS_KEPT - 1):], (seq, _small(clock), host, stamp)]
-                _store(self.seg, EVENT_SEGMENT, (records, []), "an event's clock")
+                self._put(records, [], "an event's clock")
             return seq
 
     def latest(self) -> tuple[int, hb.Clock]:
@@ -303,8 +351,7 @@ class _Event:
         """A stream-wait on this (interprocess) event, by another process than its exporter."""
         with self.lock:
             records, waits = self._state()
-            waits = [*waits, rec]
-            _store(self.seg, EVENT_SEGMENT, (records, waits), "an event's stream-waits")
+            self._put(records, [*waits, rec], "an event's stream-waits")
 
     def waits(self) -> list[hb.Record]:
         with self.lock:
@@ -386,6 +433,12 @@ class EmulatedRuntime(Runtime):
         self.races: list[str] = []  # every race this runtime found (its race counter is len(races))
         self._unraised: list[str] = []  # found, not yet raised at a synchronize
         self._streams: weakref.WeakSet[_Stream] = weakref.WeakSet()
+        # Interprocess events: slots of this process's tables; other processes' tables attached
+        # by name, most recently used last (see _EventTable). Guarded by _lock.
+        self._tables: dict[str, _EventTable] = {}
+        self._free_slots: deque[tuple[_EventTable, int]] = deque()
+        self._attached: dict[str, _EventTable] = {}
+        self.live_events = 0  # interprocess events created here and not yet destroyed
         # Happens-before state: this runtime's host agent and clock. One lock orders every clock
         # update of this runtime with the enqueue it belongs to.
         self._hb = threading.RLock()
@@ -503,12 +556,18 @@ class EmulatedRuntime(Runtime):
         with self._hb:
             self._host_tick()
             raw = marshal.dumps(self._host_clock)
-        os.makedirs(self._mailbox, mode=0o700, exist_ok=True)
+        # Written in place, not renamed into place: the receiver opens it only once the message
+        # arrived, which leaves after this returns; each key names one message.
         path = self._mail(key)
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}"
-        with open(tmp, "wb") as f:
-            f.write(raw)
-        os.replace(tmp, path)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        except FileNotFoundError:
+            os.makedirs(self._mailbox, mode=0o700, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, raw)
+        finally:
+            os.close(fd)
 
     def hb_receive(self, key: str) -> bool:
         """The message ``key`` arrived: this host is now ordered after its sender's host at send
@@ -517,11 +576,20 @@ class EmulatedRuntime(Runtime):
             return False
         path = self._mail(key)
         try:
-            with open(path, "rb") as f:
-                clock = marshal.loads(f.read())
-            os.unlink(path)
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return False
+        try:
+            chunks = [os.read(fd, 1 << 16)]
+            while len(chunks[-1]) == 1 << 16:
+                chunks.append(os.read(fd, 1 << 16))
+        finally:
+            os.close(fd)
+        clock = marshal.loads(b"".join(chunks))
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
         self._learn(clock)
         return True
 
@@ -874,20 +942,46 @@ class EmulatedRuntime(Runtime):
             st.enqueue(fill)
 
     # --- events --------------------------------------------------------------------------------
-    def _event(self, e: Any, call: str) -> _Event:
+    def _event(self, e: Any, call: str, live: bool = True) -> _Event:
+        """``e`` as a live event; ``live``: an imported one whose exporter destroyed it is not."""
         if not isinstance(e, _Event) or e.destroyed:
             raise DeviceError(call, f"{e!r} is not a live emulated event", code="cudaErrorInvalidResourceHandle")
+        if live and not e.owner and e.stale():
+            raise DeviceError(call, f"interprocess event {e.name} was destroyed by its exporter",
+                              code="cudaErrorInvalidResourceHandle")
         return e
 
+    def _take_slot(self) -> tuple[_EventTable, int]:
+        """A free event slot of this process's tables (caller holds _lock); a new table when none."""
+        for _ in range(len(self._free_slots)):
+            table, slot = self._free_slots.pop()  # the latest freed first: few slots stay in use
+            if table.idle(slot):
+                return table, slot
+            self._free_slots.appendleft((table, slot))  # its last event's record is still pending
+        table = _EventTable(Segment.create(TABLE_SLOTS * EVENT_SLOT, "v"))
+        self._tables[table.seg.name] = table
+        self._free_slots.extendleft((table, i) for i in range(1, table.slots))
+        return table, 0
+
     def event_create(self, interprocess: bool) -> Any:
-        seg = Segment.create(EVENT_SEGMENT, "v")
-        ev = _Event(seg, owner=True, interprocess=interprocess, device=self._device())
-        seg.map[:8] = _EVT_MAGIC
-        ev.words[3] = os.getpid()
+        dev = self._device()
+        if not interprocess:
+            ev = _Event(bytearray(EVENT_SLOT), 0, _Locked(None), owner=True, interprocess=False, device=dev)
+        else:
+            with self._lock:
+                table, slot = self._take_slot()
+                self.live_events += 1
+            off = slot * EVENT_SLOT
+            ev = _Event(table.seg.map, off, table.lock, owner=True, interprocess=True, device=dev, table=table,
+                        slot=slot, generation=table.generation(slot))
+        with ev.lock:
+            ev.buf[ev.off:ev.off + 8] = _EVT_MAGIC
+            ev.words[3] = os.getpid()
+            struct.pack_into("<I", ev.buf, ev.off + _STATE_LEN, 0)  # no records, no waits (a reused slot)
         return ev
 
     def event_destroy(self, event: Any) -> None:
-        ev = self._event(event, "cudaEventDestroy")
+        ev = self._event(event, "cudaEventDestroy", live=False)
         if self.checking and ev.owner and ev.interprocess:
             # An importer's operations on an interprocess event after its exporter destroyed it are
             # undefined in CUDA: the destroy must be ordered after every wait other processes issued
@@ -896,18 +990,34 @@ class EmulatedRuntime(Runtime):
                 host = dict(self._host_clock)
                 for rec in ev.waits():
                     if not hb.ordered(host, rec) and not _gone(rec):
-                        why = (f"destroy-before-wait race on interprocess event {ev.seg.name}: pid {os.getpid()} "
+                        why = (f"destroy-before-wait race on interprocess event {ev.name}: pid {os.getpid()} "
                                f"cudaEventDestroy is not ordered after {rec[4]} (an importer's wait may not have "
                                "run yet: destroy the event after the handoff's RELEASED)")
                         self.races.append(why)
                         self._unraised.append(why)
         ev.destroyed = True
-        # A wait already enqueued keeps its reference to the words and still completes, as in CUDA;
-        # the segment's name goes now, its mapping when the last reference does. Closed under the
-        # event's process-local lock: a record completing on a stream thread holds it from its
-        # "still open?" check to its flock's release, so the descriptor never closes in between.
-        with ev.lock.local:
-            ev.seg.close()  # unlinks for the exporter; the importer only drops its copy
+        table = ev.table
+        if table is None:
+            return
+        if ev.owner:
+            # A wait already enqueued still completes, as in CUDA (the counters go on in the slot);
+            # a handle of this event no longer opens, and the slot serves a later event.
+            with ev.lock:
+                struct.pack_into("<I", table.seg.map, ev.off + _GEN, (ev.generation + 1) & 0xFFFFFFFF)
+            with self._lock:
+                self._free_slots.append((table, ev.slot))
+                self.live_events -= 1
+        else:
+            with self._lock:
+                table.refs -= 1
+                self._detach_idle()
+
+    def _detach_idle(self) -> None:
+        """Close the least recently used attached tables with no event open beyond IDLE_TABLES
+        (caller holds _lock); a wait still enqueued on one keeps its mapping until it ran."""
+        idle = [name for name, t in self._attached.items() if t.refs <= 0]
+        for name in idle[:max(0, len(idle) - IDLE_TABLES)]:
+            self._attached.pop(name).seg.close()
 
     def event_record(self, event: Any, stream: Any) -> None:
         ev = self._event(event, "cudaEventRecord")
@@ -952,15 +1062,31 @@ class EmulatedRuntime(Runtime):
         if not self.config.ipc_events:
             raise DeviceError("cudaIpcGetEventHandle", "IPC events disabled in this emulation",
                               code="cudaErrorNotSupported")
-        if not ev.interprocess:
+        if ev.table is None:
             raise DeviceError("cudaIpcGetEventHandle", "event was not created with cudaEventInterprocess",
                               code="cudaErrorInvalidResourceHandle")
-        return _BLOB.pack(_EVT_MAGIC, ev.device, ev.owner_pid(), 0, ev.seg.name.encode())
+        return _BLOB.pack(_EVT_MAGIC, ev.device, ev.owner_pid(), (ev.slot << 32) | ev.generation,
+                          ev.table.seg.name.encode())
 
     def ipc_open_event_handle(self, blob: bytes) -> Any:
         raw = check_blob(blob, "cudaIpcOpenEventHandle", emulated=True)
-        magic, device, _pid, _size, name = _BLOB.unpack(raw)
+        magic, device, _pid, where, raw_name = _BLOB.unpack(raw)
         if magic != _EVT_MAGIC:
             raise DeviceError("cudaIpcOpenEventHandle", "not an emulated event handle", code="cudaErrorInvalidValue")
-        seg = Segment.attach(name.rstrip(b"\0").decode())
-        return _Event(seg, owner=False, interprocess=True, device=device)
+        slot, generation, name = where >> 32, where & 0xFFFFFFFF, raw_name.rstrip(b"\0").decode()
+        with self._lock:
+            table = self._tables.get(name) or self._attached.pop(name, None)
+            if table is None:
+                table = _EventTable(Segment.attach(name))
+            if name not in self._tables:
+                self._attached[name] = table  # most recently used last
+            off = slot * EVENT_SLOT
+            if slot >= table.slots or table.generation(slot) != generation or \
+                    table.seg.map[off:off + 8] != _EVT_MAGIC:
+                self._detach_idle()
+                raise DeviceError("cudaIpcOpenEventHandle", f"event {name}#{slot} (generation {generation}) was "
+                                  "destroyed by its exporter", code="cudaErrorInvalidValue")
+            table.refs += 1
+            self._detach_idle()
+        return _Event(table.seg.map, off, table.lock, owner=False, interprocess=True, device=device, table=table,
+                      slot=slot, generation=generation)
