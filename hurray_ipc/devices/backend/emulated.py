@@ -334,24 +334,28 @@ class _Event:
             records = self._state()[0]
             return int(self.words[1]), (records[-1][1] if records else {})
 
-    def ordered(self, known: hb.Clock) -> hb.Clock:
-        """The clock of the latest record whose *call* happens-before a host that knows ``known``
-        (its recording host's count at the call is covered): what a stream-wait issued by that
-        host orders after in the race check. A record made after the handoff message left is
-        later in time but not ordered before the wait: joining it would hide the race (the
-        checker's limit A), so it is passed over; none known: the wait orders after nothing."""
-        with self.lock:
-            records = self._state()[0]
-        for _seq, clock, host, stamp in reversed(records):
-            if known.get(host, 0) >= stamp:
-                return dict(clock)
-        return {}
-
-    def note_wait(self, rec: hb.Record) -> None:
-        """A stream-wait on this (interprocess) event, by another process than its exporter."""
+    def issue_wait(self, known: hb.Clock | None, tick: Callable[[hb.Clock], hb.Record | None]) -> int:
+        """A stream-wait issued now, in one locked section. ``tick`` gets the clock of the latest
+        record whose *call* happens-before a host that knows ``known`` (its recording host's count
+        at the call is covered; ``{}`` when none, or ``known`` is None: no race check): what the
+        wait orders after in the race check. A record made after the handoff message left is later
+        in time but not ordered before the wait: joining it would hide the race (the checker's
+        limit A), so it is passed over. ``tick`` returns the wait's access record when the
+        exporter's destroy must be ordered after it (a wait by another process), else None.
+        Returns the latest record's sequence number: what the wait blocks on (CUDA: the latest
+        record at the time of the wait call)."""
         with self.lock:
             records, waits = self._state()
-            self._put(records, [*waits, rec], "an event's stream-waits")
+            target = int(self.words[1])
+            before: hb.Clock = {}
+            for _seq, clock, host, stamp in reversed(records if known is not None else []):
+                if known.get(host, 0) >= stamp:  # type: ignore[union-attr]  # known is set here
+                    before = dict(clock)
+                    break
+            rec = tick(before)
+            if rec is not None:
+                self._put(records, [*waits, rec], "an event's stream-waits")
+        return target
 
     def waits(self) -> list[hb.Record]:
         with self.lock:
@@ -868,12 +872,14 @@ class EmulatedRuntime(Runtime):
         st = self._stream(stream)
         owner = ev.owner_pid()
         with self._hb:
-            target, _ = ev.latest()  # CUDA: the wait blocks on the latest record at the time of this call
-            if self.checking:  # the race check: only a record that happens-before this call orders it
-                hb.join(st.clock, ev.ordered(self._host_clock))
-            self._tick(st)
-            if self.checking and ev.interprocess and not ev.owner:  # the exporter's destroy must follow it
-                ev.note_wait(self._record(st.agent, st.count, f"{st.label} cudaStreamWaitEvent"))
+            def tick(before: hb.Clock) -> hb.Record | None:
+                hb.join(st.clock, before)  # the race check: only a record that happens-before this call orders it
+                self._tick(st)
+                if self.checking and ev.interprocess and not ev.owner:  # the exporter's destroy must follow it
+                    return self._record(st.agent, st.count, f"{st.label} cudaStreamWaitEvent")
+                return None
+
+            target = ev.issue_wait(self._host_clock if self.checking else None, tick)
 
             def wait() -> None:
                 spin = 0
