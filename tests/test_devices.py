@@ -195,7 +195,11 @@ def test_destroying_an_event_while_its_record_completes_waits_for_the_record(mon
         return real_flock(fd, op)
 
     monkeypatch.setattr(emulated.fcntl, "flock", flock)
+    gate = rt.event_create(interprocess=False)
+    gate.words[1] = 1  # recorded, not completed: the stream holds the record back, so its worker runs it
+    rt.stream_wait_event(stream, gate)
     rt.event_record(ev, stream)
+    gate.words[2] = 1
     rt.stream_synchronize(stream)  # raises the stream's error (EBADF) when the descriptor went first
     window[0].join(10)
     assert window and destroyed.is_set() and ev.destroyed and rt.live_events == 0
@@ -203,6 +207,7 @@ def test_destroying_an_event_while_its_record_completes_waits_for_the_record(mon
     assert (again.table, again.slot) == (ev.table, ev.slot) and again.generation == ev.generation + 1
     assert again.words[1] == again.words[2] == ev.words[1], "the slot's counters go on; nothing pending"
     rt.event_destroy(again)
+    rt.event_destroy(gate)
     rt.stream_destroy(stream)
 
 

@@ -366,7 +366,8 @@ class _Event:
 
 
 class _Stream:
-    """One worker thread running this stream's operations in order."""
+    """One worker thread running this stream's operations in order; an operation that takes no
+    device time runs in the enqueuing thread when nothing is queued before it (see enqueue)."""
 
     _ids = itertools.count(1)
 
@@ -382,27 +383,47 @@ class _Stream:
         self.pending = 0
         self.cv = threading.Condition()
         self.error: DeviceError | None = None
+        self.running = threading.Lock()  # held while an operation runs: they never overlap
         self.thread = threading.Thread(target=self._run, name=f"emu-stream-{self.id:x}", daemon=True)
         self.thread.start()
 
-    def enqueue(self, op: Callable[[], None]) -> None:
+    def enqueue(self, op: Callable[[], None], instant: bool = False) -> None:
+        """Run ``op`` after every operation enqueued before it and before every later one.
+        ``instant``: it takes no device time (a record's completion, a copy at zero op delay, a
+        wait whose event already completed); when nothing is queued it runs here and now, as an
+        idle GPU starts it at once, instead of a hop to the worker thread (two thread switches a
+        handoff step). The race check's verdicts are made by the callers at enqueue time, so
+        where an operation runs changes none."""
+        if instant and self.running.acquire(blocking=False):
+            try:
+                with self.cv:
+                    idle = self.pending == 0
+                if idle:  # a later enqueue queues behind us; the worker waits for `running`
+                    self._do(op)
+                    return
+            finally:
+                self.running.release()
         with self.cv:
             self.pending += 1
         self.q.put(op)
+
+    def _do(self, op: Callable[[], None]) -> None:
+        try:
+            op()
+        except DeviceError as e:
+            with self.cv:
+                self.error = self.error or e  # sticky, like a CUDA stream error
+        except Exception as e:  # noqa: BLE001 - surface anything at the next synchronize
+            with self.cv:
+                self.error = self.error or DeviceError("emulated stream op", repr(e))
 
     def _run(self) -> None:
         while True:
             op = self.q.get()
             if op is None:
                 return
-            try:
-                op()
-            except DeviceError as e:
-                with self.cv:
-                    self.error = self.error or e  # sticky, like a CUDA stream error
-            except Exception as e:  # noqa: BLE001 - surface anything at the next synchronize
-                with self.cv:
-                    self.error = self.error or DeviceError("emulated stream op", repr(e))
+            with self.running:
+                self._do(op)
             with self.cv:
                 self.pending -= 1
                 self.cv.notify_all()
@@ -890,7 +911,7 @@ class EmulatedRuntime(Runtime):
                         raise DeviceError("cudaStreamWaitEvent", f"the process {owner} that records this event died",
                                           code="cudaErrorLaunchFailure")
 
-            st.enqueue(wait)
+            st.enqueue(wait, instant=ev.done(target))
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
         if nbytes <= 0:
@@ -925,7 +946,7 @@ class EmulatedRuntime(Runtime):
                 else:  # device to host: a host reader in another process must be ordered after it
                     self._note_host_write(dst, dst + nbytes, self._record(
                         st.agent, clock[st.agent], f"{st.label} cudaMemcpyAsync write of host [0x{dst:x}, +{nbytes})"))
-            st.enqueue(copy)
+            st.enqueue(copy, instant=not delay)
 
     def memset_async(self, ptr: int, value: int, nbytes: int, stream: Any) -> None:
         if nbytes <= 0:
@@ -945,7 +966,7 @@ class EmulatedRuntime(Runtime):
         with self._hb:
             if self.checking:
                 self._check(a, ptr, nbytes, True, st.agent, self._tick(st), st.label, "cudaMemsetAsync")
-            st.enqueue(fill)
+            st.enqueue(fill, instant=not delay)
 
     # --- events --------------------------------------------------------------------------------
     def _event(self, e: Any, call: str, live: bool = True) -> _Event:
@@ -1040,7 +1061,7 @@ class EmulatedRuntime(Runtime):
                     if int(ev.words[2]) < seq:
                         ev.words[2] = seq
 
-            st.enqueue(complete)
+            st.enqueue(complete, instant=True)
 
     def event_synchronize(self, event: Any) -> None:
         ev = self._event(event, "cudaEventSynchronize")
