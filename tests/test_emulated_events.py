@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fcntl
 import threading
+from typing import Any
 
 import pytest
 
@@ -25,15 +26,21 @@ from tests.conftest import emu_config
 
 @pytest.fixture
 def flocks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Every fcntl.flock the emulation makes, by operation."""
+    """Every cross-process lock operation the emulation makes (flock on an allocation, a record
+    lock on an event's slot), by operation."""
     calls: list[int] = []
-    real = fcntl.flock
+    real_flock, real_lockf = fcntl.flock, fcntl.lockf
 
-    def counting(fd: int, op: int) -> None:
+    def counting_flock(fd: int, op: int) -> None:
         calls.append(op)
-        real(fd, op)
+        real_flock(fd, op)
 
-    monkeypatch.setattr(emulated.fcntl, "flock", counting)
+    def counting_lockf(fd: int, op: int, *a: int) -> None:
+        calls.append(op)
+        real_lockf(fd, op, *a)
+
+    monkeypatch.setattr(emulated.fcntl, "flock", counting_flock)
+    monkeypatch.setattr(emulated.fcntl, "lockf", counting_lockf)
     return calls
 
 
@@ -130,3 +137,32 @@ def test_a_slot_whose_last_record_is_pending_is_not_reused_and_the_old_wait_comp
     for ev in (new, again, gate):
         exporter.event_destroy(ev)
     importer.event_destroy(theirs)
+
+
+def test_two_events_of_one_table_lock_apart() -> None:
+    """Each slot has its own cross-process lock: one process holding an event's lock (recording
+    it, issuing a wait on it) does not hold up another event of the same table in another process."""
+    import multiprocessing
+
+    rt = EmulatedRuntime(emu_config(op_delay_s=0.0))
+    a, b = rt.event_create(interprocess=True), rt.event_create(interprocess=True)
+    assert a.table is b.table and a.slot != b.slot
+    ctx = multiprocessing.get_context("spawn")
+    result = ctx.Queue()
+    with a.lock:  # held here: another process locks b, then a
+        p = ctx.Process(target=_lock_in_child, args=(rt.ipc_get_event_handle(b), rt.ipc_get_event_handle(a), result))
+        p.start()
+        assert result.get(timeout=60) == "b locked"
+        assert p.is_alive() and result.empty(), "the child took a's lock while this process held it"
+    assert result.get(timeout=60) == "a locked"
+    p.join(30)
+    rt.event_destroy(a), rt.event_destroy(b)
+
+
+def _lock_in_child(blob_b: bytes, blob_a: bytes, result: Any) -> None:
+    rt = EmulatedRuntime(emu_config(op_delay_s=0.0))
+    b, a = rt.ipc_open_event_handle(blob_b), rt.ipc_open_event_handle(blob_a)
+    with b.lock:
+        result.put("b locked")
+    with a.lock:
+        result.put("a locked")

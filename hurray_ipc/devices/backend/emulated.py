@@ -151,6 +151,29 @@ class _Locked:
         self.local.release()
 
 
+class _SlotLock:
+    """Process-local lock plus a POSIX record lock on one event slot's first byte: events of one
+    table lock apart (a record of one handoff's event never waits for the wait another process
+    issues on the next one). Record locks belong to the process, not the descriptor, so threads
+    exclude each other by the local lock, and one table keeps one descriptor per process (the
+    table object is shared by every event of it here, so no second descriptor's close drops them)."""
+
+    def __init__(self, seg: Segment, off: int):
+        self.seg, self.off = seg, off
+        self.local = threading.Lock()
+
+    def __enter__(self) -> None:
+        self.local.acquire()
+        self.held = not self.seg.closed  # past the runtime's teardown a late record needs no lock
+        if self.held:
+            fcntl.lockf(self.seg.fd, fcntl.LOCK_EX, 1, self.off)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.held:
+            fcntl.lockf(self.seg.fd, fcntl.LOCK_UN, 1, self.off)
+        self.local.release()
+
+
 _AGENT_SEQ = itertools.count(1)  # process-wide: two runtimes in one process get distinct agents
 _starts: dict[int, int | None] = {}
 
@@ -256,7 +279,7 @@ class _EventTable:
     """One shared segment of event slots, each ``EVENT_SLOT`` bytes: [magic, recorded, completed,
     recording process] as u64 words, the race-check state's length (u32 at _STATE_LEN) and the
     slot's generation (u32 at _GEN), then the state. The process that creates events makes the
-    tables; an importer attaches a table once for every event of it. One lock per table and process.
+    tables; an importer attaches a table once for every event of it. One lock per slot and process.
 
     A destroy bumps its slot's generation (an IPC handle carries the generation it was made for,
     so a handle of a destroyed event no longer opens) and frees the slot; a later event of the
@@ -266,8 +289,8 @@ class _EventTable:
 
     def __init__(self, seg: Segment):
         self.seg = seg
-        self.lock = _Locked(seg)
         self.slots = seg.size // EVENT_SLOT
+        self.locks = [_SlotLock(seg, i * EVENT_SLOT) for i in range(self.slots)]
         self.refs = 0  # importer: events of this table opened and not yet destroyed
 
     def generation(self, slot: int) -> int:
@@ -286,7 +309,7 @@ class _Event:
     operation, recording host agent, that host's count at the call)``; the stream-waits other
     processes issued on it since the latest record: their access records)."""
 
-    def __init__(self, buf: Any, off: int, lock: _Locked, *, owner: bool, interprocess: bool, device: int,
+    def __init__(self, buf: Any, off: int, lock: _Locked | _SlotLock, *, owner: bool, interprocess: bool, device: int,
                  table: _EventTable | None = None, slot: int = 0, generation: int = 0):
         self.buf, self.off = buf, off
         self.owner = owner
@@ -999,7 +1022,7 @@ class EmulatedRuntime(Runtime):
                 table, slot = self._take_slot()
                 self.live_events += 1
             off = slot * EVENT_SLOT
-            ev = _Event(table.seg.map, off, table.lock, owner=True, interprocess=True, device=dev, table=table,
+            ev = _Event(table.seg.map, off, table.locks[slot], owner=True, interprocess=True, device=dev, table=table,
                         slot=slot, generation=table.generation(slot))
         with ev.lock:
             ev.buf[ev.off:ev.off + 8] = _EVT_MAGIC
@@ -1115,5 +1138,5 @@ class EmulatedRuntime(Runtime):
                                   "destroyed by its exporter", code="cudaErrorInvalidValue")
             table.refs += 1
             self._detach_idle()
-        return _Event(table.seg.map, off, table.lock, owner=False, interprocess=True, device=device, table=table,
+        return _Event(table.seg.map, off, table.locks[slot], owner=False, interprocess=True, device=device, table=table,
                       slot=slot, generation=generation)
