@@ -181,20 +181,21 @@ def test_destroying_an_event_while_its_record_completes_waits_for_the_record(mon
 
     rt = EmulatedRuntime(emu_config(op_delay_s=0.0, race_check=False))
     stream, ev = rt.stream_create(), rt.event_create(interprocess=True)
-    real_lockf, destroyed = emulated.fcntl.lockf, threading.Event()
+    real_fcntl, destroyed = emulated.fcntl.fcntl, threading.Event()
     window: list[threading.Thread] = []
 
-    def lockf(fd, op, *a):
-        if op == emulated.fcntl.LOCK_EX and not window and threading.current_thread().name.startswith("emu-stream"):
+    def lock(fd, cmd, arg=0):
+        on_stream = threading.current_thread().name.startswith("emu-stream")
+        if cmd == emulated.fcntl.F_OFD_SETLKW and not window and on_stream:
             t = threading.Thread(target=lambda: (rt.event_destroy(ev), destroyed.set()))
             window.append(t)
             t.start()
             # Fixed: the destroy waits on the lock this record holds, so this times out. Broken: it
             # frees the slot under the record at once.
             destroyed.wait(0.5)
-        return real_lockf(fd, op, *a)
+        return real_fcntl(fd, cmd, arg)
 
-    monkeypatch.setattr(emulated.fcntl, "lockf", lockf)
+    monkeypatch.setattr(emulated.fcntl, "fcntl", lock)
     gate = rt.event_create(interprocess=False)
     gate.words[1] = 1  # recorded, not completed: the stream holds the record back, so its worker runs it
     rt.stream_wait_event(stream, gate)

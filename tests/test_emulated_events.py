@@ -26,21 +26,22 @@ from tests.conftest import emu_config
 
 @pytest.fixture
 def flocks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Every cross-process lock operation the emulation makes (flock on an allocation, a record
-    lock on an event's slot), by operation."""
+    """Every cross-process lock operation the emulation makes (a flock on an allocation, a byte
+    lock on an event's slot: LOCK_EX or LOCK_UN)."""
     calls: list[int] = []
-    real_flock, real_lockf = fcntl.flock, fcntl.lockf
+    real_flock, real_fcntl = fcntl.flock, fcntl.fcntl
 
     def counting_flock(fd: int, op: int) -> None:
         calls.append(op)
         real_flock(fd, op)
 
-    def counting_lockf(fd: int, op: int, *a: int) -> None:
-        calls.append(op)
-        real_lockf(fd, op, *a)
+    def counting_fcntl(fd: int, cmd: int, arg: Any = 0) -> Any:
+        if cmd in (fcntl.F_OFD_SETLKW, fcntl.F_OFD_SETLK):
+            calls.append(fcntl.LOCK_EX if cmd == fcntl.F_OFD_SETLKW else fcntl.LOCK_UN)
+        return real_fcntl(fd, cmd, arg)
 
     monkeypatch.setattr(emulated.fcntl, "flock", counting_flock)
-    monkeypatch.setattr(emulated.fcntl, "lockf", counting_lockf)
+    monkeypatch.setattr(emulated.fcntl, "fcntl", counting_fcntl)
     return calls
 
 
@@ -157,6 +158,22 @@ def test_two_events_of_one_table_lock_apart() -> None:
     assert result.get(timeout=60) == "a locked"
     p.join(30)
     rt.event_destroy(a), rt.event_destroy(b)
+
+
+def test_two_runtimes_in_one_process_exclude_each_other_on_a_slot() -> None:
+    """Tests run two runtimes in one process as two processes: their descriptors of one table
+    must exclude each other on a slot (a process-owned record lock would not)."""
+    exporter, importer = EmulatedRuntime(emu_config(op_delay_s=0.0)), EmulatedRuntime(emu_config(op_delay_s=0.0))
+    ev = exporter.event_create(interprocess=True)
+    theirs = importer.ipc_open_event_handle(exporter.ipc_get_event_handle(ev))
+    got = threading.Event()
+    with ev.lock:
+        t = threading.Thread(target=lambda: (theirs.lock.__enter__(), got.set(), theirs.lock.__exit__()), daemon=True)
+        t.start()
+        assert not got.wait(0.5), "the importer's runtime took the slot's lock while the exporter's held it"
+    assert got.wait(30), "the importer's runtime never got the slot's lock"
+    t.join(10)
+    importer.event_destroy(theirs), exporter.event_destroy(ev)
 
 
 def _lock_in_child(blob_b: bytes, blob_a: bytes, result: Any) -> None:

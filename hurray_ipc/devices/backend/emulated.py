@@ -151,12 +151,22 @@ class _Locked:
         self.local.release()
 
 
+_FLOCK = struct.Struct("hhqqi4x")  # Linux struct flock: type, whence, start, len, pid (0 for OFD locks)
+
+
+def _lock_byte(fd: int, off: int, lock: bool) -> None:
+    """Lock (wait) or unlock one byte of ``fd``'s file with an open-file-description lock: owned by
+    the descriptor like flock, so two descriptors exclude each other even in one process (tests
+    run two runtimes in one process as two processes), and closing one never drops another's."""
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if lock else fcntl.F_OFD_SETLK,
+                _FLOCK.pack(fcntl.F_WRLCK if lock else fcntl.F_UNLCK, os.SEEK_SET, off, 1, 0))
+
+
 class _SlotLock:
-    """Process-local lock plus a POSIX record lock on one event slot's first byte: events of one
-    table lock apart (a record of one handoff's event never waits for the wait another process
-    issues on the next one). Record locks belong to the process, not the descriptor, so threads
-    exclude each other by the local lock, and one table keeps one descriptor per process (the
-    table object is shared by every event of it here, so no second descriptor's close drops them)."""
+    """Process-local lock plus a lock on one event slot's first byte of the table: events of one
+    table lock apart (recording one handoff's event never waits for the wait another process
+    issues on the previous one's). The byte lock belongs to this process's descriptor of the
+    table, so threads exclude each other by the local lock."""
 
     def __init__(self, seg: Segment, off: int):
         self.seg, self.off = seg, off
@@ -166,11 +176,11 @@ class _SlotLock:
         self.local.acquire()
         self.held = not self.seg.closed  # past the runtime's teardown a late record needs no lock
         if self.held:
-            fcntl.lockf(self.seg.fd, fcntl.LOCK_EX, 1, self.off)
+            _lock_byte(self.seg.fd, self.off, True)
 
     def __exit__(self, *exc: object) -> None:
         if self.held:
-            fcntl.lockf(self.seg.fd, fcntl.LOCK_UN, 1, self.off)
+            _lock_byte(self.seg.fd, self.off, False)
         self.local.release()
 
 
