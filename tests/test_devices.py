@@ -183,6 +183,7 @@ def test_destroying_an_event_while_its_record_completes_waits_for_the_record(mon
     stream, ev = rt.stream_create(), rt.event_create(interprocess=True)
     real_fcntl, destroyed = emulated.fcntl.fcntl, threading.Event()
     window: list[threading.Thread] = []
+    early: list[bool] = []  # whether the destroy finished while the record held the slot's lock
 
     def lock(fd, cmd, arg=0):
         on_stream = threading.current_thread().name.startswith("emu-stream")
@@ -192,7 +193,7 @@ def test_destroying_an_event_while_its_record_completes_waits_for_the_record(mon
             t.start()
             # Fixed: the destroy waits on the lock this record holds, so this times out. Broken: it
             # frees the slot under the record at once.
-            destroyed.wait(0.5)
+            early.append(destroyed.wait(0.5))
         return real_fcntl(fd, cmd, arg)
 
     monkeypatch.setattr(emulated.fcntl, "fcntl", lock)
@@ -203,6 +204,7 @@ def test_destroying_an_event_while_its_record_completes_waits_for_the_record(mon
     gate.words[2] = 1
     rt.stream_synchronize(stream)  # raises the stream's error (EBADF) when the descriptor went first
     window[0].join(10)
+    assert early == [False], "the destroy did not wait for the record holding the slot's lock"
     assert window and destroyed.is_set() and ev.destroyed and rt.live_events == 0
     again = rt.event_create(interprocess=True)
     assert (again.table, again.slot) == (ev.table, ev.slot) and again.generation == ev.generation + 1

@@ -12,6 +12,7 @@ importer's use of it after the destroy must fail, and a reused slot must look li
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import threading
 from typing import Any
@@ -153,8 +154,7 @@ def test_two_events_of_one_table_lock_apart() -> None:
     with a.lock:  # held here: another process locks b, then a
         p = ctx.Process(target=_lock_in_child, args=(rt.ipc_get_event_handle(b), rt.ipc_get_event_handle(a), result))
         p.start()
-        assert result.get(timeout=60) == "b locked"
-        assert p.is_alive() and result.empty(), "the child took a's lock while this process held it"
+        assert result.get(timeout=60) == "b locked", "event b's lock waited for event a's"
     assert result.get(timeout=60) == "a locked"
     p.join(30)
     rt.event_destroy(a), rt.event_destroy(b)
@@ -183,3 +183,85 @@ def _lock_in_child(blob_b: bytes, blob_a: bytes, result: Any) -> None:
         result.put("b locked")
     with a.lock:
         result.put("a locked")
+
+
+def test_an_instant_operation_never_overtakes_a_queued_one() -> None:
+    """A zero-delay memset may run in the calling thread, but only on an idle stream: behind a
+    queued wait it must wait its turn (its bytes land only once the gate opened)."""
+    rt = EmulatedRuntime(emu_config(op_delay_s=0.0, race_check=False))
+    s, ptr = rt.stream_create(), rt.malloc(64)
+    rt.memset_async(ptr, 1, 64, s)  # idle stream: runs at once
+    assert ctypes.string_at(ptr, 64) == b"\x01" * 64
+    gate = rt.event_create(interprocess=False)
+    gate.words[1] = 1  # recorded, not completed
+    rt.stream_wait_event(s, gate)
+    rt.memset_async(ptr, 2, 64, s)
+    assert ctypes.string_at(ptr, 64) == b"\x01" * 64, "the memset ran before the wait queued ahead of it"
+    gate.words[2] = 1
+    rt.stream_synchronize(s)
+    assert ctypes.string_at(ptr, 64) == b"\x02" * 64
+    rt.event_destroy(gate), rt.free(ptr), rt.stream_destroy(s)
+
+
+def test_event_tables_start_small_and_grow() -> None:
+    rt = EmulatedRuntime(emu_config(op_delay_s=0.0))
+    evs = [rt.event_create(interprocess=True) for _ in range(9)]
+    tables = list(dict.fromkeys(ev.table for ev in evs))
+    assert [t.slots for t in tables] == [8, 8], "8 slots first, then as many again"
+    evs += [rt.event_create(interprocess=True) for _ in range(8)]
+    assert [t.slots for t in dict.fromkeys(ev.table for ev in evs)] == [8, 8, 16]
+    for ev in evs:
+        rt.event_destroy(ev)
+    assert rt.live_events == 0
+
+
+def test_a_handle_naming_no_event_table_does_not_open() -> None:
+    rt = EmulatedRuntime(emu_config(op_delay_s=0.0))
+    ptr = rt.malloc(64)
+    name = emulated._BLOB.unpack(rt.ipc_get_mem_handle(ptr))[4]  # an allocation's segment
+    blob = emulated._BLOB.pack(emulated._EVT_MAGIC, 0, 0, 0, name)
+    with pytest.raises(DeviceError, match="names no emulated event table") as e:
+        rt.ipc_open_event_handle(blob)
+    assert e.value.code == "cudaErrorInvalidValue"
+    rt.free(ptr)
+
+
+def test_an_attached_table_never_closes_under_a_late_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An importer records its copy of an event on a busy stream, destroys the copy, and later
+    opens events of more tables than it keeps idle: the first table's descriptor is closed. A
+    record still completing on the stream thread holds the slot's lock from its "still open?"
+    check to its unlock; the close started exactly in that window must wait for it (else the lock
+    call hits a closed, or reused, descriptor: a stream error)."""
+    exporters = [EmulatedRuntime(emu_config(op_delay_s=0.0, race_check=False))
+                 for _ in range(emulated.IDLE_TABLES + 1)]
+    importer = EmulatedRuntime(emu_config(op_delay_s=0.0, race_check=False))
+    events = [rt.event_create(interprocess=True) for rt in exporters]
+    mine = importer.ipc_open_event_handle(exporters[0].ipc_get_event_handle(events[0]))
+    s = importer.stream_create()
+    gate = importer.event_create(interprocess=False)
+    gate.words[1] = 1  # the stream holds the record back: its worker thread completes it
+    importer.stream_wait_event(s, gate)
+    importer.event_record(mine, s)
+    importer.event_destroy(mine)  # CUDA allows it with the record pending
+    real_fcntl, closed = emulated.fcntl.fcntl, threading.Event()
+    early: list[bool] = []
+
+    def detach_others() -> None:  # opens and drops one event of every other table: the first is evicted
+        for rt, ev in zip(exporters[1:], events[1:], strict=True):
+            importer.event_destroy(importer.ipc_open_event_handle(rt.ipc_get_event_handle(ev)))
+        closed.set()
+
+    def lock(fd: int, cmd: int, arg: Any = 0) -> Any:
+        if cmd == fcntl.F_OFD_SETLKW and not early and threading.current_thread().name.startswith("emu-stream"):
+            threading.Thread(target=detach_others, daemon=True).start()
+            early.append(closed.wait(0.5))  # fixed: the close waits for this lock, so this times out
+        return real_fcntl(fd, cmd, arg)
+
+    monkeypatch.setattr(emulated.fcntl, "fcntl", lock)
+    gate.words[2] = 1
+    importer.stream_synchronize(s)  # raises the stream's error when the descriptor went first
+    assert closed.wait(10) and early == [False], "the table closed while a record held its slot's lock"
+    assert exporters[0].event_query(events[0]), "the late record completed"
+    importer.event_destroy(gate), importer.stream_destroy(s)
+    for rt, ev in zip(exporters, events, strict=True):
+        rt.event_destroy(ev)

@@ -59,7 +59,7 @@ from .base import EMULATED_MAGIC, IPC_HANDLE_SIZE, Runtime, check_blob
 
 HEADER = 64 << 10  # per allocation: magic, size, device, then the shadow memory of the race check
 EVENT_SLOT = 16 << 10  # per event: the counters, then the race-check state of its latest records
-TABLE_SLOTS = 32  # event slots per shared table segment (see _EventTable)
+TABLE_SLOTS = 32  # the most event slots of one shared table segment (see _EventTable)
 IDLE_TABLES = 8  # other processes' event tables an importer keeps attached with no event open
 # Both keep their race-check state marshalled at _STATE, its length a u32 at _STATE_LEN.
 _STATE_LEN, _STATE = 32, 64
@@ -174,9 +174,13 @@ class _SlotLock:
 
     def __enter__(self) -> None:
         self.local.acquire()
-        self.held = not self.seg.closed  # past the runtime's teardown a late record needs no lock
-        if self.held:
-            _lock_byte(self.seg.fd, self.off, True)
+        try:
+            self.held = not self.seg.closed  # past the table's close a late record needs no lock
+            if self.held:
+                _lock_byte(self.seg.fd, self.off, True)
+        except BaseException:  # e.g. KeyboardInterrupt while waiting for another process
+            self.local.release()
+            raise
 
     def __exit__(self, *exc: object) -> None:
         if self.held:
@@ -306,6 +310,18 @@ class _EventTable:
     def generation(self, slot: int) -> int:
         return int(struct.unpack_from("<I", self.seg.map, slot * EVENT_SLOT + _GEN)[0])
 
+    def close(self) -> None:
+        """Unmap (and, for the creator, unlink) with every slot's thread lock held: a record of a
+        destroyed event that completes late on a stream thread holds its slot's from its "still
+        open?" check to its unlock, so the descriptor never closes (or is reused) in between."""
+        for lock in self.locks:
+            lock.local.acquire()
+        try:
+            self.seg.close()
+        finally:
+            for lock in self.locks:
+                lock.local.release()
+
     def idle(self, slot: int) -> bool:
         """No record of the slot's last event is still pending on a stream (recorded == completed)."""
         recorded, completed = struct.unpack_from("<QQ", self.seg.map, slot * EVENT_SLOT + 8)
@@ -338,6 +354,13 @@ class _Event:
         """An imported event whose exporter destroyed it (its slot moved to a later generation)."""
         return self.table is not None and self.table.generation(self.slot) != self.generation
 
+    def _check_live(self, call: str) -> None:
+        """Raise for an imported event whose exporter destroyed it (caller holds the lock, so the
+        slot cannot pass to a later event between this check and the update)."""
+        if not self.owner and self.stale():
+            raise DeviceError(call, f"interprocess event {self.name} was destroyed by its exporter",
+                              code="cudaErrorInvalidResourceHandle")
+
     def owner_pid(self) -> int:
         return int(self.words[3])
 
@@ -353,6 +376,7 @@ class _Event:
         """Note a record (at call time) whose operation runs with ``clock``, called by ``host`` at
         its count ``stamp``; its sequence number."""
         with self.lock:
+            self._check_live("cudaEventRecord")
             seq = int(self.words[1]) + 1
             self.words[1] = seq
             if clock is not None:
@@ -378,6 +402,7 @@ class _Event:
         Returns the latest record's sequence number: what the wait blocks on (CUDA: the latest
         record at the time of the wait call)."""
         with self.lock:
+            self._check_live("cudaStreamWaitEvent")
             records, waits = self._state()
             target = int(self.words[1])
             before: hb.Clock = {}
@@ -423,16 +448,23 @@ class _Stream:
     def enqueue(self, op: Callable[[], None], instant: bool = False) -> None:
         """Run ``op`` after every operation enqueued before it and before every later one.
         ``instant``: it takes no device time (a record's completion, a copy at zero op delay, a
-        wait whose event already completed); when nothing is queued it runs here and now, as an
-        idle GPU starts it at once, instead of a hop to the worker thread (two thread switches a
-        handoff step). The race check's verdicts are made by the callers at enqueue time, so
-        where an operation runs changes none."""
+        wait whose event already completed) and can run twice; when nothing is queued it runs here
+        and now, as an idle GPU starts it at once, instead of a hop to the worker thread (two
+        thread switches a handoff step); interrupted here, the worker runs it again. The race
+        check's verdicts are made by the callers at enqueue time, so where an operation runs
+        changes none."""
         if instant and self.running.acquire(blocking=False):
             try:
                 with self.cv:
                     idle = self.pending == 0
                 if idle:  # a later enqueue queues behind us; the worker waits for `running`
-                    self._do(op)
+                    try:
+                        self._do(op)
+                    except BaseException:  # interrupted (KeyboardInterrupt): the worker runs it again
+                        with self.cv:
+                            self.pending += 1
+                        self.q.put(op)
+                        raise
                     return
             finally:
                 self.running.release()
@@ -623,7 +655,9 @@ class EmulatedRuntime(Runtime):
             os.makedirs(self._mailbox, mode=0o700, exist_ok=True)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.write(fd, raw)
+            view = memoryview(raw)
+            while view:
+                view = view[os.write(fd, view):]
         finally:
             os.close(fd)
 
@@ -1006,9 +1040,8 @@ class EmulatedRuntime(Runtime):
         """``e`` as a live event; ``live``: an imported one whose exporter destroyed it is not."""
         if not isinstance(e, _Event) or e.destroyed:
             raise DeviceError(call, f"{e!r} is not a live emulated event", code="cudaErrorInvalidResourceHandle")
-        if live and not e.owner and e.stale():
-            raise DeviceError(call, f"interprocess event {e.name} was destroyed by its exporter",
-                              code="cudaErrorInvalidResourceHandle")
+        if live:
+            e._check_live(call)  # again under the slot's lock where it records or waits
         return e
 
     def _take_slot(self) -> tuple[_EventTable, int]:
@@ -1018,7 +1051,9 @@ class EmulatedRuntime(Runtime):
             if table.idle(slot):
                 return table, slot
             self._free_slots.appendleft((table, slot))  # its last event's record is still pending
-        table = _EventTable(Segment.create(TABLE_SLOTS * EVENT_SLOT, "v"))
+        # 8 slots first (most processes hold few events at once), then as many as it has, up to TABLE_SLOTS
+        slots = min(TABLE_SLOTS, max(8, sum(t.slots for t in self._tables.values())))
+        table = _EventTable(Segment.create(slots * EVENT_SLOT, "v"))
         self._tables[table.seg.name] = table
         self._free_slots.extendleft((table, i) for i in range(1, table.slots))
         return table, 0
@@ -1077,7 +1112,7 @@ class EmulatedRuntime(Runtime):
         (caller holds _lock); a wait still enqueued on one keeps its mapping until it ran."""
         idle = [name for name, t in self._attached.items() if t.refs <= 0]
         for name in idle[:max(0, len(idle) - IDLE_TABLES)]:
-            self._attached.pop(name).seg.close()
+            self._attached.pop(name).close()
 
     def event_record(self, event: Any, stream: Any) -> None:
         ev = self._event(event, "cudaEventRecord")
@@ -1133,11 +1168,20 @@ class EmulatedRuntime(Runtime):
         magic, device, _pid, where, raw_name = _BLOB.unpack(raw)
         if magic != _EVT_MAGIC:
             raise DeviceError("cudaIpcOpenEventHandle", "not an emulated event handle", code="cudaErrorInvalidValue")
-        slot, generation, name = where >> 32, where & 0xFFFFFFFF, raw_name.rstrip(b"\0").decode()
+        slot, generation = where >> 32, where & 0xFFFFFFFF
+        name = raw_name.rstrip(b"\0").decode(errors="replace")
+        if (shm.parse_name(name) or (0, 0, ""))[2] != "v":
+            raise DeviceError("cudaIpcOpenEventHandle", f"{name!r} names no emulated event table",
+                              code="cudaErrorInvalidValue")
         with self._lock:
             table = self._tables.get(name) or self._attached.pop(name, None)
             if table is None:
-                table = _EventTable(Segment.attach(name))
+                seg = Segment.attach(name)
+                if seg.size % EVENT_SLOT:
+                    seg.close()
+                    raise DeviceError("cudaIpcOpenEventHandle", f"{name} is no emulated event table ({seg.size} bytes)",
+                                      code="cudaErrorInvalidValue")
+                table = _EventTable(seg)
             if name not in self._tables:
                 self._attached[name] = table  # most recently used last
             off = slot * EVENT_SLOT
