@@ -9,8 +9,8 @@ What is emulated, and how (see ../DESIGN.md for why):
 * **Streams** are per-process worker threads that run queued operations in order. Each memory
   operation (copy, memset) takes ``op_delay_s``: it reads its source when it starts and its
   writes land when it ends, so an unsynchronised reader reliably sees stale bytes.
-* **Events** are slots of a shared table segment of the creating process (one table serves 32
-  events; an importer attaches it once), each holding two counters: ``recorded`` (bumped when
+* **Events** are slots of a shared table segment of the creating process (a table serves 8 to
+  32 events; an importer attaches it once), each holding two counters: ``recorded`` (bumped when
   ``event_record`` is *called*) and ``completed`` (raised when the stream *reaches* the record).
   An IPC event handle names the table, the slot and the slot's generation (bumped by the destroy).
   ``stream_wait_event`` captures ``recorded`` at call time and blocks the stream until
