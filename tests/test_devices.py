@@ -174,9 +174,10 @@ def test_cpu_import_keeps_idle_mappings_up_to_the_limit():
 
 def test_destroying_an_event_while_its_record_completes_waits_for_the_record(monkeypatch):
     """CUDA lets the host destroy an event whose record is still pending. The emulation's record
-    flocks its table's descriptor; a destroy in the middle of it (an event was once a segment of
-    its own, closed by the destroy: the flock failed with EBADF, seen once in CI) must wait for the
-    record (the stream reports no error), and the slot is reused only once the record completed."""
+    locks the event's slot of its table; a destroy started in the middle of it must wait for the
+    record (when an event was a segment of its own, the destroy closed the descriptor under the
+    record's lock call: EBADF, seen once in CI), and the slot is reused only once the record
+    completed, under the next generation."""
     from hurray_ipc.devices.backend import emulated
 
     rt = EmulatedRuntime(emu_config(op_delay_s=0.0, race_check=False))
@@ -202,7 +203,7 @@ def test_destroying_an_event_while_its_record_completes_waits_for_the_record(mon
     rt.stream_wait_event(stream, gate)
     rt.event_record(ev, stream)
     gate.words[2] = 1
-    rt.stream_synchronize(stream)  # raises the stream's error (EBADF) when the descriptor went first
+    rt.stream_synchronize(stream)  # raises the stream's error if the record's lock call failed
     window[0].join(10)
     assert early == [False], "the destroy did not wait for the record holding the slot's lock"
     assert window and destroyed.is_set() and ev.destroyed and rt.live_events == 0
