@@ -1,9 +1,9 @@
 """The emulation's events: locking, and the event tables that hold interprocess events.
 
 A non-interprocess event has no IPC handle, so no other process maps its state: its record,
-completion and queries exclude threads only (no flock syscalls on the consumer's fence path). An
+completion and queries exclude threads only (no lock syscalls on the consumer's fence path). An
 interprocess event is recorded, waited on and destroyed from several processes, so every update of
-its shared state still takes the flock (test_races and test_fencing keep the verdicts).
+its shared state still takes the cross-process lock (test_races and test_fencing keep the verdicts).
 
 An interprocess event is a slot of its process's event table, named in its handle with the slot's
 generation (devices/DESIGN.md, "The emulation"): a destroyed event's handle must not open, an
@@ -27,8 +27,8 @@ from tests.conftest import emu_config
 
 @pytest.fixture
 def flocks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Every cross-process lock operation the emulation makes (a flock on an allocation, a byte
-    lock on an event's slot: LOCK_EX or LOCK_UN)."""
+    """Every cross-process lock operation the emulation makes (a byte lock on an allocation's or
+    an event slot's segment; a flock too, should anything take one): LOCK_EX or LOCK_UN."""
     calls: list[int] = []
     real_flock, real_fcntl = fcntl.flock, fcntl.fcntl
 

@@ -127,30 +127,6 @@ class EmulationConfig:
         }
 
 
-class _Locked:
-    """Process-local lock plus flock on the segment: threads and processes both exclude.
-
-    ``seg=None``: the state never leaves this process (a non-interprocess event: no handle names
-    it), so only threads need excluding and the flock's two syscalls per section are skipped.
-    """
-
-    def __init__(self, seg: Segment | None):
-        self.seg = seg
-        self.local = threading.Lock()
-
-    def __enter__(self) -> None:
-        self.local.acquire()
-        # Past the segment's close (the runtime's teardown) a late record needs no cross-process lock.
-        self.held = self.seg is not None and not self.seg.closed
-        if self.held:
-            fcntl.flock(self.seg.fd, fcntl.LOCK_EX)  # type: ignore[union-attr]  # held implies seg
-
-    def __exit__(self, *exc: object) -> None:
-        if self.held:
-            fcntl.flock(self.seg.fd, fcntl.LOCK_UN)  # type: ignore[union-attr]
-        self.local.release()
-
-
 _FLOCK = struct.Struct("hhqqi4x")  # Linux struct flock: type, whence, start, len, pid (0 for OFD locks)
 
 
@@ -162,29 +138,35 @@ def _lock_byte(fd: int, off: int, lock: bool) -> None:
                 _FLOCK.pack(fcntl.F_WRLCK if lock else fcntl.F_UNLCK, os.SEEK_SET, off, 1, 0))
 
 
-class _SlotLock:
-    """Process-local lock plus a lock on one event slot's first byte of the table: events of one
-    table lock apart (recording one handoff's event never waits for the wait another process
-    issues on the previous one's). The byte lock belongs to this process's descriptor of the
-    table, so threads exclude each other by the local lock."""
+class _Locked:
+    """Process-local lock plus a lock on byte ``off`` of the segment: threads and processes both
+    exclude. An allocation locks byte 0 of its segment; an event locks its slot's first byte of
+    the table, so events of one table lock apart (recording one handoff's event never waits for
+    the wait another process issues on the previous one's). The byte lock belongs to this
+    process's descriptor of the segment, so threads exclude each other by the local lock.
 
-    def __init__(self, seg: Segment, off: int):
+    ``seg=None``: the state never leaves this process (a non-interprocess event: no handle names
+    it), so only threads need excluding and the byte lock's two syscalls per section are skipped.
+    """
+
+    def __init__(self, seg: Segment | None, off: int = 0):
         self.seg, self.off = seg, off
         self.local = threading.Lock()
 
     def __enter__(self) -> None:
         self.local.acquire()
         try:
-            self.held = not self.seg.closed  # past the table's close a late record needs no lock
+            # Past the segment's close a late record needs no cross-process lock.
+            self.held = self.seg is not None and not self.seg.closed
             if self.held:
-                _lock_byte(self.seg.fd, self.off, True)
+                _lock_byte(self.seg.fd, self.off, True)  # type: ignore[union-attr]  # held implies seg
         except BaseException:  # e.g. KeyboardInterrupt while waiting for another process
             self.local.release()
             raise
 
     def __exit__(self, *exc: object) -> None:
         if self.held:
-            _lock_byte(self.seg.fd, self.off, False)
+            _lock_byte(self.seg.fd, self.off, False)  # type: ignore[union-attr]
         self.local.release()
 
 
@@ -304,7 +286,7 @@ class _EventTable:
     def __init__(self, seg: Segment):
         self.seg = seg
         self.slots = seg.size // EVENT_SLOT
-        self.locks = [_SlotLock(seg, i * EVENT_SLOT) for i in range(self.slots)]
+        self.locks = [_Locked(seg, i * EVENT_SLOT) for i in range(self.slots)]
         self.refs = 0  # importer: events of this table opened and not yet destroyed
 
     def generation(self, slot: int) -> int:
@@ -335,7 +317,7 @@ class _Event:
     operation, recording host agent, that host's count at the call)``; the stream-waits other
     processes issued on it since the latest record: their access records)."""
 
-    def __init__(self, buf: Any, off: int, lock: _Locked | _SlotLock, *, owner: bool, interprocess: bool, device: int,
+    def __init__(self, buf: Any, off: int, lock: _Locked, *, owner: bool, interprocess: bool, device: int,
                  table: _EventTable | None = None, slot: int = 0, generation: int = 0):
         self.buf, self.off = buf, off
         self.owner = owner
