@@ -44,6 +44,7 @@ from .contract import (
 )
 from .devices.errors import DeviceError
 from .errors import (
+    BrokerUnavailable,
     ClosedError,
     EndOfStream,
     ExportRefused,
@@ -51,6 +52,8 @@ from .errors import (
     HurrayTimeout,
     InvalidArgument,
     MissingDependency,
+    ProducerGone,
+    RemoteError,
     UnsafeEndpoint,
     UnsupportedObject,
 )
@@ -59,19 +62,9 @@ from .format import BufferHandle, DeviceTag, HandleError, ReservedSyncMode, Sync
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # type checkers see the client names' real types; at run time they load lazily
-    from .client import (
-        BrokerUnavailable,
-        Consumer,
-        Producer,
-        ProducerGone,
-        ReceivedBuffer,
-        ReceivedHandoff,
-        RemoteError,
-        Ticket,
-    )
+    from .client import Consumer, Producer, ReceivedBuffer, ReceivedHandoff, Ticket
 
-_CLIENT = ("Producer", "Consumer", "Ticket", "ReceivedHandoff", "ReceivedBuffer", "BrokerUnavailable",
-           "ProducerGone", "RemoteError")
+_CLIENT = ("Producer", "Consumer", "Ticket", "ReceivedHandoff", "ReceivedBuffer")
 
 
 def __getattr__(name: str):

@@ -18,9 +18,11 @@ class                       builtin             raised when
 
 Other layers add their own, each a subclass too: ``HandleError`` (ValueError, format/),
 ``HandoffError`` (ValueError) and ``AlreadyReleasedError`` (RuntimeError, contract/),
-``DeviceError`` (RuntimeError, devices/), ``ProtocolError`` (ValueError, transport/),
-``BrokerUnavailable`` (ConnectionError), ``RemoteError`` and ``ProducerGone`` (RuntimeError,
-client/). All are exported from :mod:`hurray_ipc`.
+``DeviceError`` (RuntimeError, devices/). The client's errors live here too (``client/`` is
+compiled where a C compiler is present, and compiled modules cannot define classes with two
+builtin bases): :class:`BrokerUnavailable` (ConnectionError), :class:`RemoteError` and
+:class:`ProducerGone` (RuntimeError), and :class:`ProtocolError` (ValueError). All are exported
+from :mod:`hurray_ipc`.
 
 Messages name what was wrong, where (the call and argument) and the value, and where there is
 one, the fix. A call that raises gives back everything it took (see client/DESIGN.md).
@@ -91,6 +93,26 @@ class MissingDependency(HurrayError, ImportError):
 class EndOfStream(HurrayError, EOFError):
     """Every producer of the channel ended its stream and every handoff sent before was received
     (ipc-protocol.md §4.9). A new producer may reopen the channel."""
+
+
+class BrokerUnavailable(HurrayError, ConnectionError):
+    """No reply from the broker within the session's timeout (or it announced shutdown). The
+    message says whether the socket file exists, how long this call waited, how long the broker
+    has been silent, and the command that starts one. The client keeps trying: once a broker
+    answers it registers again by itself, with what it holds."""
+
+class RemoteError(HurrayError, RuntimeError):
+    """The broker refused a message: ``code`` (protocol.ERROR_CODES) and its explanation."""
+
+    def __init__(self, code: str, message: str, header: dict[str, Any] | None = None):
+        self.code = code
+        self.header = header or {}
+        super().__init__(f"broker refused: {code}: {message}")
+
+
+class ProducerGone(HurrayError, RuntimeError):
+    """The producer of this handoff died, or took it back from this consumer because it was
+    fenced (silent past the broker's ``fence_ms`` while holding it, spec §5): the handoff is over."""
 
 
 # Error codes an ERROR message carries (docs/spec/ipc-protocol.md §2): the broker's refusals.

@@ -1064,8 +1064,8 @@ def test_handoffs_that_ended_change_the_receiving_bridge_only_in_its_loop():
     from collections import deque
 
     from hurray_ipc.broker.bridge import BridgeIn, Dest
+    from hurray_ipc.client import RemoteError
     from hurray_ipc.client.producer import Ticket
-    from hurray_ipc.client.session import RemoteError
     from hurray_ipc.contract.sync import Transport
     from hurray_ipc.format.handle import SyncMode
     from hurray_ipc.interchange.receiver import HandedOn, ReceiverConfig, ReceiverCore

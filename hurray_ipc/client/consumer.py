@@ -31,13 +31,15 @@ from ..devices.base import Buffer, MemoryExport, order_key
 from ..devices.cuda import CudaDevice, CudaEvent, CudaStream
 from ..devices.pool import Pool
 from ..errors import (
+    BrokerUnavailable,
     ClosedError,
     EndOfStream,
     ExportRefused,
-    HurrayError,
     HurrayTimeout,
     InvalidArgument,
     MissingDependency,
+    ProducerGone,
+    RemoteError,
     UnsupportedObject,
 )
 from ..format.handle import BufferHandle, DeviceTag, HandleError, SyncMode
@@ -50,14 +52,9 @@ from ..wire.ipc import Release as ReleaseMessage
 from ..wire.messages import AnyMessage, ChannelState, Error
 from ..wire.messages import ProducerGone as ProducerGoneMessage
 from .core import Action, ConsumerCore, Delivery, EventRelease, Flush, Release, Unmap
-from .session import BrokerUnavailable, RemoteError, Session, check_client_args, check_timeout
+from .session import Session, check_client_args, check_timeout
 
 log = logging.getLogger("hurray.consumer")
-
-
-class ProducerGone(HurrayError, RuntimeError):
-    """The producer of this handoff died, or took it back from this consumer because it was
-    fenced (silent past the broker's ``fence_ms`` while holding it, spec §5): the handoff is over."""
 
 
 _UNSET: Any = object()  # __dlpack__ called without a stream keyword
@@ -940,18 +937,7 @@ class Consumer:
         """``async for handoff in consumer:`` — :meth:`areceive` until closed or shut down;
         ClosedError when it was closed before the loop."""
         self.session.check_open("iterating over it")
-        return self._aiter()
-
-    async def _aiter(self) -> AsyncIterator[ReceivedHandoff]:
-        while not self.session.closed:
-            try:
-                yield await self.areceive()
-            except (EndOfStream, ClosedError):
-                return
-            except BrokerUnavailable:
-                if self.session.closed or self.session.shutdown_reason is not None:
-                    return
-                raise
+        return _Handoffs(self)
 
     def close(self) -> None:
         """Disconnect. Handoffs still held are released (the broker releases them to producers)."""
@@ -976,3 +962,28 @@ class Consumer:
         self.close()
 
 
+
+
+class _Handoffs:
+    """``async for`` over a consumer: :meth:`Consumer.areceive` until it is closed, its channel
+    ended (EndOfStream) or its broker shut down. (An iterator class, not an async generator:
+    mypyc compiles this module and has no async generators.)"""
+
+    def __init__(self, consumer: Consumer):
+        self.consumer = consumer
+
+    def __aiter__(self) -> _Handoffs:
+        return self
+
+    async def __anext__(self) -> ReceivedHandoff:
+        session = self.consumer.session
+        if session.closed:
+            raise StopAsyncIteration
+        try:
+            return await self.consumer.areceive()
+        except (EndOfStream, ClosedError):
+            raise StopAsyncIteration from None
+        except BrokerUnavailable:
+            if session.closed or session.shutdown_reason is not None:
+                raise StopAsyncIteration from None
+            raise

@@ -27,7 +27,7 @@ from ..devices.base import Buffer, order_key
 from ..devices.cpu import CpuDevice
 from ..devices.cuda import CudaDevice, CudaEvent, CudaStream
 from ..devices.pool import Pool
-from ..errors import ClosedError, InvalidArgument
+from ..errors import BrokerUnavailable, ClosedError, InvalidArgument, RemoteError
 from ..format.handle import BufferHandle, DeviceTag, SyncMode
 from ..interop.source import Source, check_user_meta, resolve
 from ..interop.staging import StagingExhausted, StagingPool
@@ -38,7 +38,7 @@ from ..wire.ipc import Grant as GrantMessage
 from ..wire.messages import AnyMessage, End, Error, Revoke
 from .credits import Credits
 from .grants import Grant, GrantBook, Granted
-from .session import BrokerUnavailable, RemoteError, Session, check_client_args, check_timeout
+from .session import Session, check_client_args, check_timeout
 
 log = logging.getLogger("hurray.producer")
 

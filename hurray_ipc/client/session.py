@@ -28,7 +28,7 @@ from typing import Any
 
 import zmq
 
-from ..errors import ClosedError, HurrayError, HurrayTimeout, InvalidArgument
+from ..errors import BrokerUnavailable, ClosedError, HurrayTimeout, InvalidArgument
 from ..transport.liveness import process_lease
 from ..transport.sockets import NOBLOCK, readable, recv_frames, send_frames
 from ..wire.ipc import BROKER_VERBS, HotMessage, Message, ProtocolError, coalesce, decode_all, encode_group
@@ -58,12 +58,6 @@ def run_callbacks(callbacks: list[Callback]) -> None:
             log.exception("callback %r raised; contained (callback_errors=%d)", cb, callback_errors)
 
 
-class BrokerUnavailable(HurrayError, ConnectionError):
-    """No reply from the broker within the session's timeout (or it announced shutdown). The
-    message says whether the socket file exists, how long this call waited, how long the broker
-    has been silent, and the command that starts one. The client keeps trying: once a broker
-    answers it registers again by itself, with what it holds."""
-
 START_BROKER = "hurray-broker --daemon"
 
 
@@ -81,15 +75,6 @@ def unavailable_hint(endpoint: str) -> str:
         return (f"the socket file {path} exists but nothing answered: the broker may have died or be stopped; "
                 f"restart it with `{START_BROKER}`")
     return f"is a broker listening there? start one with `{START_BROKER} --endpoint {endpoint}`"
-
-
-class RemoteError(HurrayError, RuntimeError):
-    """The broker refused a message: ``code`` (protocol.ERROR_CODES) and its explanation."""
-
-    def __init__(self, code: str, message: str, header: dict[str, Any] | None = None):
-        self.code = code
-        self.header = header or {}
-        super().__init__(f"broker refused: {code}: {message}")
 
 
 def check_timeout(timeout: float | None, where: str) -> None:
