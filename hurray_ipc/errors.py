@@ -14,15 +14,15 @@ class                       builtin             raised when
 :class:`EndOfStream`        EOFError            every producer of the channel ended and all was received
 :class:`MissingDependency`  ImportError         an optional library a call needs is not installed
 :class:`UnsafeEndpoint`     PermissionError     the socket directory is another user's, or open to them
+:class:`BrokerUnavailable`  ConnectionError     the broker did not answer within the session's timeout, or shut down
+:class:`RemoteError`        RuntimeError        the broker refused a message (``code``: one of ERROR_CODES)
+:class:`ProducerGone`       RuntimeError        a handoff's producer died, or took it back from a fenced consumer
 ==========================  ==================  ===================================================
 
 Other layers add their own, each a subclass too: ``HandleError`` (ValueError, format/),
 ``HandoffError`` (ValueError) and ``AlreadyReleasedError`` (RuntimeError, contract/),
-``DeviceError`` (RuntimeError, devices/). The client's errors live here too (``client/`` is
-compiled where a C compiler is present, and compiled modules cannot define classes with two
-builtin bases): :class:`BrokerUnavailable` (ConnectionError), :class:`RemoteError` and
-:class:`ProducerGone` (RuntimeError), and :class:`ProtocolError` (ValueError). All are exported
-from :mod:`hurray_ipc`.
+``DeviceError`` (RuntimeError, devices/); :class:`ProtocolError` (ValueError) is here. All are
+exported from :mod:`hurray_ipc`.
 
 Messages name what was wrong, where (the call and argument) and the value, and where there is
 one, the fix. A call that raises gives back everything it took (see client/DESIGN.md).
