@@ -101,6 +101,7 @@ class BrokerUnavailable(HurrayError, ConnectionError):
     has been silent, and the command that starts one. The client keeps trying: once a broker
     answers it registers again by itself, with what it holds."""
 
+
 class RemoteError(HurrayError, RuntimeError):
     """The broker refused a message: ``code`` (protocol.ERROR_CODES) and its explanation."""
 
