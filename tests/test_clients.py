@@ -276,6 +276,68 @@ def test_broker_shutdown_tells_clients(tmp_path):
         c.close()
 
 
+def _registered(c: Consumer) -> None:
+    c.session.pump(lambda: c.session.registered, 10, "registering")
+
+
+def test_async_for_ends_when_the_broker_shuts_down(tmp_path):
+    """``async for`` over a consumer ends quietly when its broker shut down in order (SHUTDOWN);
+    beside the next test, where a broker that vanished without a word is an error."""
+    import asyncio
+
+    b = BrokerProcess(f"ipc://{tmp_path}/b.sock").start()
+    c = Consumer(b.endpoint, "aio-sd", "cpu", heartbeat_s=0.2)
+    try:
+        _registered(c)
+        b.stop(signal.SIGTERM)  # returns once the broker exited, its SHUTDOWN sent
+        assert b.returncode == 0
+
+        async def loop() -> int:
+            return sum([1 async for _ in c])
+
+        assert asyncio.run(asyncio.wait_for(loop(), 30)) == 0
+        assert c.session.shutdown_reason is not None
+    finally:
+        c.close()
+
+
+def test_async_for_raises_when_the_broker_vanishes(tmp_path):
+    import asyncio
+
+    b = BrokerProcess(f"ipc://{tmp_path}/b.sock").start()
+    c = Consumer(b.endpoint, "aio-kill", "cpu", heartbeat_s=0.2, timeout_s=1.0)
+    try:
+        _registered(c)
+        b.stop(signal.SIGKILL)  # no SHUTDOWN: the consumer learns it from the silence
+
+        async def loop() -> None:
+            async for _ in c:
+                pass
+
+        with pytest.raises(BrokerUnavailable):
+            asyncio.run(asyncio.wait_for(loop(), 30))
+        assert c.session.shutdown_reason is None
+    finally:
+        c.close()
+
+
+def test_async_for_ends_when_the_consumer_is_closed_while_it_waits(broker):
+    """Closing the consumer while ``async for`` awaits the next handoff ends the loop (the wait
+    finds the session closed), as closing it between two handoffs does; closed before the loop,
+    it is an error (test_iterating_a_closed_consumer_says_so)."""
+    import asyncio
+
+    c = Consumer(broker.endpoint, "aio-close", "cpu", heartbeat_s=0.2)
+    _registered(c)
+
+    async def loop() -> int:
+        asyncio.get_running_loop().call_soon(c.close)  # runs once the loop awaits its first handoff
+        return sum([1 async for _ in c])
+
+    assert asyncio.run(asyncio.wait_for(loop(), 30)) == 0
+    assert c.session.closed
+
+
 def test_no_segments_left_behind(broker):
     """The workers' segments are gone once they exited: none of their pid is left in /dev/shm
     (only theirs are counted: other tests or test runs on this machine make and remove their own)."""

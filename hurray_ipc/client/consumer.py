@@ -975,7 +975,7 @@ class _Handoffs:
 
     async def __anext__(self) -> ReceivedHandoff:
         session = self.consumer.session
-        if session.closed:
+        if session.closed:  # before areceive would watch the closed socket's descriptor
             raise StopAsyncIteration
         try:
             return await self.consumer.areceive()
