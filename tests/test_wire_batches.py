@@ -20,11 +20,14 @@ from hurray_ipc.broker.core import BrokerCore, Send
 from hurray_ipc.devices.base import host_id
 from hurray_ipc.wire.ipc import (
     MAX_BATCH,
+    MAX_BUNDLE,
     Message,
     ProtocolError,
+    bundle,
     coalesce,
     decode_all,
     encode_batch,
+    encode_group,
     wire_verb,
 )
 
@@ -161,6 +164,58 @@ def test_coalesce_keeps_what_clients_depend_on(verbs):
                     wire_verb(a.verb) == wire_verb(b.verb) or a.verb in ("ERROR", "PRODUCER_GONE", "PONG")
                     or b.verb in ("ERROR", "PRODUCER_GONE", "PONG")):
                 assert pos[a.fields()["i"]] < pos[b.fields()["i"]], (a, b)
+
+
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(st.lists(st.one_of(hot, cold), max_size=300))
+def test_bundles_are_the_batches_in_order_and_never_hold_json(verbs):
+    """bundle() over coalesce()'s batches (spec §2.2a): every batch once, in the same order; a JSON
+    message alone in its parcel; at most MAX_BUNDLE batches in a bundle; a hot batch after a
+    hot one shares its bundle while there is room (so RELEASED and GRANT travel together)."""
+    groups = coalesce([Message(v, {"i": i}) for i, v in enumerate(verbs)])
+    parcels = bundle(groups)
+    assert [g for p in parcels for g in p] == groups
+    for p in parcels:
+        assert 1 <= len(p) <= MAX_BUNDLE
+        if any(wire_verb(g[0].verb) not in ("DELIVER", "GRANT", "RELEASED", "ACCEPTED") for g in p):
+            assert len(p) == 1, p
+    for a, b in zip(parcels, parcels[1:], strict=False):
+        hot_pair = all(wire_verb(g[0].verb) in ("DELIVER", "GRANT", "RELEASED", "ACCEPTED") for g in (a[-1], b[0]))
+        assert not (hot_pair and len(a) < MAX_BUNDLE), "two hot batches in a row were sent apart"
+
+
+def _bundle_frames(*groups: list[Message]) -> list[bytes]:
+    return [f for g in groups for f in encode_group(g)]
+
+
+def test_a_bundle_decodes_as_its_messages_one_after_another_and_only_when_asked():
+    released = [Message("RELEASED", {"handoff_id": 1, "reason": "rejected: meta"}),
+                Message("EVENT_RELEASED", {"handoff_id": 2})]
+    grant = [Message("GRANT", {"grant_id": 7, "epoch": 1, "consumer_id": "00" * 8, "consumer": _ep(5)})]
+    accepted = [Message("ACCEPTED", {"handoff_id": 3})]
+    frames = _bundle_frames(released, grant, accepted)
+    alone = [m for g in (released, grant, accepted) for m in decode_all(encode_group(g))]
+    assert decode_all(frames, bundles=True) == alone
+    assert [m.verb for m in alone] == ["RELEASED", "EVENT_RELEASED", "GRANT", "ACCEPTED"]
+    # A reader that did not ask for bundles (the broker reading a client, a client without
+    # ``bundles``) refuses the frames after the first message's, as §2.2 says.
+    with pytest.raises(ProtocolError) as e:
+        decode_all(frames)
+    assert e.value.code == "bad_frames"
+    # A lone message reads the same either way.
+    assert decode_all(encode_group(grant), bundles=True) == decode_all(encode_group(grant))
+
+
+def test_a_bundle_past_its_limit_or_with_a_json_part_is_malformed_as_a_whole():
+    accepted = [Message("ACCEPTED", {"handoff_id": 3})]
+    assert len(decode_all(_bundle_frames(*[accepted] * MAX_BUNDLE), bundles=True)) == MAX_BUNDLE
+    for frames, code in [(_bundle_frames(*[accepted] * (MAX_BUNDLE + 1)), "bad_frames"),
+                         (_bundle_frames(accepted) + [b"PONG", b"{}"], "bad_frames"),
+                         (_bundle_frames(accepted) + [b"GRANT"], "bad_frames"),
+                         (_bundle_frames(accepted) + [b"GRANT", b"\1\0\0\0\0\0\0\0"], "bad_header")]:
+        with pytest.raises(ProtocolError) as e:
+            decode_all(frames, bundles=True)
+        assert e.value.code == code, frames
 
 
 def test_received_handoff_is_freed_without_the_garbage_collector(broker):

@@ -6,8 +6,8 @@ in one process, against what the others would send it:
 
 - **broker**: :class:`~hurray_ipc.broker.core.BrokerCore` fed encoded messages directly, one
   producer and one consumer: per handoff a HANDOFF in and its DELIVER out, a RELEASE in and its
-  RELEASED and GRANT out, each message decoded, dispatched and its answers coalesced and encoded as
-  the broker's loop does (no socket). Time: that thread's CPU.
+  RELEASED and GRANT out (one bundle), each message decoded, dispatched and its answers grouped and
+  encoded as the broker's loop does (no socket). Time: that thread's CPU.
 - **producer** / **consumer**: the real :class:`Producer` (or :class:`Consumer`) over an inproc
   socket (no I/O thread, no system call per message) to a :class:`_PeerThread` in the same process:
   a BrokerCore behind a ROUTER, with the far peer played inside it (a consumer that releases each
@@ -48,8 +48,8 @@ from ..wire.ipc import (
     Handoff,
     Message,
     Release,
-    coalesce,
     encode_group,
+    parcels,
 )
 from .harness import WINDOW
 
@@ -136,8 +136,9 @@ class _PeerThread(threading.Thread):
             else:
                 self._pending.setdefault(o.rid, []).append(o.msg)
         for rid, msgs in self._pending.items():
-            for group in coalesce(msgs):
-                self.router.send_multipart([rid, *encode_group(group)])
+            c = self.core.clients.get(rid)
+            for parcel in parcels(msgs, c is not None and c.bundles):
+                self.router.send_multipart([rid, *(f for group in parcel for f in encode_group(group))])
         self._pending.clear()
 
     def run(self) -> None:
@@ -244,8 +245,8 @@ def broker_stage(n: int = 5000) -> float:
     cpu = CpuDevice()
     core = BrokerCore(host=host_id(), timeout_s=3600.0)
     far_p, far_c = _FarProducer(cpu), _FarConsumer()
-    _hello(core, b"p", "producer", "stage", cpu, 0.0)
-    _hello(core, b"c", "consumer", "stage", cpu, 0.0, pid=os.getpid())
+    _hello(core, b"p", "producer", "stage", cpu, 0.0, bundles=True)  # as the library's clients say
+    _hello(core, b"c", "consumer", "stage", cpu, 0.0, pid=os.getpid(), bundles=True)
     core.receive(b"c", _frames("REQUEST", {"credits": 1}), 0.0)
     outs = core.receive(b"p", _frames("READY", {"credits": 1}), 0.0)
 
@@ -260,9 +261,10 @@ def broker_stage(n: int = 5000) -> float:
         for o in outs:
             if isinstance(o, Send):
                 pending.setdefault(o.rid, []).append(o.msg)
-        for msgs in pending.values():
-            for group in coalesce(msgs):
-                encode_group(group)
+        for rid, msgs in pending.items():
+            for parcel in parcels(msgs, core.clients[rid].bundles):
+                for group in parcel:
+                    encode_group(group)
         spent[0] += clock() - t
         for o in outs:
             if isinstance(o, Send):

@@ -142,6 +142,7 @@ class Client:
     # producer: a grant of it was revoked and it has neither handed off nor asked (READY) since:
     # passed over while another producer can take a grant (§4).
     revoked: bool = False
+    bundles: bool = False  # its registration reads bundles (spec §2.2a): the loop may send it some
 
     def __post_init__(self) -> None:
         self.rid_text = self.rid.decode(errors="replace")
@@ -574,7 +575,7 @@ class BrokerCore:
         # Everything that can refuse this HELLO is checked before any state changes.
         old = self.clients.get(rid)
         c = Client(rid, role, channel, endpoint, msg.name, now, lease, credits, msg.epoch,
-                   label=self.label_of(rid), allowance_at=now)
+                   label=self.label_of(rid), allowance_at=now, bundles=msg.bundles)
         if old is not None:
             c.allowance = old.allowance  # a re-HELLO does not refill the bucket
         if old is None:

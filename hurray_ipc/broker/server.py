@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from hurray_ipc.devices import shm
 from hurray_ipc.devices.base import host_id
 from hurray_ipc.transport import liveness
 from hurray_ipc.transport.sockets import NOBLOCK, readable, recv_frames, send_frames
-from hurray_ipc.wire.ipc import coalesce, encode_group
+from hurray_ipc.wire.ipc import encode_group, parcels
 from hurray_ipc.wire.messages import MAX_CREDITS, AnyMessage
 
 from .core import BrokerCore, CleanSegments, Client, Out, Send
@@ -127,28 +128,43 @@ class Broker:
 
     def _flush(self) -> None:
         """Send what the last events produced: per peer, in order, hot messages of one verb
-        batched (protocol.coalesce). Called once per drain round, so a lone message waits for
-        nothing and a burst travels in few messages."""
+        batched, and consecutive batches in one bundle to a client that reads bundles (spec §2.2a;
+        wire.ipc.parcels). Called once per drain round, so a lone message
+        waits for nothing and a burst travels in few messages."""
+        clients = self.core.clients
         while self._pending:
             pending, self._pending = self._pending, {}
             for rid, msgs in pending.items():
-                for group in coalesce(msgs):
-                    try:
-                        frames = encode_group(group)
-                    except Exception:  # noqa: BLE001 - a bug must cost these messages, never the broker
-                        log.exception("could not encode %s for %r", group[0].verb, rid[:32])
-                        for m in group:
-                            self._queue(self.core.undeliverable(rid, m, "internal: not encodable"))
-                        continue
-                    try:
-                        send_frames(self.sock, [rid, *frames], NOBLOCK)
-                    except zmq.ZMQError as e:
-                        why = "full" if e.errno == zmq.EAGAIN else (
-                            "unreachable" if e.errno == zmq.EHOSTUNREACH else f"zmq error {e.errno}: {e}")
-                        for m in group:
-                            self._queue(self.core.undeliverable(rid, m, why))
-                    else:
-                        self.core.note_sent()
+                c = clients.get(rid)
+                for parcel in parcels(msgs, c is not None and c.bundles):
+                    self._send_parcel(rid, parcel)
+
+    def _send_parcel(self, rid: bytes, parcel: list[Sequence[AnyMessage]]) -> None:
+        """Send one ZeroMQ message to ``rid``: the groups of ``parcel``, one after another. What
+        cannot be sent goes back to the core (``undeliverable``), which gives back what it took."""
+        frames: list[bytes] = [rid]
+        sent: list[Sequence[AnyMessage]] = []
+        for group in parcel:
+            try:
+                frames += encode_group(group)
+            except Exception:  # noqa: BLE001 - a bug must cost these messages, never the broker
+                log.exception("could not encode %s for %r", group[0].verb, rid[:32])
+                for m in group:
+                    self._queue(self.core.undeliverable(rid, m, "internal: not encodable"))
+                continue
+            sent.append(group)
+        if not sent:
+            return
+        try:
+            send_frames(self.sock, frames, NOBLOCK)
+        except zmq.ZMQError as e:
+            why = "full" if e.errno == zmq.EAGAIN else (
+                "unreachable" if e.errno == zmq.EHOSTUNREACH else f"zmq error {e.errno}: {e}")
+            for group in sent:
+                for m in group:
+                    self._queue(self.core.undeliverable(rid, m, why))
+        else:
+            self.core.note_sent()
 
     def _apply(self, outs: list[Out]) -> None:
         self._queue(outs)

@@ -223,7 +223,7 @@ class Session:
         # The epoch tells this registration's GRANTs from those of an earlier one still in flight.
         self.epoch = getattr(self, "epoch", 0) + 1
         self.send(Hello(role=self.role, channel=self.channel, client_id=self.client_id, pid=os.getpid(),
-                        epoch=self.epoch, lease=process_lease().name, **self._hello(self.epoch)))
+                        epoch=self.epoch, lease=process_lease().name, bundles=True, **self._hello(self.epoch)))
         self._hello_sent = time.monotonic()
 
     # --- receiving -------------------------------------------------------------------------
@@ -231,7 +231,7 @@ class Session:
         self.last_rx = time.monotonic()
         self.messages_received += 1
         try:
-            msgs = decode_all(parts, allowed=BROKER_VERBS)
+            msgs = decode_all(parts, allowed=BROKER_VERBS, bundles=True)
         except ProtocolError as e:
             log.warning("dropping malformed message from broker: %s", e)
             return

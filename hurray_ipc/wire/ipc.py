@@ -13,7 +13,9 @@ sender's routing id in front; nothing here deals with it.
 :func:`decode_all` gives the hot verbs' entries typed (:class:`Handoff`, :class:`Deliver`,
 :class:`Release`... every field checked there) and a JSON verb framed (:class:`Message`: verb,
 header object, frames), which ``wire/messages.parse`` types when its receiver is ready to judge
-its fields (spec §8 gives the order).
+its fields (spec §8 gives the order). A client that announced ``bundles`` reads the broker's
+bundles (several hot messages in one ZeroMQ message, spec §2.2a) with ``decode_all(bundles=True)``;
+the broker groups what it sends with :func:`parcels`.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ MAX_HELLO_BYTES = 2 * 1024 * 1024
 MAX_STATS_REPLY_BYTES = 16 * 1024 * 1024
 BLOB_SIZE = 64
 MAX_BATCH = 64        # entries in one binary hot-verb message
+MAX_BUNDLE = 16       # binary hot-verb messages in one bundle (spec §2.2a)
 TOKEN_BYTES = 24      # a delivery token: the broker session (8 bytes) and 16 random bytes
 MAX_REF_BYTES = 64    # an in-process reference
 MAX_REASON_BYTES = 1024
@@ -138,17 +141,44 @@ def decode(parts: Sequence[Any], *, allowed: frozenset[str] | None = None) -> De
     return msgs[0]
 
 
-def decode_all(parts: Sequence[Any], *, allowed: frozenset[str] | None = None) -> list[Decoded]:
+def decode_all(parts: Sequence[Any], *, allowed: frozenset[str] | None = None,
+               bundles: bool = False) -> list[Decoded]:
     """Parse and validate the shape of a message (not its meaning): a list of one Message for a
     JSON verb, of one typed entry per entry for a binary hot verb (spec §2.2: :class:`Handoff`,
-    :class:`Release`...)."""
+    :class:`Release`...). ``bundles``: a binary message may be a bundle (spec §2.2a), whose
+    messages' entries come back in order, as if each had been decoded alone; a malformed part
+    makes the whole bundle malformed. Without it, frames past the entries' are ``bad_frames``."""
     verb = _verb_of(parts)
     layout = _LAYOUTS.get(verb)
     if layout is not None and verb == layout.verb:
         if allowed is not None and layout.kinds.get(1, layout.verb) not in allowed:
             raise ProtocolError("unknown_verb", f"{layout.verb!r} is not a verb this side accepts")
-        return layout.decode(parts, allowed)
+        out, end = layout.decode(parts, allowed, bundles)
+        return out if end == len(parts) else _bundle_rest(out, parts, end, allowed)
     return [_framed(parts, verb, PAYLOAD, allowed, False)]
+
+
+def _bundle_rest(out: list[Any], parts: Sequence[Any], at: int, allowed: frozenset[str] | None) -> list[Decoded]:
+    """The 2nd.. messages of a bundle whose first message's entries are ``out`` and whose
+    next message starts at frame ``at``."""
+    n, count = len(parts), 1
+    while at < n:
+        count += 1
+        if count > MAX_BUNDLE:
+            raise ProtocolError("bad_frames", f"a bundle carries at most {MAX_BUNDLE} messages", field="bundle",
+                                value=count)
+        rest = parts[at:]
+        verb = _verb_of(rest)
+        layout = _LAYOUTS.get(verb)
+        if layout is None or verb != layout.verb:
+            raise ProtocolError("bad_frames", f"bundle message {count}: {verb[:32]!r} is not a binary hot verb",
+                                field="bundle", value=count)
+        if allowed is not None and layout.kinds.get(1, layout.verb) not in allowed:
+            raise ProtocolError("unknown_verb", f"{layout.verb!r} is not a verb this side accepts")
+        more, used = layout.decode(rest, allowed, True)
+        out += more
+        at += used
+    return out
 
 
 def _verb_of(parts: Sequence[Any]) -> str:
@@ -444,7 +474,9 @@ class _Layout:
         self.credits = credits  # the field the batch header's credits carry, if any
         self.kinds = kinds or {1: verb}  # entry kind -> logical verb (RELEASE / EVENT_RELEASE)
 
-    def decode(self, parts: Sequence[Any], allowed: frozenset[str] | None) -> list[Any]:
+    def decode(self, parts: Sequence[Any], allowed: frozenset[str] | None, bundled: bool) -> tuple[list[Any], int]:
+        """The entries of the message that starts at ``parts[0]``, and the frames it spans.
+        ``bundled``: frames may follow its entries' (the next message of a bundle, §2.2a)."""
         head = bytes(parts[1])
         v = self.verb
         if len(head) < BATCH.size:
@@ -458,14 +490,14 @@ class _Layout:
                                 f"{self.entry.size} make {BATCH.size + count * self.entry.size}", field="count",
                                 value=count)
         try:
-            return self._decode_entries(parts, allowed, head, credits, reserved)
+            return self._decode_entries(parts, allowed, head, credits, reserved, bundled)
         except ProtocolError as e:
             if v == "HANDOFF":  # refused as a whole: name every entry, none of whose grants was used (§2.2)
                 e.extra.setdefault("handoff_ids", [f[1] for f in self.entry.iter_unpack(memoryview(head)[BATCH.size:])])
             raise
 
     def _decode_entries(self, parts: Sequence[Any], allowed: frozenset[str] | None, head: bytes, credits: int,
-                        reserved: int) -> list[Any]:
+                        reserved: int, bundled: bool) -> tuple[list[Any], int]:
         v = self.verb
         if reserved:
             raise ProtocolError("bad_header", f"{v} batch header reserved bytes 4-7 must be zero", field="reserved",
@@ -486,11 +518,11 @@ class _Layout:
                                     f"{n_frames} payload frames in all")
             out.append(self._entry(f, [bytes(x) for x in payload[used:used + wants]], i))
             used += wants
-        if used != n_frames:
+        if used != n_frames and not bundled:
             raise ProtocolError("bad_frames", f"{v} entries name {used} payload frames, the message has {n_frames}")
         if credits:
             setattr(out[-1], self.credits, credits)  # type: ignore[arg-type]
-        return out
+        return out, 2 + used
 
     def _verb_wants(self, f: tuple[Any, ...], i: int) -> tuple[str, int]:
         """The entry's logical verb and how many payload frames follow it."""
@@ -808,6 +840,32 @@ def coalesce(msgs: Sequence[_O]) -> list[list[_O]]:
 
 
 _HOT_WIRE = frozenset(wire_verb(v) for v in HOT_VERBS)  # the verb frames of binary messages
+
+
+def bundle(groups: Sequence[Sequence[_O]]) -> list[list[Sequence[_O]]]:
+    """Group :func:`coalesce`'s groups for a client that accepts bundles (spec §2.2a): consecutive
+    binary messages share one bundle (at most MAX_BUNDLE), a JSON message travels alone. The order
+    is kept: a bundle means what its messages sent one after another mean."""
+    out: list[list[Sequence[_O]]] = []
+    cur: list[Sequence[_O]] | None = None
+    for g in groups:
+        if wire_verb(g[0].verb) not in _HOT_WIRE:
+            cur = None
+            out.append([g])
+        elif cur is None or len(cur) >= MAX_BUNDLE:
+            cur = [g]
+            out.append(cur)
+        else:
+            cur.append(g)
+    return out
+
+
+def parcels(msgs: Sequence[_O], bundles: bool) -> list[list[Sequence[_O]]]:
+    """One peer's outgoing messages as the ZeroMQ messages they travel in: :func:`coalesce`'s
+    batches, each alone, or for a peer that reads bundles (``bundles``) consecutive ones together
+    (:func:`bundle`). A parcel's frames are its batches' frames, one batch after another."""
+    groups = coalesce(msgs)
+    return bundle(groups) if bundles else [[g] for g in groups]
 
 
 def check_depth(raw: bytes, what: str, limit: int = MAX_HEADER_DEPTH, field: str | None = None) -> None:

@@ -168,6 +168,7 @@ class Hello(JsonMessage):
     lease: str | None = None  # a lease name (transport.liveness)
     outstanding: dict[int, str | None] = field(default_factory=dict)  # producer: handoff id -> consumer label
     held: list[HeldClaim] = field(default_factory=list)  # consumer
+    bundles: bool = False  # it reads several hot messages in one ZeroMQ message (spec §2.2a)
 
     @classmethod
     def parse(cls, m: Message) -> Hello:
@@ -188,6 +189,7 @@ class Hello(JsonMessage):
         epoch = _field(m, "epoch", int, 0)
         ended = _field(m, "ended", bool, False)
         lease = _field(m, "lease", str, None)
+        bundles = _field(m, "bundles", bool, False)
         outstanding = _outstanding(m) if role == "producer" else {}
         held = m.header.get("held") or []
         if not isinstance(held, list) or len(held) > MAX_HELD:
@@ -196,7 +198,7 @@ class Hello(JsonMessage):
         client_id, pid = m.header.get("client_id"), m.header.get("pid")
         return cls(role=role, channel=channel, endpoint=endpoint, client_id=client_id if isinstance(client_id, str)
                    else None, pid=pid if type(pid) is int else None, name=str(m.header.get("name", ""))[:MAX_NAME],
-                   credits=credits, epoch=epoch, ended=ended, lease=lease, outstanding=outstanding,
+                   credits=credits, epoch=epoch, ended=ended, lease=lease, outstanding=outstanding, bundles=bundles,
                    held=[c for c in map(HeldClaim.read, held) if c is not None] if role == "consumer" else [])
 
     def fields(self) -> dict[str, Any]:
@@ -210,6 +212,8 @@ class Hello(JsonMessage):
             out["lease"] = self.lease
         if self.ended:
             out["ended"] = True
+        if self.bundles:
+            out["bundles"] = True
         if self.role == "producer":
             out["outstanding"] = [{"handoff_id": h, "consumer_id": c} for h, c in self.outstanding.items()]
         else:
