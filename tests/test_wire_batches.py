@@ -218,6 +218,43 @@ def test_a_bundle_past_its_limit_or_with_a_json_part_is_malformed_as_a_whole():
         assert e.value.code == code, frames
 
 
+_PARTS = [[Message("RELEASED", {"handoff_id": 1, "reason": "rejected: meta"}),
+           Message("EVENT_RELEASED", {"handoff_id": 2})],
+          [Message("GRANT", {"grant_id": 7, "epoch": 1, "consumer_id": "00" * 8, "consumer": {"pid": 5}})],
+          [Message("ACCEPTED", {"handoff_id": 3}), Message("ACCEPTED", {"handoff_id": 4})],
+          [Message("DELIVER", {"token": TOKEN, "handoff_id": 9, "producer_id": "p", "offset": 64},
+                   {"handle": bytes(16), "memory": bytes(64)})]]
+
+
+@settings(max_examples=400, derandomize=True, deadline=None)
+@given(st.lists(st.sampled_from(range(len(_PARTS))), min_size=1, max_size=5),
+       st.lists(st.tuples(st.sampled_from(["cut", "flip", "drop", "insert"]), st.integers(0, 10 ** 6),
+                          st.binary(max_size=12)), max_size=3))
+def test_a_damaged_bundle_is_refused_with_a_protocol_error_never_another(picks, damage):
+    """What a client's pump catches is ProtocolError (client/session.py): any other exception
+    from decoding a broker message would end the pump. Bundles of real parts, then cut short,
+    a byte flipped, a frame dropped or one inserted: decoded, or refused as ProtocolError."""
+    from hurray_ipc.wire.ipc import BROKER_VERBS
+
+    frames = _bundle_frames(*[_PARTS[i] for i in picks])
+    for what, at, data in damage:
+        i = at % len(frames)
+        if what == "cut":
+            frames = frames[:max(1, i)]
+        elif what == "flip" and frames[i]:
+            f = bytearray(frames[i])
+            f[at % len(f)] ^= 0xFF
+            frames[i] = bytes(f)
+        elif what == "drop" and len(frames) > 1:
+            del frames[i]
+        elif what == "insert":
+            frames.insert(i, data)
+    try:
+        decode_all(frames, allowed=BROKER_VERBS, bundles=True)
+    except ProtocolError:
+        pass
+
+
 def test_received_handoff_is_freed_without_the_garbage_collector(broker):
     """No reference cycle per handoff: with the collector off, a released handoff dies by
     refcount the moment its last reference goes."""
