@@ -42,8 +42,8 @@ def _ep(pid: int) -> dict:
             "pid": pid, "stream": None}
 
 
-def _hello(core: BrokerCore, rid: bytes, role: str, pid: int) -> list:
-    h = {"protocol": 2, "role": role, "channel": "b", "pid": pid, "endpoint": _ep(pid)}
+def _hello(core: BrokerCore, rid: bytes, role: str, pid: int, **extra: object) -> list:
+    h = {"protocol": 2, "role": role, "channel": "b", "pid": pid, "endpoint": _ep(pid), **extra}
     return core.receive(rid, [b"HELLO", json.dumps(h).encode()], 0.0)
 
 
@@ -253,6 +253,66 @@ def test_a_damaged_bundle_is_refused_with_a_protocol_error_never_another(picks, 
         decode_all(frames, allowed=BROKER_VERBS, bundles=True)
     except ProtocolError:
         pass
+
+
+def test_bundles_follow_the_latest_accepted_hello():
+    """Spec §2.2a: the broker may bundle to a client whose latest accepted HELLO said so; a
+    HELLO without the field turns it off, a refused one changes nothing."""
+    core = BrokerCore(host=HOST)
+    _hello(core, b"p", "producer", 100, bundles=True)
+    assert core.clients[b"p"].bundles
+    refused = _hello(core, b"p", "consumer", 100)  # a registered client cannot change its role
+    assert [m.verb for m in _to(refused, b"p")] == ["ERROR"] and core.clients[b"p"].bundles
+    _hello(core, b"p", "producer", 100)
+    assert not core.clients[b"p"].bundles
+
+
+def test_a_bundle_that_cannot_leave_is_undeliverable_part_by_part_and_a_bad_part_costs_itself(monkeypatch):
+    """The broker loop's two failures (broker/server.py): a bundle the socket refuses (a full
+    queue) costs each of its messages, counted once each, nothing sent; a part that cannot be
+    encoded costs that part alone, and the rest still leaves as one message."""
+    import zmq
+
+    from hurray_ipc.broker import server
+
+    b = server.Broker("tcp://127.0.0.1:*")
+    try:
+        core = b.core
+        _hello(core, b"p", "producer", 100, bundles=True)
+        _hello(core, b"c", "consumer", 200)
+        tokens = []
+        for hid in (1, 2):
+            core.receive(b"c", [b"REQUEST", b'{"credits": 1}'], 0.0)
+            (gid,) = [m.grant_id for m in _to(core.receive(b"p", [b"READY", b'{"credits": 1}'], 0.0), b"p")]
+            outs = core.receive(b"p", Message("HANDOFF", {"grant_id": gid, "handoff_id": hid, "offset": 0},
+                                              {"handle": _handle(), "memory": b"M" * 64}).encode(), 0.0)
+            tokens += [m.token for m in _to(outs, b"c")]
+        core.receive(b"p", [b"READY", b'{"credits": 2}'], 0.0)
+        sent: list[list[bytes]] = []
+
+        def full(sock: object, frames: list[bytes], flags: int = 0) -> None:
+            if frames[0] == b"p":
+                raise zmq.Again()
+            sent.append(list(frames))
+
+        monkeypatch.setattr(server, "send_frames", full)
+        before = core.stats.wire_out
+        b._apply(core.receive(b"c", encode_batch([Message("RELEASE", {"token": tokens[0], "credits": 1})]), 0.0))
+        assert (core.stats.dropped_full, sent, core.stats.wire_out) == (2, [], before)  # RELEASED and GRANT
+
+        def no_grants(group: list) -> list[bytes]:
+            if group[0].verb == "GRANT":
+                raise ValueError("a bug in the GRANT encoder")
+            return encode_group(group)
+
+        monkeypatch.setattr(server, "send_frames", lambda sock, frames, flags=0: sent.append(list(frames)))
+        monkeypatch.setattr(server, "encode_group", no_grants)
+        b._apply(core.receive(b"c", encode_batch([Message("RELEASE", {"token": tokens[1], "credits": 1})]), 0.0))
+        assert [f[:2] for f in sent] == [[b"p", b"RELEASED"]] and core.stats.undeliverable == 1
+        assert [m.verb for m in decode_all(sent[0][1:], bundles=True)] == ["RELEASED"]
+        assert core.stats.wire_out == before + 1
+    finally:
+        b.shutdown("test over")
 
 
 def test_received_handoff_is_freed_without_the_garbage_collector(broker):

@@ -1094,7 +1094,7 @@ class BrokerCore:
         return self._send(rid, StatsReply(body=snap, request_id=request_id), size)
 
     def note_sent(self) -> None:
-        """The loop sent one ZeroMQ message (a batch counts one): ``totals.wire_out``."""
+        """The loop sent one ZeroMQ message (a batch or a bundle counts one): ``totals.wire_out``."""
         self.stats.wire_out += 1
 
     def note_sweep(self, segments: int, removed: int) -> None:
