@@ -129,8 +129,8 @@ class Broker:
     def _flush(self) -> None:
         """Send what the last events produced: per peer, in order, hot messages of one verb
         batched, and consecutive batches in one bundle to a client that reads bundles (spec §2.2a;
-        wire.ipc.parcels). Called once per drain round, so a lone message
-        waits for nothing and a burst travels in few messages."""
+        wire.ipc.parcels). Called once per drain round, so a lone message waits for nothing and
+        a burst travels in few messages."""
         clients = self.core.clients
         while self._pending:
             pending, self._pending = self._pending, {}
