@@ -937,7 +937,19 @@ class Consumer:
         """``async for handoff in consumer:`` — :meth:`areceive` until closed or shut down;
         ClosedError when it was closed before the loop."""
         self.session.check_open("iterating over it")
-        return _Handoffs(self)
+        return self._aiter()
+
+    async def _aiter(self) -> AsyncIterator[ReceivedHandoff]:
+        session = self.session
+        while not session.closed:  # checked first: areceive would watch the closed socket's descriptor
+            try:
+                yield await self.areceive()
+            except (EndOfStream, ClosedError):
+                return
+            except BrokerUnavailable:
+                if session.closed or session.shutdown_reason is not None:
+                    return
+                raise
 
     def close(self) -> None:
         """Disconnect. Handoffs still held are released (the broker releases them to producers)."""
@@ -961,27 +973,3 @@ class Consumer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-class _Handoffs:
-    """``async for`` over a consumer: :meth:`Consumer.areceive` until it is closed, its channel
-    ended (EndOfStream) or its broker shut down. (A class rather than an async generator, which
-    mypyc cannot compile: docs/benchmarks.md, "the clients compiled".)"""
-
-    def __init__(self, consumer: Consumer):
-        self.consumer = consumer
-
-    def __aiter__(self) -> _Handoffs:
-        return self
-
-    async def __anext__(self) -> ReceivedHandoff:
-        session = self.consumer.session
-        if session.closed:  # before areceive would watch the closed socket's descriptor
-            raise StopAsyncIteration
-        try:
-            return await self.consumer.areceive()
-        except (EndOfStream, ClosedError):
-            raise StopAsyncIteration from None
-        except BrokerUnavailable:
-            if session.closed or session.shutdown_reason is not None:
-                raise StopAsyncIteration from None
-            raise
