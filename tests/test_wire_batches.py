@@ -260,11 +260,11 @@ def test_bundles_follow_the_latest_accepted_hello():
     HELLO without the field turns it off, a refused one changes nothing."""
     core = BrokerCore(host=HOST)
     _hello(core, b"p", "producer", 100, bundles=True)
-    assert core.clients[b"p"].bundles
+    assert core.reads_bundles(b"p")
     refused = _hello(core, b"p", "consumer", 100)  # a registered client cannot change its role
-    assert [m.verb for m in _to(refused, b"p")] == ["ERROR"] and core.clients[b"p"].bundles
+    assert [m.verb for m in _to(refused, b"p")] == ["ERROR"] and core.reads_bundles(b"p")
     _hello(core, b"p", "producer", 100)
-    assert not core.clients[b"p"].bundles
+    assert not core.reads_bundles(b"p") and not core.reads_bundles(b"nobody")
 
 
 def test_a_bundle_that_cannot_leave_is_undeliverable_part_by_part_and_a_bad_part_costs_itself(monkeypatch):

@@ -136,8 +136,7 @@ class _PeerThread(threading.Thread):
             else:
                 self._pending.setdefault(o.rid, []).append(o.msg)
         for rid, msgs in self._pending.items():
-            c = self.core.clients.get(rid)
-            for parcel in parcels(msgs, c is not None and c.bundles):
+            for parcel in parcels(msgs, self.core.reads_bundles(rid)):
                 self.router.send_multipart([rid, *(f for group in parcel for f in encode_group(group))])
         self._pending.clear()
 
@@ -262,7 +261,7 @@ def broker_stage(n: int = 5000) -> float:
             if isinstance(o, Send):
                 pending.setdefault(o.rid, []).append(o.msg)
         for rid, msgs in pending.items():
-            for parcel in parcels(msgs, core.clients[rid].bundles):
+            for parcel in parcels(msgs, core.reads_bundles(rid)):
                 for group in parcel:
                     encode_group(group)
         spent[0] += clock() - t

@@ -1093,6 +1093,12 @@ class BrokerCore:
         size = self._snap_bytes + len(json_bytes(request_id)) + len('"request_id":,,"ticket":""') + 16
         return self._send(rid, StatsReply(body=snap, request_id=request_id), size)
 
+    def reads_bundles(self, rid: bytes) -> bool:
+        """Whether the loop may send ``rid`` bundles (spec §2.2a): a client whose latest accepted
+        HELLO said ``bundles``."""
+        c = self.clients.get(rid)
+        return c is not None and c.bundles
+
     def note_sent(self) -> None:
         """The loop sent one ZeroMQ message (a batch or a bundle counts one): ``totals.wire_out``."""
         self.stats.wire_out += 1

@@ -131,12 +131,11 @@ class Broker:
         batched, and consecutive batches in one bundle to a client that reads bundles (spec §2.2a;
         wire.ipc.parcels). Called once per drain round, so a lone message waits for nothing and
         a burst travels in few messages."""
-        clients = self.core.clients
+        core = self.core
         while self._pending:
             pending, self._pending = self._pending, {}
             for rid, msgs in pending.items():
-                c = clients.get(rid)
-                for parcel in parcels(msgs, c is not None and c.bundles):
+                for parcel in parcels(msgs, core.reads_bundles(rid)):
                     self._send_parcel(rid, parcel)
 
     def _send_parcel(self, rid: bytes, parcel: list[Sequence[AnyMessage]]) -> None:

@@ -149,10 +149,8 @@ def decode_all(parts: Sequence[Any], *, allowed: frozenset[str] | None = None,
     messages' entries come back in order, as if each had been decoded alone; a malformed part
     makes the whole bundle malformed. Without it, frames past the entries' are ``bad_frames``."""
     verb = _verb_of(parts)
-    layout = _LAYOUTS.get(verb)
-    if layout is not None and verb == layout.verb:
-        if allowed is not None and layout.kinds.get(1, layout.verb) not in allowed:
-            raise ProtocolError("unknown_verb", f"{layout.verb!r} is not a verb this side accepts")
+    layout = _hot_layout(verb, allowed)
+    if layout is not None:
         out, end = layout.decode(parts, allowed, bundles)
         return out if end == len(parts) else _bundle_rest(out, parts, end, allowed)
     return [_framed(parts, verb, PAYLOAD, allowed, False)]
@@ -169,16 +167,25 @@ def _bundle_rest(out: list[Any], parts: Sequence[Any], at: int, allowed: frozens
                                 value=count)
         rest = parts[at:]
         verb = _verb_of(rest)
-        layout = _LAYOUTS.get(verb)
-        if layout is None or verb != layout.verb:
+        layout = _hot_layout(verb, allowed)
+        if layout is None:
             raise ProtocolError("bad_frames", f"bundle message {count}: {verb[:32]!r} is not a binary hot verb",
                                 field="bundle", value=count)
-        if allowed is not None and layout.kinds.get(1, layout.verb) not in allowed:
-            raise ProtocolError("unknown_verb", f"{layout.verb!r} is not a verb this side accepts")
         more, used = layout.decode(rest, allowed, True)
         out += more
         at += used
     return out
+
+
+def _hot_layout(verb: str, allowed: frozenset[str] | None) -> _Layout | None:
+    """The layout of the binary hot verb ``verb`` names as a verb frame, None for any other verb;
+    ``unknown_verb`` for a hot verb that ``allowed`` (this side's verbs) does not hold."""
+    layout = _LAYOUTS.get(verb)
+    if layout is None or verb != layout.verb:
+        return None
+    if allowed is not None and layout.kinds.get(1, layout.verb) not in allowed:
+        raise ProtocolError("unknown_verb", f"{layout.verb!r} is not a verb this side accepts")
+    return layout
 
 
 def _verb_of(parts: Sequence[Any]) -> str:
