@@ -103,7 +103,7 @@ class BrokerUnavailable(HurrayError, ConnectionError):
 
 
 class RemoteError(HurrayError, RuntimeError):
-    """The broker refused a message: ``code`` (protocol.ERROR_CODES) and its explanation."""
+    """The broker refused a message: ``code`` (one of ERROR_CODES, below) and its explanation."""
 
     def __init__(self, code: str, message: str, header: dict[str, Any] | None = None):
         self.code = code
