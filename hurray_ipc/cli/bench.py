@@ -8,6 +8,7 @@ shared_memory, torch.multiprocessing (when installed) and memcpy, in one run.
     hurray-bench --scaling            # only the scaling table: 1x1, 4x4, 16x16 on 1 and 16 channels
     hurray-bench --scaling --full     # the same with more handoffs per configuration and 5 rounds
     hurray-bench --stages             # CPU per handoff of broker, producer, consumer alone (pure vs compiled)
+    hurray-bench --legs               # where one paced handoff's latency goes, process by process
 
 Writes results.json, results.md and plot.png (with the bench extra) into the results folder and
 prints the markdown table. Targets are reported, never asserted.
@@ -55,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stages", action="store_true",
                    help="instead of the rows: the CPU per handoff of each stage alone (broker dispatch, producer, "
                         "consumer; hurray_ipc/bench/stages.py), pure Python and compiled side by side")
+    p.add_argument("--legs", action="store_true",
+                   help="instead of the rows: one paced 4 KiB handoff's one-way latency split leg by leg (producer, "
+                        "each hop, the broker's dispatch, flush and send, consumer; hurray_ipc/bench/legs.py), "
+                        "send() and send(block=False) beside the relay")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     if a.render:
@@ -68,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.stages:
         return _stages(a)
+    if a.legs:
+        return _legs(a)
     sizes = [parse_size(s) for s in a.sizes.split(",") if s]
     n_small = a.iterations or (2000 if a.full else 300)
     n_large = max(5, n_small // 10) if a.iterations else (200 if a.full else 40)
@@ -115,6 +122,22 @@ def _stages(a: argparse.Namespace) -> int:
     (out / "stages.json").write_text(json.dumps(res, indent=1))
     md = stages.markdown(res)
     (out / "stages.md").write_text(md)
+    print(md)
+    print(f"results in {out}/")
+    return 0
+
+
+def _legs(a: argparse.Namespace) -> int:
+    from ..bench import legs
+
+    say = (lambda s: None) if a.quiet else (lambda s: print(f"  running {s} ...", file=sys.stderr, flush=True))
+    res = legs.run_legs(a.iterations or (3000 if a.full else 1000), rounds=a.rounds or (5 if a.full else 3),
+                        seed=a.seed, say=say)
+    out = Path(a.out or f"results/legs-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "legs.json").write_text(json.dumps(res, indent=1))
+    md = legs.markdown(res)
+    (out / "legs.md").write_text(md)
     print(md)
     print(f"results in {out}/")
     return 0
