@@ -31,6 +31,7 @@ PATHS = ["tests/test_paths.py", "tests/test_stress.py::test_stress_mixed_paths_a
 GIVE_BACK = ["tests/test_give_back.py"]
 END_OF_STREAM = ["tests/test_end_of_stream.py"]
 GPU_READABLE = ["tests/test_gpu_readable.py"]
+KEPT = ["tests/test_kept_mappings.py"]
 FENCING = ["tests/test_fencing.py", "tests/test_broker_core.py", "tests/test_end_of_stream.py::test_vector_on_the_core"]
 
 # name -> (file, the exact text of the step, what replaces it[, the tests to run; default TESTS])
@@ -238,6 +239,45 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                             "        self._fenced.append(o.source)\n",
                             "        pass  # MUTANT: mapped device memory handed back for reuse\n",
                             *FENCING),
+    # Kept mappings (ipc-protocol.md 4.10): a kept allocation is freed only after every consumer it
+    # was delivered to closed its mapping (UNMAP round), or left proven gone.
+    "kept-freed-unasked": ("hurray_ipc/client/producer.py",
+                           "            elif not k.consumers:\n",
+                           "            elif True:  # MUTANT: freed without asking its consumers back\n", *KEPT),
+    "kept-no-order-after-answers": ("hurray_ipc/client/producer.py",
+                                    "            self.device.order_receive(order_key(me, msg.request, "
+                                    "f\"unmapped:{label}\"))\n",
+                                    "            pass  # MUTANT: the free is not ordered after the answers\n", *KEPT),
+    "kept-fenced-freed": ("hurray_ipc/client/producer.py",
+                          "        if msg.fenced:\n",
+                          "        if False:  # MUTANT: freed although a fenced consumer may map it\n", *KEPT),
+    "kept-not-asked-again": ("hurray_ipc/client/producer.py",
+                             "        self.session.on_welcome.append(self._ask_again)\n",
+                             "        pass  # MUTANT: a round lost with a restarted broker is never asked again\n",
+                             *KEPT),
+    "kept-answer-before-close": ("hurray_ipc/client/consumer.py",
+                                 "            self.gpu.import_cache.unmap(bytes(msg.memory), answer)\n",
+                                 "            answer()  # MUTANT: answered before the mapping closed\n"
+                                 "            self.gpu.import_cache.unmap(bytes(msg.memory), lambda: None)\n", *KEPT),
+    "kept-bye-with-mappings": ("hurray_ipc/client/consumer.py",
+                               "            self.gpu.import_cache.close_idle()\n",
+                               "            pass  # MUTANT: BYE with kept mappings still open\n", *KEPT),
+    "kept-without-promise": ("hurray_ipc/client/consumer.py",
+                             "            buf = dev.import_memory(exp, keep=msg.keep)\n",
+                             "            buf = dev.import_memory(exp, keep=True)  # MUTANT: kept unasked\n", *KEPT),
+    "kept-unproven-gone": ("hurray_ipc/broker/core.py",
+                           "            self._unmap_left(c, proven=why in (\"bye\", \"process gone\"))\n",
+                           "            self._unmap_left(c, proven=True)  # MUTANT: silence counted as gone\n", *KEPT),
+    "kept-to-an-older-broker": ("hurray_ipc/client/producer.py",
+                                " and self.session.kept_mappings:\n",
+                                ":  # MUTANT: keep sent to a broker that never said it carries it\n", *KEPT),
+    "kept-to-an-older-consumer": ("hurray_ipc/broker/core.py",
+                                  "            deliver.keep = False  # it would not read the flag",
+                                  "            pass  # MUTANT: keep forwarded to a consumer that would not read it",
+                                  *KEPT),
+    "kept-stranger-gone": ("hurray_ipc/broker/core.py",
+                           "            elif label in self.gone_labels:\n",
+                           "            elif True:  # MUTANT: a label never seen answered as gone\n", *KEPT),
 }
 
 

@@ -44,6 +44,7 @@ def pack_hot(verb, header, frames):
     """[verb, header, frames...] of a one-entry binary message."""
     if verb == "HANDOFF":
         flags = [0, 0x01, 0x03][len(frames) - 1] | (0x20 if header.get("ack") else 0)
+        flags |= 0x40 if header.get("keep") else 0
         if "meta" in header:
             flags |= 0x08
             frames = [*frames, json.dumps(header["meta"]).encode()]

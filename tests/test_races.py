@@ -476,9 +476,11 @@ def test_injected_fault_fails_every_time_correct_run_passes(broker, inject, dela
     if inject is None:
         assert cr["races"] == pr["races"] == 0 and cr["intact"] == n, (cr, pr)
     elif inject == "early-release":
-        # Found by the producer: write-after-read at each rewrite (pool=1: n-1) and at the free,
-        # and each handoff's event destroyed at its RELEASED before the consumer's wait was known
-        # to have run (one event per handoff, the default).
-        assert pr["races"] == 2 * n and cr["races"] == 0, (cr, pr)
+        # Found by the producer: write-after-read at each rewrite (pool=1: n-1), and each
+        # handoff's event destroyed at its RELEASED before the consumer's wait was known to have
+        # run (one event per handoff, the default): 2n - 1 every time. The free waits for the
+        # consumer's UNMAPPED (a kept mapping, spec §4.10), so it races with the last read only
+        # when the consumer answered before its host waited for that read: one more, or not.
+        assert 2 * n - 1 <= pr["races"] <= 2 * n and cr["races"] == 0, (cr, pr)
     else:
         assert cr["races"] == n and cr["corrupt"] == n, cr

@@ -73,7 +73,7 @@ def test_the_vectors_json_messages_parse_and_keep_their_fields():
         for k, v in framed.header.items():
             if k not in ("client_id",):
                 assert fields[k] == v, (m["name"], k)
-    assert seen == {"HELLO", "REQUEST", "ERROR", "STATS", "STATS_REPLY"}
+    assert seen == {"HELLO", "REQUEST", "ERROR", "STATS", "STATS_REPLY", "UNMAP", "UNMAPPED"}
 
 
 @given(st.one_of(st.none(), st.booleans(), st.integers(-5, MAX_CREDITS + 5), st.floats(), st.text(max_size=3),

@@ -240,3 +240,162 @@ def hold_first_then_receive(endpoint, channel, count, held, go, timeout=20.0):
         c.flush_releases(timeout)
         return {"first": first.tobytes(), "last": last.tobytes(), "others": others,
                 "opens": c.device._cache.opens}
+
+
+# --- kept mappings (tests/test_kept_mappings.py, ipc-protocol.md §4.10) ---------------------------
+
+def kept_producer(endpoint, channel, env, allocs, rounds, size, done, breaks=None):
+    """Send each of ``allocs`` buffers ``rounds`` times (written on the producer's stream, each
+    release awaited), then close them and wait for their UNMAP rounds. ``breaks``: "free-at-close"
+    frees a closed buffer at once, without asking its consumers back; "old-broker" reads WELCOMEs
+    as from a broker older than kept mappings; "stranger" names a consumer
+    the broker never saw among those of every kept buffer; "device-memory" sends
+    buffers the producer does not own (allocated on the device, not by ``allocate()``), freed
+    after their release as any owner may."""
+    os.environ.update(env)
+    import numpy as np
+
+    from hurray_ipc import Producer
+    from hurray_ipc.client import producer as P
+    from hurray_ipc.workload import emulated_races
+
+    if breaks == "free-at-close":
+        P.Producer._closed = lambda self, ptr, free: free()
+    elif breaks == "old-broker":  # its WELCOME does not say it carries kept mappings
+        import dataclasses
+
+        from hurray_ipc.wire import messages
+        parse = messages.Welcome.parse
+        messages.Welcome.parse = classmethod(lambda cls, m: dataclasses.replace(parse(m), kept_mappings=False))
+    try:
+        with Producer(endpoint, channel, "cuda:0") as p:
+            bufs = [p.gpu.allocate(size) if breaks == "device-memory" else p.allocate(size) for _ in range(allocs)]
+            for r in range(rounds):
+                for i, b in enumerate(bufs):
+                    src = np.full(size, (r * allocs + i) & 0xFF, np.uint8)
+                    p.stream.copy(b, src)
+                    p.send(b)
+                    p.flush(30)  # released: ours again
+                    p.stream.synchronize()  # src may go
+            kept = sum(1 for k in p._kept.values() if k.consumers)
+            if breaks == "stranger":  # as if a consumer of a previous broker had been sent them too
+                for k in p._kept.values():
+                    k.consumers.add("0123456789abcdef")
+            for b in bufs:
+                b.close()
+            p.session.pump(lambda: not p._rounds, 30, "waiting for the UNMAP rounds")
+            left = len(p._kept)
+            retired = sum(1 for k in p._kept.values() if k.retired)
+        return {"kept": kept, "left": left, "retired": retired, "races": emulated_races(p.device)}
+    finally:
+        done.set()
+
+
+def kept_consumer(endpoint, channel, env, count, size, done, breaks=None):
+    """Receive ``count`` buffers, check each on the consumer's stream, release it; stay registered
+    until ``done`` (the producer's UNMAP rounds need our answers), then close. ``breaks``:
+    "old-consumer" registers as a consumer older than kept mappings (no ``kept_mappings``);
+    "leave-first" closes the consumer (BYE) before the producer closes its buffers (the process
+    lives on); "bye-with-mappings" does so without closing its kept mappings first; "answer-first"
+    answers UNMAP before closing the mapping; "keep-everything" keeps every mapping open after its
+    release, ``keep`` or not."""
+    os.environ.update(env)
+    import numpy as np
+
+    from hurray_ipc import Consumer
+    from hurray_ipc.client import consumer as C
+    from hurray_ipc.devices import cuda
+    from hurray_ipc.wire.messages import Unmapped
+    from hurray_ipc.workload import emulated_races
+
+    if breaks == "answer-first":
+        def unmap(self, msg):
+            self.device.order_send(C.order_key(msg.producer_id, msg.request, f"unmapped:{self._label}"))
+            self.session.send(Unmapped(msg.request, producer_id=msg.producer_id))
+            self.gpu.import_cache.unmap(bytes(msg.memory), lambda: None)
+        C.Consumer._unmap = unmap
+    elif breaks == "keep-everything":
+        imp = cuda.CudaDevice.import_memory
+        cuda.CudaDevice.import_memory = lambda self, exp, keep=False: imp(self, exp, keep=True)
+    elif breaks == "bye-with-mappings":
+        from hurray_ipc.devices.base import ImportCache
+        ImportCache.close_idle = lambda self: None
+    elif breaks == "old-consumer":  # its HELLO does not say it keeps mappings
+        hello = C.Consumer._hello
+        C.Consumer._hello = lambda self, epoch: {k: v for k, v in hello(self, epoch).items() if k != "kept_mappings"}
+    leave = breaks in ("leave-first", "bye-with-mappings")  # BYE before the producer closes its buffers
+    values = []
+    with Consumer(endpoint, channel, "cuda:0") as c:
+        for _ in range(count):
+            h = c.receive(timeout=30)
+            h.wait()
+            out = np.empty(size, np.uint8)
+            c.stream.copy(out, h.buffer)
+            c.stream.synchronize()
+            values.append(int(out[0]) if (out == out[0]).all() else -1)
+            h.release()
+        c.flush_releases(30)
+        opens, kept = c.gpu.import_cache.opens, c.gpu.import_cache.kept()
+        if leave:
+            c.close()  # the process lives on, and so would a mapping the close left open
+        if not done.wait(60):
+            raise TimeoutError("the producer never finished")
+        left = len(c.gpu.import_cache)
+        c.gpu.import_cache.clear()  # what exiting does: a mapping still open closes now
+    return {"values": values, "opens": opens, "kept": kept, "left": left, "races": emulated_races(c.device)}
+
+
+def kept_restart_producer(endpoint, channel, env, size, round_open, restarted):
+    """Send one buffer of allocate() with keep, close it (an UNMAP round opens), tell the test,
+    wait while it restarts the broker, then wait for the round to end. Reports whether it did,
+    and how (freed, or retired: the consumer was not back yet, so it was fenced)."""
+    os.environ.update(env)
+    import time
+
+    from hurray_ipc import BrokerUnavailable, Producer
+    from hurray_ipc.workload import emulated_races
+
+    with Producer(endpoint, channel, "cuda:0", heartbeat_s=0.2, timeout_s=1.5) as p:
+        b = p.allocate(size)
+        p.send(b)
+        p.flush(30)
+        b.close()
+        round_open.set()
+        if not restarted.wait(60):
+            raise TimeoutError("the broker was never restarted")
+        deadline = time.monotonic() + 20
+        while p._rounds and time.monotonic() < deadline:
+            try:
+                p.session.pump(lambda: not p._rounds, 1.0, "waiting for the UNMAP round")
+            except (TimeoutError, BrokerUnavailable):
+                pass
+        closed = not p._rounds
+        freed, retired = not p._kept, any(k.retired for k in p._kept.values())
+    return {"closed": closed, "freed": freed, "retired": retired, "races": emulated_races(p.device)}
+
+
+def kept_silent_once_consumer(endpoint, channel, env, done):
+    """Receive one kept buffer and release it; ignore the first UNMAP (as if it had been lost
+    with a broker that went away), answer later ones; stay registered until ``done``."""
+    os.environ.update(env)
+    from hurray_ipc import Consumer
+    from hurray_ipc.client import consumer as C
+    from hurray_ipc.workload import emulated_races
+
+    unmap, seen = C.Consumer._unmap, []
+
+    def once_silent(self, msg):
+        seen.append(msg.request)
+        if len(seen) > 1:
+            unmap(self, msg)
+
+    C.Consumer._unmap = once_silent
+    with Consumer(endpoint, channel, "cuda:0", heartbeat_s=0.2, timeout_s=1.5) as c:
+        h = c.receive(timeout=30)
+        h.wait()
+        h.release()
+        c.flush_releases(30)
+        if not done.wait(60):
+            raise TimeoutError("the producer never finished")
+        c.gpu.import_cache.clear()
+    return {"asked": seen, "races": emulated_races(c.device)}

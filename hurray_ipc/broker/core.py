@@ -32,7 +32,6 @@ connection take over (no ROUTER_HANDOVER); a re-HELLO claims only what that rout
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import itertools
 import logging
@@ -49,7 +48,7 @@ from hurray_ipc.notes import Note, to_logger
 from hurray_ipc.transport import liveness
 from hurray_ipc.transport.pairing import Endpoint, ModeCache, host_side
 from hurray_ipc.transport.route import Route
-from hurray_ipc.wire.fields import shown
+from hurray_ipc.wire.fields import consumer_label, shown
 from hurray_ipc.wire.ipc import (
     CLIENT_VERBS,
     Accepted,
@@ -86,6 +85,8 @@ from hurray_ipc.wire.messages import (
     Revoke,
     Shutdown,
     StatsReply,
+    Unmap,
+    Unmapped,
     Welcome,
     echoable,
     parse,
@@ -112,6 +113,8 @@ MAX_RATE = 50_000.0  # messages per second one registered client may send (susta
 FENCE_TIMEOUTS = 20  # a consumer alive but silent this many timeouts while holding buffers is fenced (§5)
 MAX_ROUTING_ID = 32  # bytes: a DELIVER names its producer in a 32-byte field (spec §2.2)
 _RELEASED_MEMORY = 100_000  # released tokens remembered, to tell "already released" from "unknown"
+MAX_UNMAPS = 1024  # UNMAP rounds of one producer not yet answered (spec §6a)
+_GONE_LABELS = 65536  # labels of consumers proven gone, remembered to answer UNMAP for them (§4.10)
 _SAMPLE_EVERY_S = 1.0      # tick() samples the counters for the recent rates at most this often
 
 
@@ -143,6 +146,7 @@ class Client:
     # passed over while another producer can take a grant (§4).
     revoked: bool = False
     bundles: bool = False  # its registration reads bundles (spec §2.2a): the loop may send it some
+    kept_mappings: bool = False  # consumer: its registration reads ``keep`` and answers UNMAP (§4.10)
 
     def __post_init__(self) -> None:
         self.rid_text = self.rid.decode(errors="replace")
@@ -170,6 +174,19 @@ class Delivery:
     handoff_id: int
     event_pending: bool
     since: float
+
+
+@dataclass
+class UnmapRound:
+    """A producer's UNMAP (spec §4.10): the consumers still to answer, and the answers so far."""
+
+    producer: bytes
+    request: int
+    memory: bytes
+    waiting: set[bytes] = field(default_factory=set)
+    unmapped: list[str] = field(default_factory=list)
+    gone: list[str] = field(default_factory=list)
+    fenced: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -296,6 +313,14 @@ class BrokerCore:
         self._out: list[Out] = []
         self._now = 0.0  # the latest time receive() or tick() was given
         self._rechecks: dict[str, float] = {}  # channel -> when a grant there will have sat a heartbeat
+        # Kept mappings (§4.10): open UNMAP rounds by (producer's rid_text, request), the rounds
+        # each consumer is awaited in, registered consumers by label, and the labels of consumers
+        # proven gone since they last registered (newest last, bounded).
+        self.unmaps: dict[tuple[str, int], UnmapRound] = {}
+        self.unmaps_of: dict[bytes, int] = {}
+        self.awaited_in: dict[bytes, set[tuple[str, int]]] = {}
+        self.by_label: dict[str, bytes] = {}
+        self.gone_labels: OrderedDict[str, None] = OrderedDict()
 
     # --- outputs ---------------------------------------------------------------------------
     def _send(self, rid: bytes, msg: AnyMessage, size: int | None = None) -> int:
@@ -340,9 +365,8 @@ class BrokerCore:
 
     @staticmethod
     def label_of(rid: bytes) -> str:
-        """The name other clients see for ``rid`` (CAPS, GRANT): stable across broker restarts,
-        so a producer can say which consumer holds a handoff; not usable as a routing id."""
-        return hashlib.sha256(b"hurray-consumer\0" + rid).hexdigest()[:16]
+        """The name other clients see for ``rid`` (wire.fields.consumer_label)."""
+        return consumer_label(rid)
 
     def _channel(self, name: str) -> Channel:
         ch = self.channels.get(name)
@@ -430,6 +454,10 @@ class BrokerCore:
             self.on_route(client, m)
         elif isinstance(m, End):
             self.on_end(client)
+        elif isinstance(m, Unmap):
+            self.on_unmap(client, m)
+        elif isinstance(m, Unmapped):
+            self.on_unmapped(client, m)
         elif isinstance(m, Bye):
             self._drop(rid, "bye")
 
@@ -528,6 +556,16 @@ class BrokerCore:
         producer (RELEASED, reason ``undelivered: <why>``) and the consumer's credit, which it
         still counts as asked, goes back to the end of its channel's queue (spec §1)."""
         d = self.deliveries.get(msg.token) if isinstance(msg, Deliver) else None
+        if isinstance(msg, Unmap) and msg.producer_id is not None:
+            # It never reached the consumer: nothing says it unmapped, so it is answered fenced.
+            key = (msg.producer_id, msg.request)
+            r = self.unmaps.get(key)
+            c = self.clients.get(rid)
+            if r is not None and rid in r.waiting and c is not None:
+                self._answered(key, r, rid)
+                r.fenced.append(c.label)
+                if not r.waiting:
+                    self._close_round(key, answer=True)
         if d is not None and d.consumer == rid:
             self._release(d, f"undelivered: {why}"[:200])
             c = self.clients.get(rid)
@@ -575,7 +613,8 @@ class BrokerCore:
         # Everything that can refuse this HELLO is checked before any state changes.
         old = self.clients.get(rid)
         c = Client(rid, role, channel, endpoint, msg.name, now, lease, credits, msg.epoch,
-                   label=self.label_of(rid), allowance_at=now, bundles=msg.bundles)
+                   label=self.label_of(rid), allowance_at=now, bundles=msg.bundles,
+                   kept_mappings=msg.kept_mappings and role == "consumer")
         if old is not None:
             c.allowance = old.allowance  # a re-HELLO does not refill the bucket
         if old is None:
@@ -592,6 +631,9 @@ class BrokerCore:
             self._forget(old)
             c.held = old.held
         self.clients[rid] = c
+        if role == "consumer":
+            self.by_label[c.label] = rid
+            self.gone_labels.pop(c.label, None)  # it is here again: ask it, never answer for it
         self.per_process[c.process] = self.per_process.get(c.process, 0) + 1
         ch = self._channel(channel)
         ch.members[rid] = None
@@ -606,7 +648,11 @@ class BrokerCore:
             c.credits = 0  # the HELLO's credits are queued (the Client was built with them)
             self._queue_credits(c, min(credits, MAX_HELD - c.held))
         self._send(rid, Welcome(session=self.session, heartbeat_ms=int(self.heartbeat_s * 1000),
-                                timeout_ms=int(self.timeout_s * 1000), fence_ms=int(self.fence_s * 1000)))
+                                timeout_ms=int(self.timeout_s * 1000), fence_ms=int(self.fence_s * 1000),
+                                kept_mappings=True))
+        for key in self.awaited_in.get(rid, ()):  # it thought us gone: an UNMAP may not have reached it
+            r = self.unmaps[key]
+            self._send(rid, Unmap(r.request, r.memory, producer_id=key[0]))
         self._note(logging.INFO, {"event": "hello", "client": rid.decode(errors="replace"), "role": role,
                                   "channel": channel, "device": endpoint.identity.spec, "pid": endpoint.pid})
         if role == "producer":
@@ -940,7 +986,10 @@ class BrokerCore:
             raise
         token = self.session + self._token()
         self._bind(Delivery(token, c.rid, g.consumer, hid, handle.sync_mode is SyncMode.EVENT, now))
-        self._send(g.consumer, msg.deliver(token, c.rid_text))
+        deliver = msg.deliver(token, c.rid_text)
+        if deliver.keep and not consumer.kept_mappings:
+            deliver.keep = False  # it would not read the flag: it closes its mapping at the release (§4.10)
+        self._send(g.consumer, deliver)
         if msg.ack:  # acceptance is implicit (a refusal is an ERROR) unless asked for
             self._send(c.rid, Accepted(hid))
         self.stats.handoffs += 1
@@ -966,6 +1015,9 @@ class BrokerCore:
                                 "(interchange.md)", field="endpoint.device.host")
         if msg.inproc != (pm.transport is Transport.IN_PROCESS):
             raise ProtocolError("payload_mismatch", "inproc flag does not match the endpoints' processes")
+        if msg.keep and (msg.inproc or handle.device_tag is not DeviceTag.CUDA):
+            raise ProtocolError("payload_mismatch", "'keep' is for an IPC handoff of a CUDA buffer only (§4.10)",
+                                field="flags", value=0x40)
         if msg.inproc:
             if msg.memory is not None or msg.event is not None:
                 raise ProtocolError("payload_mismatch", "an in-process handoff carries an inproc_ref and no blobs")
@@ -1161,6 +1213,8 @@ class BrokerCore:
         """Remove ``c``'s registration (credits, grants, channel membership, process count)."""
         self._void_credits(c)
         del self.clients[c.rid]
+        if self.by_label.get(c.label) == c.rid:
+            del self.by_label[c.label]
         n = self.per_process.get(c.process, 0) - 1
         if n > 0:
             self.per_process[c.process] = n
@@ -1183,6 +1237,7 @@ class BrokerCore:
         self._forget(c)
         if c.role == "consumer":
             self.stats.consumers_lost += why != "bye"
+            self._unmap_left(c, proven=why in ("bye", "process gone"))
             for x in [x for x in self.claim_of.values() if x.consumer == rid]:
                 self._drop_claim(x)
             held = list(self.held_by.get(rid, {}).values())
@@ -1198,11 +1253,96 @@ class BrokerCore:
                     self._fence(d)
         else:
             self.stats.producers_lost += why != "bye"
+            for key in [k for k, r in self.unmaps.items() if r.producer == rid]:
+                self._close_round(key, answer=False)
             self._producer_gone(list(self.handed_by.get(rid, {}).values()))
             self.orphans = {k: v for k, v in self.orphans.items() if k[0] != rid}
             self._match(c.channel)
         if why != "bye" and c.endpoint.identity.host == self.host:
             self._out.append(CleanSegments())
+
+    # --- kept mappings (spec §4.10) ----------------------------------------------------------
+    def on_unmap(self, c: Client, msg: Unmap) -> None:
+        """A producer is about to free an allocation it sent with ``keep``: ask each consumer it
+        names that is registered here and keeps mappings, answer for those proven gone or that
+        never keep one, and call the rest fenced."""
+        if msg.consumers is None:  # fields before role (§8)
+            raise ProtocolError("bad_header", "UNMAP header lacks 'consumers'", field="consumers")
+        if c.role != "producer":
+            raise ProtocolError("wrong_role", "UNMAP is a producer's message")
+        key = (c.rid_text, msg.request)
+        if key in self.unmaps:
+            raise ProtocolError("bad_header", f"UNMAP {msg.request} of this producer is still open", field="request",
+                                value=msg.request)
+        if self.unmaps_of.get(c.rid, 0) >= MAX_UNMAPS:
+            self._limit(f"a producer may have at most {MAX_UNMAPS} UNMAPs unanswered", "unmaps", MAX_UNMAPS + 1)
+        r = UnmapRound(c.rid, msg.request, msg.memory)
+        for label in msg.consumers:
+            rid = self.by_label.get(label)
+            if rid is not None and not self.clients[rid].kept_mappings:
+                r.unmapped.append(label)  # it was delivered no ``keep``: it closed at each release
+            elif rid is not None:
+                r.waiting.add(rid)
+                self.awaited_in.setdefault(rid, set()).add(key)
+                self._send(rid, Unmap(msg.request, msg.memory, producer_id=c.rid_text))
+            elif label in self.gone_labels:
+                r.gone.append(label)
+            else:  # never registered here (a broker restart), or left without proof (§5)
+                r.fenced.append(label)
+        self.unmaps[key] = r
+        self.unmaps_of[c.rid] = self.unmaps_of.get(c.rid, 0) + 1
+        if not r.waiting:
+            self._close_round(key, answer=True)
+
+    def on_unmapped(self, c: Client, msg: Unmapped) -> None:
+        """A consumer closed its mapping for an UNMAP (or had none). One it is not awaited in
+        (it crossed its producer's departure, or it answers twice) changes nothing."""
+        if msg.producer_id is None:  # fields before role (§8)
+            raise ProtocolError("bad_header", "UNMAPPED header lacks 'producer_id'", field="producer_id")
+        if c.role != "consumer":
+            raise ProtocolError("wrong_role", "UNMAPPED is a consumer's message")
+        key = (msg.producer_id, msg.request)
+        r = self.unmaps.get(key)
+        if r is None or c.rid not in r.waiting:
+            return
+        self._answered(key, r, c.rid)
+        r.unmapped.append(c.label)
+        if not r.waiting:
+            self._close_round(key, answer=True)
+
+    def _answered(self, key: tuple[str, int], r: UnmapRound, rid: bytes) -> None:
+        r.waiting.discard(rid)
+        mine = self.awaited_in.get(rid)
+        if mine is not None:
+            mine.discard(key)
+            if not mine:
+                del self.awaited_in[rid]
+
+    def _unmap_left(self, c: Client, proven: bool) -> None:
+        """Consumer ``c`` left: gone (it closed its mappings before its BYE, or its process
+        exited) when ``proven``, else fenced, in every round that awaited it."""
+        if proven:
+            self.gone_labels[c.label] = None
+            while len(self.gone_labels) > _GONE_LABELS:
+                self.gone_labels.popitem(last=False)
+        for key in list(self.awaited_in.get(c.rid, ())):
+            r = self.unmaps[key]
+            self._answered(key, r, c.rid)
+            (r.gone if proven else r.fenced).append(c.label)
+            if not r.waiting:
+                self._close_round(key, answer=True)
+
+    def _close_round(self, key: tuple[str, int], answer: bool) -> None:
+        r = self.unmaps.pop(key)
+        n = self.unmaps_of[r.producer] - 1
+        if n:
+            self.unmaps_of[r.producer] = n
+        else:
+            del self.unmaps_of[r.producer]
+        for rid in list(r.waiting):
+            self._answered(key, r, rid)
+        if answer:
+            self._send(r.producer, Unmapped(r.request, unmapped=r.unmapped, gone=r.gone, fenced=r.fenced))
 
     # --- invariants ------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -1265,4 +1405,13 @@ class BrokerCore:
         for c in self.clients.values():
             assert not (c.ended and c.credits), f"{c.rid!r}: ended with {c.credits} READY credits"
         assert sum(self.per_process.values()) == len(self.clients)
+        for key, r in self.unmaps.items():  # kept mappings (§4.10)
+            assert r.producer in self.clients and self.clients[r.producer].rid_text == key[0], f"UNMAP {key}: producer"
+            assert r.waiting, f"UNMAP {key} awaits nobody, yet is open"
+            for rid in r.waiting:
+                assert rid in self.clients and self.clients[rid].role == "consumer", f"UNMAP {key}: stray consumer"
+                assert key in self.awaited_in.get(rid, ()), f"UNMAP {key}: index stale"
+        assert sum(map(len, self.awaited_in.values())) == sum(len(r.waiting) for r in self.unmaps.values())
+        assert sum(self.unmaps_of.values()) == len(self.unmaps), "UNMAP count per producer"
+        assert self.by_label == {c.label: c.rid for c in self.clients.values() if c.role == "consumer"}, "label index"
         assert self.stats.unresponsive == sum(c.unresponsive for c in self.clients.values())

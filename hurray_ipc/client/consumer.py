@@ -46,11 +46,14 @@ from ..format.handle import BufferHandle, DeviceTag, HandleError, SyncMode
 from ..interop import dlpack
 from ..transport import inproc
 from ..transport.pairing import Endpoint
+from ..wire.fields import consumer_label
 from ..wire.ipc import Deliver
 from ..wire.ipc import EventRelease as EventReleaseMessage
 from ..wire.ipc import Release as ReleaseMessage
 from ..wire.messages import AnyMessage, ChannelState, Error
 from ..wire.messages import ProducerGone as ProducerGoneMessage
+from ..wire.messages import Unmap as UnmapMessage
+from ..wire.messages import Unmapped as UnmappedMessage
 from .core import Action, ConsumerCore, Delivery, EventRelease, Flush, Release, Unmap
 from .session import Session, check_client_args, check_timeout
 
@@ -607,6 +610,8 @@ class Consumer:
                                 what="fences")
         self.session = Session(endpoint, "consumer", channel, self._hello, self._dispatch,
                                heartbeat_s=heartbeat_s, timeout_s=timeout_s, poll=self._poll_releases)
+        self._label = consumer_label(self.session.client_id.encode())  # how producers name us (§1)
+        self._kept_from: set[str] = set()  # producers that sent us kept mappings (spec §4.10)
 
     def as_stream(self, stream: Any) -> CudaStream:
         """``stream`` (CudaStream, ``__cuda_stream__`` object or cudaStream_t int) on our GPU."""
@@ -717,7 +722,8 @@ class Consumer:
                           f"waiting for the device work of {self.core.releasing} release(s)")
 
     def _hello(self, epoch: int) -> dict[str, Any]:
-        return {"name": self.name, "endpoint": self.endpoint_info.to_dict(), **self.core.registering(epoch)}
+        return {"name": self.name, "endpoint": self.endpoint_info.to_dict(), "kept_mappings": True,
+                **self.core.registering(epoch)}
 
     def _dispatch(self, msg: AnyMessage) -> list[Any]:
         if isinstance(msg, Deliver):
@@ -747,6 +753,8 @@ class Consumer:
             self._carry_out(actions)
         elif isinstance(msg, ChannelState):
             self.core.channel_state(msg.ended)
+        elif isinstance(msg, UnmapMessage):
+            self._unmap(msg)
         elif isinstance(msg, Error):
             err = RemoteError(msg.code, msg.message, msg.fields())
             if err.code in ("unknown_token", "already_released") and self.core.crossed(msg.token):
@@ -759,6 +767,26 @@ class Consumer:
                 else:
                     log.warning("broker error: %s", err)
         return []
+
+    def _unmap(self, msg: UnmapMessage) -> None:
+        """A producer asks for an allocation it sent with ``keep`` back (spec §4.10): close the
+        mapping (now if idle, else when the last buffer of it is released), then answer UNMAPPED,
+        ordered after the close (the producer frees the allocation once every consumer answered)."""
+        producer, request = msg.producer_id, msg.request
+        if producer is None:
+            log.warning("dropping an UNMAP without producer_id")
+            return
+
+        def answer() -> None:
+            if self.session.closed:
+                return  # our BYE went first: the broker answered for us (spec §4.10)
+            self.device.order_send(order_key(producer, request, f"unmapped:{self._label}"))
+            self.session.send(UnmappedMessage(request, producer_id=producer))
+
+        if self.gpu is None:
+            answer()  # no GPU here, so no CUDA mapping of it
+        else:
+            self.gpu.import_cache.unmap(bytes(msg.memory), answer)
 
     def _accept(self, msg: Deliver) -> ReceivedHandoff:
         handle = BufferHandle.decode(msg.handle)  # the consumer checks too: never trust the wire
@@ -780,7 +808,9 @@ class Consumer:
             if dev is None:
                 raise HandleError("device_tag", "device_tag", 12, int(handle.device_tag),
                                   "names a GPU buffer but this consumer has no GPU")
-            buf = dev.import_memory(exp)
+            buf = dev.import_memory(exp, keep=msg.keep)
+            if msg.keep:
+                self._kept_from.add(msg.producer_id)
         ho = ReceivedHandoff(self, msg, handle, buf, event, self.declared_stream)
         self._held[token] = ho
         self._maps[token] = buf
@@ -961,6 +991,12 @@ class Consumer:
                 self.flush_releases(self.session.timeout_s)
             except (TimeoutError, ConnectionError):
                 log.warning("closing with %d release(s) still waiting for device work", self.core.releasing)
+        if self.gpu is not None and self._kept_from:
+            # Kept mappings close before the BYE: the broker answers a later UNMAP for a consumer
+            # that said BYE (spec §4.10), so its producer may free the allocation at once.
+            self.gpu.import_cache.close_idle()
+            for producer in self._kept_from:
+                self.gpu.order_send(order_key(producer, 0, f"left:{self._label}"))
         self.session.close()
         if self._fences is not None:
             self._fences.close(taken_too=False)  # those still pending complete on their own

@@ -36,6 +36,8 @@ from ..transport.pairing import Endpoint, ModeCache, PairModes, host_side
 from ..wire.ipc import MAX_BATCH, Accepted, EventReleased, Handoff, Released
 from ..wire.ipc import Grant as GrantMessage
 from ..wire.messages import AnyMessage, End, Error, Revoke
+from ..wire.messages import Unmap as UnmapMessage
+from ..wire.messages import Unmapped as UnmappedMessage
 from .credits import Credits
 from .grants import Grant, GrantBook, Granted
 from .session import Session, check_client_args, check_timeout
@@ -175,6 +177,19 @@ class _Outgoing:
     ready: int = 0  # READY credits its HANDOFF message carried (on the batch's last entry)
 
 
+@dataclass
+class _Kept:
+    """An allocation of :meth:`Producer.allocate` on a GPU, which its consumers may keep mapped
+    between handoffs (spec §4.10): it is freed only once every consumer it was delivered to said
+    it unmapped it, or the broker answered for it."""
+
+    blob: bytes | None = None  # its memory blob, once exported
+    consumers: set[str] = field(default_factory=set)  # labels it was delivered to with keep
+    request: int | None = None  # the UNMAP round asking for it back, while one is open
+    free: Callable[[], None] | None = None  # set when the application closed it: free it then
+    retired: bool = False  # a consumer could not be answered for: never freed while we live
+
+
 class _VoidGrant(Exception):
     """A grant of an earlier registration of this producer: unusable, and not to be given back."""
 
@@ -238,8 +253,13 @@ class Producer:
         # Sources a fenced consumer may still read that could not be moved (_retire):
         # kept alive until close.
         self._fenced: list[Source] = []
+        # GPU allocations of allocate() by base address, and the open UNMAP rounds (spec §4.10).
+        self._kept: dict[int, _Kept] = {}
+        self._rounds: dict[int, int] = {}  # request -> base address
+        self._unmap_ids = itertools.count(1)
         self.session = Session(endpoint, "producer", channel, self._hello, self._dispatch,
                                heartbeat_s=heartbeat_s, timeout_s=timeout_s)
+        self.session.on_welcome.append(self._ask_again)
 
     # --- broker messages -------------------------------------------------------------------
     @property
@@ -282,6 +302,8 @@ class Producer:
             if hid in self._out:
                 self.device.order_receive(order_key(self.session.client_id, hid, "release"))
             return self._finish(hid, msg.reason)
+        elif isinstance(msg, UnmappedMessage):
+            self._unmapped(msg)
         elif isinstance(msg, Revoke):
             # Grants we did not use in time (spec §4): their consumers were asked again. One
             # already on its way in a HANDOFF is refused unknown_grant, and send() re-sends.
@@ -379,6 +401,88 @@ class Producer:
         """Handoffs sent and not yet released."""
         return len(self._out)
 
+    # --- kept mappings (spec §4.10) ----------------------------------------------------------
+    def _closed(self, ptr: int, free: Callable[[], None]) -> None:
+        """The application closed a buffer of :meth:`allocate`: free it now if no consumer may
+        keep it mapped, else once they all said they unmapped it (UNMAP round)."""
+        with self.session.lock:
+            k = self._kept.get(ptr)
+            if k is None:
+                free()
+                return
+            k.free = free
+            if k.retired:
+                log.warning("a buffer of allocate() that a consumer nobody could answer for may keep mapped "
+                            "stays allocated until this process exits (spec §4.10)")
+            elif not k.consumers:
+                del self._kept[ptr]
+                free()
+            elif k.request is None:
+                if self.session.closed:  # every consumer was asked at close(); these were not answered
+                    k.retired = True
+                else:
+                    self._ask_back(ptr, k)
+
+    def _ask_back(self, ptr: int, k: _Kept) -> None:
+        """UNMAP: ask every consumer this allocation was delivered to with ``keep`` to close its
+        mapping (under the session lock)."""
+        assert k.blob is not None  # consumers are recorded only with the blob
+        k.request = request = next(self._unmap_ids)
+        self._rounds[request] = ptr
+        self.session.send(UnmapMessage(request, k.blob, consumers=sorted(k.consumers)))
+
+    def _ask_again(self) -> None:
+        """After a WELCOME: the rounds still open were lost with the broker that had them (or
+        not: an answer to a round asked again is ignored), so they are asked again."""
+        for request, ptr in list(self._rounds.items()):
+            del self._rounds[request]
+            k = self._kept[ptr]
+            k.request = None
+            self._ask_back(ptr, k)
+
+    def _unmapped(self, msg: UnmappedMessage) -> None:
+        """The broker closed an UNMAP round: free the allocation if the application closed it
+        and no consumer was fenced; with a fenced one, keep it until this process exits."""
+        ptr = self._rounds.pop(msg.request, None)
+        k = self._kept.get(ptr) if ptr is not None else None
+        if k is None or k.request != msg.request:
+            return
+        k.request = None
+        me = self.session.client_id
+        for label in msg.unmapped or []:  # each closed its mapping before it answered
+            self.device.order_receive(order_key(me, msg.request, f"unmapped:{label}"))
+        for label in msg.gone or []:  # each closed its mappings before its BYE (or exited)
+            self.device.order_receive(order_key(me, 0, f"left:{label}"))
+        if msg.fenced:
+            k.retired = True
+            log.warning("consumer(s) %s could not be asked to unmap an allocation of allocate() (fenced, or not "
+                        "registered since a broker restart): it stays allocated until this process exits",
+                        ", ".join(msg.fenced))
+            return
+        k.consumers.clear()
+        if k.free is not None:
+            del self._kept[ptr]  # type: ignore[arg-type]
+            k.free()
+
+    def _unmap_all(self, timeout: float) -> None:
+        """At close: ask back every kept allocation and wait (at most ``timeout`` s) for the
+        answers; what stays unanswered is retired (spec §4.10)."""
+        with self.session.lock:
+            for ptr, k in self._kept.items():
+                if k.consumers and k.request is None and not k.retired:
+                    self._ask_back(ptr, k)
+        if self._rounds and self.session.alive:
+            try:
+                self.session.pump(lambda: not self._rounds, timeout, "waiting for consumers to unmap")
+            except (TimeoutError, BrokerUnavailable):
+                pass
+        with self.session.lock:
+            for request in list(self._rounds):
+                k = self._kept[self._rounds.pop(request)]
+                k.request, k.retired = None, True
+                log.warning("closing: an allocation of allocate() whose consumers did not answer UNMAP stays "
+                            "allocated until this process exits")
+
     def holds(self, obj: Any) -> bool:
         """True while ``obj`` is part of a handoff not yet released (it will come back through
         on_release), and for good when a fenced consumer may still read it and its memory could
@@ -397,7 +501,12 @@ class Producer:
             n = -1
         if n < 0:
             raise InvalidArgument("a size is an int of bytes >= 0", where="allocate(size=)", value=size)
-        return self.device.allocate(n)
+        if self.gpu is None:
+            return self.device.allocate(n)
+        buf = self.gpu.allocate(n, on_close=self._closed)
+        with self.session.lock:
+            self._kept[buf.ptr] = _Kept()
+        return buf
 
     def _take_grant(self, timeout: float | None) -> Grant:
         """The next grant, waiting for a consumer to ask. ClosedError once this producer ended
@@ -664,6 +773,12 @@ class Producer:
                 exp = share.device.export_memory(share)
                 msg.memory = exp.blob
                 msg.offset = exp.offset
+                kept = self._kept.get(share.ptr - exp.offset) if on_gpu and not msg.staged else None
+                if kept is not None and kept.free is None and self.session.kept_mappings:
+                    # Ours to free, so the consumer may keep its mapping after the release (§4.10).
+                    msg.keep = True
+                    kept.blob = exp.blob
+                    kept.consumers.add(grant.consumer_id)
         except BaseException:
             self._undo(out)
             raise
@@ -773,6 +888,9 @@ class Producer:
         except (TimeoutError, BrokerUnavailable):
             log.warning("closing with %d handoff(s) unreleased", len(self._out))
         finally:
+            if any(k.consumers for k in self._kept.values()):
+                self._unmap_all(self.session.timeout_s if timeout is None else max(0.0, min(timeout,
+                                                                                          self.session.timeout_s)))
             self.session.close()
             if self.events is not None and not self._out:
                 self.events.close()

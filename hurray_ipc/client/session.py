@@ -143,12 +143,14 @@ class Session:
         self.registered = False
         self.shutdown_reason: str | None = None
         self.broker_session: str | None = None
+        self.kept_mappings = False  # the latest WELCOME said the broker carries kept mappings (§4.10)
         self.last_rx = time.monotonic()
         self.last_tx = 0.0
         self._hello_sent = 0.0
         self.closed = False
         self.deferred: list[Callback] = []  # callbacks the owner queued outside a dispatch
         self.route: dict[str, Any] | None = None  # announced again after every WELCOME (set_route)
+        self.on_welcome: list[Callable[[], None]] = []  # the owner's, called (under the lock) after every WELCOME
         self.route_key = ""
         # The owner's own work to check on every pump round (e.g. deferred releases); it returns
         # True while work is pending, and the pump then polls the socket briefly to come back soon.
@@ -248,8 +250,11 @@ class Session:
             self.registered = True
             self.shutdown_reason = None
             self.broker_session = msg.session
+            self.kept_mappings = msg.kept_mappings
             if self.route is not None:
                 self.send(RouteMessage(self.route_key, self.route))
+            for f in self.on_welcome:
+                f()
             return
         if isinstance(msg, Pong):
             return

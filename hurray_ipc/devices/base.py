@@ -275,8 +275,10 @@ class Device(ABC):
     def export_memory(self, buf: Buffer) -> MemoryExport: ...
 
     @abstractmethod
-    def import_memory(self, exp: MemoryExport) -> Buffer:
-        """Map another process's buffer; the allocation is opened once per process and cached."""
+    def import_memory(self, exp: MemoryExport, keep: bool = False) -> Buffer:
+        """Map another process's buffer; the allocation is opened once per process and cached.
+        ``keep``: its exporter lets the mapping stay open after the buffer's release
+        (ipc-protocol.md §4.10; only a device whose mappings must otherwise close at once cares)."""
 
     @abstractmethod
     def create_stream(self) -> Stream: ...
@@ -327,36 +329,45 @@ class ImportCache:
     the exporter's cudaFree must not run before our cudaIpcCloseMemHandle. The default
     (``HURRAY_IMPORT_CACHE``, 64) suits shared-memory mappings, which stay valid after their owner
     unlinks them.
+
+    ``keep``: how many idle *kept* mappings may stay open on top of ``limit`` (the newest). A
+    mapping is kept while every acquire of it since it was opened said ``keep=True``: its exporter
+    promised not to free the allocation before asking for it back (ipc-protocol.md §4.10), which
+    :meth:`unmap` answers.
     """
 
-    def __init__(self, limit: int | None = None):
+    def __init__(self, limit: int | None = None, keep: int = 0):
         if limit is None:
             raw = os.environ.get("HURRAY_IMPORT_CACHE", "64")
             try:
                 limit = int(raw)
             except ValueError:
                 raise DeviceError("ImportCache", f"HURRAY_IMPORT_CACHE={raw!r} is not an integer") from None
-        if limit < 0:
-            raise DeviceError("ImportCache", f"the idle-mapping limit must be >= 0, got {limit}")
+        if limit < 0 or keep < 0:
+            raise DeviceError("ImportCache", f"the idle-mapping limits must be >= 0, got {limit} and {keep}")
         self.limit = limit
-        self._entries: dict[bytes, list[Any]] = {}  # blob -> [opened, closer, refs, Mapping]
+        self.keep = keep
+        # blob -> [opened, closer, refs, Mapping, kept, callbacks to run once it is closed]
+        self._entries: dict[bytes, list[Any]] = {}
         self.opens = 0  # how many times an allocation was actually opened (tests read it)
         self.closes = 0  # how many mappings were closed (tests read it)
         self._lock = threading.Lock()
 
-    def acquire(self, blob: bytes, opener: Callable[[], tuple[Any, Callable[[], None]]]) -> Any:
+    def acquire(self, blob: bytes, opener: Callable[[], tuple[Any, Callable[[], None]]], keep: bool = False) -> Any:
         """The opened allocation for ``blob`` (``opener()`` -> (opened, closer) on first use)."""
         with self._lock:
             e = self._entries.get(blob)
             if e is None:
                 base, closer = opener()
                 self.opens += 1
-                e = self._entries[blob] = [base, closer, 0, Mapping()]
+                e = self._entries[blob] = [base, closer, 0, Mapping(), keep, []]
             else:  # move to the end: most recently used
                 self._entries[blob] = self._entries.pop(blob)
+                e[4] = e[4] and keep
             e[2] += 1
-            self._evict()
-            return e[0]
+            done = self._evict()
+        _run(done)
+        return e[0]
 
     def mapping(self, blob: bytes) -> Mapping:
         """The Mapping of ``blob``'s opened allocation: call while holding a reference (acquire)."""
@@ -366,20 +377,57 @@ class ImportCache:
     def release(self, blob: bytes) -> None:
         with self._lock:
             e = self._entries.get(blob)
-            if e is not None:
-                e[2] -= 1
-                self._evict()
+            if e is None:
+                return
+            e[2] -= 1
+            done = self._evict()
+        _run(done)
 
-    def _evict(self) -> None:
+    def unmap(self, blob: bytes, then: Callable[[], None]) -> None:
+        """Close ``blob``'s mapping and call ``then()`` after it closed: at once when it is idle
+        or not open, else when its last reference goes (it is no longer kept)."""
+        with self._lock:
+            e = self._entries.get(blob)
+            if e is not None and e[2] > 0:
+                e[4] = False
+                e[5].append(then)
+                return
+            done = [then]
+            if e is not None:
+                done = self._close(blob) + done
+        _run(done)
+
+    def close_idle(self) -> None:
+        """Close every idle mapping, kept or not (before telling exporters this process is done)."""
+        with self._lock:
+            done = [f for blob in [k for k, e in self._entries.items() if e[2] <= 0] for f in self._close(blob)]
+        _run(done)
+
+    def _close(self, blob: bytes) -> list[Callable[[], None]]:
         # Closers run under the lock: a mapping is closed before the same blob can be reopened.
+        e = self._entries.pop(blob)
+        e[3]._unmap()  # before the addresses can name anything else
+        e[1]()
+        self.closes += 1
+        return list(e[5])
+
+    def _evict(self) -> list[Callable[[], None]]:
+        """Close idle mappings beyond the limits (caller holds the lock); what to call after."""
         if len(self._entries) <= self.limit:
-            return
+            return []
         idle = [k for k, e in self._entries.items() if e[2] <= 0]
-        while len(self._entries) > self.limit and idle:
-            e = self._entries.pop(idle.pop(0))
-            e[3]._unmap()  # before the addresses can name anything else
-            e[1]()
-            self.closes += 1
+        kept = [k for k in idle if self._entries[k][4]]
+        spare = set(kept[len(kept) - self.keep:]) if self.keep else set()
+        victims = [k for k in idle if k not in spare]
+        done: list[Callable[[], None]] = []
+        while len(self._entries) - len(spare) > self.limit and victims:
+            done += self._close(victims.pop(0))
+        return done
+
+    def kept(self) -> int:
+        """Idle kept mappings open now."""
+        with self._lock:
+            return sum(1 for e in self._entries.values() if e[2] <= 0 and e[4])
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -387,10 +435,18 @@ class ImportCache:
     def clear(self) -> None:
         with self._lock:
             entries, self._entries = self._entries, {}
-        for _base, closer, _refs, mapping in entries.values():
+        done: list[Callable[[], None]] = []
+        for _base, closer, _refs, mapping, _kept, then in entries.values():
             mapping._unmap()
             closer()
             self.closes += 1
+            done += then
+        _run(done)
+
+
+def _run(callbacks: list[Callable[[], None]]) -> None:
+    for f in callbacks:
+        f()
 
 
 def order_key(producer_id: str, handoff_id: int, message: str) -> str:

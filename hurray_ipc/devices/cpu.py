@@ -111,7 +111,7 @@ class CpuDevice(Device):
         seg, _ = self.segment_of(buf)
         seg.renew()
 
-    def import_memory(self, exp: MemoryExport) -> Buffer:
+    def import_memory(self, exp: MemoryExport, keep: bool = False) -> Buffer:
         blob = bytes(exp.blob)
         if len(blob) != _BLOB.size or not blob.startswith(CPU_MAGIC):
             raise DeviceError("import_memory", "not a CPU shared-memory blob")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -150,6 +151,17 @@ class CudaStream(Stream):
             self.device.rt.stream_destroy(raw)
 
 
+def _keep_mappings() -> int:
+    raw = os.environ.get("HURRAY_CUDA_KEEP_MAPPINGS", "32")
+    try:
+        n = int(raw)
+    except ValueError:
+        raise DeviceError("CudaDevice", f"HURRAY_CUDA_KEEP_MAPPINGS={raw!r} is not an integer") from None
+    if n < 0:
+        raise DeviceError("CudaDevice", f"HURRAY_CUDA_KEEP_MAPPINGS must be >= 0, got {n}")
+    return n
+
+
 class CudaDevice(Device):
     """One CUDA device (``cuda:N``). Raises DeviceError('CUDA unavailable: ...') without one."""
 
@@ -168,8 +180,10 @@ class CudaDevice(Device):
             self.identity = DeviceIdentity("cuda", ordinal, self.rt.device_uuid(ordinal),
                                            self.rt.pci_bus_id(ordinal), emulated=self.rt.emulated)
         # A cudaIpcCloseMemHandle must precede the exporter's cudaFree, so a mapping is closed as
-        # soon as no buffer references it (see "Mapping lifetime" in docs/spec/sync-contract.md).
-        self._cache = ImportCache(limit=0)
+        # soon as no buffer references it (see "Mapping lifetime" in docs/spec/sync-contract.md),
+        # unless its exporter promised to ask for it back first (a kept mapping, ipc-protocol.md
+        # §4.10): up to HURRAY_CUDA_KEEP_MAPPINGS of those stay open idle.
+        self._cache = ImportCache(limit=0, keep=_keep_mappings())
         # cudaIpcMemHandle per allocation base, for allocations this device made only: we see
         # their cudaFree, so an entry never outlives its allocation. Foreign memory (buffer_at on
         # PyTorch/CuPy arrays) may be freed and reallocated at the same base behind our back.
@@ -204,7 +218,10 @@ class CudaDevice(Device):
         return self._caps
 
     @_on_device
-    def allocate(self, size: int) -> Buffer:
+    def allocate(self, size: int, on_close: Callable[[int, Callable[[], None]], None] | None = None) -> Buffer:
+        """A new allocation. ``on_close(ptr, free)``: what closing the buffer does instead of
+        freeing at once; it calls ``free()`` when the allocation may go (a producer whose
+        consumers keep mappings of it, ipc-protocol.md §4.10)."""
         ptr = self.rt.malloc(size)
         self._owned[ptr] = None
 
@@ -213,7 +230,7 @@ class CudaDevice(Device):
             with self.current():
                 self.rt.free(ptr)
 
-        return Buffer(self, ptr, size, closer=free)
+        return Buffer(self, ptr, size, closer=free if on_close is None else lambda: on_close(ptr, free))
 
     @_on_device
     def export_memory(self, buf: Buffer) -> MemoryExport:
@@ -234,7 +251,7 @@ class CudaDevice(Device):
         return MemoryExport(blob, buf.ptr - base, buf.size)
 
     @_on_device
-    def import_memory(self, exp: MemoryExport) -> Buffer:
+    def import_memory(self, exp: MemoryExport, keep: bool = False) -> Buffer:
         blob = bytes(exp.blob)
         if exp.offset < 0 or exp.size < 0:
             raise DeviceError("import_memory", f"negative offset {exp.offset} or size {exp.size}")
@@ -253,7 +270,7 @@ class CudaDevice(Device):
                 raise
             return (base, size), close
 
-        base, size = self._cache.acquire(blob, opener)
+        base, size = self._cache.acquire(blob, opener, keep)
         if exp.offset + exp.size > size:
             self._cache.release(blob)
             raise DeviceError("import_memory", f"offset {exp.offset} + size {exp.size} exceeds the allocation "

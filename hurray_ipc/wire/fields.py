@@ -10,12 +10,25 @@ ERROR ``bad_header``, the interchange into its REJECT.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ABSENT", "FieldError", "check", "obj", "one_of", "shown", "take"]
+__all__ = ["ABSENT", "FieldError", "check", "consumer_label", "is_label", "obj", "one_of", "shown", "take"]
 
 ABSENT: Any = object()  # the value of a field the message does not have
+
+
+def consumer_label(rid: bytes) -> str:
+    """The name other clients know a client by (GRANT's ``consumer_id``, CAPS, UNMAP; spec §1):
+    16 lowercase hex digits of a hash of its routing id. Stable across broker restarts, so a
+    producer can name the consumer it handed a buffer to; not usable as a routing id."""
+    return hashlib.sha256(b"hurray-consumer\0" + rid).hexdigest()[:16]
+
+
+def is_label(v: Any) -> bool:
+    """``v`` is a label as :func:`consumer_label` makes them."""
+    return isinstance(v, str) and len(v) == 16 and all(c in "0123456789abcdef" for c in v)
 
 
 class FieldError(ValueError):

@@ -56,6 +56,10 @@ PAYLOAD: dict[str, tuple[str, ...]] = {
     "ROUTE": (),
     "END": (),
     "BYE": (),
+    # both ways (§4.10): the producer's UNMAP and its forward to a consumer carry the allocation's
+    # memory blob; a consumer's UNMAPPED and the broker's answer to the producer carry none
+    "UNMAP": ("memory",),
+    "UNMAPPED": (),
     # broker -> client
     "WELCOME": (),
     "PONG": (),
@@ -73,10 +77,10 @@ PAYLOAD: dict[str, tuple[str, ...]] = {
 HOT_VERBS = frozenset(["HANDOFF", "RELEASE", "EVENT_RELEASE", "DELIVER", "GRANT", "ACCEPTED", "RELEASED",
                        "EVENT_RELEASED"])
 CLIENT_VERBS = frozenset(["HELLO", "PING", "CAPS", "STATS", "REQUEST", "READY", "HANDOFF", "RELEASE",
-                          "EVENT_RELEASE", "ROUTE", "END", "BYE"])
+                          "EVENT_RELEASE", "ROUTE", "END", "BYE", "UNMAP", "UNMAPPED"])
 BROKER_VERBS = frozenset(["WELCOME", "PONG", "CAPS_REPLY", "STATS_REPLY", "GRANT", "DELIVER", "ACCEPTED",
                           "RELEASED", "EVENT_RELEASED", "PRODUCER_GONE", "REVOKE", "CHANNEL_STATE", "ERROR",
-                          "SHUTDOWN"])
+                          "SHUTDOWN", "UNMAP", "UNMAPPED"])
 
 MAX_HEADER_DEPTH = 16  # JSON nesting of a header (objects and arrays); our deepest is 4
 
@@ -251,8 +255,8 @@ def _json_object(raw: bytes, what: str, **extra: Any) -> dict[str, Any]:
 
 BATCH = struct.Struct("<HHI")  # count, credits (HANDOFF: ready; RELEASE: credits; else 0), reserved
 
-# Entry flags of HANDOFF and DELIVER: which frames follow the handle, and two booleans.
-F_MEMORY, F_EVENT, F_REF, F_META, F_STAGED, F_ACK = 0x01, 0x02, 0x04, 0x08, 0x10, 0x20
+# Entry flags of HANDOFF and DELIVER: which frames follow the handle, and three booleans.
+F_MEMORY, F_EVENT, F_REF, F_META, F_STAGED, F_ACK, F_KEEP = 0x01, 0x02, 0x04, 0x08, 0x10, 0x20, 0x40
 # RELEASED reason codes (anything else travels as text in a reason frame).
 REASONS = {0: "released", 1: "consumer_gone"}
 REASON_TEXT = 255
@@ -297,6 +301,7 @@ class Carried(HotMessage):
     meta: dict[str, Any] | None = None  # the array metadata (contract/meta.py), parsed, not yet checked
     meta_raw: bytes | None = None  # ``meta`` as it travels: forwarded as received, never re-encoded
     staged: bool = False
+    keep: bool = False  # the consumer may keep its mapping of the allocation after the release (§4.10)
 
     @property
     def inproc(self) -> bool:
@@ -318,11 +323,15 @@ class Carried(HotMessage):
             out.append(bytes(self.meta_raw) if self.meta_raw is not None else json_bytes(self.meta))
         if self.staged:
             flags |= F_STAGED
+        if self.keep:
+            flags |= F_KEEP
         return flags, out
 
     def _carried_fields(self) -> dict[str, Any]:
         out: dict[str, Any] = {"handoff_id": self.handoff_id, "offset": self.offset, "staged": self.staged,
                                "inproc": self.inproc}
+        if self.keep:
+            out["keep"] = True
         if self.inproc_ref is not None:
             out["inproc_ref"] = self.inproc_ref
         if self.meta is not None:
@@ -358,7 +367,7 @@ class Handoff(Carried):
         """The DELIVER that hands this buffer to its consumer: the same frames, unchanged."""
         return Deliver(token=token, producer_id=producer_id, handoff_id=self.handoff_id, handle=self.handle,
                        offset=self.offset, memory=self.memory, event=self.event, inproc_ref=self.inproc_ref,
-                       meta=self.meta, meta_raw=self.meta_raw, staged=self.staged)
+                       meta=self.meta, meta_raw=self.meta_raw, staged=self.staged, keep=self.keep)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -585,7 +594,7 @@ def _carried_wants(verb: str, flags: int, allowed_flags: int, i: int) -> int:
 def _carried(verb: str, flags: int, frames: list[bytes], i: int) -> dict[str, Any]:
     """The keyword arguments of a HANDOFF / DELIVER entry's frames: handle, memory?, event?, ref?, meta?."""
     it = iter(frames)
-    out: dict[str, Any] = {"handle": next(it), "staged": bool(flags & F_STAGED)}
+    out: dict[str, Any] = {"handle": next(it), "staged": bool(flags & F_STAGED), "keep": bool(flags & F_KEEP)}
     if flags & F_MEMORY:
         out["memory"] = _blob(verb, "memory", next(it), i)
     if flags & F_EVENT:
@@ -628,7 +637,8 @@ class _Handoff(_Layout):
         if f[4] != bytes(6):
             raise ProtocolError("bad_header", f"HANDOFF entry {i}: reserved bytes must be zero", field="reserved",
                                 value=f[4].hex())
-        return "HANDOFF", _carried_wants("HANDOFF", f[3], F_MEMORY | F_EVENT | F_REF | F_META | F_STAGED | F_ACK, i)
+        return "HANDOFF", _carried_wants("HANDOFF", f[3],
+                                         F_MEMORY | F_EVENT | F_REF | F_META | F_STAGED | F_ACK | F_KEEP, i)
 
     def _entry(self, f: tuple[Any, ...], frames: list[bytes], i: int) -> Handoff:
         gid, hid, offset, flags, _reserved = f
@@ -649,7 +659,7 @@ class _Deliver(_Layout):
         super().__init__("DELIVER", "<24sQQHB5s32s", None)
 
     def _verb_wants(self, f: tuple[Any, ...], i: int) -> tuple[str, int]:
-        return "DELIVER", _carried_wants("DELIVER", f[3], F_MEMORY | F_EVENT | F_REF | F_META | F_STAGED, i)
+        return "DELIVER", _carried_wants("DELIVER", f[3], F_MEMORY | F_EVENT | F_REF | F_META | F_STAGED | F_KEEP, i)
 
     def _entry(self, f: tuple[Any, ...], frames: list[bytes], i: int) -> Deliver:
         token, hid, offset, flags, plen, _r, pid = f
@@ -765,6 +775,7 @@ def hot_message(verb: str, fields: Mapping[str, Any], blobs: Mapping[str, bytes]
     if verb in ("HANDOFF", "DELIVER"):
         kw: dict[str, Any] = {"handoff_id": f["handoff_id"], "handle": b["handle"], "offset": f.get("offset", 0),
                               "memory": b.get("memory"), "event": b.get("event"), "staged": bool(f.get("staged")),
+                              "keep": bool(f.get("keep")),
                               "inproc_ref": (str(f.get("inproc_ref", "")) if f.get("inproc")
                                              or f.get("inproc_ref") is not None else None),
                               "meta": f.get("meta"), "meta_raw": b.get("meta")}

@@ -19,13 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
-from .fields import ABSENT, FieldError, check
-from .ipc import PROTOCOL_VERSION, HotMessage, Message, ProtocolError
+from .fields import ABSENT, FieldError, check, is_label
+from .ipc import BLOB_SIZE, PROTOCOL_VERSION, HotMessage, Message, ProtocolError
 
 __all__ = [
     "MAX_CREDITS", "MAX_HELD", "MAX_OUTSTANDING_CLAIMS", "AnyMessage", "Bye", "Caps", "CapsReply", "ChannelState",
     "End", "Error", "HeldClaim", "Hello", "JsonMessage", "Ping", "Pong", "ProducerGone", "Ready", "Request", "Revoke",
-    "Route", "Shutdown", "Stats", "StatsReply", "Welcome", "echoable", "parse",
+    "Route", "Shutdown", "Stats", "StatsReply", "Unmap", "Unmapped", "Welcome", "echoable", "parse",
 ]
 
 MAX_CREDITS = 4096  # credits one REQUEST, READY or batch header asks for (spec §2: 1-4096)
@@ -33,6 +33,7 @@ MAX_HELD = 2 * MAX_CREDITS  # deliveries a re-registering consumer may list (and
 MAX_OUTSTANDING_CLAIMS = MAX_CREDITS  # handoffs a re-registering producer may list
 MAX_CHANNEL = 256  # characters of a channel name
 MAX_NAME = 128  # characters of a client's name kept
+MAX_UNMAP_CONSUMERS = 4096  # labels one UNMAP names (spec §4.10)
 
 
 def echoable(v: Any) -> bool:
@@ -169,6 +170,7 @@ class Hello(JsonMessage):
     outstanding: dict[int, str | None] = field(default_factory=dict)  # producer: handoff id -> consumer label
     held: list[HeldClaim] = field(default_factory=list)  # consumer
     bundles: bool = False  # it reads several hot messages in one ZeroMQ message (spec §2.2a)
+    kept_mappings: bool = False  # consumer: it reads ``keep`` and answers UNMAP (spec §4.10)
 
     @classmethod
     def parse(cls, m: Message) -> Hello:
@@ -190,6 +192,7 @@ class Hello(JsonMessage):
         ended = _field(m, "ended", bool, False)
         lease = _field(m, "lease", str, None)
         bundles = _field(m, "bundles", bool, False)
+        kept_mappings = _field(m, "kept_mappings", bool, False)
         outstanding = _outstanding(m) if role == "producer" else {}
         held = m.header.get("held") or []
         if not isinstance(held, list) or len(held) > MAX_HELD:
@@ -199,6 +202,7 @@ class Hello(JsonMessage):
         return cls(role=role, channel=channel, endpoint=endpoint, client_id=client_id if isinstance(client_id, str)
                    else None, pid=pid if type(pid) is int else None, name=str(m.header.get("name", ""))[:MAX_NAME],
                    credits=credits, epoch=epoch, ended=ended, lease=lease, outstanding=outstanding, bundles=bundles,
+                   kept_mappings=kept_mappings,
                    held=[c for c in map(HeldClaim.read, held) if c is not None] if role == "consumer" else [])
 
     def fields(self) -> dict[str, Any]:
@@ -214,6 +218,8 @@ class Hello(JsonMessage):
             out["ended"] = True
         if self.bundles:
             out["bundles"] = True
+        if self.kept_mappings:
+            out["kept_mappings"] = True
         if self.role == "producer":
             out["outstanding"] = [{"handoff_id": h, "consumer_id": c} for h, c in self.outstanding.items()]
         else:
@@ -381,16 +387,18 @@ class Welcome(JsonMessage):
     timeout_ms: int
     fence_ms: int
     protocol: int = PROTOCOL_VERSION
+    kept_mappings: bool = False  # the broker carries ``keep`` and UNMAP rounds (spec §4.10)
 
     @classmethod
     def parse(cls, m: Message) -> Welcome:
         return cls(protocol=_field(m, "protocol", int), session=_field(m, "session", str),
                    heartbeat_ms=_field(m, "heartbeat_ms", int), timeout_ms=_field(m, "timeout_ms", int),
-                   fence_ms=_field(m, "fence_ms", int, 0))
+                   fence_ms=_field(m, "fence_ms", int, 0), kept_mappings=_field(m, "kept_mappings", bool, False))
 
     def fields(self) -> dict[str, Any]:
         return {"protocol": self.protocol, "session": self.session, "heartbeat_ms": self.heartbeat_ms,
-                "timeout_ms": self.timeout_ms, "fence_ms": self.fence_ms}
+                "timeout_ms": self.timeout_ms, "fence_ms": self.fence_ms,
+                **({"kept_mappings": True} if self.kept_mappings else {})}
 
 
 @_verb
@@ -541,3 +549,81 @@ class Error(JsonMessage):
         return {"code": self.code, "message": self.message, **self.extra,
                 **({"ticket": self.ticket} if self.ticket is not None else {})}
 
+
+
+# --- both ways: kept mappings (spec §4.10) ------------------------------------------------------
+
+
+def _labels(m: Message, name: str, least: int) -> list[str] | None:
+    v = _field(m, name, list, None)
+    if v is None:
+        return None
+    if not least <= len(v) <= MAX_UNMAP_CONSUMERS or not all(is_label(x) for x in v) or len(set(v)) != len(v):
+        raise ProtocolError("bad_header", f"{m.verb} header: '{name}' must list {least}-{MAX_UNMAP_CONSUMERS} "
+                            "distinct consumer labels (16 lowercase hex digits)", field=name)
+    return list(v)
+
+
+@_verb
+@dataclass(slots=True)
+class Unmap(JsonMessage):
+    """UNMAP, with the allocation's ``memory`` frame. From a producer: it is about to free that
+    allocation, which it sent with ``keep`` to the consumers labelled ``consumers``; from the
+    broker to one of them: ``producer_id`` asks it to close its mapping of it and answer
+    UNMAPPED. ``request`` names the round in both."""
+
+    verb: ClassVar[str] = "UNMAP"
+    request: int
+    memory: bytes
+    consumers: list[str] | None = None  # a producer's UNMAP
+    producer_id: str | None = None  # the broker's forward
+
+    @classmethod
+    def parse(cls, m: Message) -> Unmap:
+        memory = bytes(m.frames.get("memory", b""))
+        if len(memory) != BLOB_SIZE:
+            raise ProtocolError("bad_frames", f"UNMAP 'memory' frame must be {BLOB_SIZE} bytes, got {len(memory)}")
+        return cls(_field(m, "request", int, lo=1, hi=(1 << 63) - 1), memory, _labels(m, "consumers", 1),
+                   _field(m, "producer_id", str, None, max_len=64))
+
+    def fields(self) -> dict[str, Any]:
+        return {"request": self.request, **({"consumers": self.consumers} if self.consumers is not None else {}),
+                **({"producer_id": self.producer_id} if self.producer_id is not None else {})}
+
+    def blobs(self) -> dict[str, bytes]:
+        return {"memory": self.memory}
+
+    def encode(self) -> list[bytes]:
+        return Message(self.verb, self.fields(), self.blobs()).encode()
+
+
+@_verb
+@dataclass(slots=True)
+class Unmapped(JsonMessage):
+    """UNMAPPED. From a consumer: it closed its mapping of the allocation of ``producer_id``'s
+    UNMAP ``request`` (or had none). From the broker to the producer: round ``request`` is over;
+    the consumers of ``unmapped`` answered, those of ``gone`` left proven gone, those of
+    ``fenced`` cannot be answered for: while any is listed there, the allocation stays allocated
+    until the producer leaves."""
+
+    verb: ClassVar[str] = "UNMAPPED"
+    request: int
+    producer_id: str | None = None  # a consumer's UNMAPPED
+    unmapped: list[str] | None = None  # the broker's answer, the three lists
+    gone: list[str] | None = None
+    fenced: list[str] | None = None
+
+    @classmethod
+    def parse(cls, m: Message) -> Unmapped:
+        return cls(_field(m, "request", int, lo=1, hi=(1 << 63) - 1), _field(m, "producer_id", str, None, max_len=64),
+                   _labels(m, "unmapped", 0), _labels(m, "gone", 0), _labels(m, "fenced", 0))
+
+    def fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"request": self.request}
+        if self.producer_id is not None:
+            out["producer_id"] = self.producer_id
+        for name in ("unmapped", "gone", "fenced"):
+            v = getattr(self, name)
+            if v is not None:
+                out[name] = v
+        return out

@@ -1,0 +1,412 @@
+"""Kept mappings (docs/spec/ipc-protocol.md §4.10): the broker's UNMAP rounds, driven without
+sockets, and the consumer's import cache that keeps and gives back mappings."""
+
+from __future__ import annotations
+
+import json
+import signal
+import struct
+
+import pytest
+
+import workers
+from brokerproc import BrokerProcess
+from conftest import SPAWN, Proc, emu_env
+from hurray_ipc.broker.core import MAX_UNMAPS, BrokerCore, Send
+from hurray_ipc.devices.base import ImportCache, host_id
+from hurray_ipc.wire.fields import consumer_label
+from hurray_ipc.wire.ipc import PROTOCOL_VERSION, Handoff, Message, decode_all
+from hurray_ipc.wire.messages import Unmap
+
+HOST = host_id()
+MEM = bytes(range(64))
+P, C1, C2, C3, OLD = b"p", b"c1", b"c2", b"c3", b"old"
+L1, L2, L3, LOLD = (consumer_label(r) for r in (C1, C2, C3, OLD))
+
+
+def endpoint(pid: int) -> dict:
+    return {"device": {"kind": "cpu", "ordinal": 0, "uuid": "cpu-test", "pci_bus_id": "", "emulated": False,
+                       "host": HOST},
+            "caps": {"ipc_memory": True, "ipc_events": False, "ipc_streams": False, "peers": []},
+            "pid": pid, "stream": None}
+
+
+class World:
+    """A broker core with producer ``p``, consumers c1..c3 that keep mappings and consumer ``old``
+    that does not say so (a client older than §4.10) registered; what it sends, by peer."""
+
+    def __init__(self) -> None:
+        self.core = BrokerCore(host=HOST, timeout_s=3.0)
+        self.now = 0.0
+        self.welcome: dict[bytes, dict] = {}
+        for i, rid in enumerate((P, C1, C2, C3, OLD)):
+            self.hello(rid, "producer" if rid == P else "consumer", 100 + i)
+
+    def hello(self, rid: bytes, role: str, pid: int) -> list[tuple[bytes, str, dict]]:
+        h = {"protocol": PROTOCOL_VERSION, "role": role, "channel": "ch", "pid": pid, "endpoint": endpoint(pid),
+             **({"kept_mappings": True} if role == "consumer" and rid != OLD else {})}
+        sent = self.send(rid, [b"HELLO", json.dumps(h).encode()])
+        self.welcome[rid] = next(f for r, verb, f in sent if r == rid and verb == "WELCOME")
+        return sent
+
+    def send(self, rid: bytes, frames: list[bytes]) -> list[tuple[bytes, str, dict]]:
+        outs = self.core.receive(rid, frames, self.now)
+        self.core.check_invariants()
+        return [(o.rid, o.msg.verb, {**o.msg.fields(), **o.msg.blobs()}) for o in outs if isinstance(o, Send)]
+
+    def unmap(self, request: int, labels: list[str], memory: bytes = MEM, rid: bytes = P) -> list:
+        return self.send(rid, Message("UNMAP", {"request": request, "consumers": labels}, {"memory": memory}).encode())
+
+    def unmapped(self, rid: bytes, request: int, producer_id: str = "p") -> list:
+        return self.send(rid, Message("UNMAPPED", {"request": request, "producer_id": producer_id}).encode())
+
+
+# An emulated-CUDA handle (device_tag 1, SYNC_PRODUCER_SYNCED) for handoffs the broker accepts.
+CUDA_HANDLE = struct.pack("<QIBB2s", 64, 256, 1, 0, b"\0\0")
+
+
+def _grant(w: World, consumer: bytes) -> int:
+    """A grant of ``p`` for ``consumer``: it asks for one buffer, p for one grant."""
+    w.send(consumer, Message("REQUEST", {"credits": 1}).encode())
+    sent = w.send(P, Message("READY", {"credits": 1}).encode())
+    (g,) = [f for rid, verb, f in sent if rid == P and verb == "GRANT"]
+    assert g["consumer_id"] == consumer_label(consumer)
+    return g["grant_id"]
+
+
+def answer(sent: list) -> dict:
+    """The UNMAPPED the producer got, its lists as sets."""
+    (got,) = [f for rid, verb, f in sent if rid == P and verb == "UNMAPPED"]
+    return {k: set(v) if isinstance(v, list) else v for k, v in got.items()}
+
+
+def errors(sent: list) -> list[dict]:
+    return [f for _rid, verb, f in sent if verb == "ERROR"]
+
+
+def test_each_registered_consumer_named_is_asked_and_the_producer_answered_once_all_did():
+    w = World()
+    sent = w.unmap(7, [L1, L2])
+    assert sorted((rid, verb, f["request"], f["producer_id"], f["memory"]) for rid, verb, f in sent) == \
+        [(C1, "UNMAP", 7, "p", MEM), (C2, "UNMAP", 7, "p", MEM)], "only the consumers named, with the blob"
+    assert w.unmapped(C1, 7) == [], "one still owes its answer"
+    assert w.unmapped(C1, 7) == [] and w.unmapped(C3, 7) == [], "a second answer, or one never asked, is ignored"
+    sent = w.unmapped(C2, 7)
+    assert answer(sent) == {"request": 7, "unmapped": {L1, L2}, "gone": set(), "fenced": set()}
+    assert sorted(next(f for _r, v, f in sent if v == "UNMAPPED")["unmapped"]) == sorted([L1, L2]), "each once"
+    assert w.unmapped(C2, 7) == [], "an answer after the round closed changes nothing"
+    assert not w.core.unmaps
+
+
+def test_the_broker_says_it_carries_kept_mappings():
+    assert World().welcome[C1]["kept_mappings"] is True
+
+
+def test_a_consumer_that_did_not_say_it_keeps_mappings_is_never_sent_keep_nor_asked():
+    """It would not read the flag (a client older than §4.10): DELIVER goes without it, so it
+    closes its mapping at each release, and the broker answers UNMAP for it at once."""
+    w = World()
+    gid = _grant(w, OLD)
+    sent = w.send(P, Message("HANDOFF", {"grant_id": gid, "handoff_id": 1, "offset": 0, "keep": True},
+                             {"handle": CUDA_HANDLE, "memory": MEM}).encode())
+    (deliver,) = [f for rid, verb, f in sent if rid == OLD and verb == "DELIVER"]
+    assert "keep" not in deliver
+    gid = _grant(w, C1)
+    sent = w.send(P, Message("HANDOFF", {"grant_id": gid, "handoff_id": 2, "offset": 0, "keep": True},
+                             {"handle": CUDA_HANDLE, "memory": MEM}).encode())
+    (deliver,) = [f for rid, verb, f in sent if rid == C1 and verb == "DELIVER"]
+    assert deliver["keep"] is True
+    sent = w.unmap(1, [LOLD, L1])
+    assert [(rid, verb) for rid, verb, _f in sent] == [(C1, "UNMAP")], "only the one that keeps is asked"
+    assert answer(w.unmapped(C1, 1)) == {"request": 1, "unmapped": {LOLD, L1}, "gone": set(), "fenced": set()}
+
+
+def test_a_label_never_registered_here_is_fenced_and_one_that_said_bye_is_gone():
+    w = World()
+    w.send(C3, [b"BYE", b"{}"])
+    sent = w.unmap(1, [L3, consumer_label(b"stranger")])
+    assert answer(sent) == {"request": 1, "unmapped": set(), "gone": {L3}, "fenced": {consumer_label(b"stranger")}}
+
+
+def test_a_consumer_dropped_without_proof_is_fenced_not_gone():
+    w = World()
+    w.now = 10.0  # every client silent past the timeout; nobody can judge their processes
+    w.core.tick(w.now, lambda c: None)
+    assert C1 not in w.core.clients
+    w.hello(P, "producer", 100)
+    assert answer(w.unmap(1, [L1]))["fenced"] == {L1}
+
+
+@pytest.mark.parametrize("why, lands", [("bye", "gone"), ("process gone", "gone"), ("heartbeat timeout", "fenced")])
+def test_an_awaited_consumer_that_leaves_is_answered_for_by_how_it_left(why, lands):
+    w = World()
+    w.unmap(3, [L1, L2])
+    w.unmapped(C2, 3)
+    outs = w.core.client_gone(C1, why)
+    w.core.check_invariants()
+    got = answer([(o.rid, o.msg.verb, o.msg.fields()) for o in outs if isinstance(o, Send)])
+    assert got[lands] == {L1} and got["unmapped"] == {L2}
+
+
+def test_a_forward_that_cannot_be_delivered_counts_as_fenced():
+    w = World()
+    ((rid, verb, fwd),) = w.unmap(4, [L1])
+    assert (rid, verb) == (C1, "UNMAP")
+    outs = w.core.undeliverable(C1, Unmap(fwd["request"], fwd["memory"], producer_id=fwd["producer_id"]), "full")
+    assert answer([(o.rid, o.msg.verb, o.msg.fields()) for o in outs if isinstance(o, Send)])["fenced"] == {L1}
+
+
+def test_a_consumer_that_registers_again_while_awaited_is_asked_again():
+    w = World()
+    w.unmap(5, [L1])
+    again = w.hello(C1, "consumer", 101)
+    assert [(rid, verb, f["request"]) for rid, verb, f in again if verb == "UNMAP"] == [(C1, "UNMAP", 5)]
+    assert answer(w.unmapped(C1, 5))["unmapped"] == {L1}
+
+
+def test_a_producer_that_leaves_takes_its_rounds_and_late_answers_change_nothing():
+    w = World()
+    w.unmap(6, [L1])
+    w.send(P, [b"BYE", b"{}"])
+    assert not w.core.unmaps and not w.core.awaited_in
+    assert w.unmapped(C1, 6) == []
+
+
+def test_refusals_name_the_field_and_change_nothing():
+    w = World()
+    assert [e["code"] for e in errors(w.unmap(1, [L1], rid=C2))] == ["wrong_role"]
+    assert [e["code"] for e in errors(w.unmapped(P, 1))] == ["wrong_role"]
+    no_list = w.send(P, Message("UNMAP", {"request": 1}, {"memory": MEM}).encode())
+    assert [(e["code"], e["field"]) for e in errors(no_list)] == [("bad_header", "consumers")]
+    for bad in ([], [L1, L1], ["not-a-label"], [L1.upper()]):
+        assert [(e["code"], e["field"]) for e in errors(w.unmap(1, bad))] == [("bad_header", "consumers")], bad
+    for request in (0, -1, 1 << 63, "1", True):
+        sent = w.send(P, Message("UNMAP", {"request": request, "consumers": [L1]}, {"memory": MEM}).encode())
+        assert [(e["code"], e["field"]) for e in errors(sent)] == [("bad_header", "request")], request
+    short = w.send(P, [b"UNMAP", json.dumps({"request": 1, "consumers": [L1]}).encode(), MEM[:63]])
+    assert [e["code"] for e in errors(short)] == ["bad_frames"]
+    assert [e["code"] for e in errors(w.send(P, [b"UNMAP", b'{"request": 1, "consumers": []}']))] == ["bad_frames"]
+    no_producer = w.send(C1, Message("UNMAPPED", {"request": 1}).encode())
+    assert [(e["code"], e["field"]) for e in errors(no_producer)] == [("bad_header", "producer_id")]
+    assert not w.core.unmaps, "nothing refused opened a round"
+    w.unmap(9, [L1])
+    assert [(e["code"], e["field"]) for e in errors(w.unmap(9, [L2]))] == [("bad_header", "request")]
+    assert list(w.core.unmaps) == [("p", 9)] and w.core.unmaps[("p", 9)].waiting == {C1}
+
+
+def test_a_producer_may_have_at_most_max_unmaps_open():
+    w = World()
+    for r in range(1, MAX_UNMAPS + 1):
+        w.unmap(r, [L1])
+    (err,) = errors(w.unmap(MAX_UNMAPS + 1, [L1]))
+    assert err["code"] == "limit_exceeded" and err["limit"] == "unmaps"
+    assert len(w.core.unmaps) == MAX_UNMAPS
+    answer(w.unmapped(C1, 1))
+    assert not errors(w.unmap(MAX_UNMAPS + 1, [L1])), "one answered, one more may open"
+
+
+def test_gone_labels_are_remembered_until_the_consumer_registers_again():
+    w = World()
+    w.send(C1, [b"BYE", b"{}"])
+    assert L1 in w.core.gone_labels
+    w.hello(C1, "consumer", 101)
+    assert L1 not in w.core.gone_labels
+    sent = w.unmap(1, [L1])
+    assert [(rid, verb) for rid, verb, _f in sent] == [(C1, "UNMAP")], "registered again: it is asked, not answered for"
+
+
+# --- the consumer's import cache ------------------------------------------------------------------
+
+class Opened:
+    """Openers that record what was opened and closed."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+
+    def opener(self, name: str):
+        def open_() -> tuple[str, object]:
+            self.log.append(f"open {name}")
+            return name, lambda: self.log.append(f"close {name}")
+        return open_
+
+
+def test_a_kept_mapping_stays_open_idle_and_a_plain_one_closes_at_its_last_release():
+    o, cache = Opened(), ImportCache(limit=0, keep=2)
+    cache.acquire(b"a", o.opener("a"), keep=True)
+    cache.acquire(b"b", o.opener("b"))
+    cache.release(b"a")
+    cache.release(b"b")
+    assert o.log == ["open a", "open b", "close b"] and cache.kept() == 1
+    cache.acquire(b"a", o.opener("a"), keep=True)
+    assert cache.opens == 2, "the kept mapping was reused"
+
+
+def test_a_delivery_without_keep_ends_the_keeping():
+    o, cache = Opened(), ImportCache(limit=0, keep=2)
+    cache.acquire(b"a", o.opener("a"), keep=True)
+    cache.acquire(b"a", o.opener("a"), keep=False)
+    cache.release(b"a")
+    cache.release(b"a")
+    assert o.log == ["open a", "close a"]
+
+
+def test_only_the_newest_kept_mappings_stay_beyond_the_keep_limit():
+    o, cache = Opened(), ImportCache(limit=0, keep=2)
+    for name in "abc":
+        cache.acquire(name.encode(), o.opener(name), keep=True)
+        cache.release(name.encode())
+    assert o.log == ["open a", "open b", "open c", "close a"] and cache.kept() == 2
+
+
+def test_unmap_closes_before_it_answers_at_once_when_idle_or_absent():
+    o, cache = Opened(), ImportCache(limit=0, keep=2)
+    cache.acquire(b"a", o.opener("a"), keep=True)
+    cache.release(b"a")
+    cache.unmap(b"a", lambda: o.log.append("answer a"))
+    cache.unmap(b"z", lambda: o.log.append("answer z"))
+    assert o.log == ["open a", "close a", "answer a", "answer z"]
+
+
+def test_unmap_of_a_held_mapping_answers_after_its_last_release_closed_it():
+    o, cache = Opened(), ImportCache(limit=0, keep=2)
+    cache.acquire(b"a", o.opener("a"), keep=True)
+    cache.acquire(b"a", o.opener("a"), keep=True)
+    cache.unmap(b"a", lambda: o.log.append("answer"))
+    cache.release(b"a")
+    assert o.log == ["open a"], "still held once: neither closed nor answered"
+    cache.release(b"a")
+    assert o.log == ["open a", "close a", "answer"]
+
+
+def test_close_idle_closes_kept_mappings_and_leaves_held_ones():
+    o, cache = Opened(), ImportCache(limit=0, keep=4)
+    for name in "ab":
+        cache.acquire(name.encode(), o.opener(name), keep=True)
+    cache.release(b"a")
+    cache.close_idle()
+    assert o.log == ["open a", "open b", "close a"] and len(cache) == 1
+
+
+def test_the_wire_carries_keep_both_ways():
+    h = Handoff(grant_id=1, handoff_id=2, handle=struct.pack("<QIBB2s", 64, 256, 1, 1, b"\0\0"), memory=MEM,
+                keep=True)
+    (back,) = decode_all(h.encode())
+    assert back.keep and back.deliver("00" * 24, "p").keep
+    (plain,) = decode_all(Handoff(grant_id=1, handoff_id=2, handle=h.handle, memory=MEM).encode())
+    assert not plain.keep
+
+
+# --- producer and consumer processes on the emulated runtime ---------------------------------------
+
+DELAYS = pytest.mark.parametrize("delay", [0.0, 0.02], ids=["delay0", "delay20ms"])
+
+
+def _run(broker, delay, breaks_p=None, breaks_c=None, allocs=2, rounds=3, size=4096):
+    """A producer and a consumer process hand ``allocs`` buffers over ``rounds`` times each
+    (workers.kept_producer / kept_consumer: the variants named there) and report."""
+    done = SPAWN.Event()
+    env = emu_env(op_delay_s=delay)
+    n = allocs * rounds
+    c = Proc(workers.kept_consumer, endpoint=broker.endpoint, channel="kept", env=env, count=n, size=size, done=done,
+             breaks=breaks_c)
+    p = Proc(workers.kept_producer, endpoint=broker.endpoint, channel="kept", env=env, allocs=allocs, rounds=rounds,
+             size=size, done=done, breaks=breaks_p)
+    pr, cr = p.result(), c.result()
+    assert isinstance(pr, dict) and "error" not in pr, pr
+    assert isinstance(cr, dict) and "error" not in cr, cr
+    assert cr["values"] == [(r * allocs + i) & 0xFF for r in range(rounds) for i in range(allocs)], cr
+    return pr, cr
+
+
+@DELAYS
+def test_a_consumer_opens_each_kept_allocation_once_and_its_producer_frees_it_after_asking(broker, delay):
+    pr, cr = _run(broker, delay)
+    assert cr["opens"] == 2 and cr["kept"] == 2, "one open per allocation, not per handoff; kept idle after"
+    assert cr["left"] == 0, "both closed when asked back"
+    assert pr["kept"] == 2 and pr["left"] == 0 and pr["retired"] == 0, "both asked back, answered and freed"
+    assert pr["races"] == cr["races"] == 0
+
+
+# The rule each variant breaks -> (the producer's variant, the consumer's).
+BROKEN = {
+    "the free not waiting for the consumers": ("free-at-close", None),
+    "UNMAPPED sent before the close": (None, "answer-first"),
+    "a mapping kept without its producer's promise": ("device-memory", "keep-everything"),
+    "BYE with kept mappings open": (None, "bye-with-mappings"),
+}
+
+
+@DELAYS
+@pytest.mark.races_expected
+@pytest.mark.parametrize("rule", list(BROKEN))
+def test_each_rule_broken_is_caught_every_time(broker, delay, rule):
+    """Each broken variant leaves the free of both allocations unordered with a close of their
+    mappings: the race checker reports both, whichever ran first."""
+    breaks_p, breaks_c = BROKEN[rule]
+    pr, cr = _run(broker, delay, breaks_p=breaks_p, breaks_c=breaks_c)
+    assert pr["races"] + cr["races"] == 2, (pr, cr)
+
+
+@DELAYS
+def test_memory_its_producer_does_not_own_is_never_kept(broker, delay):
+    pr, cr = _run(broker, delay, breaks_p="device-memory")
+    assert cr["opens"] == 6 and cr["kept"] == 0, "closed at each release: no keep promise was made"
+    assert pr["kept"] == 0 and pr["races"] == cr["races"] == 0
+
+
+@DELAYS
+def test_a_consumer_that_leaves_closes_its_kept_mappings_before_its_bye(broker, delay):
+    """The broker answers for it as gone, so its producer frees at once: after the close."""
+    pr, cr = _run(broker, delay, breaks_c="leave-first")
+    assert cr["kept"] == 2 and cr["left"] == 0 and pr["left"] == pr["retired"] == 0
+    assert pr["races"] == cr["races"] == 0
+
+
+@DELAYS
+def test_an_allocation_a_consumer_cannot_be_answered_for_stays_allocated(broker, delay):
+    """A label the broker never saw register (a consumer of the broker before a restart) is
+    fenced: its allocation is never freed while the producer lives; the consumer it could ask
+    still closed its mapping."""
+    pr, cr = _run(broker, delay, breaks_p="stranger")
+    assert pr["retired"] == pr["left"] == 2 and cr["left"] == 0
+    assert pr["races"] == cr["races"] == 0
+
+
+def test_a_round_open_when_the_broker_restarts_is_asked_again_and_ends(tmp_path):
+    """The open round is lost with the broker; the producer asks again after its new WELCOME, and
+    the new broker ends it: answered by the consumer if it registered again first, else fenced
+    (the allocation then stays). Either way no free comes before the consumer's close."""
+    b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=1.5).start()
+    env = emu_env(op_delay_s=0.0)
+    round_open, restarted = SPAWN.Event(), SPAWN.Event()
+    try:
+        c = Proc(workers.kept_silent_once_consumer, endpoint=b.endpoint, channel="kr", env=env, done=restarted)
+        p = Proc(workers.kept_restart_producer, endpoint=b.endpoint, channel="kr", env=env, size=4096,
+                 round_open=round_open, restarted=restarted)
+        assert round_open.wait(60), "the producer never opened its round"
+        b.stop(signal.SIGKILL)
+        b.start()
+        restarted.set()
+        pr, cr = p.result(), c.result()
+    finally:
+        b.stop()
+    assert isinstance(pr, dict) and "error" not in pr, pr
+    assert isinstance(cr, dict) and "error" not in cr, cr
+    assert pr["closed"], "the round lost with the old broker never ended"
+    assert pr["freed"] != pr["retired"], pr
+    assert pr["races"] == cr["races"] == 0
+
+
+@DELAYS
+def test_a_broker_that_does_not_carry_kept_mappings_is_sent_no_keep(broker, delay):
+    pr, cr = _run(broker, delay, breaks_p="old-broker")
+    assert pr["kept"] == 0 and cr["opens"] == 6 and cr["kept"] == 0, "opened and closed per handoff"
+    assert pr["left"] == 0 and pr["races"] == cr["races"] == 0
+
+
+@DELAYS
+def test_a_consumer_that_does_not_keep_mappings_gets_no_keep_and_is_answered_for(broker, delay):
+    pr, cr = _run(broker, delay, breaks_c="old-consumer")
+    assert cr["opens"] == 6 and cr["kept"] == 0, "the broker took keep off its DELIVERs"
+    assert pr["kept"] == 2 and pr["left"] == pr["retired"] == 0, "asked back, answered by the broker, freed"
+    assert pr["races"] == cr["races"] == 0
