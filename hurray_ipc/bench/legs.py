@@ -13,7 +13,7 @@ clock (CLOCK_MONOTONIC is system-wide), and reports each leg:
 ``broker dispatch``        the broker's core: decode, checks, matching, the DELIVER built
 ``broker flush``           until the DELIVER is handed to ZeroMQ (the rest of the drain round, encoding)
 ``hop out``                until the consumer's pump read the DELIVER
-``consumer``               the DELIVER read until ``receive()`` returned the handoff
+``consumer``               the DELIVER read until ``receive()`` and then ``wait()`` returned
 =========================  ==========================================================================
 
 A message is stamped when it is *handed* to ZeroMQ, not when the send call returns: the receiver
@@ -28,7 +28,9 @@ client session's ``send_frames`` and ``Session._handle``, the broker loop's ``re
 those functions renamed, a handoff sent twice) raises instead of reporting shifted legs.
 
 Each round runs ``send()`` (blocking: it waits for the broker's ACCEPTED, the public API's
-default), ``send(block=False)`` and the forwarding-only relay (bench/floor.py) in a shuffled
+default) of a CPU buffer, the same with ``send(block=False)``, ``send()`` of an emulated CUDA
+buffer (zero op delay, EVENT mode; the consumer's leg then includes ``wait()``, as the latency
+rows do) and the forwarding-only relay (bench/floor.py) in a shuffled
 order, each with its own broker; figures are medians over the rounds of each leg's per-round
 percentile. The timestamps cost a few microseconds per point, so the total is a little above the
 latency row's.
@@ -36,6 +38,7 @@ latency row's.
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import tempfile
@@ -63,7 +66,9 @@ LEGS: tuple[tuple[str, str, str], ...] = (
 )
 # Durations within a leg, reported beside the legs (not added to the total).
 ASIDES: tuple[tuple[str, str, str], ...] = (("broker send call", "deliver_send", "deliver_sent"),)
-MODES = ("send()", "send(block=False)")
+# label -> (device of both ends, send(block=))
+MODES: dict[str, tuple[str, bool]] = {"cpu send()": ("cpu", True), "cpu send(block=False)": ("cpu", False),
+                                      "emulated cuda send()": ("cuda:0", True)}
 
 
 def _broker(endpoint: str) -> dict[str, list[float]]:
@@ -102,7 +107,15 @@ def _broker(endpoint: str) -> dict[str, list[float]]:
     return stamps
 
 
-def _producer(endpoint: str, channel: str, n: int, block: bool) -> dict[str, list[float]]:
+def _emulation() -> dict[str, str]:
+    from ..devices.backend.emulated import EmulationConfig
+
+    return EmulationConfig(devices=1, op_delay_s=0.0).to_env()
+
+
+def _producer(endpoint: str, channel: str, n: int, device: str, block: bool,
+              env: dict[str, str]) -> dict[str, list[float]]:
+    os.environ.update(env)
     from ..client import Producer, session
 
     stamps: dict[str, list[float]] = {"send": [], "handoff_send": []}
@@ -114,7 +127,7 @@ def _producer(endpoint: str, channel: str, n: int, block: bool) -> dict[str, lis
         send(sock, frames, flags)
 
     session.send_frames = send_frames
-    with Producer(endpoint, channel, "cpu", prefetch=WINDOW) as p:
+    with Producer(endpoint, channel, device, prefetch=WINDOW) as p:
         buf = p.allocate(SIZE)
         for _ in range(WARMUP + n):
             time.sleep(PACE)  # idle between handoffs, as in every latency row
@@ -125,7 +138,8 @@ def _producer(endpoint: str, channel: str, n: int, block: bool) -> dict[str, lis
     return stamps
 
 
-def _consumer(endpoint: str, channel: str, n: int) -> dict[str, list[float]]:
+def _consumer(endpoint: str, channel: str, n: int, device: str, env: dict[str, str]) -> dict[str, list[float]]:
+    os.environ.update(env)
     from ..client import Consumer
     from ..client.session import Session
 
@@ -138,16 +152,17 @@ def _consumer(endpoint: str, channel: str, n: int) -> dict[str, list[float]]:
         handle(self, parts, out)
 
     Session._handle = _handle  # type: ignore[method-assign]
-    with Consumer(endpoint, channel, "cpu", prefetch=WINDOW) as c:
+    with Consumer(endpoint, channel, device, prefetch=WINDOW) as c:
         for _ in range(WARMUP + n):
             h = c.receive(timeout=60)
+            h.wait()
             stamps["received"].append(time.monotonic())
             h.release()
         c.flush_releases(30)
     return stamps
 
 
-def _one_mode(n: int, block: bool) -> dict[str, Any]:
+def _one_mode(n: int, mode: str) -> dict[str, Any]:
     """One mode's run with a broker of its own: each leg's p10/p50/p90 in microseconds."""
     tmp = Path(tempfile.mkdtemp(prefix="hurray-legs-"))
     ep = f"ipc://{tmp}/broker.sock"
@@ -158,8 +173,11 @@ def _one_mode(n: int, block: bool) -> dict[str, Any]:
             if not bp.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the legs broker did not start")
             time.sleep(0.01)  # polling for a file another process creates: no event to wait on
-        pr, cr = run_pair((_producer, {"endpoint": ep, "channel": "legs", "n": n, "block": block}),
-                          (_consumer, {"endpoint": ep, "channel": "legs", "n": n}))
+        device, block = MODES[mode]
+        env = _emulation() if device != "cpu" else {}
+        pr, cr = run_pair((_producer, {"endpoint": ep, "channel": "legs", "n": n, "device": device, "block": block,
+                                       "env": env}),
+                          (_consumer, {"endpoint": ep, "channel": "legs", "n": n, "device": device, "env": env}))
     finally:
         bp.terminate()
     br = bq.get(timeout=30)
@@ -196,7 +214,7 @@ def run_legs(n: int = 1000, rounds: int = 3, seed: int = 0,
     rng = random.Random(seed)
     raw: list[dict[str, Any]] = []
     for r in range(rounds):
-        runs: list[tuple[str, Callable[[], Any]]] = [(m, partial(_one_mode, n, m == "send()")) for m in MODES]
+        runs: list[tuple[str, Callable[[], Any]]] = [(m, partial(_one_mode, n, m)) for m in MODES]
         runs.append(("relay", lambda: bench_relay(Path(tempfile.mkdtemp(prefix="hurray-legs-")), SIZE, n, False)))
         rng.shuffle(runs)
         got: dict[str, Any] = {"round": r}
@@ -221,7 +239,7 @@ def run_legs(n: int = 1000, rounds: int = 3, seed: int = 0,
 
 def markdown(res: dict[str, Any]) -> str:
     head = " | ".join(f"{m} p50 (p10-p90)" for m in MODES)
-    lines = [f"One paced {res['size']} B CPU handoff, leg by leg (µs; medians of {res['rounds']} rounds of "
+    lines = [f"One paced {res['size']} B handoff, leg by leg (µs; medians of {res['rounds']} rounds of "
              f"{res['n']} handoffs)", "", f"| leg | {head} |", "|---|" + "---:|" * len(MODES)]
 
     def cell(f: dict[str, float]) -> str:
