@@ -247,7 +247,8 @@ def hold_first_then_receive(endpoint, channel, count, held, go, timeout=20.0):
 def kept_producer(endpoint, channel, env, allocs, rounds, size, done, breaks=None):
     """Send each of ``allocs`` buffers ``rounds`` times (written on the producer's stream, each
     release awaited), then close them and wait for their UNMAP rounds. ``breaks``: "free-at-close"
-    frees a closed buffer at once, without asking its consumers back; "old-broker" reads WELCOMEs
+    frees a closed buffer at once, without asking its consumers back; "refused" sends UNMAPs the
+    broker refuses; "old-broker" reads WELCOMEs
     as from a broker older than kept mappings; "stranger" names a consumer
     the broker never saw among those of every kept buffer; "device-memory" sends
     buffers the producer does not own (allocated on the device, not by ``allocate()``), freed
@@ -261,6 +262,9 @@ def kept_producer(endpoint, channel, env, allocs, rounds, size, done, breaks=Non
 
     if breaks == "free-at-close":
         P.Producer._closed = lambda self, ptr, free: free()
+    elif breaks == "refused":  # every UNMAP names a consumer label the broker refuses
+        unmap = P.UnmapMessage
+        P.UnmapMessage = lambda request, blob, consumers: unmap(request, blob, consumers=[*consumers, "NOT-A-LABEL"])
     elif breaks == "old-broker":  # its WELCOME does not say it carries kept mappings
         import dataclasses
 

@@ -68,6 +68,7 @@ from hurray_ipc.wire.ipc import Grant as GrantMessage
 from hurray_ipc.wire.messages import (
     MAX_CREDITS,
     MAX_HELD,
+    MAX_UNMAPS,
     AnyMessage,
     Bye,
     Caps,
@@ -113,7 +114,6 @@ MAX_RATE = 50_000.0  # messages per second one registered client may send (susta
 FENCE_TIMEOUTS = 20  # a consumer alive but silent this many timeouts while holding buffers is fenced (§5)
 MAX_ROUTING_ID = 32  # bytes: a DELIVER names its producer in a 32-byte field (spec §2.2)
 _RELEASED_MEMORY = 100_000  # released tokens remembered, to tell "already released" from "unknown"
-MAX_UNMAPS = 1024  # UNMAP rounds of one producer not yet answered (spec §6a)
 _GONE_LABELS = 65536  # labels of consumers proven gone, remembered to answer UNMAP for them (§4.10)
 _SAMPLE_EVERY_S = 1.0      # tick() samples the counters for the recent rates at most this often
 
@@ -147,6 +147,7 @@ class Client:
     revoked: bool = False
     bundles: bool = False  # its registration reads bundles (spec §2.2a): the loop may send it some
     kept_mappings: bool = False  # consumer: its registration reads ``keep`` and answers UNMAP (§4.10)
+    sent_keep: bool = False  # consumer: a DELIVER with ``keep`` went to it from this broker (§4.10)
 
     def __post_init__(self) -> None:
         self.rid_text = self.rid.decode(errors="replace")
@@ -401,7 +402,8 @@ class BrokerCore:
                 self._dispatch(rid, msg, now)
             except ProtocolError as e:
                 head = msg.header if isinstance(msg, Message) else msg.fields()
-                extra = {k: head[k] for k in ("handoff_id", "request_id", "token") if k in head and echoable(head[k])}
+                extra = {k: head[k] for k in ("handoff_id", "request_id", "token", "request")
+                         if k in head and echoable(head[k])}
                 extra.update(e.extra)
                 if "field" in extra and "value" not in extra:  # null: the message has no such field
                     extra["value"] = shown(head, str(extra["field"]))
@@ -630,6 +632,7 @@ class BrokerCore:
             # HELLO re-declares them; its deliveries stay bound: they are real.
             self._forget(old)
             c.held = old.held
+            c.sent_keep = old.sent_keep
         self.clients[rid] = c
         if role == "consumer":
             self.by_label[c.label] = rid
@@ -650,9 +653,15 @@ class BrokerCore:
         self._send(rid, Welcome(session=self.session, heartbeat_ms=int(self.heartbeat_s * 1000),
                                 timeout_ms=int(self.timeout_s * 1000), fence_ms=int(self.fence_s * 1000),
                                 kept_mappings=True))
-        for key in self.awaited_in.get(rid, ()):  # it thought us gone: an UNMAP may not have reached it
+        for key in list(self.awaited_in.get(rid, ())):  # it thought us gone: an UNMAP may not have reached it
             r = self.unmaps[key]
-            self._send(rid, Unmap(r.request, r.memory, producer_id=key[0]))
+            if c.kept_mappings:
+                self._send(rid, Unmap(r.request, r.memory, producer_id=key[0]))
+            else:  # it withdrew kept_mappings: it will not answer, and may still keep it mapped
+                self._answered(key, r, rid)
+                r.fenced.append(c.label)
+                if not r.waiting:
+                    self._close_round(key, answer=True)
         self._note(logging.INFO, {"event": "hello", "client": rid.decode(errors="replace"), "role": role,
                                   "channel": channel, "device": endpoint.identity.spec, "pid": endpoint.pid})
         if role == "producer":
@@ -989,6 +998,7 @@ class BrokerCore:
         deliver = msg.deliver(token, c.rid_text)
         if deliver.keep and not consumer.kept_mappings:
             deliver.keep = False  # it would not read the flag: it closes its mapping at the release (§4.10)
+        consumer.sent_keep = consumer.sent_keep or deliver.keep
         self._send(g.consumer, deliver)
         if msg.ack:  # acceptance is implicit (a refusal is an ERROR) unless asked for
             self._send(c.rid, Accepted(hid))
@@ -1237,7 +1247,9 @@ class BrokerCore:
         self._forget(c)
         if c.role == "consumer":
             self.stats.consumers_lost += why != "bye"
-            self._unmap_left(c, proven=why in ("bye", "process gone"))
+            # A BYE proves its mappings closed only when it held nothing: a delivery it still held
+            # (taken and not released, a release waiting for its device work) may be mapped (§4.10).
+            self._unmap_left(c, proven=why == "process gone" or (why == "bye" and not c.held))
             for x in [x for x in self.claim_of.values() if x.consumer == rid]:
                 self._drop_claim(x)
             held = list(self.held_by.get(rid, {}).values())
@@ -1279,8 +1291,11 @@ class BrokerCore:
         r = UnmapRound(c.rid, msg.request, msg.memory)
         for label in msg.consumers:
             rid = self.by_label.get(label)
-            if rid is not None and not self.clients[rid].kept_mappings:
-                r.unmapped.append(label)  # it was delivered no ``keep``: it closed at each release
+            c_rid = self.clients[rid] if rid is not None else None
+            if c_rid is not None and not c_rid.kept_mappings:
+                # It does not answer UNMAP. Sent no ``keep`` here, it closed at each release; sent
+                # some before it withdrew kept_mappings, it may still keep a mapping.
+                (r.fenced if c_rid.sent_keep else r.unmapped).append(label)
             elif rid is not None:
                 r.waiting.add(rid)
                 self.awaited_in.setdefault(rid, set()).add(key)

@@ -35,7 +35,7 @@ from ..transport import inproc
 from ..transport.pairing import Endpoint, ModeCache, PairModes, host_side
 from ..wire.ipc import MAX_BATCH, Accepted, EventReleased, Handoff, Released
 from ..wire.ipc import Grant as GrantMessage
-from ..wire.messages import AnyMessage, End, Error, Revoke
+from ..wire.messages import MAX_UNMAPS, AnyMessage, End, Error, Revoke
 from ..wire.messages import Unmap as UnmapMessage
 from ..wire.messages import Unmapped as UnmappedMessage
 from .credits import Credits
@@ -186,6 +186,7 @@ class _Kept:
     blob: bytes | None = None  # its memory blob, once exported
     consumers: set[str] = field(default_factory=set)  # labels it was delivered to with keep
     request: int | None = None  # the UNMAP round asking for it back, while one is open
+    asked: set[str] = field(default_factory=set)  # the labels that round asked
     free: Callable[[], None] | None = None  # set when the application closed it: free it then
     retired: bool = False  # a consumer could not be answered for: never freed while we live
 
@@ -256,7 +257,9 @@ class Producer:
         # GPU allocations of allocate() by base address, and the open UNMAP rounds (spec §4.10).
         self._kept: dict[int, _Kept] = {}
         self._rounds: dict[int, int] = {}  # request -> base address
+        self._unasked: list[int] = []  # base addresses waiting for a round (MAX_UNMAPS are open)
         self._unmap_ids = itertools.count(1)
+        self._asked_of: str | None = None  # the broker session the open rounds were asked of
         self.session = Session(endpoint, "producer", channel, self._hello, self._dispatch,
                                heartbeat_s=heartbeat_s, timeout_s=timeout_s)
         self.session.on_welcome.append(self._ask_again)
@@ -310,6 +313,9 @@ class Producer:
             self.grants.revoked(msg.grant_ids)
         elif isinstance(msg, Error):
             h = msg.fields()
+            if h.get("ref") == "UNMAP" and h.get("request") in self._rounds:
+                self._unmap_refused(h["request"], msg)
+                return []
             ref = msg.handoff_id
             if ref is not None and ref in self._out:
                 hid = ref
@@ -425,20 +431,42 @@ class Producer:
 
     def _ask_back(self, ptr: int, k: _Kept) -> None:
         """UNMAP: ask every consumer this allocation was delivered to with ``keep`` to close its
-        mapping (under the session lock)."""
+        mapping (under the session lock); at most MAX_UNMAPS rounds at once, the rest wait."""
         assert k.blob is not None  # consumers are recorded only with the blob
+        if not self.session.kept_mappings:  # registered again with a broker that cannot ask them
+            k.retired = True
+            log.warning("an allocation of allocate() kept mapped by consumers stays allocated until this process "
+                        "exits: the broker does not carry UNMAP (spec §4.10)")
+            return
+        if len(self._rounds) >= MAX_UNMAPS:
+            if ptr not in self._unasked:
+                self._unasked.append(ptr)
+            return
         k.request = request = next(self._unmap_ids)
+        k.asked = set(k.consumers)
         self._rounds[request] = ptr
-        self.session.send(UnmapMessage(request, k.blob, consumers=sorted(k.consumers)))
+        self._asked_of = self.session.broker_session
+        self.session.send(UnmapMessage(request, k.blob, consumers=sorted(k.asked)))
 
     def _ask_again(self) -> None:
-        """After a WELCOME: the rounds still open were lost with the broker that had them (or
-        not: an answer to a round asked again is ignored), so they are asked again."""
+        """After a WELCOME from another broker session: the rounds still open were lost with the
+        broker that had them, so they are asked again (a re-registration with the same broker
+        keeps them)."""
+        if self.session.broker_session == self._asked_of:
+            return
         for request, ptr in list(self._rounds.items()):
             del self._rounds[request]
             k = self._kept[ptr]
             k.request = None
             self._ask_back(ptr, k)
+
+    def _ask_next(self) -> None:
+        """A round ended: ask one waiting for a free place."""
+        while self._unasked and len(self._rounds) < MAX_UNMAPS:
+            ptr = self._unasked.pop(0)
+            k = self._kept.get(ptr)
+            if k is not None and k.request is None and not k.retired:
+                self._ask_back(ptr, k)
 
     def _unmapped(self, msg: UnmappedMessage) -> None:
         """The broker closed an UNMAP round: free the allocation if the application closed it
@@ -448,6 +476,7 @@ class Producer:
         if k is None or k.request != msg.request:
             return
         k.request = None
+        self._ask_next()
         me = self.session.client_id
         for label in msg.unmapped or []:  # each closed its mapping before it answered
             self.device.order_receive(order_key(me, msg.request, f"unmapped:{label}"))
@@ -459,10 +488,19 @@ class Producer:
                         "registered since a broker restart): it stays allocated until this process exits",
                         ", ".join(msg.fenced))
             return
-        k.consumers.clear()
-        if k.free is not None:
+        k.consumers -= k.asked
+        if k.free is not None and not k.consumers:
             del self._kept[ptr]  # type: ignore[arg-type]
             k.free()
+
+    def _unmap_refused(self, request: int, err: Error) -> None:
+        """The broker refused an UNMAP (a library bug, or a broker's limit): nobody was asked, so
+        the allocation stays allocated until this process exits."""
+        k = self._kept[self._rounds.pop(request)]
+        k.request, k.retired = None, True
+        log.error("UNMAP %d refused (%s: %s): its allocation stays allocated until this process exits", request,
+                  err.code, err.message)
+        self._ask_next()
 
     def _unmap_all(self, timeout: float) -> None:
         """At close: ask back every kept allocation and wait (at most ``timeout`` s) for the
@@ -477,6 +515,9 @@ class Producer:
             except (TimeoutError, BrokerUnavailable):
                 pass
         with self.session.lock:
+            for ptr in self._unasked:
+                self._kept[ptr].retired = True
+            self._unasked.clear()
             for request in list(self._rounds):
                 k = self._kept[self._rounds.pop(request)]
                 k.request, k.retired = None, True
@@ -774,7 +815,8 @@ class Producer:
                 msg.memory = exp.blob
                 msg.offset = exp.offset
                 kept = self._kept.get(share.ptr - exp.offset) if on_gpu and not msg.staged else None
-                if kept is not None and kept.free is None and self.session.kept_mappings:
+                if (kept is not None and kept.free is None and kept.request is None and not kept.retired
+                        and self.session.kept_mappings):
                     # Ours to free, so the consumer may keep its mapping after the release (§4.10).
                     msg.keep = True
                     kept.blob = exp.blob

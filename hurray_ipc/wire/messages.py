@@ -23,9 +23,10 @@ from .fields import ABSENT, FieldError, check, is_label
 from .ipc import BLOB_SIZE, PROTOCOL_VERSION, HotMessage, Message, ProtocolError
 
 __all__ = [
-    "MAX_CREDITS", "MAX_HELD", "MAX_OUTSTANDING_CLAIMS", "AnyMessage", "Bye", "Caps", "CapsReply", "ChannelState",
-    "End", "Error", "HeldClaim", "Hello", "JsonMessage", "Ping", "Pong", "ProducerGone", "Ready", "Request", "Revoke",
-    "Route", "Shutdown", "Stats", "StatsReply", "Unmap", "Unmapped", "Welcome", "echoable", "parse",
+    "MAX_CREDITS", "MAX_HELD", "MAX_OUTSTANDING_CLAIMS", "MAX_UNMAPS", "AnyMessage", "Bye", "Caps", "CapsReply",
+    "ChannelState", "End", "Error", "HeldClaim", "Hello", "JsonMessage", "Ping", "Pong", "ProducerGone", "Ready",
+    "Request", "Revoke", "Route", "Shutdown", "Stats", "StatsReply", "Unmap", "Unmapped", "Welcome", "echoable",
+    "parse",
 ]
 
 MAX_CREDITS = 4096  # credits one REQUEST, READY or batch header asks for (spec §2: 1-4096)
@@ -34,6 +35,7 @@ MAX_OUTSTANDING_CLAIMS = MAX_CREDITS  # handoffs a re-registering producer may l
 MAX_CHANNEL = 256  # characters of a channel name
 MAX_NAME = 128  # characters of a client's name kept
 MAX_UNMAP_CONSUMERS = 4096  # labels one UNMAP names (spec §4.10)
+MAX_UNMAPS = 1024  # UNMAPs of one producer not yet answered (spec §6a)
 
 
 def echoable(v: Any) -> bool:
@@ -604,7 +606,7 @@ class Unmapped(JsonMessage):
     UNMAP ``request`` (or had none). From the broker to the producer: round ``request`` is over;
     the consumers of ``unmapped`` answered, those of ``gone`` left proven gone, those of
     ``fenced`` cannot be answered for: while any is listed there, the allocation stays allocated
-    until the producer leaves."""
+    for as long as the producer lives."""
 
     verb: ClassVar[str] = "UNMAPPED"
     request: int
