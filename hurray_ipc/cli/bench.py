@@ -20,7 +20,9 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ..bench.scaling import run_scaling, scaling_targets
 from ..bench.suite import aggregate, machine, markdown, plot, run_suite, targets
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     n_large = max(5, n_small // 10) if a.iterations else (200 if a.full else 40)
     out = Path(a.out or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    say = (lambda s: None) if a.quiet else (lambda s: print(f"  running {s} ...", file=sys.stderr, flush=True))
+    say = _say(a)
     rounds = a.rounds or (5 if a.full else 3)
     if a.scaling:
         try:
@@ -111,36 +113,35 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _stages(a: argparse.Namespace) -> int:
-    from ..bench import stages
+def _say(a: argparse.Namespace) -> Callable[[str], None]:
+    return (lambda s: None) if a.quiet else (lambda s: print(f"  running {s} ...", file=sys.stderr, flush=True))
 
-    say = (lambda s: None) if a.quiet else (lambda s: print(f"  running {s} ...", file=sys.stderr, flush=True))
-    n = a.iterations or (20000 if a.full else 5000)
-    res = stages.run_stages(n, rounds=a.rounds or (5 if a.full else 3), seed=a.seed, say=say)
-    out = Path(a.out or f"results/stages-{time.strftime('%Y%m%d-%H%M%S')}")
+
+def _write(a: argparse.Namespace, name: str, res: dict[str, Any], md: str) -> int:
+    """Write ``res`` as <out>/<name>.json and ``md`` as <out>/<name>.md, print the markdown."""
+    out = Path(a.out or f"results/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "stages.json").write_text(json.dumps(res, indent=1))
-    md = stages.markdown(res)
-    (out / "stages.md").write_text(md)
+    (out / f"{name}.json").write_text(json.dumps(res, indent=1))
+    (out / f"{name}.md").write_text(md)
     print(md)
     print(f"results in {out}/")
     return 0
+
+
+def _stages(a: argparse.Namespace) -> int:
+    from ..bench import stages
+
+    res = stages.run_stages(a.iterations or (20000 if a.full else 5000), rounds=a.rounds or (5 if a.full else 3),
+                            seed=a.seed, say=_say(a))
+    return _write(a, "stages", res, stages.markdown(res))
 
 
 def _legs(a: argparse.Namespace) -> int:
     from ..bench import legs
 
-    say = (lambda s: None) if a.quiet else (lambda s: print(f"  running {s} ...", file=sys.stderr, flush=True))
     res = legs.run_legs(a.iterations or (3000 if a.full else 1000), rounds=a.rounds or (5 if a.full else 3),
-                        seed=a.seed, say=say)
-    out = Path(a.out or f"results/legs-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "legs.json").write_text(json.dumps(res, indent=1))
-    md = legs.markdown(res)
-    (out / "legs.md").write_text(md)
-    print(md)
-    print(f"results in {out}/")
-    return 0
+                        seed=a.seed, say=_say(a))
+    return _write(a, "legs", res, legs.markdown(res))
 
 
 if __name__ == "__main__":
