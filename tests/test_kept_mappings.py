@@ -1,5 +1,7 @@
 """Kept mappings (docs/spec/ipc-protocol.md §4.10): the broker's UNMAP rounds, driven without
-sockets, and the consumer's import cache that keeps and gives back mappings."""
+sockets; the consumer's import cache that keeps and gives back mappings; and producer and consumer
+processes on the emulated runtime, whose race checker fails each broken variant every time (the
+free of a kept allocation must be ordered after every consumer's close of its mapping)."""
 
 from __future__ import annotations
 
