@@ -564,10 +564,7 @@ class BrokerCore:
             r = self.unmaps.get(key)
             c = self.clients.get(rid)
             if r is not None and rid in r.waiting and c is not None:
-                self._answered(key, r, rid)
-                r.fenced.append(c.label)
-                if not r.waiting:
-                    self._close_round(key, answer=True)
+                self._settle(key, r, rid, r.fenced, c.label)
         if d is not None and d.consumer == rid:
             self._release(d, f"undelivered: {why}"[:200])
             c = self.clients.get(rid)
@@ -658,10 +655,7 @@ class BrokerCore:
             if c.kept_mappings:
                 self._send(rid, Unmap(r.request, r.memory, producer_id=key[0]))
             else:  # it withdrew kept_mappings: it will not answer, and may still keep it mapped
-                self._answered(key, r, rid)
-                r.fenced.append(c.label)
-                if not r.waiting:
-                    self._close_round(key, answer=True)
+                self._settle(key, r, rid, r.fenced, c.label)
         self._note(logging.INFO, {"event": "hello", "client": rid.decode(errors="replace"), "role": role,
                                   "channel": channel, "device": endpoint.identity.spec, "pid": endpoint.pid})
         if role == "producer":
@@ -1320,8 +1314,13 @@ class BrokerCore:
         r = self.unmaps.get(key)
         if r is None or c.rid not in r.waiting:
             return
-        self._answered(key, r, c.rid)
-        r.unmapped.append(c.label)
+        self._settle(key, r, c.rid, r.unmapped, c.label)
+
+    def _settle(self, key: tuple[str, int], r: UnmapRound, rid: bytes, into: list[str], label: str) -> None:
+        """``rid`` is no longer awaited in round ``key``: its ``label`` goes to ``into`` (one of
+        the round's lists), and the round ends when nobody is awaited any more."""
+        self._answered(key, r, rid)
+        into.append(label)
         if not r.waiting:
             self._close_round(key, answer=True)
 
@@ -1342,10 +1341,7 @@ class BrokerCore:
                 self.gone_labels.popitem(last=False)
         for key in list(self.awaited_in.get(c.rid, ())):
             r = self.unmaps[key]
-            self._answered(key, r, c.rid)
-            (r.gone if proven else r.fenced).append(c.label)
-            if not r.waiting:
-                self._close_round(key, answer=True)
+            self._settle(key, r, c.rid, r.gone if proven else r.fenced, c.label)
 
     def _close_round(self, key: tuple[str, int], answer: bool) -> None:
         r = self.unmaps.pop(key)
