@@ -32,6 +32,7 @@ GIVE_BACK = ["tests/test_give_back.py"]
 END_OF_STREAM = ["tests/test_end_of_stream.py"]
 GPU_READABLE = ["tests/test_gpu_readable.py"]
 KEPT = ["tests/test_kept_mappings.py"]
+THREADS = ["tests/test_client_threads.py"]
 FENCING = ["tests/test_fencing.py", "tests/test_broker_core.py", "tests/test_end_of_stream.py::test_vector_on_the_core"]
 
 # name -> (file, the exact text of the step, what replaces it[, the tests to run; default TESTS])
@@ -287,6 +288,24 @@ MUTANTS: dict[str, tuple[str, ...]] = {
     "kept-stranger-gone": ("hurray_ipc/broker/core.py",
                            "            elif label in self.gone_labels:\n",
                            "            elif True:  # MUTANT: a label never seen answered as gone\n", *KEPT),
+    # Threads waiting in one client (issue 24): none sleeps holding the session lock, and whoever
+    # dispatches, or consumes the socket's edge, or closes, wakes the sleeping ones.
+    "wait-holding-the-lock": ("hurray_ipc/client/session.py",
+                              "                        lead = not self._leader\n",
+                              "                        self._sleep.poll(int(wait * 1000))  # MUTANT: under the lock\n"
+                              "                        lead = False\n", *THREADS),
+    "followers-not-woken": ("hurray_ipc/client/session.py",
+                            "        if self._followers:\n            with self._turn:",
+                            "        if False:  # MUTANT: followers sleep on\n            with self._turn:", *THREADS),
+    "leader-not-poked-after-a-dispatch": ("hurray_ipc/client/session.py",
+                                          "        if self._leader:\n            self._poke()\n",
+                                          "        pass  # MUTANT: the leader sleeps on\n", *THREADS),
+    "leader-not-poked-after-a-send": ("hurray_ipc/client/session.py",
+                                      "                self._poke()  # the send took",
+                                      "                pass  # MUTANT: the send took", *THREADS),
+    "leader-not-woken-at-close": ("hurray_ipc/client/session.py",
+                                  "            self._wake_others()  # before the socket goes: a leader polls its fd\n",
+                                  "            pass  # MUTANT: no wake at close\n", *THREADS),
 }
 
 

@@ -6,13 +6,22 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import select
 import threading
+import time
 import warnings
 
 import numpy as np
+import pytest
+import zmq
 
 from hurray_ipc.client import Consumer, Producer
 from hurray_ipc.client import session as session_mod
+from hurray_ipc.client.session import Session
+from hurray_ipc.errors import ClosedError
+from hurray_ipc.transport.sockets import readable
+from hurray_ipc.wire.messages import ChannelState, Ping, Request, Welcome
 
 THREADS = 3
 PER_THREAD = 40
@@ -189,3 +198,141 @@ def test_event_synchronize_on_a_dead_zombie_recorder_raises():
         os.waitpid(pid, 0)
         ev.words[2] = 1  # let any waiter finish
         rt.event_destroy(ev)
+
+
+# --- waiting threads, without sockets of a real broker ---------------------------------------------
+# A fake broker (a ROUTER the test drives) answers the HELLO and then says nothing unless told.
+# With a heartbeat of a minute nothing arrives by itself, so a thread that waits between pump
+# rounds for anything but what the tests below require sleeps past their 10 s bound.
+
+
+class FakeBroker:
+    def __init__(self, tmp_path) -> None:
+        self.ctx = zmq.Context.instance()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"ipc://{tmp_path}/fake.sock"
+        self.router.bind(self.endpoint)
+        self.rid = b""
+
+    def next(self, timeout_s: float = 10.0) -> list[bytes]:
+        assert self.router.poll(int(timeout_s * 1000)), "the fake broker got nothing"
+        rid, *frames = self.router.recv_multipart()
+        self.rid = rid
+        return frames
+
+    def say(self, msg) -> None:
+        self.router.send_multipart([self.rid, *msg.encode()])
+
+    def close(self) -> None:
+        self.router.close()
+
+
+@pytest.fixture
+def fake(tmp_path):
+    f = FakeBroker(tmp_path)
+    yield f
+    f.close()
+
+
+def _session(fake: FakeBroker, dispatch) -> Session:
+    s = Session(fake.endpoint, "consumer", "ch", lambda epoch: {"endpoint": {}}, dispatch, heartbeat_s=60.0,
+                timeout_s=120.0)
+    assert fake.next()[0] == b"HELLO"
+    fake.say(Welcome(session="ab" * 8, heartbeat_ms=60_000, timeout_ms=120_000, fence_ms=120_000))
+    s.pump(lambda: s.registered, 10, "registering")
+    return s
+
+
+def _waiting(s: Session, until, what: str, errors: list[BaseException] | None = None) -> threading.Thread:
+    """A thread pumping until ``until()``; what it raises goes to ``errors``."""
+    def run() -> None:
+        try:
+            s.pump(until, 30, what)
+        except BaseException as e:  # noqa: BLE001
+            (errors if errors is not None else []).append(e)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th
+
+
+def _until(cond, what: str) -> None:
+    """Spin (bounded) until another thread reached a state the test observes."""
+    limit = time.monotonic() + 10
+    while not cond():
+        assert time.monotonic() < limit, what
+        time.sleep(0.001)
+
+
+def test_a_thread_waiting_for_a_message_never_keeps_another_from_sending(fake):
+    """A waits (for a message only the test would send); B's send must leave at once. A pump that
+    slept holding the session lock kept B's send back until its heartbeat (a minute here): a
+    producer thread's HANDOFF waited for another thread's wait to end."""
+    s = _session(fake, lambda msg: [])
+    errors: list[BaseException] = []
+    try:
+        a = _waiting(s, lambda: False, "waiting for nothing", errors)
+        _until(lambda: s._leader, "A never slept between rounds")
+        s.send(Request(3))
+        assert fake.next()[0] == b"REQUEST", "B's send left"
+    finally:
+        s.close()
+    a.join(10)
+    assert not a.is_alive(), "close() left a sleeping thread asleep"
+    assert [type(e) for e in errors] == [ClosedError], errors
+
+
+def test_a_message_one_waiting_thread_takes_wakes_the_others(fake):
+    """Three threads wait for the first, second and third message; whichever thread drains the
+    socket dispatches all of them, and each other thread must look again at once, not at its
+    next heartbeat (a minute)."""
+    seen: list[object] = []
+    s = _session(fake, lambda msg: seen.append(msg) or [])
+    try:
+        threads = [_waiting(s, lambda n=n: len(seen) >= n, f"waiting for message {n}") for n in (1, 2, 3)]
+        _until(lambda: s._leader and s._followers == 2, "the three threads never all waited")
+        for _ in range(3):
+            fake.say(ChannelState(False))
+        for th in threads:
+            th.join(10)
+            assert not th.is_alive(), "a waiting thread slept through what another one dispatched"
+    finally:
+        s.close()
+
+
+def _poked(s: Session) -> bool:
+    """The wake pipe holds a byte (and is emptied)."""
+    if not select.select([s._wake_r], [], [], 0)[0]:
+        return False
+    os.read(s._wake_r, 4096)
+    return True
+
+
+def test_whoever_takes_what_the_sleeping_thread_waits_on_wakes_it(fake):
+    """The leader sleeps on the socket's edge-triggered fd: a pump round of another thread (the
+    background pump's) that drains a message, or a send that finds one arrived, consumed the edge
+    the leader would wake on, so it must write the wake pipe; so must close(). As if a leader
+    slept (no thread does, so nothing else touches the socket or the pipe)."""
+    s = _session(fake, lambda msg: [])
+    try:
+        with s.lock:
+            s._leader = True
+            s._pump_once(lambda: False, None, [])
+            assert not _poked(s), "nothing arrived: no wake"
+            fake.say(ChannelState(False))
+            _until(lambda: readable(s.sock), "the message never arrived")
+            s._pump_once(lambda: False, None, [])
+            assert _poked(s), "a round dispatched a message and let the leader sleep on"
+            fake.say(ChannelState(False))
+            _until(lambda: readable(s.sock), "the message never arrived")
+            s.send(Ping())
+            assert _poked(s), "a send found a message arrived and let the leader sleep on"
+            s._pump_once(lambda: False, None, [])  # took it
+            _poked(s)
+            assert not readable(s.sock)
+        s.close()
+        assert _poked(s), "close() let the leader sleep on (on the fd of a closed socket)"
+    finally:
+        s._leader = False
+        s.close()

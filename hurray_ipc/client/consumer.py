@@ -928,7 +928,7 @@ class Consumer:
         """The next handoff, awaited on the running asyncio loop (raises TimeoutError, or
         BrokerUnavailable). The loop is never blocked: each attempt is one non-blocking pump
         round, and between attempts the coroutine awaits the session socket becoming readable
-        (watched by the loop's selector on ZMQ_FD, as zmq.asyncio does) or the pump thread
+        (watched by the loop's selector on ZMQ_FD, as zmq.asyncio does) or another thread
         having dispatched something (woken through the loop, thread-safely). A zmq.asyncio
         Poller is not used on the socket itself because it would call into libzmq from the
         loop's thread outside the session lock, while the pump thread uses the socket."""

@@ -1,12 +1,17 @@
 """One client's connection to the broker: registration, heartbeats, and message pumping.
 
 The calling thread does the socket work itself (no extra thread hop on the fast path): an API call
-takes the session lock and *pumps* — sends, polls, dispatches what arrives — until its condition
-holds. A background thread pumps only while no API call does, so releases and heartbeats are
-handled while the application is busy elsewhere. Callbacks produced by dispatch run after the lock
-is dropped, so a release callback may itself call into the client; one that raises is contained
-(:func:`run_callbacks`). The lock is held one pump round at a time, never across a whole wait, so
-several threads may wait at once (:meth:`Session.pull` is thread-safe).
+*pumps* — sends, drains, dispatches what arrives — until its condition holds. A background thread
+pumps only while no API call does, so releases and heartbeats are handled while the application is
+busy elsewhere. Callbacks produced by dispatch run after the lock is dropped, so a release callback
+may itself call into the client; one that raises is contained (:func:`run_callbacks`).
+
+Several threads may wait at once (:meth:`Session.pull` is thread-safe), and none waits holding the
+lock: a pump round (under the lock) never blocks, and between rounds one waiting thread, the
+*leader*, sleeps on the socket's file descriptor and a wake-up pipe while the others sleep on a
+condition. Whoever dispatched something or touched the socket while others wait wakes them (the
+ZMQ_FD is edge-triggered: another thread's send or drain can consume the edge the leader sleeps
+on), so a thread that sends a HANDOFF never waits for another thread's sleep to end.
 
 The broker is considered gone after ``timeout_s`` without any message from it; calls then raise
 :class:`BrokerUnavailable`. The session keeps pinging, and when a broker answers again (a restarted
@@ -18,11 +23,14 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import select
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +51,19 @@ POLL_BUSY_S = 0.002  # how long one pump round blocks on the socket while the ow
 
 
 callback_errors = 0  # user callbacks that raised (all sessions of this process); see run_callbacks
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def run_callbacks(callbacks: list[Callback]) -> None:
@@ -130,11 +151,24 @@ class Session:
         self.sock.setsockopt(zmq.IDENTITY, self.client_id.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(self.endpoint)
-        self._poller = zmq.Poller()  # one, reused: Socket.poll() builds a Poller per call
-        self._poller.register(self.sock, zmq.POLLIN)
         self.fd = int(self.sock.getsockopt(zmq.FD))  # readable when the socket has work (edge-triggered)
-        # Called (with nothing held) after a pump round that received something: the asyncio API
-        # wakes its coroutine this way when the pump thread took the message it waits for.
+        # Waiting between pump rounds (see the module doc): the leader polls the socket's fd and
+        # the wake pipe; followers wait for ``_gen`` to move. ``_leader`` and ``_followers`` are
+        # read and written under ``lock``; ``_gen`` under ``_turn``.
+        self._leader = False
+        self._followers = 0
+        self._gen = 0
+        self._turn = threading.Condition(threading.Lock())
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)  # a leader may still poll it at close()
+        self._sleep = select.poll()  # used by the leader only, one at a time
+        self._sleep.register(self.fd, select.POLLIN)
+        self._sleep.register(self._wake_r, select.POLLIN)
+        # Called (under the lock; each must be thread-safe and never block) after a pump round that
+        # received something: the asyncio API wakes its coroutine this way when another thread
+        # took the message it waits for.
         self.wakers: list[Callable[[], None]] = []
         self._outbox: list[AnyMessage] = []  # hot messages held for one batch (see queue())
         self._held = 0  # holding() depth: flush_out waits for the outermost to end
@@ -206,6 +240,8 @@ class Session:
                 send_frames(self.sock, encode_group(group))
                 self.messages_sent += 1
             self.last_tx = time.monotonic()
+            if self._leader and readable(self.sock):
+                self._poke()  # the send took the edge of what arrived meanwhile: the leader would sleep on
 
     def set_route(self, route: dict[str, Any] | None, key: str) -> None:
         """Announce this client's route across machines (ROUTE, spec §2.4; a bridge's, see
@@ -313,33 +349,75 @@ class Session:
         """
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
+        following = False
         while True:
-            self.check_open(what)
             callbacks: list[Callback] = []
+            lead, gen, stop = False, 0, None
             with self.lock:
-                done = self._pump_once(until, deadline, callbacks)
+                if following:
+                    self._followers -= 1
+                    following = False
+                self.check_open(what)
+                done, wait = self._pump_once(until, deadline, callbacks)
+                if not done:
+                    stop = self._why_stop(start, deadline, timeout, what)
+                    if stop is None:
+                        lead = not self._leader
+                        if lead:
+                            self._leader = True
+                        else:
+                            self._followers += 1
+                            following = True
+                            gen = self._gen
             run_callbacks(callbacks)
             if done:
                 return
-            now = time.monotonic()
-            if self.shutdown_reason and not self.registered:
-                raise BrokerUnavailable(f"broker at {self.endpoint} shut down ({self.shutdown_reason}) while {what}")
-            if now - self.last_rx > self.timeout_s:
-                raise BrokerUnavailable(self._silence(now, start, what))
-            if deadline is not None and now >= deadline:
-                if self.broker_session is None and no_socket_file(self.endpoint):
-                    raise BrokerUnavailable(self._silence(now, start, what))  # nobody can answer
-                never = "" if self.broker_session is not None else (
-                    f"; no broker has answered at {self.endpoint} yet: {unavailable_hint(self.endpoint)}")
-                raise HurrayTimeout(f"timed out after {timeout} s while {what}{never}")
+            if stop is not None:
+                raise stop
+            if lead:
+                try:
+                    self._lead(wait)
+                except BaseException:
+                    with self.lock:
+                        self._stop_leading()
+                    raise
+                callbacks = []
+                with self.lock:
+                    self._stop_leading()
+                    if not self.closed:  # what woke it, at once (the next round would look again)
+                        self._take_in(callbacks)
+                        done = until()
+                run_callbacks(callbacks)
+                if done:
+                    return
+            else:
+                with self._turn:
+                    self._turn.wait_for(partial(self._moved, gen), wait)
 
-    def _pump_once(self, until: Callable[[], bool], deadline: float | None, out: list[Callback]) -> bool:
+    def _why_stop(self, start: float, deadline: float | None, timeout: float | None, what: str) -> Exception | None:
+        """Why a pump that is not done must stop now (shutdown, a silent broker, its deadline), or None."""
+        now = time.monotonic()
+        if self.shutdown_reason and not self.registered:
+            return BrokerUnavailable(f"broker at {self.endpoint} shut down ({self.shutdown_reason}) while {what}")
+        if now - self.last_rx > self.timeout_s:
+            return BrokerUnavailable(self._silence(now, start, what))
+        if deadline is not None and now >= deadline:
+            if self.broker_session is None and no_socket_file(self.endpoint):
+                return BrokerUnavailable(self._silence(now, start, what))  # nobody can answer
+            never = "" if self.broker_session is not None else (
+                f"; no broker has answered at {self.endpoint} yet: {unavailable_hint(self.endpoint)}")
+            return HurrayTimeout(f"timed out after {timeout} s while {what}{never}")
+        return None
+
+    def _pump_once(self, until: Callable[[], bool], deadline: float | None, out: list[Callback]) -> tuple[bool, float]:
+        """One pump round, under the lock, never blocking: returns whether ``until()`` holds, and
+        how long the caller may sleep before the next round (heartbeat, deadline, owner's work)."""
         if self.deferred:
             out.extend(self.deferred)
             self.deferred.clear()
         busy = self._poll() if self._poll is not None else False
         if until():
-            return True  # held messages stay held: the caller goes on and may add to them
+            return True, 0.0  # held messages stay held: the caller goes on and may add to them
         if self._outbox:
             self.flush_out()  # before waiting: nothing held waits on the socket
         now = time.monotonic()
@@ -348,14 +426,69 @@ class Session:
                 self._register()
             else:
                 self.send(Ping())
+        self._take_in(out)
         wait = self.heartbeat_s if deadline is None else max(0.0, min(self.heartbeat_s, deadline - now))
-        if busy:
-            wait = min(wait, POLL_BUSY_S)
+        return until(), (min(wait, POLL_BUSY_S) if busy else wait)
+
+    def _lead(self, wait: float) -> None:
+        """Sleep (without the lock) until the socket has a message, a poke, or ``wait`` passed. The
+        ZMQ_FD also wakes for libzmq's own commands (e.g. after our send): those are told apart here
+        with one locked ZMQ_EVENTS look, as zmq_poll does inside, not with a whole pump round."""
+        end = time.monotonic() + wait
+        while True:
+            woke = self._sleep.poll(max(1, int((end - time.monotonic()) * 1000)))
+            if not woke:
+                return
+            if any(fd == self._wake_r for fd, _ in woke):
+                _drain(self._wake_r)
+                return
+            with self.lock:
+                if self.closed or readable(self.sock):
+                    return
+            if time.monotonic() >= end:
+                return
+
+    def _stop_leading(self) -> None:
+        """Under the lock: the leader woke; a follower may have to lead now."""
+        self._leader = False
+        self._wake_followers()
+
+    def _take_in(self, out: list[Callback]) -> None:
+        """Under the lock: receive and dispatch everything readable (no exception ends it), then
+        wake whoever waits between rounds when something came."""
+        received = self.messages_received
         sock = self.sock
-        if readable(sock) or self._poller.poll(int(wait * 1000) if wait > 0 else 0):
-            while readable(sock):  # drain; no exception ends it
-                self._handle(recv_frames(sock, NOBLOCK), out)
-        return until()
+        while readable(sock):
+            self._handle(recv_frames(sock, NOBLOCK), out)
+        if received != self.messages_received:
+            self._wake_others()
+
+    def _moved(self, gen: int) -> bool:
+        return self._gen != gen
+
+    def _wake_others(self) -> None:
+        """Under the lock, after a dispatch: the threads waiting between rounds look again, and so
+        do the coroutines waiting on this socket (their waker is thread-safe and never blocks)."""
+        if self._leader:
+            self._poke()
+        self._wake_followers()
+        for wake in list(self.wakers):  # a coroutine may add or remove its own meanwhile
+            try:
+                wake()
+            except RuntimeError:  # its event loop closed meanwhile: nobody waits there
+                pass
+
+    def _wake_followers(self) -> None:
+        if self._followers:
+            with self._turn:
+                self._gen += 1
+                self._turn.notify_all()
+
+    def _poke(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full: the leader wakes anyway
 
     def _silence(self, now: float, start: float, what: str) -> str:
         silent, waited = now - self.last_rx, now - start
@@ -372,25 +505,21 @@ class Session:
 
     def _background(self) -> None:
         # Never blocks while holding the lock: an API call waits at most one non-blocking drain.
+        # Pumps only while no API call waits: a waiting call's own rounds do the work (its
+        # leader wakes on the socket, and at least every heartbeat), and a round here would
+        # flush messages the caller holds for one batch and take away its wake-ups.
         idle = min(0.02, self.heartbeat_s / 5)
         while not self.closed:
-            if self.lock.acquire(blocking=False):
+            if not self._leader and self.lock.acquire(blocking=False):
                 callbacks: list[Callback] = []
-                received = self.messages_received
                 try:
-                    if not self.closed:
-                        self._pump_once(lambda: False, time.monotonic(), callbacks)
+                    if not self.closed and not self._leader:
+                        self._pump_once(lambda: False, None, callbacks)
                 except zmq.ZMQError:
                     return
                 finally:
                     self.lock.release()
                 run_callbacks(callbacks)
-                if received != self.messages_received:
-                    for wake in list(self.wakers):
-                        try:
-                            wake()
-                        except RuntimeError:  # its event loop closed meanwhile: nobody waits there
-                            pass
             time.sleep(idle)
 
     def close(self) -> None:
@@ -405,6 +534,7 @@ class Session:
             except zmq.ZMQError:
                 pass
             self.closed = True
+            self._wake_others()  # before the socket goes: a leader polls its fd
             self.sock.close(linger=100)
         if self._bg.is_alive():
             self._bg.join(timeout=2)
