@@ -283,11 +283,27 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                               "proven=why in (\"process gone\", \"bye\"))  # MUTANT: a BYE while holding",
                               *KEPT),
     "kept-withdrawn-unmapped": ("hurray_ipc/broker/core.py",
-                                "                (r.fenced if c_rid.sent_keep else r.unmapped).append(label)\n",
-                                "                r.unmapped.append(label)  # MUTANT: kept once, answered for\n", *KEPT),
+                                "            (r.fenced if c.sent_keep else r.unmapped).append(c.label)\n",
+                                "            r.unmapped.append(c.label)  # MUTANT: kept once, answered for\n", *KEPT),
     "kept-stranger-gone": ("hurray_ipc/broker/core.py",
                            "            elif label in self.gone_labels:\n",
                            "            elif True:  # MUTANT: a label never seen answered as gone\n", *KEPT),
+    # A label not registered at the UNMAP is awaited (timeout_ms) and asked once it registers.
+    "kept-unseen-fenced-at-once": ("hurray_ipc/broker/core.py",
+                                   "            elif self.unseen_of.get(c.rid, 0) < MAX_UNSEEN:\n",
+                                   "            elif False:  # MUTANT: not registered yet: fenced at once\n", *KEPT),
+    "kept-unseen-expires-unmapped": ("hurray_ipc/broker/core.py",
+                                     "                self._unseen_done(key, r, label)\n                r.fenced.append(label)\n",
+                                     "                self._unseen_done(key, r, label)\n"
+                                     "                r.unmapped.append(label)  # MUTANT: never came, yet answered for\n",
+                                     *KEPT),
+    "kept-unseen-never-asked": ("hurray_ipc/broker/core.py",
+                                "        if role == \"consumer\":\n            self._registered(c)\n",
+                                "        if False:  # MUTANT: a late registration is not asked\n"
+                                "            self._registered(c)\n", *KEPT),
+    "kept-unmap-header-64k": ("hurray_ipc/wire/ipc.py",
+                              "             else MAX_UNMAP_BYTES if verb in (\"UNMAP\", \"UNMAPPED\") else MAX_HEADER_BYTES)",
+                              "             else MAX_HEADER_BYTES)  # MUTANT: 4096 labels do not fit", *KEPT),
     # Threads waiting in one client (issue 24): none sleeps holding the session lock, and whoever
     # dispatches, or consumes the socket's edge, or closes, wakes the sleeping ones.
     "wait-holding-the-lock": ("hurray_ipc/client/session.py",

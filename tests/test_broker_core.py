@@ -68,6 +68,10 @@ class View:
         self.grants: list[int] = []
         self.outstanding: set[int] = set()
         self.held: dict[str, tuple[bytes, int]] = {}
+        # Kept mappings (§4.10): the consumer has the allocation MEM mapped (its process keeps it
+        # across registrations and brokers), and the UNMAPs it got and has not answered yet.
+        self.mapped = False
+        self.unmaps: list[tuple[str, int]] = []
 
 
 class BrokerMachine(RuleBasedStateMachine):
@@ -84,6 +88,8 @@ class BrokerMachine(RuleBasedStateMachine):
         self.gone: dict[tuple[bytes, int], int] = {}  # PRODUCER_GONE to the consumer that held it
         self.hids = iter(range(1, 1 << 30))
         self.errors: list[str] = []
+        self.requests = iter(range(1, 1 << 30))
+        self.rounds: dict[tuple[bytes, int], set[bytes]] = {}  # open UNMAPs: the consumers each names
 
     # --- plumbing ---------------------------------------------------------------------------
     def new_broker(self) -> BrokerCore:
@@ -123,6 +129,15 @@ class BrokerMachine(RuleBasedStateMachine):
                     key = v.held.pop(t, None)
                     if key is not None and h.get("reason") != "reclaimed":  # reclaimed: a claim refused
                         self._end(self.gone, key)
+            elif verb == "UNMAP":
+                v.unmaps.append((h["producer_id"], h["request"]))
+            elif verb == "UNMAPPED":
+                named = self.rounds.pop((o.rid, h["request"]))
+                mapped = {BrokerCore.label_of(c) for c in named if c in self.views and self.views[c].mapped}
+                # What a consumer may still have mapped must be fenced: the producer frees otherwise.
+                assert mapped <= set(h["fenced"]), f"UNMAPPED {h} lets {sorted(mapped)} be freed under a mapping"
+                assert sorted(h["unmapped"] + h["gone"] + h["fenced"]) == sorted(
+                    BrokerCore.label_of(c) for c in named), f"UNMAPPED {h} does not answer for {named}"
             elif verb == "ERROR":
                 assert h["code"] in ERROR_CODES and h["code"] != "internal", h
                 self.errors.append(h["code"])
@@ -149,6 +164,7 @@ class BrokerMachine(RuleBasedStateMachine):
         else:
             h["held"] = [{"token": t, "producer_id": k[0].decode(), "handoff_id": k[1], "event_pending": False}
                          for t, k in v.held.items()]
+            h["kept_mappings"] = True
         v.registered = True
         self.send(rid, "HELLO", h)
 
@@ -292,17 +308,46 @@ class BrokerMachine(RuleBasedStateMachine):
     def malformed(self, who: bytes, raw: list[bytes]) -> None:
         self.feed(self.core.receive(who, raw, self.now))
 
+    @rule(who=st.sampled_from(CONSUMERS))
+    def keep_mapping(self, who: bytes) -> None:
+        """It opened MEM and keeps it mapped (a DELIVER with ``keep``), unless a round that names
+        it is open: a producer sets ``keep`` only while none is (§4.10 step 1)."""
+        if self.views[who].registered and not any(who in named for named in self.rounds.values()):
+            self.views[who].mapped = True
+
+    @rule(who=st.sampled_from(PRODUCERS), named=st.sets(st.sampled_from([*CONSUMERS, b"stranger"]), min_size=1))
+    def unmap(self, who: bytes, named: set[bytes]) -> None:
+        if not self.views[who].registered:
+            return
+        request = next(self.requests)
+        self.rounds[(who, request)] = named
+        self.send(who, "UNMAP", {"request": request, "consumers": sorted(BrokerCore.label_of(c) for c in named)},
+                  b"M" * 64)
+
+    @rule(who=st.sampled_from(CONSUMERS))
+    def answer_unmap(self, who: bytes) -> None:
+        """It closes its mapping, then answers the oldest UNMAP it got (§4.10 step 5)."""
+        v = self.views[who]
+        if v.unmaps and v.registered:
+            producer_id, request = v.unmaps.pop(0)
+            v.mapped = False
+            self.send(who, "UNMAPPED", {"request": request, "producer_id": producer_id})
+
     @rule(who=st.sampled_from(PRODUCERS + CONSUMERS))
     def die(self, who: bytes) -> None:
         self.views[who] = View()  # a new process would start from nothing
         self.feed(self.core.client_gone(who, "process gone"))
+        self.rounds = {k: v for k, v in self.rounds.items() if k[0] != who}  # a producer takes its rounds
 
     @rule(who=st.sampled_from(PRODUCERS + CONSUMERS))
     def bye(self, who: bytes) -> None:
         if who in CONSUMERS and self.views[who].held:
             return  # the library releases before BYE; a BYE with held buffers is covered by die
+        self.views[who].mapped = False  # a consumer closes its kept mappings before its BYE (§4.10 step 2)
         self.send(who, "BYE", {})
-        self.views[who] = View()  # a producer's BYE ends its handoffs (PRODUCER_GONE): a clean slate
+        # A producer's BYE ends its handoffs (PRODUCER_GONE) and its rounds: a clean slate.
+        self.views[who] = View()
+        self.rounds = {k: v for k, v in self.rounds.items() if k[0] != who}
 
     @rule(dt=st.floats(0.0, 4 * TIMEOUT))  # past the fence (3 timeouts) in one step, too
     def time_passes(self, dt: float) -> None:
@@ -314,7 +359,10 @@ class BrokerMachine(RuleBasedStateMachine):
                 # (spec §5): deregistered; a fenced one was told PRODUCER_GONE for all it held
                 # before its producers got RELEASED (feed checks the order). Its next message
                 # would get not_registered; the library then says HELLO again, as register does.
-                assert not v.held and not v.outstanding, f"{rid!r} was dropped while it held something"
+                # Provisional claims (its producer not registered since a restart, §6) are dropped
+                # with it and not told: its next HELLO claims them again.
+                claims_only = all(k[0] not in self.core.clients for k in v.held.values())
+                assert claims_only and not v.outstanding, f"{rid!r} was dropped while it held something"
                 v.registered = False
                 v.grants.clear()
 
@@ -324,6 +372,7 @@ class BrokerMachine(RuleBasedStateMachine):
         ``register`` step (a late consumer after its producer's orphan deadline may have passed,
         a late producer after other consumers may have claimed its handoffs)."""
         self.core = self.new_broker()
+        self.rounds.clear()  # lost with the broker; a producer asks again (the unmap rule)
         for rid in order:
             if rid in late:
                 self.views[rid].registered = False
@@ -341,6 +390,7 @@ class BrokerMachine(RuleBasedStateMachine):
         owed = {(p, hid) for p in PRODUCERS if self.views[p].registered for hid in self.views[p].outstanding}
         for rid in CONSUMERS:
             self.views[rid].registered = False  # it stopped reading: its buffers may go back
+            self.views[rid].mapped = False  # its process exited: no mapping outlives it
             self.feed(self.core.client_gone(rid, "process gone"))
         self.now += 10 * TIMEOUT
         self.feed(self.core.tick(self.now, lambda c: True))

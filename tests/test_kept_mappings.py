@@ -6,6 +6,7 @@ free of a kept allocation must be ordered after every consumer's close of its ma
 from __future__ import annotations
 
 import json
+import os
 import signal
 import struct
 
@@ -14,7 +15,7 @@ import pytest
 import workers
 from brokerproc import BrokerProcess
 from conftest import SPAWN, Proc, emu_env
-from hurray_ipc.broker.core import MAX_UNMAPS, BrokerCore, Send
+from hurray_ipc.broker.core import MAX_UNMAPS, MAX_UNSEEN, BrokerCore, Send
 from hurray_ipc.devices.base import ImportCache, host_id
 from hurray_ipc.wire.fields import consumer_label
 from hurray_ipc.wire.ipc import PROTOCOL_VERSION, Handoff, Message, decode_all
@@ -133,11 +134,13 @@ def _deliver_kept(w: World, consumer: bytes, hid: int) -> str:
 
 
 def test_a_bye_while_holding_a_delivery_proves_nothing_about_its_mappings():
-    """It may still have the buffer mapped (taken and not released): fenced, not gone."""
+    """It may still have the buffer mapped (taken and not released): not gone; fenced unless it
+    registers again in time (and answers)."""
     w = World()
     _deliver_kept(w, C1, 1)
     w.send(C1, [b"BYE", b"{}"])
-    assert answer(w.unmap(1, [L1]))["fenced"] == {L1}
+    assert w.unmap(1, [L1]) == []
+    assert answer(tick(w, w.core.timeout_s))["fenced"] == {L1}
 
 
 def test_a_consumer_that_withdraws_kept_mappings_after_it_was_sent_keep_is_fenced():
@@ -151,20 +154,91 @@ def test_a_consumer_that_withdraws_kept_mappings_after_it_was_sent_keep_is_fence
     assert answer(w.unmap(2, [L1]))["fenced"] == {L1}
 
 
-def test_a_label_never_registered_here_is_fenced_and_one_that_said_bye_is_gone():
+def tick(w: World, at: float) -> list:
+    """The broker's clock at ``at`` (its clients kept alive): what it sent."""
+    w.now = at
+    for rid in list(w.core.clients):
+        w.core.receive(rid, [b"PING", b"{}"], at)
+    outs = w.core.tick(at, lambda c: True)
+    w.core.check_invariants()
+    return [(o.rid, o.msg.verb, {**o.msg.fields(), **o.msg.blobs()}) for o in outs if isinstance(o, Send)]
+
+
+STRANGER = b"stranger"
+LS = consumer_label(STRANGER)
+
+
+def test_a_label_that_said_bye_is_gone_and_one_never_registered_is_fenced_once_the_time_ran_out():
+    """Never registered here (a consumer of a broker that restarted, say): the round waits
+    ``timeout_ms`` for it to register, then calls it fenced."""
     w = World()
     w.send(C3, [b"BYE", b"{}"])
-    sent = w.unmap(1, [L3, consumer_label(b"stranger")])
-    assert answer(sent) == {"request": 1, "unmapped": set(), "gone": {L3}, "fenced": {consumer_label(b"stranger")}}
+    assert w.unmap(1, [L3, LS]) == [], "nobody to ask yet, and not over"
+    assert tick(w, w.core.timeout_s - 0.01) == [], "its time has not run out"
+    sent = tick(w, w.core.timeout_s)
+    assert answer(sent) == {"request": 1, "unmapped": set(), "gone": {L3}, "fenced": {LS}}
+    assert not w.core.unmaps and not w.core.unseen_in and not w.core.unseen_of and not w.core.unseen_rounds
+    assert [v for _r, v, _f in w.hello(STRANGER, "consumer", 200) if v == "UNMAP"] == [], "too late: not asked"
 
 
-def test_a_consumer_dropped_without_proof_is_fenced_not_gone():
+def test_a_label_not_registered_yet_is_asked_when_it_registers():
+    """A consumer that registers while a round awaits its label is asked after its WELCOME, and
+    the round is over only once it answered (also when the others named answered before)."""
+    w = World()
+    assert [(rid, verb) for rid, verb, _f in w.unmap(2, [L1, LS])] == [(C1, "UNMAP")]
+    assert w.unmapped(C1, 2) == [], "the stranger may still register"
+    sent = w.hello(STRANGER, "consumer", 200)
+    assert [(rid, verb) for rid, verb, _f in sent] == [(STRANGER, "WELCOME"), (STRANGER, "UNMAP")]
+    assert sent[1][2]["request"] == 2 and sent[1][2]["memory"] == MEM
+    assert tick(w, w.core.timeout_s + 1) == [], "asked: its answer, not the clock, ends the round"
+    assert answer(w.unmapped(STRANGER, 2)) == {"request": 2, "unmapped": {L1, LS}, "gone": set(), "fenced": set()}
+
+
+def test_a_label_that_registers_without_kept_mappings_is_answered_for():
+    """It never read ``keep`` from this broker: it closes at each release (step 4), as when it
+    was registered at the UNMAP."""
+    w = World()
+    w.unmap(3, [LS])
+    h = {"protocol": PROTOCOL_VERSION, "role": "consumer", "channel": "ch", "pid": 200, "endpoint": endpoint(200)}
+    sent = w.send(STRANGER, [b"HELLO", json.dumps(h).encode()])
+    assert answer(sent)["unmapped"] == {LS} and not [v for _r, v, _f in sent if v == "UNMAP"]
+
+
+def test_a_consumer_dropped_without_proof_is_fenced_unless_it_registers_in_time():
     w = World()
     w.now = 10.0  # every client silent past the timeout; nobody can judge their processes
     w.core.tick(w.now, lambda c: None)
-    assert C1 not in w.core.clients
+    assert C1 not in w.core.clients and L1 not in w.core.gone_labels
     w.hello(P, "producer", 100)
-    assert answer(w.unmap(1, [L1]))["fenced"] == {L1}
+    assert w.unmap(1, [L1]) == [] and w.unmap(2, [L1]) == []
+    w.hello(C1, "consumer", 101)  # back within both rounds' time: asked in both
+    assert answer(w.unmapped(C1, 1))["unmapped"] == {L1}
+    assert answer(w.unmapped(C1, 2))["unmapped"] == {L1}
+    w.now = 20.0
+    w.core.tick(w.now, lambda c: None)  # dropped again, without proof
+    w.hello(P, "producer", 100)
+    w.unmap(3, [L1])
+    assert answer(tick(w, w.now + w.core.timeout_s))["fenced"] == {L1}
+
+
+def test_a_producer_awaits_at_most_max_unseen_unregistered_labels_the_rest_are_fenced_at_once():
+    w = World()
+    labels = [f"{i:016x}" for i in range(MAX_UNSEEN)]
+    for i in range(0, MAX_UNSEEN, 4096):  # 4096 labels at most in one UNMAP
+        w.unmap(1 + i // 4096, labels[i:i + 4096])
+    assert w.core.unseen_of == {P: MAX_UNSEEN}
+    assert answer(w.unmap(99, [LS])) == {"request": 99, "unmapped": set(), "gone": set(), "fenced": {LS}}
+    assert [(rid, verb) for rid, verb, _f in w.unmap(100, [L1, LS])] == [(C1, "UNMAP")]
+    sent = w.unmapped(C1, 100)
+    assert answer(sent) == {"request": 100, "unmapped": {L1}, "gone": set(), "fenced": {LS}}
+
+
+def test_a_producer_that_leaves_drops_the_labels_its_rounds_awaited():
+    w = World()
+    w.unmap(1, [LS])
+    w.send(P, [b"BYE", b"{}"])
+    assert not w.core.unmaps and not w.core.unseen_in and not w.core.unseen_of and not w.core.unseen_rounds
+    assert [v for _r, v, _f in w.hello(STRANGER, "consumer", 200) if v == "UNMAP"] == []
 
 
 @pytest.mark.parametrize("why, lands", [("bye", "gone"), ("process gone", "gone"), ("heartbeat timeout", "fenced")])
@@ -213,6 +287,8 @@ def test_refusals_name_the_field_and_change_nothing():
     for request in (0, -1, 1 << 63, "1", True):
         sent = w.send(P, Message("UNMAP", {"request": request, "consumers": [L1]}, {"memory": MEM}).encode())
         assert [(e["code"], e["field"]) for e in errors(sent)] == [("bad_header", "request")], request
+    big = w.send(P, [b"UNMAP", json.dumps({"request": 1, "consumers": [L1], "x": "x" * (128 << 10)}).encode(), MEM])
+    assert [e["code"] for e in errors(big)] == ["bad_header"], "a header over 128 KiB"
     short = w.send(P, [b"UNMAP", json.dumps({"request": 1, "consumers": [L1]}).encode(), MEM[:63]])
     assert [e["code"] for e in errors(short)] == ["bad_frames"]
     assert [e["code"] for e in errors(w.send(P, [b"UNMAP", b'{"request": 1, "consumers": []}']))] == ["bad_frames"]
@@ -404,29 +480,38 @@ def test_an_allocation_a_consumer_cannot_be_answered_for_stays_allocated(broker,
 
 
 def test_a_round_open_when_the_broker_restarts_is_asked_again_and_ends(tmp_path):
-    """The open round is lost with the broker; the producer asks again after its new WELCOME, and
-    the new broker ends it: answered by the consumer if it registered again first, else fenced
-    (the allocation then stays). Either way no free comes before the consumer's close."""
-    b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=1.5).start()
+    """The open round is lost with the broker; the producer asks again after its new WELCOME.
+    The consumer is stopped across the restart, so that UNMAP reaches the new broker before the
+    consumer registers there (the order that used to cost the allocation): the broker awaits
+    its label, asks it once it registered, and the buffer is freed after its answer."""
+    b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=5.0).start()
     env = emu_env(op_delay_s=0.0)
-    round_open, restarted = SPAWN.Event(), SPAWN.Event()
+    # The consumer waits on an event of its own: setting one a stopped process waits on blocks.
+    round_open, restarted, reasked, finished = SPAWN.Event(), SPAWN.Event(), SPAWN.Event(), SPAWN.Event()
     try:
-        c = Proc(workers.kept_silent_once_consumer, endpoint=b.endpoint, channel="kr", env=env, done=restarted)
+        c = Proc(workers.kept_consumer_deaf_to_the_first_broker, endpoint=b.endpoint, channel="kr", env=env,
+                 done=finished)
         p = Proc(workers.kept_restart_producer, endpoint=b.endpoint, channel="kr", env=env, size=4096,
-                 round_open=round_open, restarted=restarted)
+                 round_open=round_open, restarted=restarted, reasked=reasked)
         assert round_open.wait(60), "the producer never opened its round"
-        b.stop(signal.SIGKILL)
-        b.start()
-        restarted.set()
-        pr, cr = p.result(), c.result()
+        os.kill(c.p.pid, signal.SIGSTOP)
+        try:
+            b.stop(signal.SIGKILL)
+            b.start()
+            restarted.set()
+            assert reasked.wait(60), "the producer never asked the new broker"
+        finally:
+            os.kill(c.p.pid, signal.SIGCONT)
+        pr = p.result()
+        finished.set()
+        cr = c.result()
     finally:
         b.stop()
     assert isinstance(pr, dict) and "error" not in pr, pr
     assert isinstance(cr, dict) and "error" not in cr, cr
-    assert pr["closed"], "the round lost with the old broker never ended"
-    # Asked again by the new broker (the consumer was back first): it answered and the buffer
-    # was freed; else the new broker called it fenced and the buffer stays.
-    assert (pr["freed"], pr["retired"]) == ((True, False) if len(cr["asked"]) > 1 else (False, True)), (pr, cr)
+    assert pr["closed"], ("the round lost with the old broker never ended", pr, cr)
+    assert len(cr["answered"]) == 1, "the new broker asked it (the old one's UNMAP, if read, was ignored)"
+    assert (pr["freed"], pr["retired"]) == (True, False), (pr, cr)
     assert pr["races"] == cr["races"] == 0
 
 

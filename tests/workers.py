@@ -349,10 +349,11 @@ def kept_consumer(endpoint, channel, env, count, size, done, breaks=None):
     return {"values": values, "opens": opens, "kept": kept, "left": left, "races": emulated_races(c.device)}
 
 
-def kept_restart_producer(endpoint, channel, env, size, round_open, restarted):
+def kept_restart_producer(endpoint, channel, env, size, round_open, restarted, reasked):
     """Send one buffer of allocate() with keep, close it (an UNMAP round opens), tell the test,
-    wait while it restarts the broker, then wait for the round to end. Reports whether it did,
-    and how (freed, or retired: the consumer was not back yet, so it was fenced)."""
+    wait while it restarts the broker, tell the test once the round was asked again (or ended),
+    then wait for the round to end. Reports whether it did, and how (freed, or retired: the
+    consumer was fenced)."""
     os.environ.update(env)
     import time
 
@@ -364,9 +365,12 @@ def kept_restart_producer(endpoint, channel, env, size, round_open, restarted):
         p.send(b)
         p.flush(30)
         b.close()
+        before = set(p._rounds)
         round_open.set()
         if not restarted.wait(60):
             raise TimeoutError("the broker was never restarted")
+        p.session.pump(lambda: set(p._rounds) != before, 30, "waiting to ask the new broker")
+        reasked.set()
         deadline = time.monotonic() + 20
         while p._rounds and time.monotonic() < deadline:
             try:
@@ -378,28 +382,31 @@ def kept_restart_producer(endpoint, channel, env, size, round_open, restarted):
     return {"closed": closed, "freed": freed, "retired": retired, "races": emulated_races(p.device)}
 
 
-def kept_silent_once_consumer(endpoint, channel, env, done):
-    """Receive one kept buffer and release it; ignore the first UNMAP (as if it had been lost
-    with a broker that went away), answer later ones; stay registered until ``done``."""
+def kept_consumer_deaf_to_the_first_broker(endpoint, channel, env, done):
+    """Receive one kept buffer and release it; ignore the UNMAPs of the broker it first
+    registered with (as if lost with that broker, which the test kills), answer those of a later
+    one; stay registered until ``done``."""
     os.environ.update(env)
     from hurray_ipc import Consumer
     from hurray_ipc.client import consumer as C
     from hurray_ipc.workload import emulated_races
 
-    unmap, seen = C.Consumer._unmap, []
+    unmap, seen, answered, first = C.Consumer._unmap, [], [], []
 
-    def once_silent(self, msg):
+    def silent_to_the_first_broker(self, msg):
         seen.append(msg.request)
-        if len(seen) > 1:
+        if self.session.broker_session not in first:
+            answered.append(msg.request)
             unmap(self, msg)
 
-    C.Consumer._unmap = once_silent
+    C.Consumer._unmap = silent_to_the_first_broker
     with Consumer(endpoint, channel, "cuda:0", heartbeat_s=0.2, timeout_s=1.5) as c:
         h = c.receive(timeout=30)
+        first.append(c.session.broker_session)
         h.wait()
         h.release()
         c.flush_releases(30)
         if not done.wait(60):
             raise TimeoutError("the producer never finished")
         c.gpu.import_cache.clear()
-    return {"asked": seen, "races": emulated_races(c.device)}
+    return {"asked": seen, "answered": answered, "races": emulated_races(c.device)}

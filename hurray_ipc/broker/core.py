@@ -25,6 +25,10 @@ Invariants (:meth:`BrokerCore.check_invariants`, asserted after every step of th
    the handoff, so a consumer claiming first cannot shut out the real holder. Each counts against
    its consumer's ``MAX_HELD`` (the only bound, as for deliveries: a cap per handoff would let
    rivals crowd the holder's claim out).
+7. An UNMAP round (§4.10) is open exactly while it awaits someone: a registered consumer it asked
+   (``awaited_in``) or a label not registered here that may still register (``unseen_in``, at most
+   ``MAX_UNSEEN`` per producer, expiring in ``unseen_rounds`` order); a label is never both
+   registered and awaited unregistered.
 
 Identity: a client is its ZeroMQ routing id, which the server's socket does not let a second
 connection take over (no ROUTER_HANDOVER); a re-HELLO claims only what that routing id holds.
@@ -115,6 +119,7 @@ FENCE_TIMEOUTS = 20  # a consumer alive but silent this many timeouts while hold
 MAX_ROUTING_ID = 32  # bytes: a DELIVER names its producer in a 32-byte field (spec §2.2)
 _RELEASED_MEMORY = 100_000  # released tokens remembered, to tell "already released" from "unknown"
 _GONE_LABELS = 65536  # labels of consumers proven gone, remembered to answer UNMAP for them (§4.10)
+MAX_UNSEEN = 4096  # labels one producer's open UNMAPs await unregistered in all (§4.10, §6a)
 _SAMPLE_EVERY_S = 1.0      # tick() samples the counters for the recent rates at most this often
 
 
@@ -185,6 +190,9 @@ class UnmapRound:
     request: int
     memory: bytes
     waiting: set[bytes] = field(default_factory=set)
+    # Labels not registered here, awaited until ``until`` to register (and then asked), in order.
+    unseen: dict[str, None] = field(default_factory=dict)
+    until: float = 0.0
     unmapped: list[str] = field(default_factory=list)
     gone: list[str] = field(default_factory=list)
     fenced: list[str] = field(default_factory=list)
@@ -322,6 +330,11 @@ class BrokerCore:
         self.awaited_in: dict[bytes, set[tuple[str, int]]] = {}
         self.by_label: dict[str, bytes] = {}
         self.gone_labels: OrderedDict[str, None] = OrderedDict()
+        # Labels awaited unregistered: the rounds each is named in, their count per producer, and
+        # the rounds with any, in the order their time runs out (one timeout for all: arrival order).
+        self.unseen_in: dict[str, set[tuple[str, int]]] = {}
+        self.unseen_of: dict[bytes, int] = {}
+        self.unseen_rounds: OrderedDict[tuple[str, int], None] = OrderedDict()
 
     # --- outputs ---------------------------------------------------------------------------
     def _send(self, rid: bytes, msg: AnyMessage, size: int | None = None) -> int:
@@ -532,6 +545,7 @@ class BrokerCore:
                 rematch.add(name)
         for name in rematch:
             self._match(name)
+        self._unseen_expired(now)
         for key, deadline in list(self.orphans.items()):
             if now >= deadline:
                 del self.orphans[key]
@@ -656,6 +670,8 @@ class BrokerCore:
                 self._send(rid, Unmap(r.request, r.memory, producer_id=key[0]))
             else:  # it withdrew kept_mappings: it will not answer, and may still keep it mapped
                 self._settle(key, r, rid, r.fenced, c.label)
+        if role == "consumer":
+            self._registered(c)
         self._note(logging.INFO, {"event": "hello", "client": rid.decode(errors="replace"), "role": role,
                                   "channel": channel, "device": endpoint.identity.spec, "pid": endpoint.pid})
         if role == "producer":
@@ -1282,26 +1298,79 @@ class BrokerCore:
                                 value=msg.request)
         if self.unmaps_of.get(c.rid, 0) >= MAX_UNMAPS:
             self._limit(f"a producer may have at most {MAX_UNMAPS} UNMAPs unanswered", "unmaps", MAX_UNMAPS + 1)
-        r = UnmapRound(c.rid, msg.request, msg.memory)
-        for label in msg.consumers:
-            rid = self.by_label.get(label)
-            c_rid = self.clients[rid] if rid is not None else None
-            if c_rid is not None and not c_rid.kept_mappings:
-                # It does not answer UNMAP. Sent no ``keep`` here, it closed at each release; sent
-                # some before it withdrew kept_mappings, it may still keep a mapping.
-                (r.fenced if c_rid.sent_keep else r.unmapped).append(label)
-            elif rid is not None:
-                r.waiting.add(rid)
-                self.awaited_in.setdefault(rid, set()).add(key)
-                self._send(rid, Unmap(msg.request, msg.memory, producer_id=c.rid_text))
-            elif label in self.gone_labels:
-                r.gone.append(label)
-            else:  # never registered here (a broker restart), or left without proof (§5)
-                r.fenced.append(label)
+        r = UnmapRound(c.rid, msg.request, msg.memory, until=self._now + self.timeout_s)
         self.unmaps[key] = r
         self.unmaps_of[c.rid] = self.unmaps_of.get(c.rid, 0) + 1
-        if not r.waiting:
+        for label in msg.consumers:
+            rid = self.by_label.get(label)
+            if rid is not None:
+                self._ask(key, r, self.clients[rid])
+            elif label in self.gone_labels:
+                r.gone.append(label)
+            elif self.unseen_of.get(c.rid, 0) < MAX_UNSEEN:
+                # Never registered here (a consumer of a broker that restarted), or left without
+                # proof (§5): it may register yet, and is asked then; fenced when the time runs out.
+                r.unseen[label] = None
+                self.unseen_in.setdefault(label, set()).add(key)
+                self.unseen_of[c.rid] = self.unseen_of.get(c.rid, 0) + 1
+            else:
+                r.fenced.append(label)
+        if r.unseen:
+            self.unseen_rounds[key] = None
+        if not r.waiting and not r.unseen:
             self._close_round(key, answer=True)
+
+    def _ask(self, key: tuple[str, int], r: UnmapRound, c: Client) -> None:
+        """Ask registered consumer ``c`` in round ``key``, or answer for it when it does not
+        answer UNMAP: sent no ``keep`` here, it closed at each release; sent some before it
+        withdrew kept_mappings, it may still keep a mapping."""
+        if not c.kept_mappings:
+            (r.fenced if c.sent_keep else r.unmapped).append(c.label)
+            return
+        r.waiting.add(c.rid)
+        self.awaited_in.setdefault(c.rid, set()).add(key)
+        self._send(c.rid, Unmap(r.request, r.memory, producer_id=key[0]))
+
+    def _registered(self, c: Client) -> None:
+        """Consumer ``c`` registered: each round that awaited its label unregistered asks it now."""
+        for key in sorted(self.unseen_in.pop(c.label, ())):
+            r = self.unmaps[key]
+            self._unseen_done(key, r, c.label)
+            self._ask(key, r, c)
+            if not r.waiting and not r.unseen:
+                self._close_round(key, answer=True)
+
+    def _unseen_done(self, key: tuple[str, int], r: UnmapRound, label: str) -> None:
+        """``label`` is no longer awaited unregistered in round ``key`` (the caller has taken it out
+        of ``unseen_in``, or is about to)."""
+        del r.unseen[label]
+        n = self.unseen_of[r.producer] - 1
+        if n:
+            self.unseen_of[r.producer] = n
+        else:
+            del self.unseen_of[r.producer]
+        if not r.unseen:
+            self.unseen_rounds.pop(key, None)
+
+    def _unseen_expired(self, now: float) -> None:
+        """Labels still unregistered when their round's time ran out are fenced."""
+        while self.unseen_rounds:
+            key = next(iter(self.unseen_rounds))
+            r = self.unmaps[key]
+            if now < r.until:
+                return
+            for label in list(r.unseen):
+                self._forget_unseen(key, label)
+                self._unseen_done(key, r, label)
+                r.fenced.append(label)
+            if not r.waiting:
+                self._close_round(key, answer=True)
+
+    def _forget_unseen(self, key: tuple[str, int], label: str) -> None:
+        keys = self.unseen_in[label]
+        keys.discard(key)
+        if not keys:
+            del self.unseen_in[label]
 
     def on_unmapped(self, c: Client, msg: Unmapped) -> None:
         """A consumer closed its mapping for an UNMAP (or had none). One it is not awaited in
@@ -1321,7 +1390,7 @@ class BrokerCore:
         the round's lists), and the round ends when nobody is awaited any more."""
         self._answered(key, r, rid)
         into.append(label)
-        if not r.waiting:
+        if not r.waiting and not r.unseen:
             self._close_round(key, answer=True)
 
     def _answered(self, key: tuple[str, int], r: UnmapRound, rid: bytes) -> None:
@@ -1352,6 +1421,9 @@ class BrokerCore:
             del self.unmaps_of[r.producer]
         for rid in list(r.waiting):
             self._answered(key, r, rid)
+        for label in list(r.unseen):  # its producer left
+            self._forget_unseen(key, label)
+            self._unseen_done(key, r, label)
         if answer:
             self._send(r.producer, Unmapped(r.request, unmapped=r.unmapped, gone=r.gone, fenced=r.fenced))
 
@@ -1418,11 +1490,24 @@ class BrokerCore:
         assert sum(self.per_process.values()) == len(self.clients)
         for key, r in self.unmaps.items():  # kept mappings (§4.10)
             assert r.producer in self.clients and self.clients[r.producer].rid_text == key[0], f"UNMAP {key}: producer"
-            assert r.waiting, f"UNMAP {key} awaits nobody, yet is open"
+            assert r.waiting or r.unseen, f"UNMAP {key} awaits nobody, yet is open"
+            for label in r.unseen:
+                assert label not in self.by_label, f"UNMAP {key}: {label} registered, yet awaited unregistered"
+                assert key in self.unseen_in.get(label, ()), f"UNMAP {key}: unseen index stale"
+            assert (key in self.unseen_rounds) == bool(r.unseen), f"UNMAP {key}: unseen rounds stale"
             for rid in r.waiting:
                 assert rid in self.clients and self.clients[rid].role == "consumer", f"UNMAP {key}: stray consumer"
                 assert key in self.awaited_in.get(rid, ()), f"UNMAP {key}: index stale"
         assert sum(map(len, self.awaited_in.values())) == sum(len(r.waiting) for r in self.unmaps.values())
         assert sum(self.unmaps_of.values()) == len(self.unmaps), "UNMAP count per producer"
+        assert sum(map(len, self.unseen_in.values())) == sum(len(r.unseen) for r in self.unmaps.values())
+        unseen_of: dict[bytes, int] = {}
+        for r in self.unmaps.values():
+            if r.unseen:
+                unseen_of[r.producer] = unseen_of.get(r.producer, 0) + len(r.unseen)
+        assert self.unseen_of == unseen_of, "unregistered labels per producer"
+        assert all(n <= MAX_UNSEEN for n in unseen_of.values()), "unregistered labels past the limit"
+        untils = [self.unmaps[k].until for k in self.unseen_rounds]
+        assert untils == sorted(untils), "unseen rounds out of order"
         assert self.by_label == {c.label: c.rid for c in self.clients.values() if c.role == "consumer"}, "label index"
         assert self.stats.unresponsive == sum(c.unresponsive for c in self.clients.values())

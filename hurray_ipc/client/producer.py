@@ -35,7 +35,7 @@ from ..transport import inproc
 from ..transport.pairing import Endpoint, ModeCache, PairModes, host_side
 from ..wire.ipc import MAX_BATCH, Accepted, EventReleased, Handoff, Released
 from ..wire.ipc import Grant as GrantMessage
-from ..wire.messages import MAX_UNMAPS, AnyMessage, End, Error, Revoke
+from ..wire.messages import MAX_UNMAP_CONSUMERS, MAX_UNMAPS, AnyMessage, End, Error, Revoke
 from ..wire.messages import Unmap as UnmapMessage
 from ..wire.messages import Unmapped as UnmappedMessage
 from .credits import Credits
@@ -437,6 +437,12 @@ class Producer:
             k.retired = True
             log.warning("an allocation of allocate() kept mapped by consumers stays allocated until this process "
                         "exits: the broker does not carry UNMAP (spec §4.10)")
+            return
+        if len(k.consumers) > MAX_UNMAP_CONSUMERS:  # one UNMAP cannot name them all
+            k.retired = True
+            log.warning("an allocation of allocate() delivered with keep to %d consumers stays allocated until this "
+                        "process exits: one UNMAP names at most %d (spec §4.10)", len(k.consumers),
+                        MAX_UNMAP_CONSUMERS)
             return
         if len(self._rounds) >= MAX_UNMAPS:
             if ptr not in self._unasked:

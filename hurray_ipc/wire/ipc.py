@@ -34,6 +34,8 @@ MAX_HEADER_BYTES = 64 * 1024
 # HELLO alone may be larger (spec §2, §6): a re-registering consumer lists up to 8192 held
 # handoffs (~160 bytes each) and a producer up to 4096 outstanding ones.
 MAX_HELLO_BYTES = 2 * 1024 * 1024
+# UNMAP and UNMAPPED too (spec §4.10): 4096 labels of 16 hex digits are about 80 KB as JSON.
+MAX_UNMAP_BYTES = 128 * 1024
 # STATS_REPLY alone may be larger (spec §2.3): at most 1000 clients and 1000 channels, each with
 # names of up to 128 / 256 characters that JSON may escape to 12 bytes each: about 8.2 MB at worst.
 MAX_STATS_REPLY_BYTES = 16 * 1024 * 1024
@@ -219,7 +221,8 @@ def _framed(parts: Sequence[Any], verb: str, verbs: Mapping[str, tuple[str, ...]
         raise ProtocolError("unknown_verb", f"{verb[:32]!r} is not a verb this side accepts")
     raw = bytes(parts[1])
     limit = (MAX_STATS_REPLY_BYTES if verb in ("STATS_REPLY", "CAPS_REPLY")
-             else MAX_HELLO_BYTES if verb == "HELLO" else MAX_HEADER_BYTES)
+             else MAX_HELLO_BYTES if verb == "HELLO"
+             else MAX_UNMAP_BYTES if verb in ("UNMAP", "UNMAPPED") else MAX_HEADER_BYTES)
     if len(raw) > limit:
         raise ProtocolError("bad_header", f"header of {len(raw)} bytes exceeds {limit}")
     header = _json_object(raw, f"{verb} header")
