@@ -31,7 +31,7 @@ PATHS = ["tests/test_paths.py", "tests/test_stress.py::test_stress_mixed_paths_a
 GIVE_BACK = ["tests/test_give_back.py"]
 END_OF_STREAM = ["tests/test_end_of_stream.py"]
 GPU_READABLE = ["tests/test_gpu_readable.py"]
-KEPT = ["tests/test_kept_mappings.py"]
+KEPT = ["tests/test_kept_mappings.py", "tests/test_kept_mappings_processes.py"]
 THREADS = ["tests/test_client_threads.py"]
 FENCING = ["tests/test_fencing.py", "tests/test_broker_core.py", "tests/test_end_of_stream.py::test_vector_on_the_core"]
 

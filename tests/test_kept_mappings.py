@@ -1,20 +1,14 @@
 """Kept mappings (docs/spec/ipc-protocol.md §4.10): the broker's UNMAP rounds, driven without
-sockets; the consumer's import cache that keeps and gives back mappings; and producer and consumer
-processes on the emulated runtime, whose race checker fails each broken variant every time (the
-free of a kept allocation must be ordered after every consumer's close of its mapping)."""
+sockets, and the consumer's import cache that keeps and gives back mappings. Producer and consumer
+processes, each rule broken: tests/test_kept_mappings_processes.py."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import struct
 
 import pytest
 
-import workers
-from brokerproc import BrokerProcess
-from conftest import SPAWN, Proc, emu_env
 from hurray_ipc.broker.core import MAX_UNMAPS, MAX_UNSEEN, BrokerCore, Send
 from hurray_ipc.devices.base import ImportCache, host_id
 from hurray_ipc.wire.fields import consumer_label
@@ -401,138 +395,3 @@ def test_the_wire_carries_keep_both_ways():
     assert back.keep and back.deliver("00" * 24, "p").keep
     (plain,) = decode_all(Handoff(grant_id=1, handoff_id=2, handle=h.handle, memory=MEM).encode())
     assert not plain.keep
-
-
-# --- producer and consumer processes on the emulated runtime ---------------------------------------
-
-DELAYS = pytest.mark.parametrize("delay", [0.0, 0.02], ids=["delay0", "delay20ms"])
-
-
-def _run(broker, delay, breaks_p=None, breaks_c=None, allocs=2, rounds=3, size=4096):
-    """A producer and a consumer process hand ``allocs`` buffers over ``rounds`` times each
-    (workers.kept_producer / kept_consumer: the variants named there) and report."""
-    done = SPAWN.Event()
-    env = emu_env(op_delay_s=delay)
-    n = allocs * rounds
-    c = Proc(workers.kept_consumer, endpoint=broker.endpoint, channel="kept", env=env, count=n, size=size, done=done,
-             breaks=breaks_c)
-    p = Proc(workers.kept_producer, endpoint=broker.endpoint, channel="kept", env=env, allocs=allocs, rounds=rounds,
-             size=size, done=done, breaks=breaks_p)
-    pr, cr = p.result(), c.result()
-    assert isinstance(pr, dict) and "error" not in pr, pr
-    assert isinstance(cr, dict) and "error" not in cr, cr
-    assert cr["values"] == [(r * allocs + i) & 0xFF for r in range(rounds) for i in range(allocs)], cr
-    return pr, cr
-
-
-@DELAYS
-def test_a_consumer_opens_each_kept_allocation_once_and_its_producer_frees_it_after_asking(broker, delay):
-    pr, cr = _run(broker, delay)
-    assert cr["opens"] == 2 and cr["kept"] == 2, "one open per allocation, not per handoff; kept idle after"
-    assert cr["left"] == 0, "both closed when asked back"
-    assert pr["kept"] == 2 and pr["left"] == 0 and pr["retired"] == 0, "both asked back, answered and freed"
-    assert pr["races"] == cr["races"] == 0
-
-
-# The rule each variant breaks -> (the producer's variant, the consumer's).
-BROKEN = {
-    "the free not waiting for the consumers": ("free-at-close", None),
-    "UNMAPPED sent before the close": (None, "answer-first"),
-    "a mapping kept without its producer's promise": ("device-memory", "keep-everything"),
-    "BYE with kept mappings open": (None, "bye-with-mappings"),
-}
-
-
-@DELAYS
-@pytest.mark.races_expected
-@pytest.mark.parametrize("rule", list(BROKEN))
-def test_each_rule_broken_is_caught_every_time(broker, delay, rule):
-    """Each broken variant leaves the free of both allocations unordered with a close of their
-    mappings: the race checker reports both, whichever ran first."""
-    breaks_p, breaks_c = BROKEN[rule]
-    pr, cr = _run(broker, delay, breaks_p=breaks_p, breaks_c=breaks_c)
-    assert pr["races"] + cr["races"] == 2, (pr, cr)
-
-
-@DELAYS
-def test_memory_its_producer_does_not_own_is_never_kept(broker, delay):
-    pr, cr = _run(broker, delay, breaks_p="device-memory")
-    assert cr["opens"] == 6 and cr["kept"] == 0, "closed at each release: no keep promise was made"
-    assert pr["kept"] == 0 and pr["races"] == cr["races"] == 0
-
-
-@DELAYS
-def test_a_consumer_that_leaves_closes_its_kept_mappings_before_its_bye(broker, delay):
-    """The broker answers for it as gone, so its producer frees at once: after the close."""
-    pr, cr = _run(broker, delay, breaks_c="leave-first")
-    assert cr["kept"] == 2 and cr["left"] == 0 and pr["left"] == pr["retired"] == 0
-    assert pr["races"] == cr["races"] == 0
-
-
-@DELAYS
-def test_an_allocation_a_consumer_cannot_be_answered_for_stays_allocated(broker, delay):
-    """A label the broker never saw register (a consumer of the broker before a restart) is
-    fenced: its allocation is never freed while the producer lives; the consumer it could ask
-    still closed its mapping."""
-    pr, cr = _run(broker, delay, breaks_p="stranger")
-    assert pr["retired"] == pr["left"] == 2 and cr["left"] == 0
-    assert pr["races"] == cr["races"] == 0
-
-
-def test_a_round_open_when_the_broker_restarts_is_asked_again_and_ends(tmp_path):
-    """The open round is lost with the broker; the producer asks again after its new WELCOME.
-    The consumer is stopped across the restart, so that UNMAP reaches the new broker before the
-    consumer registers there (the order that used to cost the allocation): the broker awaits
-    its label, asks it once it registered, and the buffer is freed after its answer."""
-    b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=5.0).start()
-    env = emu_env(op_delay_s=0.0)
-    # The consumer waits on an event of its own: setting one a stopped process waits on blocks.
-    round_open, restarted, reasked, finished = SPAWN.Event(), SPAWN.Event(), SPAWN.Event(), SPAWN.Event()
-    try:
-        c = Proc(workers.kept_consumer_deaf_to_the_first_broker, endpoint=b.endpoint, channel="kr", env=env,
-                 done=finished)
-        p = Proc(workers.kept_restart_producer, endpoint=b.endpoint, channel="kr", env=env, size=4096,
-                 round_open=round_open, restarted=restarted, reasked=reasked)
-        assert round_open.wait(60), "the producer never opened its round"
-        os.kill(c.p.pid, signal.SIGSTOP)
-        try:
-            b.stop(signal.SIGKILL)
-            b.start()
-            restarted.set()
-            assert reasked.wait(60), "the producer never asked the new broker"
-        finally:
-            os.kill(c.p.pid, signal.SIGCONT)
-        pr = p.result()
-        finished.set()
-        cr = c.result()
-    finally:
-        b.stop()
-    assert isinstance(pr, dict) and "error" not in pr, pr
-    assert isinstance(cr, dict) and "error" not in cr, cr
-    assert pr["closed"], ("the round lost with the old broker never ended", pr, cr)
-    assert len(cr["answered"]) == 1, "the new broker asked it (the old one's UNMAP, if read, was ignored)"
-    assert (pr["freed"], pr["retired"]) == (True, False), (pr, cr)
-    assert pr["races"] == cr["races"] == 0
-
-
-@DELAYS
-def test_a_broker_that_does_not_carry_kept_mappings_is_sent_no_keep(broker, delay):
-    pr, cr = _run(broker, delay, breaks_p="old-broker")
-    assert pr["kept"] == 0 and cr["opens"] == 6 and cr["kept"] == 0, "opened and closed per handoff"
-    assert pr["left"] == 0 and pr["races"] == cr["races"] == 0
-
-
-@DELAYS
-def test_a_consumer_that_does_not_keep_mappings_gets_no_keep_and_is_answered_for(broker, delay):
-    pr, cr = _run(broker, delay, breaks_c="old-consumer")
-    assert cr["opens"] == 6 and cr["kept"] == 0, "the broker took keep off its DELIVERs"
-    assert pr["kept"] == 2 and pr["left"] == pr["retired"] == 0, "asked back, answered by the broker, freed"
-    assert pr["races"] == cr["races"] == 0
-
-
-@DELAYS
-def test_an_unmap_the_broker_refuses_leaves_the_allocation_allocated(broker, delay):
-    """Its ERROR names the round (``request``); nobody was asked, so nothing is freed."""
-    pr, cr = _run(broker, delay, breaks_p="refused")
-    assert pr["retired"] == pr["left"] == 2 and cr["kept"] == 2
-    assert pr["races"] == cr["races"] == 0

@@ -242,7 +242,7 @@ def hold_first_then_receive(endpoint, channel, count, held, go, timeout=20.0):
                 "opens": c.device._cache.opens}
 
 
-# --- kept mappings (tests/test_kept_mappings.py, ipc-protocol.md §4.10) ---------------------------
+# --- kept mappings (tests/test_kept_mappings_processes.py, ipc-protocol.md §4.10) -----------------
 
 def kept_producer(endpoint, channel, env, allocs, rounds, size, done, breaks=None):
     """Send each of ``allocs`` buffers ``rounds`` times (written on the producer's stream, each
