@@ -53,6 +53,7 @@ class Driver:
         self.delivered: dict[str, list[str]] = {}  # consumer -> tokens of the DELIVERs it received
         self.hids: dict[str, int] = {}
         self.pids: dict[str, int] = {}
+        self.timeout_s = 3.0  # the broker's timeout_ms, as its latest WELCOME said
 
     def frames(self, who: str, act: dict[str, Any]) -> list[bytes]:
         a = act["action"]
@@ -62,6 +63,8 @@ class Driver:
             h = {"protocol": 2, "role": act["role"], "channel": "eos", "pid": pid, "endpoint": _endpoint(pid, host)}
             if "ended" in act:
                 h["ended"] = act["ended"]
+            if "kept_mappings" in act:
+                h["kept_mappings"] = act["kept_mappings"]
             if "held" in act:  # claims to handoffs of an earlier broker (§6): 'producer' is a client's name
                 h["held"] = [{"token": self.token(who, x), "producer_id": self.rid(x["producer"]).decode(),
                               "handoff_id": x["handoff_id"], "event_pending": False} for x in act["held"]]
@@ -81,6 +84,12 @@ class Driver:
             return [a.upper().encode(), b"{}"]
         if a == "release":
             return pack_hot("RELEASE", {"token": self.token(who, act)}, [])
+        if a == "unmap":  # 'consumers' name clients, sent as their labels (§4.10)
+            h = {"request": act["request"], "consumers": [BrokerCore.label_of(self.rid(c)) for c in act["consumers"]]}
+            return [b"UNMAP", json.dumps(h).encode(), b"M" * 64]
+        if a == "unmapped":
+            return [b"UNMAPPED", json.dumps({"request": act["request"],
+                                             "producer_id": self.rid(act["producer"]).decode()}).encode()]
         raise AssertionError(a)
 
     def rid(self, who: str) -> bytes:
@@ -93,6 +102,8 @@ class Driver:
 
     def note(self, got: dict[str, list[Message]]) -> None:
         for who, msgs in got.items():
+            self.timeout_s = next((m.fields()["timeout_ms"] / 1000 for m in msgs if m.verb == "WELCOME"),
+                                  self.timeout_s)
             self.grants.setdefault(who, []).extend(m.fields()["grant_id"] for m in msgs if m.verb == "GRANT")
             self.delivered.setdefault(who, []).extend(m.fields()["token"] for m in msgs if m.verb == "DELIVER")
 
@@ -115,10 +126,10 @@ class CoreDriver(Driver):
         for act in acts:
             if act["action"] == "die":
                 out = self.core.client_gone(who.encode(), "process gone")
-            elif act["action"] == "silent":  # the others PING past the timeout; then the clock ticks
+            elif act["action"] in ("silent", "wait"):  # the others PING past the timeout; the clock ticks
                 self.now += self.core.timeout_s + 0.1
                 out = []
-                for other in [rid for rid in self.core.clients if rid != who.encode()]:
+                for other in [rid for rid in self.core.clients if rid != who.encode() or act["action"] == "wait"]:
                     out += [o for o in self.core.receive(other, [b"PING", b"{}"], self.now)
                             if not (isinstance(o, Send) and o.msg.verb == "PONG")]
                 out += self.core.tick(self.now, lambda c: None)  # no leases: heartbeats alone (§5)
@@ -184,7 +195,16 @@ class LiveDriver(Driver):
 
     def step(self, who: str, acts: list[dict[str, Any]]) -> dict[str, list[Message]]:
         for act in acts:
-            if act["action"] in ("die", "silent"):
+            if act["action"] == "wait":
+                # The broker's timeout (the WELCOMEs said it) and a margin for its next tick pass
+                # while every client keeps sending PING: a time rule's effect, not a race.
+                until = time.monotonic() + self.timeout_s + 0.5
+                while time.monotonic() < until:
+                    for other, sock in self.socks.items():
+                        if other != "stats":
+                            sock.send_multipart([b"PING", b"{}"])
+                    time.sleep(0.1)
+            elif act["action"] in ("die", "silent"):
                 if act["action"] == "die":
                     self.procs[who].kill()
                     self.procs[who].wait()
