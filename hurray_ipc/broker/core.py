@@ -1333,7 +1333,7 @@ class BrokerCore:
 
     def _registered(self, c: Client) -> None:
         """Consumer ``c`` registered: each round that awaited its label unregistered asks it now."""
-        for key in sorted(self.unseen_in.pop(c.label, ())):
+        for key in sorted(self.unseen_in.get(c.label, ())):
             r = self.unmaps[key]
             self._unseen_done(key, r, c.label)
             self._ask(key, r, c)
@@ -1341,8 +1341,11 @@ class BrokerCore:
                 self._close_round(key, answer=True)
 
     def _unseen_done(self, key: tuple[str, int], r: UnmapRound, label: str) -> None:
-        """``label`` is no longer awaited unregistered in round ``key`` (the caller has taken it out
-        of ``unseen_in``, or is about to)."""
+        """``label`` is no longer awaited unregistered in round ``key``."""
+        keys = self.unseen_in[label]
+        keys.discard(key)
+        if not keys:
+            del self.unseen_in[label]
         del r.unseen[label]
         n = self.unseen_of[r.producer] - 1
         if n:
@@ -1360,17 +1363,10 @@ class BrokerCore:
             if now < r.until:
                 return
             for label in list(r.unseen):
-                self._forget_unseen(key, label)
                 self._unseen_done(key, r, label)
                 r.fenced.append(label)
             if not r.waiting:
                 self._close_round(key, answer=True)
-
-    def _forget_unseen(self, key: tuple[str, int], label: str) -> None:
-        keys = self.unseen_in[label]
-        keys.discard(key)
-        if not keys:
-            del self.unseen_in[label]
 
     def on_unmapped(self, c: Client, msg: Unmapped) -> None:
         """A consumer closed its mapping for an UNMAP (or had none). One it is not awaited in
@@ -1422,7 +1418,6 @@ class BrokerCore:
         for rid in list(r.waiting):
             self._answered(key, r, rid)
         for label in list(r.unseen):  # its producer left
-            self._forget_unseen(key, label)
             self._unseen_done(key, r, label)
         if answer:
             self._send(r.producer, Unmapped(r.request, unmapped=r.unmapped, gone=r.gone, fenced=r.fenced))

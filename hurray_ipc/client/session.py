@@ -391,8 +391,13 @@ class Session:
                 if done:
                     return
             else:
-                with self._turn:
-                    self._turn.wait_for(partial(self._moved, gen), wait)
+                try:
+                    with self._turn:
+                        self._turn.wait_for(partial(self._moved, gen), wait)
+                except BaseException:  # e.g. KeyboardInterrupt: it no longer follows
+                    with self.lock:
+                        self._followers -= 1
+                    raise
 
     def _why_stop(self, start: float, deadline: float | None, timeout: float | None, what: str) -> Exception | None:
         """Why a pump that is not done must stop now (shutdown, a silent broker, its deadline), or None."""
