@@ -1317,8 +1317,7 @@ class BrokerCore:
                 r.fenced.append(label)
         if r.unseen:
             self.unseen_rounds[key] = None
-        if not r.waiting and not r.unseen:
-            self._close_round(key, answer=True)
+        self._close_if_over(key, r)
 
     def _ask(self, key: tuple[str, int], r: UnmapRound, c: Client) -> None:
         """Ask registered consumer ``c`` in round ``key``, or answer for it when it does not
@@ -1337,8 +1336,7 @@ class BrokerCore:
             r = self.unmaps[key]
             self._unseen_done(key, r, c.label)
             self._ask(key, r, c)
-            if not r.waiting and not r.unseen:
-                self._close_round(key, answer=True)
+            self._close_if_over(key, r)
 
     def _unseen_done(self, key: tuple[str, int], r: UnmapRound, label: str) -> None:
         """``label`` is no longer awaited unregistered in round ``key``."""
@@ -1365,8 +1363,7 @@ class BrokerCore:
             for label in list(r.unseen):
                 self._unseen_done(key, r, label)
                 r.fenced.append(label)
-            if not r.waiting:
-                self._close_round(key, answer=True)
+            self._close_if_over(key, r)
 
     def on_unmapped(self, c: Client, msg: Unmapped) -> None:
         """A consumer closed its mapping for an UNMAP (or had none). One it is not awaited in
@@ -1386,8 +1383,7 @@ class BrokerCore:
         the round's lists), and the round ends when nobody is awaited any more."""
         self._answered(key, r, rid)
         into.append(label)
-        if not r.waiting and not r.unseen:
-            self._close_round(key, answer=True)
+        self._close_if_over(key, r)
 
     def _answered(self, key: tuple[str, int], r: UnmapRound, rid: bytes) -> None:
         r.waiting.discard(rid)
@@ -1407,6 +1403,11 @@ class BrokerCore:
         for key in list(self.awaited_in.get(c.rid, ())):
             r = self.unmaps[key]
             self._settle(key, r, c.rid, r.gone if proven else r.fenced, c.label)
+
+    def _close_if_over(self, key: tuple[str, int], r: UnmapRound) -> None:
+        """Answer the producer and close round ``key`` once it awaits nobody, registered or not."""
+        if not r.waiting and not r.unseen:
+            self._close_round(key, answer=True)
 
     def _close_round(self, key: tuple[str, int], answer: bool) -> None:
         r = self.unmaps.pop(key)
