@@ -322,6 +322,11 @@ MUTANTS: dict[str, tuple[str, ...]] = {
     "leader-not-woken-at-close": ("hurray_ipc/client/session.py",
                                   "            self._wake_others()  # before the socket goes: a leader polls its fd\n",
                                   "            pass  # MUTANT: no wake at close\n", *THREADS),
+    # release_many is all or nothing: another thread's release of one of its handoffs lands
+    # before or after the whole list, never between its check and its releases.
+    "release-outside-the-session-lock": ("hurray_ipc/client/consumer.py",
+                                         "        with self._consumer.session.lock:\n            if self.released:",
+                                         "        if True:  # MUTANT\n            if self.released:", *THREADS),
 }
 
 

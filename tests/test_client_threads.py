@@ -19,7 +19,8 @@ import zmq
 from hurray_ipc.client import Consumer, Producer
 from hurray_ipc.client import session as session_mod
 from hurray_ipc.client.session import Session
-from hurray_ipc.errors import ClosedError
+from hurray_ipc.contract.handoff import AlreadyReleasedError
+from hurray_ipc.errors import ClosedError, HurrayTimeout
 from hurray_ipc.transport.sockets import readable
 from hurray_ipc.wire.messages import ChannelState, Ping, Request, Welcome
 
@@ -67,6 +68,106 @@ def test_consumer_and_producer_from_three_threads_each(broker):
         assert not any(th.is_alive() for th in threads), "a client call hung"
         assert errors == [], errors
         assert sorted(seen) == list(range(total))
+        p.flush(10)
+        assert p.outstanding == 0
+
+
+def test_batch_calls_from_three_threads_each(broker):
+    """send_many from 3 producer threads, receive_many + release_many from 3 consumer threads on
+    one Producer and one Consumer: every handoff arrives exactly once with its bytes intact, no
+    call raises, and every release reaches the producer."""
+    rounds, per_call = 12, 3
+    total = THREADS * rounds * per_call
+    errors: list[BaseException] = []
+    seen: list[int] = []
+    seen_lock = threading.Lock()
+    with Producer(broker.endpoint, "mt-many", "cpu", prefetch=4) as p, \
+            Consumer(broker.endpoint, "mt-many", "cpu", prefetch=4) as c:
+        def produce(t: int) -> None:
+            try:
+                for r in range(rounds):
+                    first = (t * rounds + r) * per_call
+                    p.send_many([np.full(256, first + k, dtype=np.int64) for k in range(per_call)], timeout=30)
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        def consume() -> None:
+            try:
+                while True:
+                    with seen_lock:
+                        if len(seen) >= total or errors:
+                            return
+                    try:
+                        hs = c.receive_many(per_call + 1, timeout=0.5)  # the bound only lets it look at `seen`
+                    except HurrayTimeout:
+                        continue
+                    for h in hs:
+                        a = h.buffer.numpy()
+                        assert a.shape == (256,) and (a == a[0]).all(), "torn or foreign bytes"
+                        with seen_lock:
+                            seen.append(int(a[0]))
+                    c.release_many(hs)
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=produce, args=(t,)) for t in range(THREADS)]
+        threads += [threading.Thread(target=consume) for _ in range(THREADS)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(90)
+        assert not any(th.is_alive() for th in threads), "a client call hung"
+        assert errors == [], errors
+        assert sorted(seen) == list(range(total)), "a handoff was lost or delivered twice"
+        p.flush(10)
+        assert p.outstanding == 0
+        assert c.held == 0
+
+
+def test_release_many_is_all_or_nothing_against_a_release_from_another_thread(broker):
+    """release_many checks its list and releases it as one step: a release() of one of its
+    handoffs from another thread, issued while the list is being released, waits for the whole
+    list and then raises AlreadyReleasedError, instead of slipping in between and leaving
+    release_many to fail half done (the check used to run before the lock was taken)."""
+    with Producer(broker.endpoint, "mt-all", "cpu") as p, Consumer(broker.endpoint, "mt-all", "cpu", prefetch=2) as c:
+        sender = threading.Thread(target=lambda: p.send_many([np.arange(8), np.arange(8)], timeout=10))
+        sender.start()  # the grants come once the consumer asks, in its receive
+        hs = c.receive_many(2, timeout=10)
+        while len(hs) < 2:
+            hs += c.receive_many(2 - len(hs), timeout=10)
+        sender.join(10)
+        h1, h2 = hs
+        other_took_h2 = threading.Event()
+        outcome: list[object] = []
+
+        def other() -> None:
+            try:
+                h2.release()
+                outcome.append("released")
+            except AlreadyReleasedError as e:
+                outcome.append(e)
+
+        th = threading.Thread(target=other)
+        release_h1, release_h2 = h1._release, h2._release
+
+        def h1_released_first() -> None:  # runs inside release_many, between its check and h2
+            th.start()
+            # Kept: the other thread cannot take h2 before release_many ends (so this waits out
+            # its bound). Broken: it takes h2 at once.
+            other_took_h2.wait(2.0)
+            release_h1()
+
+        def h2_taken() -> None:
+            if threading.current_thread() is th:
+                other_took_h2.set()
+            release_h2()
+
+        h1._release, h2._release = h1_released_first, h2_taken
+        c.release_many([h1, h2])  # raises AlreadyReleasedError when the other thread slipped in
+        th.join(10)
+        assert not th.is_alive()
+        assert len(outcome) == 1 and isinstance(outcome[0], AlreadyReleasedError), outcome
+        assert h1.released and h2.released
         p.flush(10)
         assert p.outstanding == 0
 

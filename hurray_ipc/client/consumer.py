@@ -503,10 +503,13 @@ class ReceivedHandoff(Handoff):
         released is released first (its stream-waits are already issued). Exactly once: a second
         call raises AlreadyReleasedError. ``with handoff:`` calls ``release()`` on exit.
         """
-        if self.released:
-            raise AlreadyReleasedError("the buffer of this handoff was already released")
-        self._release_streams = None if stream is None else [self._consumer.as_stream(stream)]
-        super().release()
+        # Under the session lock, so that release_many's check and its releases are one step:
+        # a release from another thread lands before or after the whole list, never inside it.
+        with self._consumer.session.lock:
+            if self.released:
+                raise AlreadyReleasedError("the buffer of this handoff was already released")
+            self._release_streams = None if stream is None else [self._consumer.as_stream(stream)]
+            super().release()
 
     def _fence_streams(self) -> list[CudaStream]:
         if self._release_streams is not None:
@@ -877,12 +880,12 @@ class Consumer:
             if id(h) in seen:
                 raise InvalidArgument(f"item {i} (handoff {h.handoff_id}) is listed twice", where=where, value=h)
             seen.add(id(h))
-        done = [h.handoff_id for h in batch if h.released]
-        if done:
-            raise AlreadyReleasedError(f"{len(done)} of these {len(batch)} handoffs were already released "
-                                       f"(handoff ids {done[:8]}); none was released now")
         fence = None if stream is None else self.as_stream(stream)
-        with self.session.holding():
+        with self.session.holding():  # checked and released as one step (ReceivedHandoff.release locks too)
+            done = [h.handoff_id for h in batch if h.released]
+            if done:
+                raise AlreadyReleasedError(f"{len(done)} of these {len(batch)} handoffs were already released "
+                                           f"(handoff ids {done[:8]}); none was released now")
             for h in batch:
                 h.release(fence)
 
