@@ -327,6 +327,11 @@ MUTANTS: dict[str, tuple[str, ...]] = {
     "release-outside-the-session-lock": ("hurray_ipc/client/consumer.py",
                                          "        with self._consumer.session.lock:\n            if self.released:",
                                          "        if True:  # MUTANT\n            if self.released:", *THREADS),
+    # The race checker's notes (issue 24): a writer checks under the slot's lock that the free
+    # slot it chose is still free, or it overwrites another message's note (an edge lost).
+    "mailbox-claim-unchecked": ("hurray_ipc/devices/backend/mailbox.py",
+                                "        if struct.unpack_from(\"<Q\", self.map, slot * 8)[0] == expect:\n",
+                                "        if True:  # MUTANT: taken meanwhile or not\n", "tests/test_mailbox.py"),
 }
 
 

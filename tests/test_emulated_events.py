@@ -41,8 +41,8 @@ def flocks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             calls.append(fcntl.LOCK_EX if cmd == fcntl.F_OFD_SETLKW else fcntl.LOCK_UN)
         return real_fcntl(fd, cmd, arg)
 
-    monkeypatch.setattr(emulated.fcntl, "flock", counting_flock)
-    monkeypatch.setattr(emulated.fcntl, "fcntl", counting_fcntl)
+    monkeypatch.setattr(fcntl, "flock", counting_flock)
+    monkeypatch.setattr(fcntl, "fcntl", counting_fcntl)
     return calls
 
 
@@ -243,7 +243,7 @@ def test_an_attached_table_never_closes_under_a_late_record(monkeypatch: pytest.
     importer.stream_wait_event(s, gate)
     importer.event_record(mine, s)
     importer.event_destroy(mine)  # CUDA allows it with the record pending
-    real_fcntl, closed = emulated.fcntl.fcntl, threading.Event()
+    real_fcntl, closed = fcntl.fcntl, threading.Event()
     early: list[bool] = []
 
     def detach_others() -> None:  # opens and drops one event of every other table: the first is evicted
@@ -257,7 +257,7 @@ def test_an_attached_table_never_closes_under_a_late_record(monkeypatch: pytest.
             early.append(closed.wait(0.5))  # fixed: the close waits for this lock, so this times out
         return real_fcntl(fd, cmd, arg)
 
-    monkeypatch.setattr(emulated.fcntl, "fcntl", lock)
+    monkeypatch.setattr(fcntl, "fcntl", lock)
     gate.words[2] = 1
     importer.stream_synchronize(s)  # raises the stream's error when the descriptor went first
     assert closed.wait(10) and early == [False], "the table closed while a record held its slot's lock"

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import itertools
 import mmap
 import os
 import re
 import secrets
 import stat
+import struct
 import threading
 import weakref
 from pathlib import Path
@@ -244,6 +246,17 @@ def populate(ptr: int, size: int) -> None:
 
     view = np.frombuffer(memoryview((ctypes.c_ubyte * length).from_address(start)), np.uint8)
     view[::page] |= 0
+
+
+_FLOCK = struct.Struct("hhqqi4x")  # Linux struct flock: type, whence, start, len, pid (0 for OFD locks)
+
+
+def lock_byte(fd: int, off: int, lock: bool) -> None:
+    """Lock (wait) or unlock one byte of ``fd``'s file with an open-file-description lock: owned by
+    the descriptor like flock, so two descriptors exclude each other even in one process (tests
+    run two runtimes in one process as two processes), and closing one never drops another's."""
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if lock else fcntl.F_OFD_SETLK,
+                _FLOCK.pack(fcntl.F_WRLCK if lock else fcntl.F_UNLCK, os.SEEK_SET, off, 1, 0))
 
 
 def unlink(name: str) -> bool:

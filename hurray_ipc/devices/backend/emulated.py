@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-import fcntl
-import hashlib
 import itertools
 import marshal
 import os
@@ -53,9 +51,10 @@ import numpy as np
 
 from .. import shm
 from ..errors import DeviceError, RaceError
-from ..shm import SHM_DIR, Segment
+from ..shm import Segment, lock_byte
 from . import hb
 from .base import EMULATED_MAGIC, IPC_HANDLE_SIZE, Runtime, check_blob
+from .mailbox import mailbox
 
 HEADER = 64 << 10  # per allocation: magic, size, device, then the shadow memory of the race check
 EVENT_SLOT = 16 << 10  # per event: the counters, then the race-check state of its latest records
@@ -127,17 +126,6 @@ class EmulationConfig:
         }
 
 
-_FLOCK = struct.Struct("hhqqi4x")  # Linux struct flock: type, whence, start, len, pid (0 for OFD locks)
-
-
-def _lock_byte(fd: int, off: int, lock: bool) -> None:
-    """Lock (wait) or unlock one byte of ``fd``'s file with an open-file-description lock: owned by
-    the descriptor like flock, so two descriptors exclude each other even in one process (tests
-    run two runtimes in one process as two processes), and closing one never drops another's."""
-    fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if lock else fcntl.F_OFD_SETLK,
-                _FLOCK.pack(fcntl.F_WRLCK if lock else fcntl.F_UNLCK, os.SEEK_SET, off, 1, 0))
-
-
 class _Locked:
     """Process-local lock plus a lock on byte ``off`` of the segment: threads and processes both
     exclude. An allocation locks byte 0 of its segment; an event locks its slot's first byte of
@@ -159,14 +147,14 @@ class _Locked:
             # Past the segment's close a late record needs no cross-process lock.
             self.held = self.seg is not None and not self.seg.closed
             if self.held:
-                _lock_byte(self.seg.fd, self.off, True)  # type: ignore[union-attr]  # held implies seg
+                lock_byte(self.seg.fd, self.off, True)  # type: ignore[union-attr]  # held implies seg
         except BaseException:  # e.g. KeyboardInterrupt while waiting for another process
             self.local.release()
             raise
 
     def __exit__(self, *exc: object) -> None:
         if self.held:
-            _lock_byte(self.seg.fd, self.off, False)  # type: ignore[union-attr]
+            lock_byte(self.seg.fd, self.off, False)  # type: ignore[union-attr]
         self.local.release()
 
 
@@ -521,27 +509,7 @@ class EmulatedRuntime(Runtime):
         # (lo, hi, record): what hb_publish_host checks another process's host read against.
         self._host_writes: list[tuple[int, int, hb.Record]] = []
         self._host_writes_prune_at = self.HOST_WRITES_MAX // 4
-        self._mailbox = os.path.join(SHM_DIR, f"hurray-{os.getuid()}-hb")
-        self.sweep_mailbox()
-
-    MAILBOX_MAX_AGE_S = 600.0  # a message no receiver took in 10 minutes never will be (its sender died)
-
-    def sweep_mailbox(self, now: float | None = None) -> int:
-        """Remove happens-before messages older than MAILBOX_MAX_AGE_S: those of handoffs whose
-        producer or consumer died before the message was received. A handoff's messages are taken
-        within seconds (HANDOFF->DELIVER, RELEASE->RELEASED), so this loses no edge. Returns how
-        many were removed."""
-        now = time.time() if now is None else now
-        removed = 0
-        for name in shm.entries(self._mailbox):
-            path = os.path.join(self._mailbox, name)
-            try:
-                if now - os.lstat(path).st_mtime > self.MAILBOX_MAX_AGE_S:
-                    os.unlink(path)
-                    removed += 1
-            except OSError:
-                continue  # taken meanwhile
-        return removed
+        self._mailbox = mailbox()  # sweeps notes nobody took (MAX_AGE_S) when this process opens it
 
     def _drain(self, learn: bool = True) -> None:
         """Wait for this process's pending device work. cudaFree synchronizes the device, so the
@@ -617,9 +585,6 @@ class EmulatedRuntime(Runtime):
             self._check(a, lo, n, is_write, self._host, dict(self._host_clock), "host", call)
 
     # --- happens-before edges carried by messages between processes ----------------------------
-    def _mail(self, key: str) -> str:
-        return os.path.join(self._mailbox, hashlib.sha1(key.encode()).hexdigest())
-
     def hb_send(self, key: str) -> None:
         """This process is about to send the message ``key``: what its host knows now (which
         streams it synchronized, which events it saw complete) is what the receiver learns."""
@@ -627,43 +592,17 @@ class EmulatedRuntime(Runtime):
             return
         with self._hb:
             self._host_tick()
-            raw = marshal.dumps(self._host_clock)
-        # Written in place, not renamed into place: the receiver opens it only once the message
-        # arrived, which leaves after this returns; each key names one message.
-        path = self._mail(key)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        except FileNotFoundError:
-            os.makedirs(self._mailbox, mode=0o700, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            view = memoryview(raw)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
+            clock = dict(self._host_clock)
+        self._mailbox.put(key, clock)
 
     def hb_receive(self, key: str) -> bool:
         """The message ``key`` arrived: this host is now ordered after its sender's host at send
         time. False when no such message was noted (its sender does not run the checker)."""
         if not self.checking:
             return False
-        path = self._mail(key)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+        clock = self._mailbox.take(key)
+        if clock is None:
             return False
-        try:
-            chunks = [os.read(fd, 1 << 16)]
-            while len(chunks[-1]) == 1 << 16:
-                chunks.append(os.read(fd, 1 << 16))
-        finally:
-            os.close(fd)
-        clock = marshal.loads(b"".join(chunks))
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
         self._learn(clock)
         return True
 
@@ -702,10 +641,7 @@ class EmulatedRuntime(Runtime):
 
     def hb_forget(self, key: str) -> None:
         """The message ``key`` will not be received (its handoff ended another way)."""
-        try:
-            os.unlink(self._mail(key))
-        except FileNotFoundError:
-            pass
+        self._mailbox.drop(key)
 
     # --- devices -------------------------------------------------------------------------------
     def probe(self) -> str | None:
