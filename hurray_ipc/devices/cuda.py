@@ -35,8 +35,14 @@ def _on_device(method: F) -> F:
     (see :meth:`CudaDevice.current`); nested calls on the same device switch nothing."""
     @functools.wraps(method)
     def run(self: Any, *a: Any, **kw: Any) -> Any:
-        with (self if isinstance(self, CudaDevice) else self.device).current():
+        dev = self if isinstance(self, CudaDevice) else self.device
+        prev = dev._make_current()
+        if prev is None:  # the usual case, without current()'s generator: several calls per handoff
             return method(self, *a, **kw)
+        try:
+            return method(self, *a, **kw)
+        finally:
+            dev.rt.set_device(prev)
 
     return run  # type: ignore[return-value]
 
@@ -198,14 +204,21 @@ class CudaDevice(Device):
         after it: a PyTorch or CuPy thread that works on another device is not switched behind its
         back (issue 22). Asked of the runtime every time, never cached: other code on the thread
         may have called cudaSetDevice since."""
-        prev = self.rt.get_device()
-        if prev != self.ordinal:
-            self.rt.set_device(self.ordinal)
+        prev = self._make_current()
         try:
             yield
         finally:
-            if prev != self.ordinal:
+            if prev is not None:
                 self.rt.set_device(prev)
+
+    def _make_current(self) -> int | None:
+        """Make this device current on the calling thread; the device to make current again
+        after (None: it already was, nothing to restore)."""
+        prev = self.rt.get_device()
+        if prev == self.ordinal:
+            return None
+        self.rt.set_device(self.ordinal)
+        return prev
 
     def capabilities(self) -> DeviceCapabilities:
         if self._caps is None:
