@@ -163,3 +163,25 @@ def test_without_a_table_every_note_is_a_file(where, monkeypatch):
     box.put("k", {1: 1})
     assert len(_files(box)) == 1
     assert Mailbox(where).take("k") == {1: 1}
+
+
+def test_a_forked_child_opens_its_own_table():
+    """A slot lock belongs to the descriptor, and a forked child shares its parent's: the
+    child's notes must go through a descriptor of its own, or its locks would not exclude the
+    parent's."""
+    parent = mb.mailbox()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave without running the parent's cleanup
+        try:
+            child = mb.mailbox()
+            os.write(w, b"own" if child is not parent and child.fd != parent.fd else b"shared")
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        assert os.read(r, 16) == b"own"
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    assert mb.mailbox() is parent

@@ -509,7 +509,7 @@ class EmulatedRuntime(Runtime):
         # (lo, hi, record): what hb_publish_host checks another process's host read against.
         self._host_writes: list[tuple[int, int, hb.Record]] = []
         self._host_writes_prune_at = self.HOST_WRITES_MAX // 4
-        self._mailbox = mailbox()  # sweeps notes nobody took (MAX_AGE_S) when this process opens it
+        mailbox()  # opened once per process (not per runtime: a forked child opens its own), and swept
 
     def _drain(self, learn: bool = True) -> None:
         """Wait for this process's pending device work. cudaFree synchronizes the device, so the
@@ -593,14 +593,14 @@ class EmulatedRuntime(Runtime):
         with self._hb:
             self._host_tick()
             clock = dict(self._host_clock)
-        self._mailbox.put(key, clock)
+        mailbox().put(key, clock)
 
     def hb_receive(self, key: str) -> bool:
         """The message ``key`` arrived: this host is now ordered after its sender's host at send
         time. False when no such message was noted (its sender does not run the checker)."""
         if not self.checking:
             return False
-        clock = self._mailbox.take(key)
+        clock = mailbox().take(key)
         if clock is None:
             return False
         self._learn(clock)
@@ -641,7 +641,7 @@ class EmulatedRuntime(Runtime):
 
     def hb_forget(self, key: str) -> None:
         """The message ``key`` will not be received (its handoff ended another way)."""
-        self._mailbox.drop(key)
+        mailbox().drop(key)
 
     # --- devices -------------------------------------------------------------------------------
     def probe(self) -> str | None:
