@@ -87,8 +87,8 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                               "tests/test_clients.py"),
     # The real backend leaves the application's CUDA state as it found it (issue 22).
     "device-not-restored": ("hurray_ipc/devices/cuda.py",
-                            "            if prev != self.ordinal:\n                self.rt.set_device(prev)\n",
-                            "            pass  # MUTANT: the caller's device stays switched\n",
+                            "        if prev is not None:\n            self.rt.set_device(prev)\n",
+                            "        pass  # MUTANT: the caller's device stays switched\n",
                             "tests/test_devices.py"),
     "not-ready-not-cleared": ("hurray_ipc/devices/backend/real.py",
                               "            self.rt.cudaGetLastError()  # this runtime's own",

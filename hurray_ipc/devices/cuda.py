@@ -42,7 +42,7 @@ def _on_device(method: F) -> F:
         try:
             return method(self, *a, **kw)
         finally:
-            dev.rt.set_device(prev)
+            dev._restore(prev)
 
     return run  # type: ignore[return-value]
 
@@ -208,8 +208,7 @@ class CudaDevice(Device):
         try:
             yield
         finally:
-            if prev is not None:
-                self.rt.set_device(prev)
+            self._restore(prev)
 
     def _make_current(self) -> int | None:
         """Make this device current on the calling thread; the device to make current again
@@ -219,6 +218,11 @@ class CudaDevice(Device):
             return None
         self.rt.set_device(self.ordinal)
         return prev
+
+    def _restore(self, prev: int | None) -> None:
+        """Make ``prev`` (from :meth:`_make_current`) current again, if anything was switched."""
+        if prev is not None:
+            self.rt.set_device(prev)
 
     def capabilities(self) -> DeviceCapabilities:
         if self._caps is None:
