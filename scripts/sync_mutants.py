@@ -329,6 +329,13 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                                          "        if True:  # MUTANT\n            if self.released:", *THREADS),
     # The race checker's notes (issue 24): a writer checks under the slot's lock that the free
     # slot it chose is still free, or it overwrites another message's note (an edge lost).
+    # An exporter's destroy reads the importers' waits and moves the slot's generation on in one
+    # locked section, so a wait issued meanwhile is either checked or refused.
+    "destroy-waits-read-apart": ("hurray_ipc/devices/backend/emulated.py",
+                                 "                    waits = ev._state()[1]\n",
+                                 "                    waits = ev._state()[1]\n"
+                                 "            with ev.lock:  # MUTANT: the generation moves on in a second section\n",
+                                 "tests/test_emulated_events.py"),
     "mailbox-claim-unchecked": ("hurray_ipc/devices/backend/mailbox.py",
                                 "        if struct.unpack_from(\"<Q\", self.map, slot * 8)[0] == expect:\n",
                                 "        if True:  # MUTANT: taken meanwhile or not\n", "tests/test_mailbox.py"),

@@ -109,6 +109,46 @@ def test_an_importers_use_of_an_event_its_exporter_destroyed_fails() -> None:
     importer.stream_destroy(s)
 
 
+@pytest.mark.races_expected
+def test_a_wait_issued_while_its_exporter_destroys_the_event_is_checked_or_refused(monkeypatch) -> None:
+    """The destroy reads the waits importers issued and moves the slot to its next generation in
+    one locked section: a wait issued meanwhile is either among those checked (a destroy-before-
+    wait race) or refused as a destroyed event's. Forced here: the importer's wait runs the moment
+    the destroying thread first unlocks the slot (when these were two sections, it landed between
+    them, was neither checked nor refused, and the race went unreported)."""
+    exporter, importer = EmulatedRuntime(emu_config(op_delay_s=0.0)), EmulatedRuntime(emu_config(op_delay_s=0.0))
+    ev = exporter.event_create(interprocess=True)
+    theirs = importer.ipc_open_event_handle(exporter.ipc_get_event_handle(ev))
+    s = importer.stream_create()
+    real_fcntl, me = fcntl.fcntl, threading.current_thread()
+    outcome: list[object] = []
+    destroying = False
+
+    def lock(fd: int, cmd: int, arg: Any = 0) -> Any:
+        nonlocal destroying
+        out = real_fcntl(fd, cmd, arg)
+        if destroying and cmd == fcntl.F_OFD_SETLK and threading.current_thread() is me:
+            destroying = False  # once: the first unlock of the destroy
+            try:
+                importer.stream_wait_event(s, theirs)
+                outcome.append("issued")
+            except DeviceError as e:
+                outcome.append(e.code)
+        return out
+
+    monkeypatch.setattr(fcntl, "fcntl", lock)
+    destroying = True
+    exporter.event_destroy(ev)
+    monkeypatch.undo()
+    assert outcome, "the destroy took no slot lock"
+    checked = any("destroy-before-wait race" in r for r in exporter.races)
+    assert outcome == ["cudaErrorInvalidResourceHandle"] or checked, \
+        f"a wait issued during the destroy was neither refused nor checked: {outcome}"
+    importer.event_destroy(theirs)
+    importer.stream_synchronize(s)
+    importer.stream_destroy(s)
+
+
 def test_a_slot_whose_last_record_is_pending_is_not_reused_and_the_old_wait_completes() -> None:
     """The destroyed event's record is still queued behind a gate (an event recorded by no stream,
     completed by hand): a new event must not take its slot (it would look recorded and never

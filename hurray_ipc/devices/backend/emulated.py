@@ -385,10 +385,6 @@ class _Event:
                 self._put(records, [*waits, rec], "an event's stream-waits")
         return target
 
-    def waits(self) -> list[hb.Record]:
-        with self.lock:
-            return list(self._state()[1])
-
     def done(self, seq: int) -> bool:
         return int(self.words[2]) >= seq
 
@@ -995,13 +991,24 @@ class EmulatedRuntime(Runtime):
 
     def event_destroy(self, event: Any) -> None:
         ev = self._event(event, "cudaEventDestroy", live=False)
-        if self.checking and ev.owner and ev.interprocess:
+        table = ev.table
+        waits: list[hb.Record] = []
+        if table is not None and ev.owner:
+            # A wait already enqueued still completes, as in CUDA (the counters go on in the slot);
+            # a handle of this event no longer opens, and the slot serves a later event. The waits
+            # other processes issued are read in the same locked section: each one issued before
+            # this destroy is checked below, and none can be issued after it.
+            with ev.lock:
+                if self.checking:
+                    waits = ev._state()[1]
+                struct.pack_into("<I", table.seg.map, ev.off + _GEN, (ev.generation + 1) & 0xFFFFFFFF)
+        if waits:
             # An importer's operations on an interprocess event after its exporter destroyed it are
             # undefined in CUDA: the destroy must be ordered after every wait other processes issued
             # on it (devices/DESIGN.md).
             with self._hb:
                 host = dict(self._host_clock)
-                for rec in ev.waits():
+                for rec in waits:
                     if not hb.ordered(host, rec) and not _gone(rec):
                         why = (f"destroy-before-wait race on interprocess event {ev.name}: pid {os.getpid()} "
                                f"cudaEventDestroy is not ordered after {rec[4]} (an importer's wait may not have "
@@ -1009,14 +1016,9 @@ class EmulatedRuntime(Runtime):
                         self.races.append(why)
                         self._unraised.append(why)
         ev.destroyed = True
-        table = ev.table
         if table is None:
             return
         if ev.owner:
-            # A wait already enqueued still completes, as in CUDA (the counters go on in the slot);
-            # a handle of this event no longer opens, and the slot serves a later event.
-            with ev.lock:
-                struct.pack_into("<I", table.seg.map, ev.off + _GEN, (ev.generation + 1) & 0xFFFFFFFF)
             with self._lock:
                 self._free_slots.append((table, ev.slot))
                 self.live_events -= 1
