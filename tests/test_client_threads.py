@@ -28,6 +28,16 @@ THREADS = 3
 PER_THREAD = 40
 
 
+def _run_threads(threads: list[threading.Thread], errors: list[BaseException]) -> None:
+    """Start them all, wait for each (90 s at most), and fail on one still running or any error."""
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(90)
+    assert not any(th.is_alive() for th in threads), "a client call hung"
+    assert errors == [], errors
+
+
 def test_consumer_and_producer_from_three_threads_each(broker):
     """3 producer threads send and 3 consumer threads receive through one Producer and one
     Consumer: every handoff arrives exactly once with its bytes intact, and no call raises (the
@@ -59,14 +69,8 @@ def test_consumer_and_producer_from_three_threads_each(broker):
             except BaseException as e:  # noqa: BLE001
                 errors.append(e)
 
-        threads = [threading.Thread(target=produce, args=(t,)) for t in range(THREADS)]
-        threads += [threading.Thread(target=consume) for _ in range(THREADS)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(90)
-        assert not any(th.is_alive() for th in threads), "a client call hung"
-        assert errors == [], errors
+        _run_threads([threading.Thread(target=produce, args=(t,)) for t in range(THREADS)]
+                     + [threading.Thread(target=consume) for _ in range(THREADS)], errors)
         assert sorted(seen) == list(range(total))
         p.flush(10)
         assert p.outstanding == 0
@@ -110,14 +114,8 @@ def test_batch_calls_from_three_threads_each(broker):
             except BaseException as e:  # noqa: BLE001
                 errors.append(e)
 
-        threads = [threading.Thread(target=produce, args=(t,)) for t in range(THREADS)]
-        threads += [threading.Thread(target=consume) for _ in range(THREADS)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(90)
-        assert not any(th.is_alive() for th in threads), "a client call hung"
-        assert errors == [], errors
+        _run_threads([threading.Thread(target=produce, args=(t,)) for t in range(THREADS)]
+                     + [threading.Thread(target=consume) for _ in range(THREADS)], errors)
         assert sorted(seen) == list(range(total)), "a handoff was lost or delivered twice"
         p.flush(10)
         assert p.outstanding == 0

@@ -104,6 +104,24 @@ class Mailbox:
     def _body(self, slot: int) -> int:
         return _BODIES + slot * _SLOT
 
+    def _remove(self, key: str, read: bool) -> tuple[bool, bytes]:
+        """Free the slot of ``key``'s note: (whether there was one, its payload if ``read``)."""
+        t = tag(key)
+        with self.local:
+            slot = self._find(t, t)
+            if slot < 0 or not self._claim(slot, t):
+                return False, b""
+            try:
+                raw = b""
+                if read:
+                    body = self._body(slot)
+                    n = _BODY.unpack_from(self.map, body)[1]
+                    raw = self.map[body + _BODY.size:body + _BODY.size + n]
+                struct.pack_into("<Q", self.map, slot * 8, 0)
+            finally:
+                self._free(slot)
+            return True, raw
+
     def put(self, key: str, note: Any) -> None:
         """Note ``note`` (marshallable) under ``key``, replacing an earlier note of the same key."""
         raw = marshal.dumps(note)
@@ -131,30 +149,15 @@ class Mailbox:
     def take(self, key: str) -> Any:
         """The note of ``key``, removed; None when there is none (its sender noted nothing)."""
         if self.map is not None:
-            t = tag(key)
-            with self.local:
-                slot = self._find(t, t)
-                if slot >= 0 and self._claim(slot, t):
-                    try:
-                        body = self._body(slot)
-                        n = _BODY.unpack_from(self.map, body)[1]
-                        raw = self.map[body + _BODY.size:body + _BODY.size + n]
-                        struct.pack_into("<Q", self.map, slot * 8, 0)
-                    finally:
-                        self._free(slot)
-                    return marshal.loads(raw)
+            found, raw = self._remove(key, read=True)
+            if found:
+                return marshal.loads(raw)
         return self._take_file(key)
 
     def drop(self, key: str) -> None:
         """Remove the note of ``key`` if it is still there (its message will not be received)."""
-        if self.map is not None:
-            t = tag(key)
-            with self.local:
-                slot = self._find(t, t)
-                if slot >= 0 and self._claim(slot, t):
-                    struct.pack_into("<Q", self.map, slot * 8, 0)
-                    self._free(slot)
-                    return
+        if self.map is not None and self._remove(key, read=False)[0]:
+            return
         with self.local:
             if key not in self.spilled and self.map is not None:
                 return
