@@ -185,3 +185,15 @@ def test_a_forked_child_opens_its_own_table():
         os.close(r)
         os.waitpid(pid, 0)
     assert mb.mailbox() is parent
+
+
+def test_a_table_someone_else_could_write_is_not_used(where):
+    """The table's name in /dev/shm is predictable: a file there that others may write (or a link
+    planted at the name) is not mapped; notes go to files instead."""
+    path = where / f"hurray-{os.getuid()}-hbtable"
+    path.write_bytes(b"")
+    os.chmod(path, 0o666)
+    assert Mailbox(where).map is None
+    path.unlink()
+    os.symlink(where / "elsewhere", path)
+    assert Mailbox(where).map is None and not (where / "elsewhere").exists()

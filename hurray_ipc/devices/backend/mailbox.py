@@ -30,6 +30,7 @@ import hashlib
 import marshal
 import mmap
 import os
+import stat
 import struct
 import threading
 import time
@@ -70,11 +71,16 @@ class Mailbox:
         self.map: Any = None
         path = os.path.join(directory, f"hurray-{os.getuid()}-hbtable")
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            # /dev/shm is writable by everyone: never follow a link someone else put at this name,
+            # and map only a regular file of our own, private to us.
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError:
             return  # files only
         try:
-            if os.fstat(fd).st_size < SIZE:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+                raise OSError(f"{path} is not a private file of ours")
+            if st.st_size < SIZE:
                 shm.reserve(fd, SIZE)  # extends it; a second process doing the same changes nothing
             self.map = mmap.mmap(fd, SIZE)
         except Exception:  # noqa: BLE001 - /dev/shm full, or the file is not ours to map: files only
