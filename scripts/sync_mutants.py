@@ -332,8 +332,8 @@ MUTANTS: dict[str, tuple[str, ...]] = {
     # An exporter's destroy reads the importers' waits and moves the slot's generation on in one
     # locked section, so a wait issued meanwhile is either checked or refused.
     "destroy-waits-read-apart": ("hurray_ipc/devices/backend/emulated.py",
-                                 "                    waits = ev._state()[1]\n",
-                                 "                    waits = ev._state()[1]\n"
+                                 "                    waits, host = ev._state()[1], dict(self._host_clock)\n",
+                                 "                    waits, host = ev._state()[1], dict(self._host_clock)\n"
                                  "            with ev.lock:  # MUTANT: the generation moves on in a second section\n",
                                  "tests/test_emulated_events.py"),
     "mailbox-claim-unchecked": ("hurray_ipc/devices/backend/mailbox.py",

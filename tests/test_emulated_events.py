@@ -21,6 +21,7 @@ import pytest
 
 from hurray_ipc.devices.backend import emulated
 from hurray_ipc.devices.backend.emulated import EmulatedRuntime
+from hurray_ipc.devices.backend.mailbox import mailbox
 from hurray_ipc.devices.errors import DeviceError
 from tests.conftest import emu_config
 
@@ -29,6 +30,7 @@ from tests.conftest import emu_config
 def flocks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Every cross-process lock operation the emulation makes (a byte lock on an allocation's or
     an event slot's segment; a flock too, should anything take one): LOCK_EX or LOCK_UN."""
+    mailbox()  # opened (and swept, which locks any stale note's slot) before counting starts
     calls: list[int] = []
     real_flock, real_fcntl = fcntl.flock, fcntl.fcntl
 

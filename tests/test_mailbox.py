@@ -175,7 +175,10 @@ def test_a_forked_child_opens_its_own_table():
     if pid == 0:  # the child: report and leave without running the parent's cleanup
         try:
             child = mb.mailbox()
-            os.write(w, b"own" if child is not parent and child.fd != parent.fd else b"shared")
+            # the parent's descriptor is closed here: it would keep a slot the parent locked
+            # locked after the parent died, for as long as this child lives
+            own = child is not parent and parent.map is None and child.map is not None
+            os.write(w, b"own" if own else b"shared")
         finally:
             os._exit(0)
     os.close(w)
@@ -197,3 +200,33 @@ def test_a_table_someone_else_could_write_is_not_used(where):
     path.unlink()
     os.symlink(where / "elsewhere", path)
     assert Mailbox(where).map is None and not (where / "elsewhere").exists()
+
+
+def test_a_receiver_that_could_not_map_the_table_still_finds_notes_put_there(where, monkeypatch):
+    """A process that started while the table could not be made (a full /dev/shm) keeps trying:
+    senders that came later put their notes in the table, and it must find them there."""
+    real = mb.shm.reserve
+    monkeypatch.setattr(mb.shm, "reserve", lambda fd, size: (_ for _ in ()).throw(OSError(28, "no space")))
+    late = Mailbox(where)
+    assert late.map is None
+    monkeypatch.setattr(mb.shm, "reserve", real)
+    Mailbox(where).put("k", {1: 1})
+    assert late.take("k") == {1: 1}
+
+
+def test_a_later_note_of_a_key_replaces_the_earlier_wherever_each_lives(where):
+    box = Mailbox(where)
+    big = {i: i for i in range(PAYLOAD)}
+    box.put("k", {1: 1})
+    box.put("k", big)  # to a file: the slot's older note must not be taken first
+    assert box.take("k") == big and box.take("k") is None
+    box.put("k", big)
+    box.put("k", {2: 2})  # to the table: the older file goes
+    assert box.take("k") == {2: 2} and box.take("k") is None and _files(box) == []
+
+
+def test_a_note_directory_someone_else_could_write_is_refused(where):
+    os.mkdir(where / f"hurray-{os.getuid()}-hb", 0o700)
+    os.chmod(where / f"hurray-{os.getuid()}-hb", 0o777)
+    with pytest.raises(mb.DeviceError, match="not a private directory"):
+        Mailbox(where).put("big", {i: i for i in range(PAYLOAD)})

@@ -993,21 +993,22 @@ class EmulatedRuntime(Runtime):
         ev = self._event(event, "cudaEventDestroy", live=False)
         table = ev.table
         waits: list[hb.Record] = []
+        host: hb.Clock = {}
         if table is not None and ev.owner:
             # A wait already enqueued still completes, as in CUDA (the counters go on in the slot);
             # a handle of this event no longer opens, and the slot serves a later event. The waits
-            # other processes issued are read in the same locked section: each one issued before
-            # this destroy is checked below, and none can be issued after it.
-            with ev.lock:
+            # other processes issued are read in the same locked section, with what this host knows
+            # at the call (_hb, then the slot: the order stream_wait_event takes them in): each wait
+            # issued before this destroy is checked below, and none can be issued after it.
+            with self._hb, ev.lock:
                 if self.checking:
-                    waits = ev._state()[1]
+                    waits, host = ev._state()[1], dict(self._host_clock)
                 struct.pack_into("<I", table.seg.map, ev.off + _GEN, (ev.generation + 1) & 0xFFFFFFFF)
         if waits:
             # An importer's operations on an interprocess event after its exporter destroyed it are
             # undefined in CUDA: the destroy must be ordered after every wait other processes issued
             # on it (devices/DESIGN.md).
             with self._hb:
-                host = dict(self._host_clock)
                 for rec in waits:
                     if not hb.ordered(host, rec) and not _gone(rec):
                         why = (f"destroy-before-wait race on interprocess event {ev.name}: pid {os.getpid()} "

@@ -20,7 +20,8 @@ this process) and checks the tag again before it writes, reads or frees the slot
 not fit a slot, or whose bucket is full, is a file of the directory ``hurray-<uid>-hb`` beside the
 table, as every note was until 2026-12-06: an open, write and close to send and an open, read,
 close and unlink to receive, in one directory that both ends of every handoff change. A note
-sent and taken costs 8.3 µs in a hot loop against 16.7 as files (two lock calls and a copy); in
+sent and taken costs 8.3 µs in a hot loop against 16.7 as files (a lock and an unlock on each side);
+in
 the three-process benchmark, where both ends work on the directory at once, the emulated row ran
 1.1-1.3x as fast (docs/benchmarks.md). Notes nobody took within MAX_AGE_S (a process killed between a send and its
 receipt) are swept by the next process that opens the table, files and slots alike.
@@ -39,6 +40,7 @@ import time
 from typing import Any
 
 from .. import shm
+from ..errors import DeviceError
 from ..shm import SHM_DIR, lock_byte
 
 __all__ = ["BUCKET", "BUCKETS", "MAX_AGE_S", "PAYLOAD", "SLOTS", "Mailbox", "mailbox"]
@@ -71,25 +73,35 @@ class Mailbox:
         self.spilled: set[str] = set()
         self.fd = -1
         self.map: Any = None
-        path = os.path.join(directory, f"hurray-{os.getuid()}-hbtable")
+        self._table_path = os.path.join(directory, f"hurray-{os.getuid()}-hbtable")
+        self._dir_checked = False
+        if self._open():
+            self.sweep()
+
+    def _open(self) -> bool:
+        """Map the table (made if missing); False, leaving notes to files, when it cannot be made
+        (/dev/shm full) or is not a private file of ours. Tried again before each note while it
+        failed: a receiver that could not map it must still find what senders put there later."""
+        if self.map is not None:
+            return True
         try:
             # /dev/shm is writable by everyone: never follow a link someone else put at this name,
             # and map only a regular file of our own, private to us.
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fd = os.open(self._table_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError:
-            return  # files only
+            return False
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-                raise OSError(f"{path} is not a private file of ours")
+                raise OSError(f"{self._table_path} is not a private file of ours")
             if st.st_size < SIZE:
                 shm.reserve(fd, SIZE)  # extends it; a second process doing the same changes nothing
             self.map = mmap.mmap(fd, SIZE)
         except Exception:  # noqa: BLE001 - /dev/shm full, or the file is not ours to map: files only
             os.close(fd)
-            return
+            return False
         self.fd = fd
-        self.sweep()
+        return True
 
     # --- the table -------------------------------------------------------------------------------
     def _find(self, t: int, want: int) -> int:
@@ -130,33 +142,42 @@ class Mailbox:
                 self._free(slot)
             return True, raw
 
+    def _put_slot(self, t: int, raw: bytes) -> bool:
+        """Write ``raw`` under tag ``t`` in its own slot, else a free one of its bucket; False when
+        the bucket is full (or every free slot it chose was taken meanwhile)."""
+        with self.local:
+            for want in (t, 0, 0, 0):  # the key's own slot, else a free one (taken meanwhile: again)
+                slot = self._find(t, want)
+                if slot < 0:
+                    if want:
+                        continue
+                    return False
+                if not self._claim(slot, want):
+                    continue
+                try:
+                    body = self._body(slot)
+                    _BODY.pack_into(self.map, body, time.time(), len(raw), 0)
+                    self.map[body + _BODY.size:body + _BODY.size + len(raw)] = raw
+                    struct.pack_into("<Q", self.map, slot * 8, t)
+                finally:
+                    self._free(slot)
+                return True
+        return False
+
     def put(self, key: str, note: Any) -> None:
         """Note ``note`` (marshallable) under ``key``, replacing an earlier note of the same key."""
         raw = marshal.dumps(note)
-        if self.map is not None and len(raw) <= PAYLOAD:
-            t = tag(key)
-            with self.local:
-                for want in (t, 0, 0, 0):  # the key's own slot, else a free one (taken meanwhile: again)
-                    slot = self._find(t, want)
-                    if slot < 0:
-                        if want:
-                            continue
-                        break  # the bucket is full
-                    if not self._claim(slot, want):
-                        continue
-                    try:
-                        body = self._body(slot)
-                        _BODY.pack_into(self.map, body, time.time(), len(raw), 0)
-                        self.map[body + _BODY.size:body + _BODY.size + len(raw)] = raw
-                        struct.pack_into("<Q", self.map, slot * 8, t)
-                    finally:
-                        self._free(slot)
-                    return
+        if self._open() and len(raw) <= PAYLOAD and self._put_slot(tag(key), raw):
+            if key in self.spilled:  # an earlier note of this key went to a file
+                self._drop_file(key)
+            return
+        if self.map is not None:
+            self._remove(key, read=False)  # an earlier note of this key in the table would be taken first
         self._put_file(key, raw)
 
     def take(self, key: str) -> Any:
         """The note of ``key``, removed; None when there is none (its sender noted nothing)."""
-        if self.map is not None:
+        if self._open():
             found, raw = self._remove(key, read=True)
             if found:
                 return marshal.loads(raw)
@@ -164,16 +185,10 @@ class Mailbox:
 
     def drop(self, key: str) -> None:
         """Remove the note of ``key`` if it is still there (its message will not be received)."""
-        if self.map is not None and self._remove(key, read=False)[0]:
+        if self._open() and self._remove(key, read=False)[0]:
             return
-        with self.local:
-            if key not in self.spilled and self.map is not None:
-                return
-            self.spilled.discard(key)
-        try:
-            os.unlink(self._path(key))
-        except FileNotFoundError:
-            pass
+        if key in self.spilled or self.map is None:
+            self._drop_file(key)
 
     def sweep(self, now: float | None = None) -> int:
         """Remove the notes older than MAX_AGE_S, slots and files; how many."""
@@ -202,15 +217,26 @@ class Mailbox:
     def _path(self, key: str) -> str:
         return os.path.join(self.dir, hashlib.sha1(key.encode()).hexdigest())
 
+    def _check_dir(self) -> None:
+        """Make the directory if missing; DeviceError unless it is a private directory of ours
+        (someone else's would let them read, forge or remove our notes)."""
+        if self._dir_checked:
+            return
+        try:
+            os.mkdir(self.dir, 0o700)
+        except FileExistsError:
+            pass
+        st = os.lstat(self.dir)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise DeviceError("emulated race check", f"{self.dir} is not a private directory of ours: "
+                              "happens-before notes cannot be kept there")
+        self._dir_checked = True
+
     def _put_file(self, key: str, raw: bytes) -> None:
         # Written in place, not renamed into place: the receiver opens it only once the message
         # arrived, which leaves after this returns.
-        path = self._path(key)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        except FileNotFoundError:
-            os.makedirs(self.dir, mode=0o700, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        self._check_dir()
+        fd = os.open(self._path(key), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             view = memoryview(raw)
             while view:
@@ -222,10 +248,18 @@ class Mailbox:
                 self.spilled.clear()  # what it forgets to drop, the sweep removes
             self.spilled.add(key)
 
+    def _drop_file(self, key: str) -> None:
+        with self.local:
+            self.spilled.discard(key)
+        try:
+            os.unlink(self._path(key))
+        except FileNotFoundError:
+            pass
+
     def _take_file(self, key: str) -> Any:
         path = self._path(key)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
         try:
@@ -249,6 +283,19 @@ class Mailbox:
 
 _mine: tuple[int, Mailbox] | None = None
 _mine_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child starts without its parent's mailbox: the lock may have been held by a
+    thread that does not exist here, and the inherited descriptor would keep a slot locked by
+    the parent locked for as long as this child lives, should the parent die holding it."""
+    global _mine, _mine_lock
+    if _mine is not None:
+        _mine[1].close()
+    _mine, _mine_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def mailbox() -> Mailbox:
