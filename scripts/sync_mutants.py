@@ -336,6 +336,10 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                                  "                    waits, host = ev._state()[1], dict(self._host_clock)\n"
                                  "            with ev.lock:  # MUTANT: the generation moves on in a second section\n",
                                  "tests/test_emulated_events.py"),
+    "destroy-host-read-late": ("hurray_ipc/devices/backend/emulated.py",
+                               "                    waits, host = ev._state()[1], dict(self._host_clock)\n",
+                               "                    waits, host = ev._state()[1], self._host_clock  # MUTANT: read at the check\n",
+                               "tests/test_emulated_events.py"),
     "mailbox-claim-unchecked": ("hurray_ipc/devices/backend/mailbox.py",
                                 "        if struct.unpack_from(\"<Q\", self.map, slot * 8)[0] == expect:\n",
                                 "        if True:  # MUTANT: taken meanwhile or not\n", "tests/test_mailbox.py"),

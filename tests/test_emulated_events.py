@@ -151,6 +151,37 @@ def test_a_wait_issued_while_its_exporter_destroys_the_event_is_checked_or_refus
     importer.stream_destroy(s)
 
 
+@pytest.mark.races_expected
+def test_a_destroy_is_judged_by_what_its_host_knew_when_it_read_the_waits(monkeypatch) -> None:
+    """The waits and the host's clock are read together: what the exporter's host learns after
+    the destroy read the waits (another of its threads, forced here into the destroy's first
+    unlock) cannot excuse a destroy that was not ordered after an importer's wait."""
+    exporter, importer = EmulatedRuntime(emu_config(op_delay_s=0.0)), EmulatedRuntime(emu_config(op_delay_s=0.0))
+    ev = exporter.event_create(interprocess=True)
+    theirs = importer.ipc_open_event_handle(exporter.ipc_get_event_handle(ev))
+    s = importer.stream_create()
+    importer.stream_wait_event(s, theirs)  # nothing orders the destroy after this wait: a race
+    real_fcntl, me = fcntl.fcntl, threading.current_thread()
+    learned: list[int] = []
+
+    def lock(fd: int, cmd: int, arg: Any = 0) -> Any:
+        out = real_fcntl(fd, cmd, arg)
+        if not learned and cmd == fcntl.F_OFD_SETLK and threading.current_thread() is me:
+            waits = ev._state()[1]
+            exporter._learn(*({rec[0]: rec[1]} for rec in waits))  # learnt now: too late for this destroy
+            learned.append(len(waits))
+        return out
+
+    monkeypatch.setattr(fcntl, "fcntl", lock)
+    exporter.event_destroy(ev)
+    monkeypatch.undo()
+    assert learned == [1]
+    assert any("destroy-before-wait race" in r for r in exporter.races), "a later lesson excused the destroy"
+    importer.event_destroy(theirs)
+    importer.stream_synchronize(s)
+    importer.stream_destroy(s)
+
+
 def test_a_slot_whose_last_record_is_pending_is_not_reused_and_the_old_wait_completes() -> None:
     """The destroyed event's record is still queued behind a gate (an event recorded by no stream,
     completed by hand): a new event must not take its slot (it would look recorded and never
