@@ -84,6 +84,10 @@ class Mailbox:
         failed: a receiver that could not map it must still find what senders put there later."""
         if self.map is not None:
             return True
+        with self.local:  # two threads retrying at once map it once
+            return self.map is not None or self._map()
+
+    def _map(self) -> bool:
         try:
             # /dev/shm is writable by everyone: never follow a link someone else put at this name,
             # and map only a regular file of our own, private to us.
@@ -257,6 +261,7 @@ class Mailbox:
             pass
 
     def _take_file(self, key: str) -> Any:
+        self._check_dir()  # a note in someone else's directory could be forged
         path = self._path(key)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
