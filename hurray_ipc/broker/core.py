@@ -123,6 +123,24 @@ MAX_UNSEEN = 4096  # labels one producer's open UNMAPs await unregistered in all
 _SAMPLE_EVERY_S = 1.0      # tick() samples the counters for the recent rates at most this often
 
 
+def _count_down(counts: dict[Any, int], key: Any) -> None:
+    """One less of ``key`` in ``counts``; a count that reaches zero leaves the dict."""
+    n = counts.get(key, 0) - 1
+    if n > 0:
+        counts[key] = n
+    else:
+        counts.pop(key, None)
+
+
+def _unindex(index: dict[Any, set[Any]], key: Any, item: Any) -> None:
+    """``item`` no longer under ``key`` in ``index``; an empty set leaves the dict."""
+    items = index.get(key)
+    if items is not None:
+        items.discard(item)
+        if not items:
+            del index[key]
+
+
 @dataclass
 class Client:
     rid: bytes
@@ -1235,11 +1253,7 @@ class BrokerCore:
         del self.clients[c.rid]
         if self.by_label.get(c.label) == c.rid:
             del self.by_label[c.label]
-        n = self.per_process.get(c.process, 0) - 1
-        if n > 0:
-            self.per_process[c.process] = n
-        else:
-            self.per_process.pop(c.process, None)
+        _count_down(self.per_process, c.process)
         ch = self.channels.get(c.channel)
         if ch is not None:
             ch.members.pop(c.rid, None)
@@ -1340,16 +1354,9 @@ class BrokerCore:
 
     def _unseen_done(self, key: tuple[str, int], r: UnmapRound, label: str) -> None:
         """``label`` is no longer awaited unregistered in round ``key``."""
-        keys = self.unseen_in[label]
-        keys.discard(key)
-        if not keys:
-            del self.unseen_in[label]
+        _unindex(self.unseen_in, label, key)
         del r.unseen[label]
-        n = self.unseen_of[r.producer] - 1
-        if n:
-            self.unseen_of[r.producer] = n
-        else:
-            del self.unseen_of[r.producer]
+        _count_down(self.unseen_of, r.producer)
         if not r.unseen:
             self.unseen_rounds.pop(key, None)
 
@@ -1387,11 +1394,7 @@ class BrokerCore:
 
     def _answered(self, key: tuple[str, int], r: UnmapRound, rid: bytes) -> None:
         r.waiting.discard(rid)
-        mine = self.awaited_in.get(rid)
-        if mine is not None:
-            mine.discard(key)
-            if not mine:
-                del self.awaited_in[rid]
+        _unindex(self.awaited_in, rid, key)
 
     def _unmap_left(self, c: Client, proven: bool) -> None:
         """Consumer ``c`` left: gone (it closed its mappings before its BYE, or its process
@@ -1411,11 +1414,7 @@ class BrokerCore:
 
     def _close_round(self, key: tuple[str, int], answer: bool) -> None:
         r = self.unmaps.pop(key)
-        n = self.unmaps_of[r.producer] - 1
-        if n:
-            self.unmaps_of[r.producer] = n
-        else:
-            del self.unmaps_of[r.producer]
+        _count_down(self.unmaps_of, r.producer)
         for rid in list(r.waiting):
             self._answered(key, r, rid)
         for label in list(r.unseen):  # its producer left
