@@ -128,6 +128,10 @@ class Mailbox:
     def _body(self, slot: int) -> int:
         return _BODIES + slot * _SLOT
 
+    def _stale(self, slot: int, now: float) -> bool:
+        """Whether the note in ``slot`` was written more than MAX_AGE_S before ``now``."""
+        return now - _BODY.unpack_from(self.map, self._body(slot))[0] > MAX_AGE_S
+
     def _remove(self, key: str, read: bool) -> tuple[bool, bytes]:
         """Free the slot of ``key``'s note: (whether there was one, its payload if ``read``)."""
         t = tag(key)
@@ -201,9 +205,8 @@ class Mailbox:
         if self.map is not None:
             with self.local:
                 for slot, (t,) in enumerate(struct.iter_unpack("<Q", self.map[:_BODIES])):
-                    if t and now - _BODY.unpack_from(self.map, self._body(slot))[0] > MAX_AGE_S \
-                            and self._claim(slot, t):
-                        if now - _BODY.unpack_from(self.map, self._body(slot))[0] > MAX_AGE_S:
+                    if t and self._stale(slot, now) and self._claim(slot, t):
+                        if self._stale(slot, now):  # again under the lock: rewritten meanwhile?
                             struct.pack_into("<Q", self.map, slot * 8, 0)
                             removed += 1
                         self._free(slot)
