@@ -244,9 +244,10 @@ def hold_first_then_receive(endpoint, channel, count, held, go, timeout=20.0):
 
 # --- kept mappings (tests/test_kept_mappings_processes.py, ipc-protocol.md §4.10) -----------------
 
-def kept_producer(endpoint, channel, env, allocs, rounds, size, done, breaks=None):
+def kept_producer(endpoint, channel, env, allocs, rounds, size, done, breaks=None, consumer_left=None):
     """Send each of ``allocs`` buffers ``rounds`` times (written on the producer's stream, each
-    release awaited), then close them and wait for their UNMAP rounds. ``breaks``: "free-at-close"
+    release awaited), then close them (after ``consumer_left`` is set, when given) and wait for
+    their UNMAP rounds. ``breaks``: "free-at-close"
     frees a closed buffer at once, without asking its consumers back; "refused" sends UNMAPs the
     broker refuses; "old-broker" reads WELCOMEs
     as from a broker older than kept mappings; "stranger" names a consumer
@@ -285,6 +286,8 @@ def kept_producer(endpoint, channel, env, allocs, rounds, size, done, breaks=Non
             if breaks == "stranger":  # as if a consumer of a previous broker had been sent them too
                 for k in p._kept.values():
                     k.consumers.add("0123456789abcdef")
+            if consumer_left is not None and not consumer_left.wait(60):
+                raise TimeoutError("the consumer never left")
             for b in bufs:
                 b.close()
             p.session.pump(lambda: not p._rounds, 30, "waiting for the UNMAP rounds")
@@ -295,12 +298,13 @@ def kept_producer(endpoint, channel, env, allocs, rounds, size, done, breaks=Non
         done.set()
 
 
-def kept_consumer(endpoint, channel, env, count, size, done, breaks=None):
+def kept_consumer(endpoint, channel, env, count, size, done, breaks=None, left=None):
     """Receive ``count`` buffers, check each on the consumer's stream, release it; stay registered
     until ``done`` (the producer's UNMAP rounds need our answers), then close. ``breaks``:
     "old-consumer" registers as a consumer older than kept mappings (no ``kept_mappings``);
-    "leave-first" closes the consumer (BYE) before the producer closes its buffers (the process
-    lives on); "bye-with-mappings" does so without closing its kept mappings first; "answer-first"
+    "leave-first" closes the consumer (BYE, then sets ``left``) before the producer closes its
+    buffers (the process lives on); "bye-with-mappings" does so without closing its kept mappings
+    first; "answer-first"
     answers UNMAP before closing the mapping; "keep-everything" keeps every mapping open after its
     release, ``keep`` or not."""
     os.environ.update(env)
@@ -342,6 +346,7 @@ def kept_consumer(endpoint, channel, env, count, size, done, breaks=None):
         opens, kept = c.gpu.import_cache.opens, c.gpu.import_cache.kept()
         if leave:
             c.close()  # the process lives on, and so would a mapping the close left open
+            left.set()  # only now may the producer ask back: an UNMAP taken before the BYE is answered
         if not done.wait(60):
             raise TimeoutError("the producer never finished")
         left = len(c.gpu.import_cache)
