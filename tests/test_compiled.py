@@ -60,3 +60,30 @@ def test_the_finder_hands_out_sources_only_when_pure(tmp_path):
     finder.pure = False
     assert finder.find_spec(name, [str(tmp_path)]) is None  # the default finder picks the extension
     assert compiled._SourceFinder(pure=True).find_spec("hurray_ipc.wire.ipc", [str(tmp_path)]) is None  # not compiled
+
+
+_CHECK_INITS = """
+import dataclasses, inspect
+from hurray_ipc.broker import core
+from hurray_ipc.wire import ipc
+for cls in [core.Grant, core.Delivery, core.Send, ipc.Handoff, ipc.Deliver, ipc.Release, ipc.EventRelease,
+            ipc.Released, ipc.EventReleased, ipc.Grant, ipc.Accepted]:
+    params = {p.name: p for p in list(inspect.signature(cls.__init__).parameters.values())[1:]}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    assert set(params) == set(fields), (cls.__name__, set(params) ^ set(fields))
+    for name, f in fields.items():
+        p = params[name]
+        assert (p.kind is inspect.Parameter.KEYWORD_ONLY) == f.kw_only, (cls.__name__, name)
+        want = inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default
+        assert p.default == want, (cls.__name__, name, p.default, want)
+print("ok")
+"""
+
+
+def test_each_written_init_takes_exactly_its_dataclass_fields():
+    """The per-handoff records spell out their __init__ (mypyc compiles a written one, not one
+    @dataclass generates): each must take every field, by the same name, kind and default. Read
+    from the source (HURRAY_PURE=1): a compiled __init__ shows no signature."""
+    out = subprocess.run([sys.executable, "-c", _CHECK_INITS], env={**os.environ, compiled.PURE_ENV: "1"},
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

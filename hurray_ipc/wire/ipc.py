@@ -350,7 +350,9 @@ class Carried(HotMessage):
         return out
 
 
-@dataclass(slots=True, kw_only=True)
+# The entries made per handoff spell out their __init__: mypyc compiles a written one, while the
+# one @dataclass generates runs interpreted (0.4 against 0.04 µs a call). Same fields, same order.
+@dataclass(slots=True, kw_only=True, init=False)
 class Handoff(Carried):
     """HANDOFF: a producer hands the buffer of ``grant_id`` on; ``ready`` carries a READY."""
 
@@ -361,6 +363,24 @@ class Handoff(Carried):
     grant_id: int
     ack: bool = False  # answer ACCEPTED
     ready: int = 0  # the batch header's READY, on the message's last entry (0: none)
+
+    def __init__(self, *, handoff_id: int, handle: bytes, grant_id: int, offset: int = 0,
+                 memory: bytes | None = None, event: bytes | None = None, inproc_ref: str | None = None,
+                 meta: dict[str, Any] | None = None, meta_raw: bytes | None = None, staged: bool = False,
+                 keep: bool = False, ack: bool = False, ready: int = 0) -> None:
+        self.handoff_id = handoff_id
+        self.handle = handle
+        self.offset = offset
+        self.memory = memory
+        self.event = event
+        self.inproc_ref = inproc_ref
+        self.meta = meta
+        self.meta_raw = meta_raw
+        self.staged = staged
+        self.keep = keep
+        self.grant_id = grant_id
+        self.ack = ack
+        self.ready = ready
 
     def fields(self) -> dict[str, Any]:
         return {"grant_id": self.grant_id, **self._carried_fields(), "ack": self.ack,
@@ -373,7 +393,7 @@ class Handoff(Carried):
                        meta=self.meta, meta_raw=self.meta_raw, staged=self.staged, keep=self.keep)
 
 
-@dataclass(slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True, init=False)
 class Deliver(Carried):
     """DELIVER: the broker hands a consumer a buffer; it releases it by ``token``."""
 
@@ -384,11 +404,28 @@ class Deliver(Carried):
     token: str  # 2 x TOKEN_BYTES lowercase hex digits
     producer_id: str
 
+    def __init__(self, *, handoff_id: int, handle: bytes, token: str, producer_id: str, offset: int = 0,
+                 memory: bytes | None = None, event: bytes | None = None, inproc_ref: str | None = None,
+                 meta: dict[str, Any] | None = None, meta_raw: bytes | None = None, staged: bool = False,
+                 keep: bool = False) -> None:
+        self.handoff_id = handoff_id
+        self.handle = handle
+        self.offset = offset
+        self.memory = memory
+        self.event = event
+        self.inproc_ref = inproc_ref
+        self.meta = meta
+        self.meta_raw = meta_raw
+        self.staged = staged
+        self.keep = keep
+        self.token = token
+        self.producer_id = producer_id
+
     def fields(self) -> dict[str, Any]:
         return {"token": self.token, "producer_id": self.producer_id, **self._carried_fields()}
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Release(HotMessage):
     """RELEASE (kind 1): the consumer is done with ``token``; ``credits`` carries a REQUEST."""
 
@@ -400,12 +437,17 @@ class Release(HotMessage):
     reason: str | None = None  # None: released; else why it was refused (a reason frame)
     credits: int = 0  # the batch header's credits, on the message's last entry
 
+    def __init__(self, token: str, reason: str | None = None, credits: int = 0) -> None:
+        self.token = token
+        self.reason = reason
+        self.credits = credits
+
     def fields(self) -> dict[str, Any]:
         return {"token": self.token, **({"reason": self.reason} if self.reason is not None else {}),
                 **({"credits": self.credits} if self.credits else {})}
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class EventRelease(HotMessage):
     """EVENT_RELEASE (RELEASE kind 2): the consumer's waits on the handoff's event were issued."""
 
@@ -416,11 +458,15 @@ class EventRelease(HotMessage):
     token: str
     credits: int = 0
 
+    def __init__(self, token: str, credits: int = 0) -> None:
+        self.token = token
+        self.credits = credits
+
     def fields(self) -> dict[str, Any]:
         return {"token": self.token, **({"credits": self.credits} if self.credits else {})}
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Released(HotMessage):
     """RELEASED (kind 1): the producer may reuse the buffer of ``handoff_id``."""
 
@@ -431,11 +477,15 @@ class Released(HotMessage):
     handoff_id: int
     reason: str = "released"
 
+    def __init__(self, handoff_id: int, reason: str = "released") -> None:
+        self.handoff_id = handoff_id
+        self.reason = reason
+
     def fields(self) -> dict[str, Any]:
         return {"handoff_id": self.handoff_id, "reason": self.reason}
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class EventReleased(HotMessage):
     """EVENT_RELEASED (RELEASED kind 2): the producer may record the handoff's event again."""
 
@@ -446,11 +496,15 @@ class EventReleased(HotMessage):
     handoff_id: int
     reason: str = "released"
 
+    def __init__(self, handoff_id: int, reason: str = "released") -> None:
+        self.handoff_id = handoff_id
+        self.reason = reason
+
     def fields(self) -> dict[str, Any]:
         return {"handoff_id": self.handoff_id, "reason": self.reason}
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Grant(HotMessage):
     """GRANT: the producer may hand one buffer to consumer ``consumer_id``; ``consumer`` is that
     consumer's endpoint, in the first GRANT of each pairing only."""
@@ -464,12 +518,18 @@ class Grant(HotMessage):
     consumer_id: str  # the consumer's label, 16 hex digits
     consumer: dict[str, Any] | None = None  # an endpoint (transport/pairing.Endpoint.from_dict)
 
+    def __init__(self, grant_id: int, epoch: int, consumer_id: str, consumer: dict[str, Any] | None = None) -> None:
+        self.grant_id = grant_id
+        self.epoch = epoch
+        self.consumer_id = consumer_id
+        self.consumer = consumer
+
     def fields(self) -> dict[str, Any]:
         return {"grant_id": self.grant_id, "epoch": self.epoch, "consumer_id": self.consumer_id,
                 **({"consumer": self.consumer} if self.consumer is not None else {})}
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Accepted(HotMessage):
     """ACCEPTED: the broker took HANDOFF ``handoff_id`` (only when its ``ack`` flag asked)."""
 
@@ -478,6 +538,9 @@ class Accepted(HotMessage):
         return "ACCEPTED"
 
     handoff_id: int
+
+    def __init__(self, handoff_id: int) -> None:
+        self.handoff_id = handoff_id
 
     def fields(self) -> dict[str, Any]:
         return {"handoff_id": self.handoff_id}
