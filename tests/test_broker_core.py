@@ -763,6 +763,29 @@ def test_mode_cache_does_not_confuse_consumers_that_come_and_go():
     assert refused == 0
 
 
+def test_one_consumer_gets_each_producers_own_modes_when_they_alternate():
+    """expected_modes remembers a consumer's last answer by the producer's endpoint object: two
+    producers whose devices allow different modes, alternating on one consumer, are each judged
+    by their own (a remembered answer used for the other would accept or refuse wrongly)."""
+    from hurray_ipc.format.handle import BufferHandle, DeviceTag, SyncMode
+    core = _core()
+    gpu = dict(endpoint(5), device={"kind": "cuda", "ordinal": 0, "uuid": "GPU-x", "pci_bus_id": "", "emulated": True,
+                                     "host": HOST})
+    for rid, events in ((b"pe", True), (b"pn", False)):
+        _hello(core, rid, "producer", pid=5, endpoint=dict(gpu, caps=dict(gpu["caps"], ipc_events=events)))
+    _hello(core, b"c", "consumer", pid=6, endpoint=dict(gpu, pid=6, caps=dict(gpu["caps"], ipc_events=True)),
+           credits=64)
+    hd = BufferHandle(4096, 256, DeviceTag.CUDA, SyncMode.EVENT).encode()
+    verdicts = []
+    for i in range(20):
+        rid = (b"pe", b"pn")[i % 2]
+        (gid,) = _grant_ids(core.receive(rid, frames("READY", {"credits": 1}), 0.0))
+        header = {"grant_id": gid, "handoff_id": i, "offset": 0}
+        outs = core.receive(rid, frames("HANDOFF", header, hd, b"M" * 64, b"E" * 64), 0.0)
+        verdicts.append([e["code"] for e in _errors(outs)])
+    assert verdicts == [[], ["mode_not_valid"]] * 10, verdicts
+
+
 def test_a_refused_re_hello_changes_nothing():
     """A registered consumer's HELLO with a malformed ``held`` is refused before any state changes:
     it stays registered with its credits and deliveries."""

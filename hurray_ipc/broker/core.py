@@ -39,6 +39,7 @@ from __future__ import annotations
 import hmac
 import itertools
 import logging
+import math
 import os
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -171,6 +172,7 @@ class Client:
     bundles: bool = False  # its registration reads bundles (spec §2.2a): the loop may send it some
     kept_mappings: bool = False  # consumer: its registration reads ``keep`` and answers UNMAP (§4.10)
     sent_keep: bool = False  # consumer: a DELIVER with ``keep`` went to it from this broker (§4.10)
+    last_modes: tuple[Endpoint, Any] | None = None  # consumer: BrokerCore.expected_modes' last answer
 
     def __post_init__(self) -> None:
         self.rid_text = self.rid.decode(errors="replace")
@@ -948,7 +950,7 @@ class BrokerCore:
         sat a heartbeat yet, look again when it will have (§4.3a)."""
         oldest = self.grants[next(iter(ch.grants))]
         if oldest.issued >= idle_since:  # scheduled whether or not a producer waits: no walk per handoff
-            self._rechecks[name] = min(self._rechecks.get(name, float("inf")), oldest.issued + self.heartbeat_s)
+            self._rechecks[name] = min(self._rechecks.get(name, math.inf), oldest.issued + self.heartbeat_s)
             return False
         if not any(self.clients[r].credits > 0 and not self._passed_over(self.clients[r], idle_since)
                    for r in ch.producers):
@@ -1061,7 +1063,15 @@ class BrokerCore:
     def expected_modes(self, producer: Client, consumer: Client, handle: BufferHandle) -> Any:
         cpu = handle.device_tag is DeviceTag.CPU
         ep = host_side(producer.endpoint) if cpu else producer.endpoint
-        return self.modes.get(ep, consumer.endpoint)
+        # The consumer's last answer, when asked for the same producer endpoint object: the
+        # cache's key hashes both endpoints in Python on every handoff. Endpoints are immutable
+        # and a Client's never changes, so the same object always has the same answer.
+        last = consumer.last_modes
+        if last is not None and last[0] is ep:
+            return last[1]
+        pm = self.modes.get(ep, consumer.endpoint)
+        consumer.last_modes = (ep, pm)
+        return pm
 
     def _check_handoff(self, producer: Client, consumer: Client, msg: Handoff, handle: BufferHandle) -> None:
         """Spec §4.5, in this order: sync mode, transport payload, offset, meta."""

@@ -657,24 +657,32 @@ def _carried_wants(verb: str, flags: int, allowed_flags: int, i: int) -> int:
     return 1 + sum(1 for bit, _name in _CARRIED_FLAGS if flags & bit)
 
 
-def _carried(verb: str, flags: int, frames: list[bytes], i: int) -> dict[str, Any]:
-    """The keyword arguments of a HANDOFF / DELIVER entry's frames: handle, memory?, event?, ref?, meta?."""
-    it = iter(frames)
-    out: dict[str, Any] = {"handle": next(it), "staged": bool(flags & F_STAGED), "keep": bool(flags & F_KEEP)}
-    if flags & F_MEMORY:
-        out["memory"] = _blob(verb, "memory", next(it), i)
-    if flags & F_EVENT:
-        out["event"] = _blob(verb, "event", next(it), i)
+_NO_FRAMES: tuple[bytes | None, bytes | None, str | None, dict[str, Any] | None, bytes | None] = \
+    (None, None, None, None, None)
+
+
+def _carried(verb: str, flags: int, frames: list[bytes], i: int) \
+        -> tuple[bytes | None, bytes | None, str | None, dict[str, Any] | None, bytes | None]:
+    """What a HANDOFF / DELIVER entry's frames after its handle carry: (memory, event, inproc_ref,
+    meta, meta_raw), each None when its flag is off. A tuple, not keyword arguments: the caller
+    passes each by name to a compiled __init__, which a ``**`` call would reach through the
+    interpreter's argument parsing."""
+    if not flags & (F_MEMORY | F_EVENT | F_REF | F_META):
+        return _NO_FRAMES
+    it = iter(frames[1:])
+    memory = _blob(verb, "memory", next(it), i) if flags & F_MEMORY else None
+    event = _blob(verb, "event", next(it), i) if flags & F_EVENT else None
+    inproc_ref = None
     if flags & F_REF:
         ref = next(it)
         if not 1 <= len(ref) <= MAX_REF_BYTES or not ref.isascii():
             raise ProtocolError("bad_frames", f"{verb} entry {i}: 'ref' frame must be 1-{MAX_REF_BYTES} ASCII bytes")
-        out["inproc_ref"] = ref.decode("ascii")
+        inproc_ref = ref.decode("ascii")
+    meta, meta_raw = None, None
     if flags & F_META:
-        raw = next(it)
-        out["meta"] = _json_frame(verb, "meta", raw, i)
-        out["meta_raw"] = raw
-    return out
+        meta_raw = next(it)
+        meta = _json_frame(verb, "meta", meta_raw, i)
+    return memory, event, inproc_ref, meta, meta_raw
 
 
 def _u64(v: Any, name: str) -> int:
@@ -708,8 +716,10 @@ class _Handoff(_Layout):
 
     def _entry(self, f: tuple[Any, ...], frames: list[bytes], i: int) -> Handoff:
         gid, hid, offset, flags, _reserved = f
-        return Handoff(grant_id=gid, handoff_id=hid, offset=offset, ack=bool(flags & F_ACK),
-                       **_carried("HANDOFF", flags, frames, i))
+        memory, event, ref, meta, raw = _carried("HANDOFF", flags, frames, i)
+        return Handoff(grant_id=gid, handoff_id=hid, offset=offset, ack=bool(flags & F_ACK), handle=frames[0],
+                       memory=memory, event=event, inproc_ref=ref, meta=meta, meta_raw=raw,
+                       staged=bool(flags & F_STAGED), keep=bool(flags & F_KEEP))
 
     def _pack(self, m: Handoff) -> tuple[tuple[Any, ...], list[bytes]]:
         flags, frames = m._flags_frames()
@@ -729,9 +739,11 @@ class _Deliver(_Layout):
 
     def _entry(self, f: tuple[Any, ...], frames: list[bytes], i: int) -> Deliver:
         token, hid, offset, flags, plen, _r, pid = f
+        memory, event, ref, meta, raw = _carried("DELIVER", flags, frames, i)
         return Deliver(token=token.hex(), handoff_id=hid, offset=offset,
-                       producer_id=pid[:min(plen, 32)].decode("utf-8", "replace"),
-                       **_carried("DELIVER", flags, frames, i))
+                       producer_id=pid[:min(plen, 32)].decode("utf-8", "replace"), handle=frames[0], memory=memory,
+                       event=event, inproc_ref=ref, meta=meta, meta_raw=raw, staged=bool(flags & F_STAGED),
+                       keep=bool(flags & F_KEEP))
 
     def _pack(self, m: Deliver) -> tuple[tuple[Any, ...], list[bytes]]:
         flags, frames = m._flags_frames()
