@@ -20,7 +20,6 @@ _recv = _Backend.recv
 _get = _Backend.get
 SNDMORE = int(zmq.SNDMORE)
 NOBLOCK = int(zmq.NOBLOCK)
-_RCVMORE = int(zmq.RCVMORE)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 
@@ -34,10 +33,15 @@ def send_frames(sock: Any, frames: Sequence[Any], flags: int = 0) -> None:
 
 
 def recv_frames(sock: Any, flags: int = 0) -> list[bytes]:
-    """Receive one multipart message as bytes frames."""
-    parts = [_recv(sock, flags)]
-    while _get(sock, _RCVMORE):
-        parts.append(_recv(sock, flags))
+    """Receive one multipart message as bytes frames. Each part is received as a zmq.Frame and
+    copied out, because the frame says whether more follow (zmq_msg_more) for less than asking
+    the socket (``getsockopt(RCVMORE)``: pyzmq looks the option up in an enum on every call,
+    about 1 µs a message of four frames)."""
+    f = _recv(sock, flags, False)
+    parts = [f.bytes]
+    while f.more:
+        f = _recv(sock, flags, False)
+        parts.append(f.bytes)
     return parts
 
 
