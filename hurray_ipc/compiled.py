@@ -35,6 +35,8 @@ __all__ = ["COMPILED", "PURE_ENV", "status"]
 # The clients are not here: compiled, they ran 0.87x (producer) and 0.92x (consumer) their pure
 # CPU, and mypyc's argument checks would answer a user's bad argument with a bare TypeError
 # instead of InvalidArgument (docs/benchmarks.md, "the clients compiled: measured, not taken").
+# In these modules a class built per handoff writes out its __init__: mypyc compiles a written one
+# but leaves the one @dataclass generates interpreted (tests/test_compiled.py checks they match).
 COMPILED: tuple[str, ...] = ("hurray_ipc.broker.core", "hurray_ipc.broker.queries", "hurray_ipc.wire.ipc")
 PURE_ENV = "HURRAY_PURE"
 
