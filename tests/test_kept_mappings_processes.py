@@ -22,15 +22,16 @@ def _run(broker, delay, breaks_p=None, breaks_c=None, allocs=2, rounds=3, size=4
     """A producer and a consumer process hand ``allocs`` buffers over ``rounds`` times each
     (workers.kept_producer / kept_consumer: the variants named there) and report."""
     done = SPAWN.Event()
-    # A consumer that leaves says BYE before its producer closes the buffers, whatever the timing:
-    # an UNMAP that reached it first would be answered, and there would be no leaving to test.
-    left = SPAWN.Event() if breaks_c in ("leave-first", "bye-with-mappings") else None
+    # The producer closes its buffers (and asks them back) only once the consumer counted what it
+    # keeps, and, in the leaving variants, said BYE, whatever the timing: an UNMAP answered
+    # earlier would have closed what is counted, or left no leaving to test.
+    counted = SPAWN.Event()
     env = emu_env(op_delay_s=delay)
     n = allocs * rounds
     c = Proc(workers.kept_consumer, endpoint=broker.endpoint, channel="kept", env=env, count=n, size=size, done=done,
-             breaks=breaks_c, left=left)
+             breaks=breaks_c, counted=counted)
     p = Proc(workers.kept_producer, endpoint=broker.endpoint, channel="kept", env=env, allocs=allocs, rounds=rounds,
-             size=size, done=done, breaks=breaks_p, consumer_left=left)
+             size=size, done=done, breaks=breaks_p, consumer_counted=counted)
     pr, cr = p.result(), c.result()
     assert isinstance(pr, dict) and "error" not in pr, pr
     assert isinstance(cr, dict) and "error" not in cr, cr

@@ -244,9 +244,9 @@ def hold_first_then_receive(endpoint, channel, count, held, go, timeout=20.0):
 
 # --- kept mappings (tests/test_kept_mappings_processes.py, ipc-protocol.md §4.10) -----------------
 
-def kept_producer(endpoint, channel, env, allocs, rounds, size, done, breaks=None, consumer_left=None):
+def kept_producer(endpoint, channel, env, allocs, rounds, size, done, breaks=None, consumer_counted=None):
     """Send each of ``allocs`` buffers ``rounds`` times (written on the producer's stream, each
-    release awaited), then close them (after ``consumer_left`` is set, when given) and wait for
+    release awaited), then close them (once ``consumer_counted`` is set, when given) and wait for
     their UNMAP rounds. ``breaks``: "free-at-close"
     frees a closed buffer at once, without asking its consumers back; "refused" sends UNMAPs the
     broker refuses; "old-broker" reads WELCOMEs
@@ -286,8 +286,8 @@ def kept_producer(endpoint, channel, env, allocs, rounds, size, done, breaks=Non
             if breaks == "stranger":  # as if a consumer of a previous broker had been sent them too
                 for k in p._kept.values():
                     k.consumers.add("0123456789abcdef")
-            if consumer_left is not None and not consumer_left.wait(60):
-                raise TimeoutError("the consumer never left")
+            if consumer_counted is not None and not consumer_counted.wait(60):
+                raise TimeoutError("the consumer never counted its mappings")
             for b in bufs:
                 b.close()
             p.session.pump(lambda: not p._rounds, 30, "waiting for the UNMAP rounds")
@@ -298,11 +298,13 @@ def kept_producer(endpoint, channel, env, allocs, rounds, size, done, breaks=Non
         done.set()
 
 
-def kept_consumer(endpoint, channel, env, count, size, done, breaks=None, left=None):
-    """Receive ``count`` buffers, check each on the consumer's stream, release it; stay registered
-    until ``done`` (the producer's UNMAP rounds need our answers), then close. ``breaks``:
+def kept_consumer(endpoint, channel, env, count, size, done, breaks=None, counted=None):
+    """Receive ``count`` buffers, check each on the consumer's stream, release it; count the
+    mappings it opened and keeps, then set ``counted`` (the producer closes its buffers only then:
+    an UNMAP answered before the count would empty it); stay registered until ``done`` (the
+    producer's UNMAP rounds need our answers), then close. ``breaks``:
     "old-consumer" registers as a consumer older than kept mappings (no ``kept_mappings``);
-    "leave-first" closes the consumer (BYE, then sets ``left``) before the producer closes its
+    "leave-first" closes the consumer (BYE) before ``counted``, so before the producer closes its
     buffers (the process lives on); "bye-with-mappings" does so without closing its kept mappings
     first; "answer-first"
     answers UNMAP before closing the mapping; "keep-everything" keeps every mapping open after its
@@ -346,7 +348,8 @@ def kept_consumer(endpoint, channel, env, count, size, done, breaks=None, left=N
         opens, kept = c.gpu.import_cache.opens, c.gpu.import_cache.kept()
         if leave:
             c.close()  # the process lives on, and so would a mapping the close left open
-            left.set()  # only now may the producer ask back: an UNMAP taken before the BYE is answered
+        if counted is not None:
+            counted.set()  # only now may the producer ask back (an UNMAP taken before the BYE is answered)
         if not done.wait(60):
             raise TimeoutError("the producer never finished")
         left = len(c.gpu.import_cache)
