@@ -8,10 +8,13 @@ every buffer intact; and that nothing stayed taken: no staging slot, no pooled e
 in-process reference, no shared-memory copy.
 
 Why a removed give-back fails every run, not by timing: the consumer asks for one buffer at a
-time (prefetch 1), so a grant the producer loses is never replaced; the next ``send`` can only
-complete once the broker revoked that grant for sitting unused past its timeout (spec §4.3a), or
-raises HurrayTimeout first; either way the broker's ``grants_revoked`` is not 0, which
-:func:`nothing_taken` asserts. Leaks are counted, not timed.
+time (prefetch 1), so a grant the producer loses is never replaced; the broker here revokes an
+unused grant only after 30 s (spec §4.3a), so the next ``send`` raises HurrayTimeout after its
+5 s. And why a kept give-back passes every run: the producer holds the consumer's grant
+(:func:`primed`) before the failing send, so no send's time bound includes a process start, and
+no grant a correct run leaves unused (a trailing grant after the last handoff) sits long enough
+to be revoked before :func:`nothing_taken` reads ``grants_revoked``, which must be 0. Leaks are
+counted, not timed.
 ``scripts/check-sync-mutants`` applies each give-back mutant and checks that this file fails.
 """
 
@@ -50,6 +53,19 @@ from hurray_ipc.wire.ipc import json_bytes
 SIZE = 4096
 TAG = 7
 EMU = emu_config(op_delay_s=0.0)
+
+
+@pytest.fixture
+def broker(tmp_path):
+    """A broker that revokes an unused grant after 30 s, not 2: see the module doc."""
+    b = BrokerProcess(f"ipc://{tmp_path}/broker.sock", timeout=30.0).start()
+    yield b
+    b.stop()
+
+
+def primed(p: Producer) -> None:
+    """The consumer process is up and asked: the producer holds its grant."""
+    assert p.grant_ready(timeout=60), "the consumer never asked for a buffer"
 
 
 def consumer(broker: BrokerProcess, channel: str, count: int, device: str = "cpu") -> Proc:
@@ -97,8 +113,8 @@ def grants_revoked(endpoint: str) -> int:
 
 
 def nothing_taken(p: Producer, c: Proc, received: int, before: set[str]) -> None:
-    # A grant the failed send kept would be taken back by the broker after its timeout (spec
-    # §4.3a), and the channel would flow again: that safety net must not have been needed.
+    # A grant the failed send kept would have stalled send_good (the broker revokes it only
+    # after 30 s, spec §4.3a); none may have been revoked either.
     assert grants_revoked(p.session.endpoint) == 0, "a grant was not given back: the broker had to revoke it"
     r = c.result()
     assert r["error"] is None, r["error"]
@@ -153,6 +169,7 @@ def test_refused_before_a_grant_and_the_next_send_flows(broker, kw, error, words
         with pytest.raises(error, match=words):
             p.send(np.arange(512, dtype=np.int64), **kw)
         assert not p.grants and not p._out and p.credits.asked == 0  # no grant was even asked for
+        primed(p)
         send_good(p, 0, 2)
         nothing_taken(p, c, 2, before)
 
@@ -167,6 +184,7 @@ def test_send_many_refuses_the_whole_call_before_a_grant(broker):
         assert p.staging.in_use == 0, "the slots holding the copies of the good objects were not given back"
         pooled = {p.cpu.segment_of(slot)[0].name.lstrip("/") for slot in p.staging.slots()}  # kept for reuse
         assert segments() - pooled <= before, "a copy of a good object was left outside the pool"
+        primed(p)
         p.send_many(good, timeout=5)
         send_good(p, 2, 1)
         nothing_taken(p, c, 3, before)
@@ -186,6 +204,7 @@ def test_export_failure_gives_the_grant_back(broker, monkeypatch, how):
     before = segments()
     c = consumer(broker, f"export-{how}", 2)
     with Producer(broker.endpoint, f"export-{how}", "cpu") as p:
+        primed(p)
         fail_once(monkeypatch, CpuDevice, "export_memory", DeviceError("export", "injected"))
         with pytest.raises(DeviceError, match="injected"):
             send_one(p, how, workload.pattern(TAG, 99, SIZE))
@@ -198,6 +217,7 @@ def test_socket_send_failure_unregisters_and_gives_the_grant_back(broker, monkey
     before = segments()
     c = consumer(broker, f"sock-{how}", 2)
     with Producer(broker.endpoint, f"sock-{how}", "cpu") as p:
+        primed(p)
         raised = fail_once(monkeypatch, p.session, "send_batch", OSError("injected: socket send failed"),
                            when=lambda msgs: msgs[0].verb == "HANDOFF")  # not the READY asking for a grant
         with pytest.raises(OSError, match="injected"):
@@ -223,6 +243,7 @@ def test_staging_copy_failure_gives_the_slot_and_the_grant_back(broker, monkeypa
     with Producer(broker.endpoint, "staged", emulated_gpu) as p:
         buf = p.allocate(SIZE)
         p.stream.copy(buf, workload.pattern(TAG, 99, SIZE))  # type: ignore[union-attr]
+        primed(p)
         fail_once(monkeypatch, p.stream, "copy", DeviceError("cudaMemcpyAsync", "injected"))
         with pytest.raises(DeviceError, match="injected"):
             p.send(buf, timeout=5)
@@ -237,6 +258,7 @@ def test_event_export_failure_gives_the_event_and_the_grant_back(broker, monkeyp
     with Producer(broker.endpoint, "event", emulated_gpu) as p:
         buf = p.allocate(SIZE)
         p.stream.copy(buf, workload.pattern(TAG, 99, SIZE))  # type: ignore[union-attr]
+        primed(p)
         fail_once(monkeypatch, CudaEvent, "export", DeviceError("cudaIpcGetEventHandle", "injected"))
         with pytest.raises(DeviceError, match="injected"):
             p.send(buf, "EVENT", timeout=5)
@@ -263,6 +285,7 @@ def test_broker_refusal_of_an_entry_raises_its_reason_and_the_channel_flows(brok
     c = consumer(broker, "entry", 2)
     with Producer(broker.endpoint, "entry", "cpu") as p:
         meta = {"typestr": "|u1", "shape": [3]}  # 3 bytes described, 4096 sent: payload_mismatch
+        primed(p)
         _bad_meta(monkeypatch, (meta, json_bytes(meta)))
         t0 = time.monotonic()
         with pytest.raises(RemoteError, match="payload_mismatch") as e:
@@ -282,6 +305,7 @@ def test_broker_refusal_of_a_whole_message_gives_grant_and_ready_back(broker, mo
     c = consumer(broker, "whole", 3)
     with Producer(broker.endpoint, "whole", "cpu") as p:
         meta = {"typestr": "|u1", "shape": [SIZE], "user": "x" * 70000}
+        primed(p)
         _bad_meta(monkeypatch, (meta, json_bytes(meta)))
         t0 = time.monotonic()
         with pytest.raises(RemoteError, match="bad_header") as e:
