@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from brokerproc import BrokerProcess
-from conftest import Proc, emu_config, emu_env
+from conftest import SPAWN, Proc, emu_config, emu_env
 from hurray_ipc import workload
 from hurray_ipc.broker.bridge import read_route_key
 from hurray_ipc.broker.keyfile import route_key_path
@@ -88,10 +88,13 @@ def test_host_staged_copy_is_host_waited_before_the_handle_leaves(broker, delay)
 def test_two_producers_two_consumers_each_handoff_owned_once(broker):
     env = emu_env()
     cs = [Proc(workload.run_consumer, endpoint=broker.endpoint, channel="mp", device="cuda:0", count=None,
-               idle_stop=3.0, env=env) for _ in range(2)]
+               env=env) for _ in range(2)]
     ps = [Proc(workload.run_producer, endpoint=broker.endpoint, channel="mp", device="cuda:0", count=10,
                size=4096, tag=t, env=env) for t in (1, 2)]
-    prs = [p.result() for p in ps]
+    prs = [p.result() for p in ps]  # each got its 10 releases back, and left without ending the stream
+    # Both are done: a producer of our own ends the stream (every producer registered now has
+    # ended, spec §4.9), which stops the consumers however long each process took to start.
+    Producer(broker.endpoint, "mp", "cpu").close()
     crs = [c.result() for c in cs]
     for r in prs + crs:
         assert r["error"] is None, r["error"]
@@ -141,11 +144,12 @@ def test_in_process_all_modes_consumer_stream(broker):
 
 def test_consumer_death_releases_back_to_producer(broker):
     env = emu_env()
+    counters = SPAWN.Array("q", workload.COUNTERS)
     c = Proc(workload.run_consumer, endpoint=broker.endpoint, channel="cd", device="cuda:0", count=50, env=env,
-             hold=30.0)  # holds the first buffer "forever"
+             hold=30.0, counters=counters)  # holds the first buffer "forever"
     p = Proc(workload.run_producer, endpoint=broker.endpoint, channel="cd", device="cuda:0", count=1, size=4096,
              env=env)
-    time.sleep(3.0)
+    _until("the consumer received the buffer", lambda: counters[workload.C_RECEIVED] >= 1, 60)
     c.kill()
     pr = p.result(timeout=30)
     assert pr["error"] is None, pr["error"]
@@ -267,7 +271,7 @@ def test_broker_shutdown_tells_clients(tmp_path):
     b = BrokerProcess(f"ipc://{tmp_path}/b.sock").start()
     c = Consumer(b.endpoint, "sd", "cpu", heartbeat_s=0.2)
     try:
-        time.sleep(0.5)
+        _registered(c)  # the broker knows whom to tell
         err = b.stop(signal.SIGTERM)
         with pytest.raises(BrokerUnavailable, match="shut down"):
             c.receive(timeout=5)
@@ -570,7 +574,9 @@ def test_a_send_whose_grant_was_revoked_in_flight_is_sent_again(broker):
             p.wait_released(timeout=10)
             probe = Raw(ctx, broker.endpoint, "probe")
             probe.send("STATS", {"request_id": 1})
-            assert probe.expect("STATS_REPLY")[0]["totals"]["grants_revoked"] == 1
+            # At least the one forced above; a later grant this test leaves unused (the consumer
+            # asks again after its release) is revoked correctly once it sat 2 s, on a slow day.
+            assert probe.expect("STATS_REPLY")[0]["totals"]["grants_revoked"] >= 1
     finally:
         ctx.destroy(linger=0)
 
