@@ -166,9 +166,9 @@ class ConsumerReport:
 
 
 # Indices into the shared counter arrays the stress runner passes (they survive a SIGKILL).
-P_SENT, P_RELEASED, P_CONSUMER_GONE, P_REJECTED, P_DOUBLE, P_RACES = range(6)
+P_SENT, P_RELEASED, P_CONSUMER_GONE, P_REJECTED, P_DOUBLE, P_RACES, P_HELD = range(7)
 C_RECEIVED, C_INTACT, C_CORRUPT, C_PRODUCER_GONE, C_RACES = range(5)
-COUNTERS = 6
+COUNTERS = 7
 
 
 def release(h: Any) -> None:
@@ -187,8 +187,15 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
                  tag: int | None = None, pool: int = 4, duration: float | None = None, timeout: float = 30.0,
                  env: dict[str, str] | None = None, counters: Any = None, broker_grace: float = 15.0,
                  inject: str | None = None, deadline: float | None = None,
-                 end_stream: bool = False, paths: str = "plain") -> dict[str, Any]:
+                 end_stream: bool = False, paths: str = "plain", gate: Any = None,
+                 gate_at: int = 0) -> dict[str, Any]:
     """Send ``count`` checksummed buffers (or until ``duration``); wait for their releases.
+
+    ``gate``: a shared flag (``SPAWN.RawValue``) this producer waits to see set, up to ``timeout``
+    s, once it has sent ``gate_at`` buffers: the stress runner holds its producers there until it
+    made the kills a run owes, so that they happen while handoffs are in flight however fast the
+    run goes. A flag, not an Event: setting a multiprocessing Event waits for each sleeper to wake,
+    and a producer SIGKILLed while it slept never does.
 
     ``end_stream``: end the channel's stream when done (ipc-protocol.md §4.9). Off by default: with
     several producers counted in all, one that finishes before another registered would end the
@@ -246,6 +253,14 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
 
             seq = 0
             while seq < count and (end is None or time.monotonic() < end):
+                if gate is not None and seq >= gate_at:
+                    _bump(counters, P_HELD)  # the runner sees it waits (its sends may have been refused)
+                    held_until = time.monotonic() + timeout
+                    while not gate.value:  # polling the runner's flag, an observable condition
+                        if time.monotonic() > held_until:
+                            raise TimeoutError(f"held after {seq} handoffs, never let go on (the run's gate)")
+                        time.sleep(0.01)
+                    gate = None
                 buf = None
                 try:
                     if not free:

@@ -184,6 +184,9 @@ class Runner:
         self.rng = random.Random(cfg.seed)
         self.deadline: float | None = None  # time.time() at which a --duration run stops sending
         self.workers: list[Worker] = []
+        # A run of a given count with kills: its producers wait here after a tenth of their share
+        # until the kills it owes were made (run_producer's gate), so that they always happen.
+        self.gate: Any = None
         self.broker: subprocess.Popen | None = None
         self.summary = StressSummary(asdict(cfg))
 
@@ -213,7 +216,8 @@ class Runner:
             return w
         if role == "producer":
             kw = dict(common, count=share, size=self.cfg.size, mode=self.cfg.mode, deadline=self.deadline,
-                      timeout=30.0, inject=self.cfg.inject if self.cfg.inject in workload.PRODUCER_INJECTIONS else None)
+                      timeout=30.0, inject=self.cfg.inject if self.cfg.inject in workload.PRODUCER_INJECTIONS else None,
+                      gate=self.gate, gate_at=-(-share // 10))
             fn: Callable[..., dict[str, Any]] = workload.run_producer
         else:
             # Mixed paths on CUDA: every other consumer (replacements too) runs on the CPU, so the
@@ -268,6 +272,12 @@ class Runner:
             return False
         return all(w.proc.pid in pids for w in self.workers if not w.killed and w.proc.is_alive())
 
+    def _all_held(self) -> bool:
+        """Whether every live producer waits at the gate (there is one, and it is not yet open)."""
+        live = [w for w in self.workers if w.role == "producer" and not w.killed and w.proc.is_alive()]
+        return self.gate is not None and not self.gate.value and bool(live) and \
+            all(w.count(workload.P_HELD) for w in live)
+
     def _sum(self, role: str, i: int) -> int:
         return sum(w.count(i, consumer=role == "consumer") for w in self.workers if w.counts_as(role))
 
@@ -290,6 +300,10 @@ class Runner:
         while not self._all_registered() and time.monotonic() < registered_by:
             time.sleep(0.05)
         per = [cfg.count // cfg.producers + (i < cfg.count % cfg.producers) for i in range(cfg.producers)]
+        if not cfg.duration and (cfg.kill_consumers or cfg.kill_producers):
+            # Held at a tenth of each share: together at least the tenth of the handoffs that makes
+            # the kills owed, so the runner gets there first.
+            self.gate = workload.SPAWN.RawValue("b", 0)
         for n in per:
             self._spawn("producer", n if not cfg.duration else 1 << 40)
         for i in range(cfg.pairs):
@@ -313,15 +327,21 @@ class Runner:
             if quiet:
                 quiet = not self._all_registered()
             # Each kind of kill asked for happens at least once, at the first chance once a tenth of
-            # the handoffs arrived: a run with kills always tests them, however fast it goes.
-            owed = live and not quiet and bool(cfg.kill_consumers or cfg.kill_producers) and \
-                self._sum("consumer", workload.C_INTACT) >= cfg.count // 10
+            # the handoffs arrived: a run with kills always tests them, however fast it goes (a
+            # run of a given count holds its producers at the gate meanwhile, so the owed kills
+            # may find nothing in flight; the random ones after it find the run at full speed).
+            # A tenth arrived, or every producer waits at the gate (a tenth was sent, but sends
+            # refused while the broker restarted never arrive).
+            owed = live and not quiet and bool(cfg.kill_consumers or cfg.kill_producers) and (
+                self._sum("consumer", workload.C_INTACT) >= cfg.count // 10 or self._all_held())
             if live and not quiet and (self.rng.random() < cfg.kill_consumers * tick or (
                     owed and cfg.kill_consumers and not self.summary.consumers_killed)):
                 self._kill("consumer")
             if live and not quiet and (self.rng.random() < cfg.kill_producers * tick or (
                     owed and cfg.kill_producers and not self.summary.producers_killed)):
                 self._kill("producer")
+            if owed and self.gate is not None:
+                self.gate.value = 1  # the kills owed were just made: the held producers go on
             if live and restarts_at and now >= restarts_at[0]:
                 restarts_at.pop(0)
                 self._restart_broker()
