@@ -193,8 +193,7 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
 
     ``gate``: a shared flag (``SPAWN.RawValue``) this producer waits to see set, up to ``timeout``
     s, once it has sent ``gate_at`` buffers: the stress runner holds its producers there until it
-    made the kills a run owes, so that they happen while handoffs are in flight however fast the
-    run goes. A flag, not an Event: setting a multiprocessing Event waits for each sleeper to wake,
+    made the kills a run owes, so that they happen however fast the run goes. A flag, not an Event: setting a multiprocessing Event waits for each sleeper to wake,
     and a producer SIGKILLed while it slept never does.
 
     ``end_stream``: end the channel's stream when done (ipc-protocol.md §4.9). Off by default: with
