@@ -193,8 +193,9 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
 
     ``gate``: a shared flag (``SPAWN.RawValue``) this producer waits to see set, up to ``timeout``
     s, once it has sent ``gate_at`` buffers: the stress runner holds its producers there until it
-    made the kills a run owes, so that they happen however fast the run goes. A flag, not an Event: setting a multiprocessing Event waits for each sleeper to wake,
-    and a producer SIGKILLed while it slept never does.
+    made the kills a run owes, so that they happen however fast the run goes. A flag, not an
+    Event: setting a multiprocessing Event waits for each sleeper to wake, and a producer
+    SIGKILLed while it slept never does.
 
     ``end_stream``: end the channel's stream when done (ipc-protocol.md §4.9). Off by default: with
     several producers counted in all, one that finishes before another registered would end the
@@ -343,12 +344,14 @@ def run_pair(endpoint: str, channel: str, device: str, count: int, size: int, *,
 def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *, timeout: float = 30.0,
                  idle_stop: float | None = None, hold: float = 0.0, env: dict[str, str] | None = None,
                  keep_seen: bool = True, inject: str | None = None, counters: Any = None,
-                 broker_grace: float = 15.0, paths: str = "plain", declare_stream: bool = False) -> dict[str, Any]:
+                 broker_grace: float = 15.0, paths: str = "plain", declare_stream: bool = False,
+                 gate: Any = None) -> dict[str, Any]:
     """Receive up to ``count`` buffers (or until ``idle_stop`` s pass with none, or until the end of
-    the stream, ipc-protocol.md §4.9), checking each. ``paths``: "plain", or "mixed" to vary how
-    each buffer is waited for, read and released (:data:`PATHS`). ``declare_stream``: name the
-    consumer's stream at request time, so that an in-process producer may order it itself
-    (CONSUMER_STREAM, :func:`run_pair`).
+    the stream, ipc-protocol.md §4.9), checking each. ``gate``: the producers' (see
+    :func:`run_producer`); while it is shut they wait at it, so idling is not stopping.
+    ``paths``: "plain", or "mixed" to vary how each buffer is waited for, read and released
+    (:data:`PATHS`). ``declare_stream``: name the consumer's stream at request time, so that an
+    in-process producer may order it itself (CONSUMER_STREAM, :func:`run_pair`).
 
     ``inject``: one of :data:`CONSUMER_INJECTIONS`: the consumer breaks the contract, which the
     emulation's race checker (and, when the timing exposes it, the checksums) must catch.
@@ -384,6 +387,8 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
                     rep.ended = True
                     break
                 except TimeoutError:
+                    if gate is not None and not gate.value:
+                        continue  # the producers wait at the runner's gate: more is coming
                     if idle_stop is not None:
                         break
                     raise

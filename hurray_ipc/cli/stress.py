@@ -226,7 +226,7 @@ class Runner:
             if self.cfg.paths == "mixed" and self.spec.startswith("cuda") and started % 2:
                 common["device"] = "cpu"
             kw = dict(common, count=None, idle_stop=max(IDLE_STOP_MIN, 2 * self.cfg.timeout), keep_seen=False,
-                      timeout=30.0,
+                      timeout=30.0, gate=self.gate,
                       inject=self.cfg.inject if self.cfg.inject in workload.CONSUMER_INJECTIONS else None)
             fn = workload.run_consumer
         p, q = workload.spawn(fn, **kw)
@@ -234,8 +234,12 @@ class Runner:
         self.workers.append(w)
         return w
 
+    def _live(self, role: str) -> list[Worker]:
+        return [w for w in self.workers if w.role == role and not w.killed and w.proc.is_alive()]
+
     def _kill(self, role: str) -> None:
-        alive = [w for w in self.workers if w.role == role and not w.killed and w.proc.is_alive()]
+        """SIGKILL one live ``role`` worker at random (if one lives) and start its replacement."""
+        alive = self._live(role)
         if not alive:
             return
         w = self.rng.choice(alive)
@@ -274,7 +278,7 @@ class Runner:
 
     def _all_held(self) -> bool:
         """Whether every live producer waits at the gate (there is one, and it is not yet open)."""
-        live = [w for w in self.workers if w.role == "producer" and not w.killed and w.proc.is_alive()]
+        live = self._live("producer")
         return self.gate is not None and not self.gate.value and bool(live) and \
             all(w.count(workload.P_HELD) for w in live)
 
@@ -292,6 +296,11 @@ class Runner:
         self.start_broker()
         time.sleep(0.3)
         self.summary.broker_rss_kib_start = _rss(self.broker.pid)  # type: ignore[union-attr]
+        if not cfg.duration and (cfg.kill_consumers or cfg.kill_producers):
+            # Producers held at a tenth of each share: together at least the tenth of the handoffs
+            # that makes the kills owed, so the runner gets there first. The consumers see it too:
+            # they do not stop idle while it is shut.
+            self.gate = workload.SPAWN.RawValue("b", 0)
         for _ in range(cfg.consumers):
             self._spawn("consumer")
         # Producers start once every consumer registered (30 s at most), so each consumer, the CPU
@@ -300,10 +309,6 @@ class Runner:
         while not self._all_registered() and time.monotonic() < registered_by:
             time.sleep(0.05)
         per = [cfg.count // cfg.producers + (i < cfg.count % cfg.producers) for i in range(cfg.producers)]
-        if not cfg.duration and (cfg.kill_consumers or cfg.kill_producers):
-            # Held at a tenth of each share: together at least the tenth of the handoffs that makes
-            # the kills owed, so the runner gets there first.
-            self.gate = workload.SPAWN.RawValue("b", 0)
         for n in per:
             self._spawn("producer", n if not cfg.duration else 1 << 40)
         for i in range(cfg.pairs):
@@ -320,7 +325,7 @@ class Runner:
         # killed before its re-HELLO dies unknown to any broker, and its segments wait for the new
         # broker's 30 s sweep, past this run's leak count (the leak count would then be luck).
         quiet = False
-        while any(w.role == "producer" and not w.killed and w.proc.is_alive() for w in self.workers):
+        while self._live("producer"):
             time.sleep(tick)
             now = time.monotonic()
             live = end is None or now < end  # past the deadline: no kills or restarts; the workers drain
@@ -340,8 +345,10 @@ class Runner:
             if live and not quiet and (self.rng.random() < cfg.kill_producers * tick or (
                     owed and cfg.kill_producers and not self.summary.producers_killed)):
                 self._kill("producer")
-            if owed and self.gate is not None:
-                self.gate.value = 1  # the kills owed were just made: the held producers go on
+            if owed and self.gate is not None and not self.gate.value and \
+                    (self.summary.consumers_killed or not cfg.kill_consumers) and \
+                    (self.summary.producers_killed or not cfg.kill_producers):
+                self.gate.value = 1  # the kills owed were made: the held producers go on
             if live and restarts_at and now >= restarts_at[0]:
                 restarts_at.pop(0)
                 self._restart_broker()
@@ -452,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", type=device, default=d.device,
                    help="cpu or cuda:N; cuda:N runs on the CUDA emulation when HURRAY_CUDA=emulated is set")
     p.add_argument("--kill-consumers", type=float, default=d.kill_consumers, metavar="RATE",
-                   help="SIGKILLs of consumers per second (at least one, once a tenth of the handoffs arrived)")
+                   help="SIGKILLs of consumers per second (at least one, once a tenth of the handoffs "
+                        "arrived; a run of a --count holds its producers at a tenth of their share until then)")
     p.add_argument("--kill-producers", type=float, default=d.kill_producers, metavar="RATE",
                    help="SIGKILLs of producers per second (at least one, as for consumers)")
     p.add_argument("--broker-restarts", type=int, default=d.broker_restarts, metavar="K",
