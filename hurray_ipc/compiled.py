@@ -37,6 +37,8 @@ __all__ = ["COMPILED", "PURE_ENV", "status"]
 # instead of InvalidArgument (docs/benchmarks.md, "the clients compiled: measured, not taken").
 # In these modules a class built per handoff writes out its __init__: mypyc compiles a written one
 # but leaves the one @dataclass generates interpreted (tests/test_compiled.py checks they match).
+# Compiled, such a class cannot be copied or pickled (mypyc's tp_new calls that __init__ with no
+# arguments); nothing does either to them.
 COMPILED: tuple[str, ...] = ("hurray_ipc.broker.core", "hurray_ipc.broker.queries", "hurray_ipc.wire.ipc")
 PURE_ENV = "HURRAY_PURE"
 

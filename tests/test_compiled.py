@@ -66,24 +66,37 @@ _CHECK_INITS = """
 import dataclasses, inspect
 from hurray_ipc.broker import core
 from hurray_ipc.wire import ipc
-for cls in [core.Grant, core.Delivery, core.Send, ipc.Handoff, ipc.Deliver, ipc.Release, ipc.EventRelease,
-            ipc.Released, ipc.EventReleased, ipc.Grant, ipc.Accepted]:
-    params = {p.name: p for p in list(inspect.signature(cls.__init__).parameters.values())[1:]}
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    assert set(params) == set(fields), (cls.__name__, set(params) ^ set(fields))
-    for name, f in fields.items():
-        p = params[name]
-        assert (p.kind is inspect.Parameter.KEYWORD_ONLY) == f.kw_only, (cls.__name__, name)
+written = [cls for m in (core, ipc) for cls in vars(m).values()
+           if dataclasses.is_dataclass(cls) and cls.__module__ == m.__name__ and not cls.__dataclass_params__.init
+           and "__init__" in vars(cls)]
+assert len(written) >= 11, [c.__name__ for c in written]
+for cls in written:
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    fields = dataclasses.fields(cls)
+    by_name = {p.name: p for p in params}
+    assert set(by_name) == {f.name for f in fields}, (cls.__name__, set(by_name) ^ {f.name for f in fields})
+    positional = [p.name for p in params if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    assert positional == [f.name for f in fields if not f.kw_only], (cls.__name__, positional)
+    for f in fields:
+        p = by_name[f.name]
+        assert (p.kind is inspect.Parameter.KEYWORD_ONLY) == f.kw_only, (cls.__name__, f.name)
         want = inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default
-        assert p.default == want, (cls.__name__, name, p.default, want)
+        assert p.default == want, (cls.__name__, f.name, p.default, want)
+    # Each field gets its own argument: built with a distinct object per field, each is where it belongs.
+    marks = {f.name: object() for f in fields}
+    obj = cls(*[marks[n] for n in positional], **{f.name: marks[f.name] for f in fields if f.kw_only})
+    wrong = [f.name for f in fields if getattr(obj, f.name) is not marks[f.name]]
+    assert not wrong, (cls.__name__, wrong)
 print("ok")
 """
 
 
 def test_each_written_init_takes_exactly_its_dataclass_fields():
     """The per-handoff records spell out their __init__ (mypyc compiles a written one, not one
-    @dataclass generates): each must take every field, by the same name, kind and default. Read
-    from the source (HURRAY_PURE=1): a compiled __init__ shows no signature."""
+    @dataclass generates): each must take every field, by the same name, position, kind and
+    default, and store each argument in its own field. Every dataclass of the compiled modules
+    with a written __init__ is checked, from the source (HURRAY_PURE=1): a compiled __init__ shows
+    no signature."""
     out = subprocess.run([sys.executable, "-c", _CHECK_INITS], env={**os.environ, compiled.PURE_ENV: "1"},
                          capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

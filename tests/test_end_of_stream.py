@@ -240,9 +240,10 @@ class LiveDriver(Driver):
         if any(a["action"] == "wait" for a in acts):
             # The broker applies a time rule at its next tick, after what it had drained: on a
             # loaded machine a sync's CAPS may be answered first. So keep pinging and syncing
-            # until every client the step expects heard something (15 s at most; _check then
-            # names what is missing, and an unexpected message is still one too many).
-            deadline = time.monotonic() + 15
+            # until every client the step expects heard something, for 3 s at most (a rule
+            # applied later than that is a broker that does not tick: _check then names what is
+            # missing, and an unexpected message is still one too many).
+            deadline = time.monotonic() + 3
             while not all(got.get(k) for k in expect) and time.monotonic() < deadline:
                 self._ping_others()
                 time.sleep(0.1)
