@@ -310,6 +310,21 @@ class Carried(HotMessage):
     def inproc(self) -> bool:
         return self.inproc_ref is not None
 
+    def _carry(self, handoff_id: int, handle: bytes, offset: int, memory: bytes | None, event: bytes | None,
+               inproc_ref: str | None, meta: dict[str, Any] | None, meta_raw: bytes | None, staged: bool,
+               keep: bool) -> None:
+        """Set the fields every carried buffer has (the written __init__ of each subclass)."""
+        self.handoff_id = handoff_id
+        self.handle = handle
+        self.offset = offset
+        self.memory = memory
+        self.event = event
+        self.inproc_ref = inproc_ref
+        self.meta = meta
+        self.meta_raw = meta_raw
+        self.staged = staged
+        self.keep = keep
+
     def _flags_frames(self) -> tuple[int, list[bytes]]:
         flags, out = 0, [bytes(self.handle)]
         if self.memory is not None:
@@ -368,16 +383,7 @@ class Handoff(Carried):
                  memory: bytes | None = None, event: bytes | None = None, inproc_ref: str | None = None,
                  meta: dict[str, Any] | None = None, meta_raw: bytes | None = None, staged: bool = False,
                  keep: bool = False, ack: bool = False, ready: int = 0) -> None:
-        self.handoff_id = handoff_id
-        self.handle = handle
-        self.offset = offset
-        self.memory = memory
-        self.event = event
-        self.inproc_ref = inproc_ref
-        self.meta = meta
-        self.meta_raw = meta_raw
-        self.staged = staged
-        self.keep = keep
+        self._carry(handoff_id, handle, offset, memory, event, inproc_ref, meta, meta_raw, staged, keep)
         self.grant_id = grant_id
         self.ack = ack
         self.ready = ready
@@ -408,16 +414,7 @@ class Deliver(Carried):
                  memory: bytes | None = None, event: bytes | None = None, inproc_ref: str | None = None,
                  meta: dict[str, Any] | None = None, meta_raw: bytes | None = None, staged: bool = False,
                  keep: bool = False) -> None:
-        self.handoff_id = handoff_id
-        self.handle = handle
-        self.offset = offset
-        self.memory = memory
-        self.event = event
-        self.inproc_ref = inproc_ref
-        self.meta = meta
-        self.meta_raw = meta_raw
-        self.staged = staged
-        self.keep = keep
+        self._carry(handoff_id, handle, offset, memory, event, inproc_ref, meta, meta_raw, staged, keep)
         self.token = token
         self.producer_id = producer_id
 
