@@ -187,6 +187,17 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                      "            if consumer.credits:\n"
                      "                pass  # MUTANT: the same consumer stays at the front\n",
                      "tests/test_broker_core.py"),
+    # The pair's valid modes (transport/pairing.py ModeCache): the broker checks each declared
+    # mode against them and the producer chooses from them. An identity fast path that forgets
+    # one side of the pair serves another pair's answer, e.g. EVENT to a consumer without events.
+    "mode-cache-no-consumer": ("hurray_ipc/transport/pairing.py",
+                               "        ids = (id(producer), id(consumer))\n",
+                               "        ids = (id(producer), 0)  # MUTANT: any consumer's answer\n",
+                               "tests/test_mode_cache.py", "tests/test_broker_core.py"),
+    "mode-cache-no-producer": ("hurray_ipc/transport/pairing.py",
+                               "        ids = (id(producer), id(consumer))\n",
+                               "        ids = (0, id(consumer))  # MUTANT: any producer's answer\n",
+                               "tests/test_mode_cache.py", "tests/test_broker_core.py"),
     # A producer that asks and never sends keeps the only credit: no revocation on contention.
     "grant-never-revoked": ("hurray_ipc/broker/core.py",
                             "        self._revoke(oldest)\n"

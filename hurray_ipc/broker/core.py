@@ -172,7 +172,6 @@ class Client:
     bundles: bool = False  # its registration reads bundles (spec §2.2a): the loop may send it some
     kept_mappings: bool = False  # consumer: its registration reads ``keep`` and answers UNMAP (§4.10)
     sent_keep: bool = False  # consumer: a DELIVER with ``keep`` went to it from this broker (§4.10)
-    last_modes: tuple[Endpoint, Any] | None = None  # consumer: BrokerCore.expected_modes' last answer
 
     def __post_init__(self) -> None:
         self.rid_text = self.rid.decode(errors="replace")
@@ -1062,16 +1061,7 @@ class BrokerCore:
 
     def expected_modes(self, producer: Client, consumer: Client, handle: BufferHandle) -> Any:
         cpu = handle.device_tag is DeviceTag.CPU
-        ep = host_side(producer.endpoint) if cpu else producer.endpoint
-        # The consumer's last answer, when asked for the same producer endpoint object: the
-        # cache's key hashes both endpoints in Python on every handoff. Endpoints are immutable
-        # and a Client's never changes, so the same object always has the same answer.
-        last = consumer.last_modes
-        if last is not None and last[0] is ep:
-            return last[1]
-        pm = self.modes.get(ep, consumer.endpoint)
-        consumer.last_modes = (ep, pm)
-        return pm
+        return self.modes.get(host_side(producer.endpoint) if cpu else producer.endpoint, consumer.endpoint)
 
     def _check_handoff(self, producer: Client, consumer: Client, msg: Handoff, handle: BufferHandle) -> None:
         """Spec §4.5, in this order: sync mode, transport payload, offset, meta."""

@@ -72,11 +72,18 @@ _MAX_STR = 256
 
 
 def host_side(ep: Endpoint) -> Endpoint:
-    """The endpoint as seen for a host-memory buffer it sends (a staged copy or a CPU object)."""
+    """The endpoint as seen for a host-memory buffer it sends (a staged copy or a CPU object).
+
+    The same object for the same ``ep`` every time (kept on ``ep``), so :class:`ModeCache`'s
+    identity fast path serves a GPU producer's host-staged handoffs too."""
     if ep.identity.kind == "cpu":
         return ep
-    ident = DeviceIdentity("cpu", 0, f"CPU-{ep.identity.host}", host=ep.identity.host)
-    return Endpoint(ident, DeviceCapabilities(ipc_memory=True, ipc_events=False), ep.pid)
+    host: Endpoint | None = ep.__dict__.get("_host_side")
+    if host is None:
+        ident = DeviceIdentity("cpu", 0, f"CPU-{ep.identity.host}", host=ep.identity.host)
+        host = Endpoint(ident, DeviceCapabilities(ipc_memory=True, ipc_events=False), ep.pid)
+        object.__setattr__(ep, "_host_side", host)
+    return host
 
 
 def transport_between(a: Endpoint, b: Endpoint) -> Transport:
@@ -164,21 +171,37 @@ def pair_modes(producer: Endpoint, consumer: Endpoint, transport: Transport | No
 class ModeCache:
     """:func:`pair_modes` remembered per (producer endpoint, consumer endpoint), bounded (LRU).
 
-    Keyed by the endpoints' values, never by object identity: a client that re-registers with
-    another device gets a fresh answer, and two clients with equal endpoints share one.
+    Keyed by the endpoints' values, never by object identity alone: a client that re-registers
+    with another device gets a fresh answer, and two clients with equal endpoints share one.
+
+    In front of that sits a fast path keyed by the two objects' identities, because the broker
+    and the producer ask once per handoff, nearly always with the same two objects, and the value
+    key hashes both endpoints in Python each time. An identity entry holds its two endpoints
+    alive, so no other object can take either id while it stands, and endpoints are immutable,
+    so an entry can never go stale. It is bounded by the same ``size`` and emptied whenever the
+    value-keyed part evicts.
     """
 
     def __init__(self, size: int = 4096):
         self.size = size
         self._hits: OrderedDict[tuple[Endpoint, Endpoint], PairModes] = OrderedDict()
+        self._by_id: dict[tuple[int, int], tuple[Endpoint, Endpoint, PairModes]] = {}
 
     def get(self, producer: Endpoint, consumer: Endpoint) -> PairModes:
+        ids = (id(producer), id(consumer))
+        fast = self._by_id.get(ids)
+        if fast is not None:
+            return fast[2]
         key = (producer, consumer)
         pm = self._hits.get(key)
         if pm is None:
             pm = self._hits[key] = pair_modes(producer, consumer)
             if len(self._hits) > self.size:
                 self._hits.popitem(last=False)
+                self._by_id.clear()
         else:
             self._hits.move_to_end(key)
+        if len(self._by_id) >= self.size:
+            self._by_id.clear()
+        self._by_id[ids] = (producer, consumer, pm)
         return pm
