@@ -351,6 +351,20 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                                "                    waits, host = ev._state()[1], dict(self._host_clock)\n",
                                "                    waits, host = ev._state()[1], self._host_clock  # MUTANT: read at the check\n",
                                "tests/test_emulated_events.py"),
+    # An event slot's byte lock is the descriptor's (OFD), so two runtimes of one process (the
+    # tests' stand-in for two processes) exclude each other; a process-owned lock lets both in.
+    "slot-lock-process-owned": ("hurray_ipc/devices/shm.py",
+                                "fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if lock else fcntl.F_OFD_SETLK,",
+                                "fcntl.fcntl(fd, fcntl.F_SETLKW if lock else fcntl.F_SETLK,  # MUTANT",
+                                "tests/test_emulated_events.py"),
+    # An attached table closes with every slot's thread lock held, so a late record never locks a
+    # closed (or reused) descriptor.
+    "table-close-unlocked": ("hurray_ipc/devices/backend/emulated.py",
+                             "        for lock in self.locks:\n            lock.local.acquire()\n        try:\n"
+                             "            self.seg.close()\n        finally:\n            for lock in self.locks:\n"
+                             "                lock.local.release()\n",
+                             "        self.seg.close()  # MUTANT: closed under a late record\n",
+                             "tests/test_emulated_events.py"),
     "mailbox-claim-unchecked": ("hurray_ipc/devices/backend/mailbox.py",
                                 "        if struct.unpack_from(\"<Q\", self.map, slot * 8)[0] == expect:\n",
                                 "        if True:  # MUTANT: taken meanwhile or not\n", "tests/test_mailbox.py"),

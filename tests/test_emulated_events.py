@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -233,6 +234,23 @@ def test_two_events_of_one_table_lock_apart() -> None:
     rt.event_destroy(a), rt.event_destroy(b)
 
 
+def _sleeping_in_fcntl(t: threading.Thread) -> bool:
+    """Is ``t`` asleep inside fcntl(F_OFD_SETLKW)? A lock granted at once returns without sleeping,
+    so this is a wait for a lock another descriptor holds."""
+    task = f"/proc/self/task/{t.native_id}"
+    try:
+        with open(f"{task}/syscall") as f:
+            call = f.read().split()
+        with open(f"{task}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:  # the thread ended
+        return False
+    return state == "S" and call[:1] == [str(_SYS_FCNTL)] and int(call[2], 16) == fcntl.F_OFD_SETLKW
+
+
+_SYS_FCNTL = 72  # x86_64; aarch64 would be 25
+
+
 def test_two_runtimes_in_one_process_exclude_each_other_on_a_slot() -> None:
     """Tests run two runtimes in one process as two processes: their descriptors of one table
     must exclude each other on a slot (a process-owned record lock would not)."""
@@ -243,7 +261,11 @@ def test_two_runtimes_in_one_process_exclude_each_other_on_a_slot() -> None:
     with ev.lock:
         t = threading.Thread(target=lambda: (theirs.lock.__enter__(), got.set(), theirs.lock.__exit__()), daemon=True)
         t.start()
-        assert not got.wait(0.5), "the importer's runtime took the slot's lock while the exporter's held it"
+        # Until it sleeps in the kernel waiting for the byte lock (then it cannot have it) or got it.
+        while not (got.is_set() or _sleeping_in_fcntl(t)):
+            assert t.is_alive(), "the importer's thread died"
+            time.sleep(0.001)  # polling an observable condition
+        assert not got.is_set(), "the importer's runtime took the slot's lock while the exporter's held it"
     assert got.wait(30), "the importer's runtime never got the slot's lock"
     t.join(10)
     importer.event_destroy(theirs), exporter.event_destroy(ev)
@@ -316,18 +338,34 @@ def test_an_attached_table_never_closes_under_a_late_record(monkeypatch: pytest.
     importer.stream_wait_event(s, gate)
     importer.event_record(mine, s)
     importer.event_destroy(mine)  # CUDA allows it with the record pending
-    real_fcntl, closed = fcntl.fcntl, threading.Event()
+    real_fcntl, closed, progress = fcntl.fcntl, threading.Event(), threading.Event()
     early: list[bool] = []
 
     def detach_others() -> None:  # opens and drops one event of every other table: the first is evicted
         for rt, ev in zip(exporters[1:], events[1:], strict=True):
             importer.event_destroy(importer.ipc_open_event_handle(rt.ipc_get_event_handle(ev)))
         closed.set()
+        progress.set()
+
+    class NotedLock:  # the slot's thread lock, noting when the closing thread comes to take it
+        def __init__(self, real: Any) -> None:
+            self.real = real
+
+        def acquire(self) -> bool:
+            if threading.current_thread().name == "detach":
+                progress.set()  # from here the close waits for the stream thread's unlock
+            return bool(self.real.acquire())
+
+        def release(self) -> None:
+            self.real.release()
+
+    mine.lock.local = NotedLock(mine.lock.local)
 
     def lock(fd: int, cmd: int, arg: Any = 0) -> Any:
         if cmd == fcntl.F_OFD_SETLKW and not early and threading.current_thread().name.startswith("emu-stream"):
-            threading.Thread(target=detach_others, daemon=True).start()
-            early.append(closed.wait(0.5))  # fixed: the close waits for this lock, so this times out
+            threading.Thread(target=detach_others, name="detach", daemon=True).start()
+            assert progress.wait(30), "the close neither came to the slot's lock nor finished"
+            early.append(closed.is_set())  # fixed: the close waits at this slot's lock, so it is not closed
         return real_fcntl(fd, cmd, arg)
 
     monkeypatch.setattr(fcntl, "fcntl", lock)
