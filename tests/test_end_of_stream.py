@@ -334,7 +334,7 @@ def test_iterator_ends_after_every_handoff_was_received(broker):
         t0 = time.monotonic()
         with pytest.raises(EndOfStream, match="every producer of channel 'it' ended"):
             c.receive(timeout=10)
-        assert time.monotonic() - t0 < 1
+        assert time.monotonic() - t0 < 5, "it waited out the timeout instead of raising at once"
     assert seen == [(5, i, True) for i in range(20)]
     assert p.result()["error"] is None
 
@@ -460,6 +460,10 @@ def test_close_without_end_and_a_failing_producer_leave_the_stream_open(broker):
         Producer(broker.endpoint, "open", "cpu").close(end=False)
         with pytest.raises(RuntimeError, match="boom"), Producer(broker.endpoint, "open", "cpu"):
             raise RuntimeError("boom")  # leaving through an exception: the producer did not finish
+        # Both goodbyes were handled, and the broker's own state has the stream open: an end it
+        # sent would be on its way already, so the wait below is not what decides.
+        until(lambda: channel_state(broker.endpoint, "open")[0] == 0, "the broker to see both producers leave")
+        assert channel_state(broker.endpoint, "open") == (0, False)
         with pytest.raises(HurrayTimeout):
             c.receive(timeout=1.0)
         assert not c.ended
@@ -469,9 +473,9 @@ def test_close_without_end_and_a_failing_producer_leave_the_stream_open(broker):
 
 
 def test_the_end_survives_a_broker_restart(tmp_path):
-    b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=1.0).start()
+    b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=3.0).start()  # room for a slow machine
     try:
-        with Consumer(b.endpoint, "restart", "cpu", heartbeat_s=0.1, timeout_s=1.0) as c:
+        with Consumer(b.endpoint, "restart", "cpu", heartbeat_s=0.1, timeout_s=3.0) as c:
             Producer(b.endpoint, "restart", "cpu").close()
             with pytest.raises(EndOfStream):
                 c.receive(timeout=5)

@@ -329,12 +329,14 @@ def test_broker_death_during_a_send_then_the_channel_flows_again(tmp_path):
     BrokerUnavailable; once a new broker runs, both clients register again by themselves, the
     swallowed handoff comes back to its producer (RELEASED consumer_fenced, spec §6: nothing proves
     its holder gone, so the producer retires it) and the next send is delivered."""
-    b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=1.0).start()
+    # 3 s of silence before anyone is declared gone: a loaded machine's slow broker or client
+    # must not pass for a dead one; the send's 10 s bounds how late the death is noticed.
+    b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=3.0).start()
     try:
         before = segments()
         outcomes: list[str | None] = []
-        with Producer(b.endpoint, "death", "cpu", heartbeat_s=0.1, timeout_s=1.0) as p, \
-                Consumer(b.endpoint, "death", "cpu", heartbeat_s=0.1, timeout_s=1.0) as c:
+        with Producer(b.endpoint, "death", "cpu", heartbeat_s=0.1, timeout_s=3.0) as p, \
+                Consumer(b.endpoint, "death", "cpu", heartbeat_s=0.1, timeout_s=3.0) as c:
             with pytest.raises(TimeoutError):
                 c.receive(timeout=0)  # asks for one buffer
             assert p.grant_ready(timeout=5)  # the producer holds the consumer's grant

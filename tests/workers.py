@@ -368,7 +368,7 @@ def kept_restart_producer(endpoint, channel, env, size, round_open, restarted, r
     from hurray_ipc import BrokerUnavailable, Producer
     from hurray_ipc.workload import emulated_races
 
-    with Producer(endpoint, channel, "cuda:0", heartbeat_s=0.2, timeout_s=1.5) as p:
+    with Producer(endpoint, channel, "cuda:0", heartbeat_s=0.2, timeout_s=3.0) as p:
         b = p.allocate(size)
         p.send(b)
         p.flush(30)
@@ -413,7 +413,7 @@ def kept_consumer_deaf_to_the_first_broker(endpoint, channel, env, done):
             unmap(self, msg)
 
     C.Consumer._unmap = silent_to_the_first_broker
-    with Consumer(endpoint, channel, "cuda:0", heartbeat_s=0.2, timeout_s=1.5) as c:
+    with Consumer(endpoint, channel, "cuda:0", heartbeat_s=0.2, timeout_s=3.0) as c:
         h = c.receive(timeout=30)
         first.append(c.session.broker_session)
         h.wait()
