@@ -119,3 +119,18 @@ def test_cuda_device_without_cuda_is_one_line_exit_2_and_starts_nothing(monkeypa
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "HURRAY_CUDA=emulated" in err, err
     assert "CUDA unavailable" in err and "Traceback" not in err, err
+
+
+def test_a_gate_whose_owed_kills_never_come_fails_the_run_promptly(monkeypatch):
+    """A counted run with kills holds its producers until the owed kills were made. When they can
+    never be made (here: every kill is a no-op), the producers' wait at the gate ends, and the run
+    says why and stops its consumers then, instead of running into its result timeout."""
+    monkeypatch.setattr(Runner, "_kill", lambda self, role: None)
+    monkeypatch.setattr(Runner, "WORKER_TIMEOUT_S", 3.0)
+    t0 = time.monotonic()
+    s = Runner(StressConfig(producers=1, consumers=1, count=40, size=4096, device="cpu", kill_consumers=1.0,
+                            seed=13, progress=False)).run()
+    assert any("were never made" in e for e in s.errors), render(s)
+    assert any("never let go on" in e for e in s.errors), render(s)
+    assert s.consumers_killed == 0 and s.lost == 0 and s.segments_left == 0, render(s)
+    assert time.monotonic() - t0 < 60, "the consumers waited for the result timeout"

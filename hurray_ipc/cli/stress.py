@@ -176,6 +176,10 @@ def _rss(pid: int) -> int:
 
 
 class Runner:
+    """One hurray-stress run: a broker, the workers, the kills and restarts, and the summary."""
+
+    WORKER_TIMEOUT_S = 30.0  # each worker's bound on one wait (a send, a receive, the gate)
+
     def __init__(self, cfg: StressConfig):
         self.cfg = cfg
         self.spec, self.env = cfg.device, check_device(cfg)  # before anything starts
@@ -216,8 +220,8 @@ class Runner:
             return w
         if role == "producer":
             kw = dict(common, count=share, size=self.cfg.size, mode=self.cfg.mode, deadline=self.deadline,
-                      timeout=30.0, inject=self.cfg.inject if self.cfg.inject in workload.PRODUCER_INJECTIONS else None,
-                      gate=self.gate, gate_at=-(-share // 10))
+                      timeout=self.WORKER_TIMEOUT_S, gate=self.gate, gate_at=-(-share // 10),
+                      inject=self.cfg.inject if self.cfg.inject in workload.PRODUCER_INJECTIONS else None)
             fn: Callable[..., dict[str, Any]] = workload.run_producer
         else:
             # Mixed paths on CUDA: every other consumer (replacements too) runs on the CPU, so the
@@ -226,7 +230,7 @@ class Runner:
             if self.cfg.paths == "mixed" and self.spec.startswith("cuda") and started % 2:
                 common["device"] = "cpu"
             kw = dict(common, count=None, idle_stop=max(IDLE_STOP_MIN, 2 * self.cfg.timeout), keep_seen=False,
-                      timeout=30.0, gate=self.gate,
+                      timeout=self.WORKER_TIMEOUT_S, gate=self.gate,
                       inject=self.cfg.inject if self.cfg.inject in workload.CONSUMER_INJECTIONS else None)
             fn = workload.run_consumer
         p, q = workload.spawn(fn, **kw)
@@ -362,6 +366,13 @@ class Runner:
                 break
         if bar is not None:
             bar.close()
+        if self.gate is not None and not self.gate.value:
+            # The producers ended (their gate wait timed out, or they failed) before the owed kills
+            # could be made: say so, and let the consumers stop now rather than at _collect's bound.
+            self.summary.errors.append("the kills owed once a tenth of the handoffs arrived were never made "
+                                       f"(consumers killed {self.summary.consumers_killed}, producers killed "
+                                       f"{self.summary.producers_killed}); the producers ended at the gate")
+            self.gate.value = 1
         self._collect()
         self.summary.broker_rss_kib_end = _rss(self.broker.pid)  # type: ignore[union-attr]
         self.broker.terminate()  # type: ignore[union-attr]
