@@ -51,7 +51,7 @@ def one(data: bytes) -> None:
         if not s.poll(5000):
             code = BROKER.proc.poll()
             err = BROKER.stderr_text()[-3000:]
-            raise RuntimeError(f"broker {'exited %s' % code if code is not None else 'hung'}\n{err}")
+            raise RuntimeError(f"broker {f'exited {code}' if code is not None else 'hung'}\n{err}")
         if barrier.is_answer(s.recv_multipart()):
             return
 

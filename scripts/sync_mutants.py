@@ -304,16 +304,18 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                                    "            elif self.unseen_of.get(c.rid, 0) < MAX_UNSEEN:\n",
                                    "            elif False:  # MUTANT: not registered yet: fenced at once\n", *KEPT),
     "kept-unseen-expires-unmapped": ("hurray_ipc/broker/core.py",
-                                     "                self._unseen_done(key, r, label)\n                r.fenced.append(label)\n",
                                      "                self._unseen_done(key, r, label)\n"
-                                     "                r.unmapped.append(label)  # MUTANT: never came, yet answered for\n",
+                                     "                r.fenced.append(label)\n",
+                                     "                self._unseen_done(key, r, label)\n"
+                                     "                r.unmapped.append(label)  # MUTANT: never came, yet answered\n",
                                      *KEPT),
     "kept-unseen-never-asked": ("hurray_ipc/broker/core.py",
                                 "        if role == \"consumer\":\n            self._registered(c)\n",
                                 "        if False:  # MUTANT: a late registration is not asked\n"
                                 "            self._registered(c)\n", *KEPT),
     "kept-unmap-header-64k": ("hurray_ipc/wire/ipc.py",
-                              "             else MAX_UNMAP_BYTES if verb in (\"UNMAP\", \"UNMAPPED\") else MAX_HEADER_BYTES)",
+                              "             else MAX_UNMAP_BYTES if verb in (\"UNMAP\", \"UNMAPPED\") "
+                              "else MAX_HEADER_BYTES)",
                               "             else MAX_HEADER_BYTES)  # MUTANT: 4096 labels do not fit", *KEPT),
     # Threads waiting in one client (issue 24): none sleeps holding the session lock, and whoever
     # dispatches, or consumes the socket's edge, or closes, wakes the sleeping ones.
@@ -349,7 +351,7 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                                  "tests/test_emulated_events.py"),
     "destroy-host-read-late": ("hurray_ipc/devices/backend/emulated.py",
                                "                    waits, host = ev._state()[1], dict(self._host_clock)\n",
-                               "                    waits, host = ev._state()[1], self._host_clock  # MUTANT: read at the check\n",
+                               "                    waits, host = ev._state()[1], self._host_clock  # MUTANT: late\n",
                                "tests/test_emulated_events.py"),
     # An event slot's byte lock is the descriptor's (OFD), so two runtimes of one process (the
     # tests' stand-in for two processes) exclude each other; a process-owned lock lets both in.
