@@ -198,6 +198,11 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                                "        ids = (id(producer), id(consumer))\n",
                                "        ids = (0, id(consumer))  # MUTANT: any producer's answer\n",
                                "tests/test_mode_cache.py", "tests/test_broker_core.py"),
+    # An identity entry that does not hold its endpoints lets a freed id name another endpoint.
+    "mode-cache-ids-unheld": ("hurray_ipc/transport/pairing.py",
+                              "            self._by_id[ids] = (producer, consumer, pm)\n",
+                              "            self._by_id[ids] = (None, None, pm)  # MUTANT: ids not held\n",
+                              "tests/test_mode_cache.py"),
     # A producer that asks and never sends keeps the only credit: no revocation on contention.
     "grant-never-revoked": ("hurray_ipc/broker/core.py",
                             "        self._revoke(oldest)\n"

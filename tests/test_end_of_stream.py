@@ -457,8 +457,12 @@ def test_a_new_producer_reopens_the_stream(broker):
 
 def test_close_without_end_and_a_failing_producer_leave_the_stream_open(broker):
     with Consumer(broker.endpoint, "open", "cpu") as c:
-        Producer(broker.endpoint, "open", "cpu").close(end=False)
-        with pytest.raises(RuntimeError, match="boom"), Producer(broker.endpoint, "open", "cpu"):
+        # Each registers before it leaves, so a count of 0 below means the broker handled both goodbyes.
+        quiet = Producer(broker.endpoint, "open", "cpu")
+        until(lambda: quiet.session.registered, "the first producer to register")
+        quiet.close(end=False)
+        with pytest.raises(RuntimeError, match="boom"), Producer(broker.endpoint, "open", "cpu") as failing:
+            until(lambda: failing.session.registered, "the second producer to register")
             raise RuntimeError("boom")  # leaving through an exception: the producer did not finish
         # Both goodbyes were handled, and the broker's own state has the stream open: an end it
         # sent would be on its way already, so the wait below is not what decides.

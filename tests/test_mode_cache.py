@@ -64,3 +64,23 @@ def test_host_side_is_one_object_per_endpoint():
     assert hs is host_side(gpu) and hs.identity.kind == "cpu" and hs.pid == gpu.pid
     assert host_side(cpu) is cpu
     assert host_side(Endpoint(gpu.identity, gpu.caps, gpu.pid)) == hs
+
+
+def test_an_id_freed_and_taken_by_another_endpoint_never_gets_the_old_answer():
+    """The identity fast path keys by id(): only sound while its entry holds both objects alive.
+    A twin of a known endpoint (equal value, another object: only the fast path holds it) is asked
+    about and dropped, then an endpoint with other caps is made: CPython gives a freed object's
+    memory, and so its id, to the next object of its size, so a cache that dropped its hold on
+    the twin would serve the twin's answer to the newcomer."""
+    _, consumers = _grid()
+    c = consumers[0]
+    cache = ModeCache()
+    caps = [DeviceCapabilities(True, events) for events in (True, False)]  # made now: nothing else is
+    for cap in caps:  # allocated between the twin's drop and the newcomer, which so takes its place
+        cache.get(Endpoint(GPU, cap, 7), c)
+    for i in range(200):
+        twin = Endpoint(GPU, caps[i % 2], 7)
+        assert cache.get(twin, c).valid == pair_modes(twin, c).valid
+        del twin
+        newcomer = Endpoint(GPU, caps[(i + 1) % 2], 1000 + i)
+        assert cache.get(newcomer, c).valid == pair_modes(newcomer, c).valid, i

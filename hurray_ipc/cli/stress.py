@@ -367,11 +367,12 @@ class Runner:
         if bar is not None:
             bar.close()
         if self.gate is not None and not self.gate.value:
-            # The producers ended (their gate wait timed out, or they failed) before the owed kills
-            # could be made: say so, and let the consumers stop now rather than at _collect's bound.
+            # The run loop ended (the producers' gate wait timed out, they failed, or the run's time
+            # bound passed) before the owed kills were made: say so, and let the consumers stop now
+            # rather than at _collect's result timeout.
             self.summary.errors.append("the kills owed once a tenth of the handoffs arrived were never made "
                                        f"(consumers killed {self.summary.consumers_killed}, producers killed "
-                                       f"{self.summary.producers_killed}); the producers ended at the gate")
+                                       f"{self.summary.producers_killed}); the gate opened as the run ended")
             self.gate.value = 1
         self._collect()
         self.summary.broker_rss_kib_end = _rss(self.broker.pid)  # type: ignore[union-attr]

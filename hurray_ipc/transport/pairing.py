@@ -6,6 +6,7 @@ call :func:`pair_modes`, so they can never disagree.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -169,10 +170,11 @@ def pair_modes(producer: Endpoint, consumer: Endpoint, transport: Transport | No
 
 
 class ModeCache:
-    """:func:`pair_modes` remembered per (producer endpoint, consumer endpoint), bounded (LRU).
+    """:func:`pair_modes` remembered per (producer endpoint, consumer endpoint), bounded.
 
     Keyed by the endpoints' values, never by object identity alone: a client that re-registers
-    with another device gets a fresh answer, and two clients with equal endpoints share one.
+    with another device gets a fresh answer, and two clients with equal endpoints share one. The
+    value-keyed part evicts the pair least recently computed or looked up by value.
 
     In front of that sits a fast path keyed by the two objects' identities, because the broker
     and the producer ask once per handoff, nearly always with the same two objects, and the value
@@ -180,12 +182,16 @@ class ModeCache:
     alive, so no other object can take either id while it stands, and endpoints are immutable,
     so an entry can never go stale. It is bounded by the same ``size`` and emptied whenever the
     value-keyed part evicts.
+
+    Safe from several threads (a producer's senders call it outside the session lock): a fast-path
+    entry is written whole, and the value-keyed part is looked up and evicted under a lock.
     """
 
     def __init__(self, size: int = 4096):
         self.size = size
         self._hits: OrderedDict[tuple[Endpoint, Endpoint], PairModes] = OrderedDict()
         self._by_id: dict[tuple[int, int], tuple[Endpoint, Endpoint, PairModes]] = {}
+        self._lock = threading.Lock()
 
     def get(self, producer: Endpoint, consumer: Endpoint) -> PairModes:
         ids = (id(producer), id(consumer))
@@ -193,15 +199,16 @@ class ModeCache:
         if fast is not None:
             return fast[2]
         key = (producer, consumer)
-        pm = self._hits.get(key)
-        if pm is None:
-            pm = self._hits[key] = pair_modes(producer, consumer)
-            if len(self._hits) > self.size:
-                self._hits.popitem(last=False)
+        with self._lock:
+            pm = self._hits.get(key)
+            if pm is None:
+                pm = self._hits[key] = pair_modes(producer, consumer)
+                if len(self._hits) > self.size:
+                    self._hits.popitem(last=False)
+                    self._by_id.clear()
+            else:
+                self._hits.move_to_end(key)
+            if len(self._by_id) >= self.size:
                 self._by_id.clear()
-        else:
-            self._hits.move_to_end(key)
-        if len(self._by_id) >= self.size:
-            self._by_id.clear()
-        self._by_id[ids] = (producer, consumer, pm)
+            self._by_id[ids] = (producer, consumer, pm)
         return pm
