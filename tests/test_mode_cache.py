@@ -8,6 +8,10 @@ cannot honour: an EVENT handle to a consumer without IPC events is a race.
 from __future__ import annotations
 
 import itertools
+import os
+import pickle
+import subprocess
+import sys
 
 from hurray_ipc.devices.base import DeviceCapabilities, DeviceIdentity
 from hurray_ipc.transport.pairing import Endpoint, ModeCache, host_side, pair_modes
@@ -84,3 +88,23 @@ def test_an_id_freed_and_taken_by_another_endpoint_never_gets_the_old_answer():
         del twin
         newcomer = Endpoint(GPU, caps[(i + 1) % 2], 1000 + i)
         assert cache.get(newcomer, c).valid == pair_modes(newcomer, c).valid, i
+
+
+def test_a_pickled_endpoint_is_filed_by_its_value_in_another_process():
+    """Endpoints cache their hash (and host side) on themselves; a pickled one carries neither
+    into another process, whose str hashes differ (another PYTHONHASHSEED), so there it still
+    finds, and is found by, an equal endpoint made there."""
+    ep = Endpoint(GPU, DeviceCapabilities(True, True), 7)
+    hash(ep), host_side(ep)  # both cached here
+    blob = pickle.dumps(ep).hex()
+    child = ("import pickle, sys\n"
+             "from hurray_ipc.devices.base import DeviceCapabilities, DeviceIdentity\n"
+             "from hurray_ipc.transport.pairing import Endpoint, host_side\n"
+             "ep = pickle.loads(bytes.fromhex(sys.argv[1]))\n"
+             "mine = Endpoint(DeviceIdentity('cuda', 0, 'GPU-x', emulated=True, host='h'), "
+             "DeviceCapabilities(True, True), 7)\n"
+             "print(ep in {mine: 1}, mine in {ep: 1}, host_side(ep) == host_side(mine))\n")
+    for seed in ("1", "2"):
+        r = subprocess.run([sys.executable, "-c", child, blob], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONHASHSEED": seed})
+        assert r.stdout.split() == ["True", "True", "True"], (seed, r.stdout, r.stderr)

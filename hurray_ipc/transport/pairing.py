@@ -35,6 +35,11 @@ class Endpoint:
             object.__setattr__(self, "_hash", h)
         return h
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled (spawn arguments, a queue) without what this process cached on it: str hashes
+        # differ from process to process, so a copied _hash would file the endpoint wrongly there.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_host_side")}
+
     def to_dict(self) -> dict[str, Any]:
         return {"device": self.identity.to_dict(), "caps": self.caps.to_dict(), "pid": self.pid, "stream": self.stream}
 
