@@ -193,7 +193,7 @@ def _hold_producer(endpoint, env):
 
 
 def test_broker_gone_then_back(tmp_path):
-    b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=2.0).start()
+    b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=3.0).start()
     # timeout_s leaves a loaded machine's broker room to be slow without being declared gone;
     # receive(timeout=10) bounds how late the death may be noticed.
     c = Consumer(b.endpoint, "bg", "cpu", heartbeat_s=0.2, timeout_s=3.0)
@@ -241,7 +241,7 @@ def test_route_is_announced_again_to_a_restarted_broker(tmp_path):
     WELCOME; CAPS on the new broker names it without the client doing anything."""
     from hurray_ipc.cli.caps import broker_answer
 
-    b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=2.0).start()
+    b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=3.0).start()
     p = Producer(b.endpoint, "rt", "cpu", heartbeat_s=0.2, timeout_s=3.0, name="bridge-in:rt")
     link = {"peer": "tcp://192.0.2.1:5555", "data_plane": "nixl", "gpu": None, "window": 4}
 
