@@ -280,11 +280,14 @@ class Runner:
             return False
         return all(w.proc.pid in pids for w in self.workers if not w.killed and w.proc.is_alive())
 
+    def _gate_shut(self) -> bool:
+        """Whether this run has a gate and it is not yet open (the owed kills were not yet made)."""
+        return self.gate is not None and not self.gate.value
+
     def _all_held(self) -> bool:
-        """Whether every live producer waits at the gate (there is one, and it is not yet open)."""
+        """Whether every live producer waits at the shut gate."""
         live = self._live("producer")
-        return self.gate is not None and not self.gate.value and bool(live) and \
-            all(w.count(workload.P_HELD) for w in live)
+        return self._gate_shut() and bool(live) and all(w.count(workload.P_HELD) for w in live)
 
     def _sum(self, role: str, i: int) -> int:
         return sum(w.count(i, consumer=role == "consumer") for w in self.workers if w.counts_as(role))
@@ -349,7 +352,7 @@ class Runner:
             if live and not quiet and (self.rng.random() < cfg.kill_producers * tick or (
                     owed and cfg.kill_producers and not self.summary.producers_killed)):
                 self._kill("producer")
-            if owed and self.gate is not None and not self.gate.value and \
+            if owed and self._gate_shut() and \
                     (self.summary.consumers_killed or not cfg.kill_consumers) and \
                     (self.summary.producers_killed or not cfg.kill_producers):
                 self.gate.value = 1  # the kills owed were made: the held producers go on
@@ -366,7 +369,7 @@ class Runner:
                 break
         if bar is not None:
             bar.close()
-        if self.gate is not None and not self.gate.value:
+        if self._gate_shut():
             # The run loop ended (the producers' gate wait timed out, they failed, or the run's time
             # bound passed) before the owed kills were made: say so, and let the consumers stop now
             # rather than at _collect's result timeout.
