@@ -46,7 +46,8 @@ def test_ideal_ratio_and_target_from_fixed_rows():
                                                                "round": 2, "skipped": "failed: x"}]
     # round 0: 12000 / 15000 = 0.8; round 1: 9000 / 10000 = 0.9; the spread row and the failed one do not count
     assert scaling_targets(raw) == [{"target": "4x4 on one channel >= 0.8x the 1x1 rate / the broker's share "
-                                               "of one core in 1x1", "value": 0.85, "met": True}]
+                                               "of one core in 1x1", "value": 0.85, "met": True,
+                                    "issue": 24}]
     assert scaling_targets([row(1, 1, 0, 6000, 0.4)]) == []
 
 
