@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 
 def test_bench_smoke(tmp_path):
+    """Every row runs and reports; with ``--window 16`` (the default 8 is what every other run
+    uses) the rows' processes, spawned by the rows, ran with that window and prefetch."""
     out = tmp_path / "res"
     r = subprocess.run([sys.executable, "-m", "hurray_ipc.cli.bench", "--sizes", "4K", "--iterations", "10",
-                        "--rounds", "1", "--out", str(out), "--quiet"], capture_output=True, text=True, timeout=300)
+                        "--rounds", "1", "--window", "16", "--out", str(out), "--quiet"],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     res = json.loads((out / "results.json").read_text())
+    assert res["window"] == 16
+    by_name = {row["name"]: row for row in res["rows"]}
+    for name in ("relay, forwarding only", "hurray cpu", "hurray cpu, send_many + receive_many"):
+        assert by_name[name].get("window") == 16, (name, by_name[name])
+    assert any(t["target"].startswith("handoffs/s (window 16) >= 1.0x relay") for t in res["targets"])
     names = {row["name"] for row in res["rows"]}
     assert {"pyzmq ROUTER/DEALER echo (200 B)", "relay, forwarding only", "relay, struct header", "hurray cpu",
             "hurray emulated cuda", "multiprocessing.Queue + numpy", "shared_memory + names via Queue",
@@ -27,13 +36,25 @@ def test_bench_smoke(tmp_path):
     assert "| benchmark |" in (out / "results.md").read_text()
     host = [r for r in res["rows"] if r["name"] in ("hurray cpu, new array per send", "hurray cpu, reused array")]
     assert len(host) == 2 and all(r["latency"]["p50_us"] > 0 and r["per_s"] > 0 for r in host), host
-    # 10 warm-up + 2 x 10 sends of one size: a window's worth of pooled slots, not a segment per send
-    assert all(0 < r["segments"] <= 8 for r in host), [r["segments"] for r in host]
+    # 10 warm-up + 2 x 10 sends of one size: at most a window's worth (16) of pooled slots, not a
+    # segment per send (30)
+    assert all(0 < r["segments"] <= 16 for r in host), [r["segments"] for r in host]
     torch_rows = [r for r in res["rows"] if r["name"].startswith("torch.multiprocessing Queue (cpu tensor")]
     if all("skipped" not in r for r in torch_rows):  # torch is optional
         assert len(torch_rows) == 2
         assert {t["target"].split(" p50")[0] for t in res["targets"] if "torch.multiprocessing" in t["target"]} == {
             "new host array per send", "reused host array"}
+
+
+def test_window_out_of_range_is_refused_before_anything_runs(tmp_path):
+    for argv, env, needle in ((["--window", "0"], {}, "--window: an integer in 1-64, got 0"),
+                              (["--window", "8", "--scaling"], {}, "--window sets the main rows' window"),
+                              ([], {"HURRAY_BENCH_WINDOW": "many"}, "HURRAY_BENCH_WINDOW: the window is an integer")):
+        r = subprocess.run([sys.executable, "-m", "hurray_ipc.cli.bench", "--sizes", "4K", "--out",
+                            str(tmp_path / "res"), *argv], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, **env})
+        assert r.returncode == 2 and needle in r.stderr, (argv, env, r.stderr)
+        assert not (tmp_path / "res").exists()
 
 
 def _row(name, rnd, p50, per_s, size=4096):

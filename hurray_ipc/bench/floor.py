@@ -17,7 +17,7 @@ least a broker with a binary header must do.
 
 Measured exactly like the Hurray rows (:mod:`.suite`): one-way latency of ``n`` paced ping-pongs (the
 producer stamps CLOCK_MONOTONIC in ns, the consumer subtracts on receipt), then the rate with a
-window of :data:`~.harness.WINDOW` handoffs outstanding (a handoff is outstanding until its release is
+window of :func:`~.harness.window` handoffs outstanding (a handoff is outstanding until its release is
 back), and the CPU each of the three processes spent in that pipelined phase, per handoff. The phase
 is bracketed by a start and a stop marker that the producer sends through the relay to the consumer
 and that come back the same way, so every process measures the same span.
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..workload import spawn
-from .harness import PACE, WINDOW, latency, run_pair
+from .harness import PACE, latency, run_pair, window
 
 # Producer -> relay: handoff id, CLOCK_MONOTONIC ns (0: not timed), size, flags.
 H_IN = struct.Struct("<QQQH")
@@ -207,8 +207,9 @@ def _producer(endpoint: str, header: bool, size: int, n: int) -> dict[str, Any]:
         meter.start()
         t0 = time.perf_counter()
         sent = done = 0
+        w = window()
         while done < n:
-            while sent < n and sent - done < WINDOW:
+            while sent < n and sent - done < w:
                 s.send_multipart([HANDOFF, pack(sent, 0, size, 0), handle, blob])
                 sent += 1
             if unpack(_recv(s)[1])[0] != done:
@@ -221,7 +222,7 @@ def _producer(endpoint: str, header: bool, size: int, n: int) -> dict[str, Any]:
             raise RuntimeError("expected STOP back")
     finally:
         s.close()
-    return {"per_s": round(rate), "cpu_s": meter.seconds}
+    return {"per_s": round(rate), "cpu_s": meter.seconds, "window": w}
 
 
 def bench_relay(tmp: Path, size: int, n: int, header: bool) -> dict[str, Any]:
@@ -256,4 +257,4 @@ def bench_relay(tmp: Path, size: int, n: int, header: bool) -> dict[str, Any]:
             "what": "one-way; 4 messages per handoff", "size": size, "latency": cr["latency"],
             "per_s": int(pr["per_s"]),
             "cpu_us": {"producer": per(pr["cpu_s"]), "broker": per(rr["cpu_s"]), "consumer": per(cr["cpu_s"])},
-            "messages_per_handoff": 4}
+            "messages_per_handoff": 4, "window": pr["window"]}

@@ -1,9 +1,10 @@
 """What every benchmark row shares: the pacing, the window, percentiles, and a spawned pair.
 
 Latency rows idle :data:`PACE` between round trips, so each measures a wake from idle (the case a
-pipeline stage sees) rather than a hot loop; throughput rows keep :data:`WINDOW` handoffs in
-flight. :func:`run_pair` runs two row functions in their own spawned processes and returns both
-results.
+pipeline stage sees) rather than a hot loop; throughput rows keep :func:`window` handoffs in
+flight (:data:`WINDOW`, or ``HURRAY_BENCH_WINDOW``, which ``hurray-bench --window`` sets for its
+own process and so for every process it spawns). :func:`run_pair` runs two row functions in their
+own spawned processes and returns both results.
 """
 
 from __future__ import annotations
@@ -17,12 +18,33 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from ..errors import InvalidArgument
 from ..workload import spawn
 
-__all__ = ["PACE", "WINDOW", "broker_process", "latency", "pct", "proc_cpu_s", "proc_rss_kib", "run_pair"]
+__all__ = ["MAX_WINDOW", "PACE", "WINDOW", "WINDOW_ENV", "broker_process", "latency", "pct", "proc_cpu_s",
+           "proc_rss_kib", "run_pair", "window"]
 
-WINDOW = 8
+WINDOW = 8  # the default window: the issues' throughput targets are at 8
+MAX_WINDOW = 64  # each Hurray producer row allocates a window of buffers of the row's size
+WINDOW_ENV = "HURRAY_BENCH_WINDOW"
 PACE = 0.0005  # seconds idle between round trips; comparing a paced row with a hot one is unfair
+
+
+def window() -> int:
+    """Handoffs a throughput row keeps in flight (and its clients' prefetch): ``HURRAY_BENCH_WINDOW``
+    when set, else :data:`WINDOW`. Read when a row starts, in whichever process runs it, so a
+    spawned row sees what its parent was given. Raises InvalidArgument for a value that is not an
+    integer in 1-:data:`MAX_WINDOW`."""
+    raw = os.environ.get(WINDOW_ENV)
+    if raw is None:
+        return WINDOW
+    try:
+        w = int(raw)
+    except ValueError:
+        w = 0
+    if not 1 <= w <= MAX_WINDOW:
+        raise InvalidArgument(f"the window is an integer in 1-{MAX_WINDOW}", where=WINDOW_ENV, value=raw)
+    return w
 
 
 def pct(xs: list[float], p: float) -> float:

@@ -5,6 +5,7 @@ shared_memory, torch.multiprocessing (when installed) and memcpy, in one run.
     hurray-bench --full               # more iterations (minutes)
     hurray-bench --sizes 4K,1M --out results/mine
     hurray-bench --sizes 4K --rounds 7 --profile   # cProfile per process in <out>/profile/
+    hurray-bench --sizes 4K --window 64           # the rows' window (and prefetch) 64 instead of 8
     hurray-bench --scaling            # only the scaling table: 1x1, 4x4, 16x16 on 1 and 16 channels
     hurray-bench --scaling --full     # the same with more handoffs per configuration and 5 rounds
     hurray-bench --stages             # CPU per handoff of broker, producer, consumer alone (pure vs compiled)
@@ -18,12 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..bench.harness import MAX_WINDOW, WINDOW, WINDOW_ENV, window
 from ..bench.scaling import run_scaling, scaling_targets
 from ..bench.suite import aggregate, machine, markdown, plot, run_suite, targets
 from ..errors import InvalidArgument
@@ -43,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=None,
                    help="rounds, each in a new shuffled order; rows report medians over them (default 3; --full 5)")
     p.add_argument("--seed", type=int, default=0, help="seed of the shuffles")
+    p.add_argument("--window", type=int, default=None,
+                   help=f"handoffs each throughput row keeps in flight, and its clients' prefetch (1-{MAX_WINDOW}; "
+                        f"default {WINDOW}, where the targets are set); memory: window x size per producer row. "
+                        "The main rows only")
     p.add_argument("--profile", action="store_true",
                    help="write cProfile output of the broker and of every Hurray producer and consumer process "
                         "to <out>/profile/*.pstats (read with python -m pstats; slows every row)")
@@ -64,9 +71,15 @@ def main(argv: list[str] | None = None) -> int:
                         "send() and send(block=False) beside the relay")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
+    if a.window is not None:
+        if not 1 <= a.window <= MAX_WINDOW:
+            p.error(f"--window: an integer in 1-{MAX_WINDOW}, got {a.window}")
+        if a.render or a.scaling or a.stages or a.legs:
+            p.error("--window sets the main rows' window; --render, --scaling, --stages and --legs keep theirs")
+        os.environ[WINDOW_ENV] = str(a.window)  # every row reads it, in every process it spawns
     if a.render:
         res = json.loads(Path(a.render).read_text())
-        res["rows"], res["targets"] = aggregate(res["raw"]), targets(res["raw"])
+        res["rows"], res["targets"] = aggregate(res["raw"]), targets(res["raw"], res.get("window", WINDOW))
         if res.get("scaling"):
             res["scaling"]["rows"] = sorted(aggregate(res["scaling"]["raw"]),
                                             key=lambda r: (r["producers"], r["channels"]))
@@ -77,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         return _stages(a)
     if a.legs:
         return _legs(a)
+    try:
+        window()  # HURRAY_BENCH_WINDOW may come from the environment: refused before anything starts
+    except InvalidArgument as e:
+        p.error(str(e))
     sizes = [parse_size(s) for s in a.sizes.split(",") if s]
     n_small = a.iterations or (2000 if a.full else 300)
     n_large = max(5, n_small // 10) if a.iterations else (200 if a.full else 40)
