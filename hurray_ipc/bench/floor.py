@@ -177,7 +177,7 @@ def _consumer(endpoint: str, header: bool) -> dict[str, Any]:
     return {"latency": latency(lat), "cpu_s": meter.seconds}
 
 
-def _producer(endpoint: str, header: bool, size: int, n: int) -> dict[str, Any]:
+def _producer(endpoint: str, header: bool, size: int, n: int, window_n: int | None = None) -> dict[str, Any]:
     import zmq
 
     s = _socket(endpoint, zmq.DEALER, b"P")
@@ -207,7 +207,7 @@ def _producer(endpoint: str, header: bool, size: int, n: int) -> dict[str, Any]:
         meter.start()
         t0 = time.perf_counter()
         sent = done = 0
-        w = window()
+        w = window() if window_n is None else window_n
         while done < n:
             while sent < n and sent - done < w:
                 s.send_multipart([HANDOFF, pack(sent, 0, size, 0), handle, blob])
@@ -225,8 +225,9 @@ def _producer(endpoint: str, header: bool, size: int, n: int) -> dict[str, Any]:
     return {"per_s": round(rate), "cpu_s": meter.seconds, "window": w}
 
 
-def bench_relay(tmp: Path, size: int, n: int, header: bool) -> dict[str, Any]:
-    """One floor row: ``n`` paced handoffs for latency, ``n`` pipelined for the rate and the CPU."""
+def bench_relay(tmp: Path, size: int, n: int, header: bool, window_n: int | None = None) -> dict[str, Any]:
+    """One floor row: ``n`` paced handoffs for latency, ``n`` pipelined for the rate and the CPU, with
+    ``window_n`` in flight (None: :func:`~.harness.window`, read in the producer's process)."""
     path = Path(tmp) / f"relay-{secrets.token_hex(4)}.sock"
     if len(str(path)) > IPC_PATH_MAX:
         raise ValueError(f"socket path too long for ipc:// ({len(str(path))} chars): {path}")
@@ -238,7 +239,8 @@ def bench_relay(tmp: Path, size: int, n: int, header: bool) -> dict[str, Any]:
             if not rp.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"relay did not start: {rq.get(timeout=1) if not rq.empty() else 'timeout'}")
             time.sleep(0.01)
-        pr, cr = run_pair((_producer, {"endpoint": ep, "header": header, "size": size, "n": n}),
+        pr, cr = run_pair((_producer, {"endpoint": ep, "header": header, "size": size, "n": n,
+                                       "window_n": window_n}),
                        (_consumer, {"endpoint": ep, "header": header}), timeout=3 * TIMEOUT_S)
         rr = rq.get(timeout=TIMEOUT_S)
         if "error" in rr:

@@ -215,7 +215,8 @@ def run_legs(n: int = 1000, rounds: int = 3, seed: int = 0,
     raw: list[dict[str, Any]] = []
     for r in range(rounds):
         runs: list[tuple[str, Callable[[], Any]]] = [(m, partial(_one_mode, n, m)) for m in MODES]
-        runs.append(("relay", lambda: bench_relay(Path(tempfile.mkdtemp(prefix="hurray-legs-")), SIZE, n, False)))
+        runs.append(("relay", lambda: bench_relay(Path(tempfile.mkdtemp(prefix="hurray-legs-")), SIZE, n, False,
+                                                  WINDOW)))  # legs keep the default window, whatever the env
         rng.shuffle(runs)
         got: dict[str, Any] = {"round": r}
         for name, fn in runs:

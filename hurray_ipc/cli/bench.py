@@ -74,8 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.window is not None:
         if not 1 <= a.window <= MAX_WINDOW:
             p.error(f"--window: an integer in 1-{MAX_WINDOW}, got {a.window}")
-        if a.render or a.scaling or a.stages or a.legs:
-            p.error("--window sets the main rows' window; --render, --scaling, --stages and --legs keep theirs")
+        other = [f for f, on in (("--render", a.render), ("--scaling", a.scaling), ("--stages", a.stages),
+                                 ("--legs", a.legs)) if on]
+        if other:
+            p.error(f"--window sets the main rows' window; {other[0]} keeps its own ({WINDOW})")
         os.environ[WINDOW_ENV] = str(a.window)  # every row reads it, in every process it spawns
     if a.render:
         res = json.loads(Path(a.render).read_text())
@@ -90,10 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         return _stages(a)
     if a.legs:
         return _legs(a)
-    try:
-        window()  # HURRAY_BENCH_WINDOW may come from the environment: refused before anything starts
-    except InvalidArgument as e:
-        p.error(str(e))
+    if not a.scaling:
+        try:
+            window()  # HURRAY_BENCH_WINDOW may come from the environment: refused before anything starts
+        except InvalidArgument as e:
+            p.error(f"{e}: unset it, or pass --window")
     sizes = [parse_size(s) for s in a.sizes.split(",") if s]
     n_small = a.iterations or (2000 if a.full else 300)
     n_large = max(5, n_small // 10) if a.iterations else (200 if a.full else 40)
