@@ -283,8 +283,7 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                              "            buf = dev.import_memory(exp, keep=msg.keep)\n",
                              "            buf = dev.import_memory(exp, keep=True)  # MUTANT: kept unasked\n", *KEPT),
     "kept-unproven-gone": ("hurray_ipc/broker/core.py",
-                           "            self._unmap_left(c, proven=why == \"process gone\" or "
-                           "(why == \"bye\" and not c.held))\n",
+                           "            self._unmap_left(c, proven=proven)\n",
                            "            self._unmap_left(c, proven=True)  # MUTANT: silence counted as gone\n", *KEPT),
     "kept-to-an-older-broker": ("hurray_ipc/client/producer.py",
                                 "                        and self.session.kept_mappings):\n",
@@ -295,8 +294,8 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                                   "            pass  # MUTANT: keep forwarded to a consumer that would not read it",
                                   *KEPT),
     "kept-bye-holding-gone": ("hurray_ipc/broker/core.py",
-                              "proven=why == \"process gone\" or (why == \"bye\" and not c.held))",
-                              "proven=why in (\"process gone\", \"bye\"))  # MUTANT: a BYE while holding",
+                              "proven = why == \"process gone\" or (why == \"bye\" and not c.held)\n",
+                              "proven = why in (\"process gone\", \"bye\")  # MUTANT: a BYE while holding\n",
                               *KEPT),
     "kept-withdrawn-unmapped": ("hurray_ipc/broker/core.py",
                                 "            (r.fenced if c.sent_keep else r.unmapped).append(c.label)\n",
@@ -314,6 +313,16 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                                      "                self._unseen_done(key, r, label)\n"
                                      "                r.unmapped.append(label)  # MUTANT: never came, yet answered\n",
                                      *KEPT),
+    "bye-after-silence-ignored": ("hurray_ipc/broker/core.py",
+                                  "                self._bye_after_drop(rid)  # else nothing registered to end: "
+                                  "silently done (spec §2)\n",
+                                  "                pass  # MUTANT: a BYE after a silent drop proves nothing\n",
+                                  "tests/test_end_of_stream.py::test_vector_on_the_core"),
+    "bye-after-fence-proves": ("hurray_ipc/broker/core.py",
+                               "            if not proven and not c.held:  # silent: a BYE it sends later proves what "
+                               "this could not\n",
+                               "            if not proven:  # MUTANT: a BYE after a fence proves it gone too\n",
+                               "tests/test_end_of_stream.py::test_vector_on_the_core"),
     "kept-unseen-never-asked": ("hurray_ipc/broker/core.py",
                                 "        if role == \"consumer\":\n            self._registered(c)\n",
                                 "        if False:  # MUTANT: a late registration is not asked\n"

@@ -155,6 +155,7 @@ class LiveDriver(Driver):
         self.socks: dict[str, zmq.Socket] = {}
         self.barriers: dict[str, Barrier] = {}
         self.procs: dict[str, subprocess.Popen] = {}
+        self.left: set[str] = set()  # said BYE since their last HELLO: as in CoreDriver, nobody pings for them
 
     def rid(self, who: str) -> bytes:
         return f"eos{self.run}-{who}".encode()
@@ -197,7 +198,7 @@ class LiveDriver(Driver):
 
     def _ping_others(self, who: str | None = None) -> None:
         for other, sock in self.socks.items():
-            if other not in (who, "stats"):
+            if other not in (who, "stats") and other not in self.left:
                 sock.send_multipart([b"PING", b"{}"])
 
     def step(self, who: str, acts: list[dict[str, Any]], expect: dict[str, Any]) -> dict[str, list[Message]]:
@@ -229,6 +230,10 @@ class LiveDriver(Driver):
                     time.sleep(0.02)  # polling the broker's STATS, an observable condition
             else:
                 self.sock(who).send_multipart(self.frames(who, act))
+                if act["action"] == "bye":
+                    self.left.add(who)
+                elif act["action"] == "hello":
+                    self.left.discard(who)
         heard = ([who] if acts[0]["action"] != "die" else []) + [o for o in self.socks if o not in (who, "stats")]
         got: dict[str, list[Message]] = {}
 
@@ -259,7 +264,16 @@ class LiveDriver(Driver):
             p.wait()
 
 
-def _check(name: str, i: int, step: dict[str, Any], got: dict[str, list[Message]]) -> None:
+def _check(name: str, i: int, step: dict[str, Any], got: dict[str, list[Message]], d: Driver) -> None:
+    """``got`` is what ``step`` expects; an expected '@name' is the label of client ``name``."""
+
+    def resolve(v: Any) -> Any:
+        if isinstance(v, list):
+            return [resolve(x) for x in v]
+        if isinstance(v, str) and v.startswith("@"):
+            return BrokerCore.label_of(d.rid(v[1:]))
+        return v
+
     exp = step["expect"]
     where = f"{name!r} step {i} ({step['client']}: {[a['action'] for a in step['do']]})"
     assert set(got) == set(exp), f"{where}: clients reached {sorted(got)}, expected {sorted(exp)}: {got}"
@@ -269,6 +283,7 @@ def _check(name: str, i: int, step: dict[str, Any], got: dict[str, list[Message]
         for m, w in zip(have, want, strict=True):
             for k, v in w.items():
                 if k != "verb":
+                    v = resolve(v)
                     assert m.fields().get(k) == v, f"{where}: {who}'s {m.verb} has {k}={m.fields().get(k)!r}, not {v!r}"
 
 
@@ -276,7 +291,7 @@ def play(d: Driver, scenario: dict[str, Any]) -> None:
     for i, step in enumerate(scenario["steps"]):
         got = d.step(step["client"], step["do"], step["expect"])
         d.note(got)
-        _check(scenario["name"], i, step, got)
+        _check(scenario["name"], i, step, got, d)
 
 
 @pytest.mark.parametrize("scenario", VEC, ids=[s["name"] for s in VEC])

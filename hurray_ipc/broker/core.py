@@ -28,7 +28,9 @@ Invariants (:meth:`BrokerCore.check_invariants`, asserted after every step of th
 7. An UNMAP round (§4.10) is open exactly while it awaits someone: a registered consumer it asked
    (``awaited_in``) or a label not registered here that may still register (``unseen_in``, at most
    ``MAX_UNSEEN`` per producer, expiring in ``unseen_rounds`` order); a label is never both
-   registered and awaited unregistered.
+   registered and awaited unregistered. A consumer deregistered without proof while it held no
+   delivery (silent, §5) is remembered by routing id (``left_unproven``, never a registered one):
+   its later BYE proves it gone.
 
 Identity: a client is its ZeroMQ routing id, which the server's socket does not let a second
 connection take over (no ROUTER_HANDOVER); a re-HELLO claims only what that routing id holds.
@@ -380,6 +382,9 @@ class BrokerCore:
         self.unseen_in: dict[str, set[tuple[str, int]]] = {}
         self.unseen_of: dict[bytes, int] = {}
         self.unseen_rounds: OrderedDict[tuple[str, int], None] = OrderedDict()
+        # Consumers deregistered without proof while they held no delivery (silent, §5), by routing
+        # id (newest last, bounded): a BYE of theirs afterwards proves them gone (§4.10 step 4).
+        self.left_unproven: OrderedDict[bytes, None] = OrderedDict()
 
     # --- outputs ---------------------------------------------------------------------------
     def _send(self, rid: bytes, msg: AnyMessage, size: int | None = None) -> int:
@@ -495,7 +500,8 @@ class BrokerCore:
                 return
         if client is None:
             if msg.verb == "BYE":
-                return  # nothing registered to end: silently done (spec §2)
+                self._bye_after_drop(rid)  # else nothing registered to end: silently done (spec §2)
+                return
             raise ProtocolError("not_registered", f"{msg.verb} before HELLO (or the broker restarted): send HELLO")
         m = parse(msg) if isinstance(msg, Message) else msg  # fields after registration, before role (§2)
         if isinstance(m, Handoff):
@@ -693,6 +699,7 @@ class BrokerCore:
         if role == "consumer":
             self.by_label[c.label] = rid
             self.gone_labels.pop(c.label, None)  # it is here again: ask it, never answer for it
+        self.left_unproven.pop(rid, None)  # registered again: its BYE is an ordinary one now
         self.per_process[c.process] = self.per_process.get(c.process, 0) + 1
         ch = self._channel(channel)
         ch.members[rid] = None
@@ -1299,7 +1306,12 @@ class BrokerCore:
             self.stats.consumers_lost += why != "bye"
             # A BYE proves its mappings closed only when it held nothing: a delivery it still held
             # (taken and not released, a release waiting for its device work) may be mapped (§4.10).
-            self._unmap_left(c, proven=why == "process gone" or (why == "bye" and not c.held))
+            proven = why == "process gone" or (why == "bye" and not c.held)
+            self._unmap_left(c, proven=proven)
+            if not proven and not c.held:  # silent: a BYE it sends later proves what this could not
+                self.left_unproven[rid] = None
+                while len(self.left_unproven) > _GONE_LABELS:
+                    self.left_unproven.popitem(last=False)
             for x in [x for x in self.claim_of.values() if x.consumer == rid]:
                 self._drop_claim(x)
             held = list(self.held_by.get(rid, {}).values())
@@ -1422,13 +1434,34 @@ class BrokerCore:
         r.waiting.discard(rid)
         _unindex(self.awaited_in, rid, key)
 
+    def _bye_after_drop(self, rid: bytes) -> None:
+        """A BYE from ``rid``, not registered: when it is a consumer deregistered without proof
+        while it held no delivery (silent), it closed every idle kept mapping before this BYE
+        (§4.10 step 2) and can have opened none since (nothing is delivered to an unregistered
+        routing id), so its label is gone: remembered as such, and counted gone in each round
+        that awaits it unregistered. Any other unregistered BYE changes nothing (§2)."""
+        if rid not in self.left_unproven:
+            return
+        del self.left_unproven[rid]
+        label = self.label_of(rid)
+        self._gone(label)
+        for key in sorted(self.unseen_in.get(label, ())):
+            r = self.unmaps[key]
+            self._unseen_done(key, r, label)
+            r.gone.append(label)
+            self._close_if_over(key, r)
+
+    def _gone(self, label: str) -> None:
+        """Remember ``label`` as proven gone (the newest :data:`_GONE_LABELS`)."""
+        self.gone_labels[label] = None
+        while len(self.gone_labels) > _GONE_LABELS:
+            self.gone_labels.popitem(last=False)
+
     def _unmap_left(self, c: Client, proven: bool) -> None:
         """Consumer ``c`` left: gone (it closed its mappings before its BYE, or its process
         exited) when ``proven``, else fenced, in every round that awaited it."""
         if proven:
-            self.gone_labels[c.label] = None
-            while len(self.gone_labels) > _GONE_LABELS:
-                self.gone_labels.popitem(last=False)
+            self._gone(c.label)
         for key in list(self.awaited_in.get(c.rid, ())):
             r = self.unmaps[key]
             self._settle(key, r, c.rid, r.gone if proven else r.fenced, c.label)
@@ -1528,6 +1561,7 @@ class BrokerCore:
                 unseen_of[r.producer] = unseen_of.get(r.producer, 0) + len(r.unseen)
         assert self.unseen_of == unseen_of, "unregistered labels per producer"
         assert all(n <= MAX_UNSEEN for n in unseen_of.values()), "unregistered labels past the limit"
+        assert not any(rid in self.clients for rid in self.left_unproven), "a registered client left unproven"
         untils = [self.unmaps[k].until for k in self.unseen_rounds]
         assert untils == sorted(untils), "unseen rounds out of order"
         assert self.by_label == {c.label: c.rid for c in self.clients.values() if c.role == "consumer"}, "label index"
