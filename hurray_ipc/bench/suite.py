@@ -512,7 +512,25 @@ def machine() -> dict[str, Any]:
     except (OSError, StopIteration):
         pass
     return {"python": sys.version.split()[0], "platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": _commit()}
+
+
+def _commit() -> str | None:
+    """The git commit of the code measured (``+dirty`` when its checkout has changes), or None
+    outside a git checkout (an installed wheel)."""
+    import subprocess
+
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def run_suite(sizes: list[int], n_small: int, n_large: int, progress: Callable[[str], None] = lambda s: None,
@@ -725,7 +743,8 @@ def markdown(res: dict[str, Any]) -> str:
     m = res["machine"]
     raw = res.get("raw", res["rows"])
     lines = [f"Machine: {m['cpu']} ({m['cores']} cores), Python {m['python']}, {m['platform']}; {m['date']}. "
-             f"Medians of {res.get('rounds', 1)} shuffled rounds; window {res.get('window', WINDOW)}.", "",
+             f"Medians of {res.get('rounds', 1)} shuffled rounds; window {res.get('window', WINDOW)}; "
+             f"code {m.get('commit') or 'unknown'}.", "",
              "| benchmark | size | p50 µs | p99 µs | per second | ÷ relay: p50 / rate | CPU µs per handoff: "
              "producer / broker / consumer | messages per handoff | notes |",
              "|---|---|---:|---:|---:|---|---|---:|---|"]

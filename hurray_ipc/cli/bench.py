@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         except InvalidArgument as e:
             p.error(str(e))
         res = {"machine": machine(), "window": sc["window"], "rounds": rounds, "rows": [], "raw": [],
-               "targets": [], "scaling": sc}
+               "targets": [], "scaling": sc, "run": {"argv": list(sys.argv[1:] if argv is None else argv),
+                                                     "seed": a.seed}}
         md = markdown(res)
         (out / "results.json").write_text(json.dumps(res, indent=1))
         (out / "results.md").write_text(md)
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     res = run_suite(sizes, n_small, n_large, say, rounds=rounds, seed=a.seed,
                     profile=(out / "profile").resolve() if a.profile else None)
+    res["run"] = {"argv": list(sys.argv[1:] if argv is None else argv), "seed": a.seed}
     (out / "results.json").write_text(json.dumps(res, indent=1))
     md = markdown(res)
     (out / "results.md").write_text(md)
