@@ -317,12 +317,14 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                                   "                self._bye_after_drop(rid)  # else nothing registered to end: "
                                   "silently done (spec §2)\n",
                                   "                pass  # MUTANT: a BYE after a silent drop proves nothing\n",
-                                  "tests/test_end_of_stream.py::test_vector_on_the_core"),
-    "bye-after-fence-proves": ("hurray_ipc/broker/core.py",
-                               "            if not proven and not c.held:  # silent: a BYE it sends later proves what "
-                               "this could not\n",
-                               "            if not proven:  # MUTANT: a BYE after a fence proves it gone too\n",
-                               "tests/test_end_of_stream.py::test_vector_on_the_core"),
+                                  "tests/test_end_of_stream.py::test_vector_on_the_core", "tests/test_broker_core.py"),
+    "bye-after-drop-holding-proves": ("hurray_ipc/broker/core.py",
+                                      "            if not proven and not c.held:  # silent: a BYE it sends later "
+                                      "proves what this could not\n",
+                                      "            if not proven:  # MUTANT: dropped holding deliveries, yet its BYE "
+                                      "proves it gone\n",
+                                      "tests/test_end_of_stream.py::test_vector_on_the_core",
+                                      "tests/test_broker_core.py"),
     "kept-unseen-never-asked": ("hurray_ipc/broker/core.py",
                                 "        if role == \"consumer\":\n            self._registered(c)\n",
                                 "        if False:  # MUTANT: a late registration is not asked\n"
