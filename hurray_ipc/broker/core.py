@@ -126,6 +126,14 @@ MAX_UNSEEN = 4096  # labels one producer's open UNMAPs await unregistered in all
 _SAMPLE_EVERY_S = 1.0      # tick() samples the counters for the recent rates at most this often
 
 
+def _remember(memory: OrderedDict[Any, Any], key: Any, value: Any, bound: int) -> None:
+    """Note ``key`` (with ``value``) as the newest entry of ``memory``, forgetting the oldest past
+    ``bound`` entries."""
+    memory[key] = value
+    while len(memory) > bound:
+        memory.popitem(last=False)
+
+
 def _count_down(counts: dict[Any, int], key: Any) -> None:
     """One less of ``key`` in ``counts``; a count that reaches zero leaves the dict."""
     n = counts.get(key, 0) - 1
@@ -600,9 +608,7 @@ class BrokerCore:
         for key, deadline in list(self.orphans.items()):
             if now >= deadline:
                 del self.orphans[key]
-                self.expired[key] = None
-                while len(self.expired) > _RELEASED_MEMORY:
-                    self.expired.popitem(last=False)
+                _remember(self.expired, key, None, _RELEASED_MEMORY)
                 if key[0] in self.clients:
                     # Nobody claimed it, but nothing proves its holder gone (stopped across the
                     # restart, it has not spoken yet): the producer retires it (§5, §6).
@@ -1160,23 +1166,17 @@ class BrokerCore:
         """Unbind ``d`` from a consumer that may still read it: RELEASED ``consumer_fenced`` (and no
         EVENT_RELEASED, as its wait may not have been issued); remembered, so that a re-HELLO listing
         the token is told PRODUCER_GONE ``fenced`` again."""
-        self.fenced[d.token] = None
-        while len(self.fenced) > _RELEASED_MEMORY:
-            self.fenced.popitem(last=False)
+        _remember(self.fenced, d.token, None, _RELEASED_MEMORY)
         d.event_pending = False
         self._release(d, "consumer_fenced")
 
     def _release(self, d: Delivery, reason: str) -> None:
         if self.claim_of.get((d.consumer, d.token)) is d:
             self._drop_claim(d)  # withdrawn before its producer decided: nothing to tell anyone
-            self.withdrawn[(d.consumer, d.token)] = None
-            while len(self.withdrawn) > _RELEASED_MEMORY:
-                self.withdrawn.popitem(last=False)
+            _remember(self.withdrawn, (d.consumer, d.token), None, _RELEASED_MEMORY)
             return
         self._unbind(d)
-        self.released[d.token] = d.consumer
-        while len(self.released) > _RELEASED_MEMORY:
-            self.released.popitem(last=False)
+        _remember(self.released, d.token, d.consumer, _RELEASED_MEMORY)
         self.stats.releases += 1
         if d.producer in self.clients:
             if d.event_pending:
@@ -1309,9 +1309,7 @@ class BrokerCore:
             proven = why == "process gone" or (why == "bye" and not c.held)
             self._unmap_left(c, proven=proven)
             if not proven and not c.held:  # silent: a BYE it sends later proves what this could not
-                self.left_unproven[rid] = None
-                while len(self.left_unproven) > _GONE_LABELS:
-                    self.left_unproven.popitem(last=False)
+                _remember(self.left_unproven, rid, None, _GONE_LABELS)
             for x in [x for x in self.claim_of.values() if x.consumer == rid]:
                 self._drop_claim(x)
             held = list(self.held_by.get(rid, {}).values())
@@ -1444,24 +1442,18 @@ class BrokerCore:
             return
         del self.left_unproven[rid]
         label = self.label_of(rid)
-        self._gone(label)
+        _remember(self.gone_labels, label, None, _GONE_LABELS)
         for key in sorted(self.unseen_in.get(label, ())):
             r = self.unmaps[key]
             self._unseen_done(key, r, label)
             r.gone.append(label)
             self._close_if_over(key, r)
 
-    def _gone(self, label: str) -> None:
-        """Remember ``label`` as proven gone (the newest :data:`_GONE_LABELS`)."""
-        self.gone_labels[label] = None
-        while len(self.gone_labels) > _GONE_LABELS:
-            self.gone_labels.popitem(last=False)
-
     def _unmap_left(self, c: Client, proven: bool) -> None:
         """Consumer ``c`` left: gone (it closed its mappings before its BYE, or its process
         exited) when ``proven``, else fenced, in every round that awaited it."""
         if proven:
-            self._gone(c.label)
+            _remember(self.gone_labels, c.label, None, _GONE_LABELS)
         for key in list(self.awaited_in.get(c.rid, ())):
             r = self.unmaps[key]
             self._settle(key, r, c.rid, r.gone if proven else r.fenced, c.label)

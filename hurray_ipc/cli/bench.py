@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                         "send() and send(block=False) beside the relay")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
+    asked = {"argv": list(sys.argv[1:] if argv is None else argv), "seed": a.seed}  # recorded with the results
     if a.window is not None:
         if not 1 <= a.window <= MAX_WINDOW:
             p.error(f"--window: an integer in 1-{MAX_WINDOW}, got {a.window}")
@@ -115,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         except InvalidArgument as e:
             p.error(str(e))
         res = {"machine": machine(), "window": sc["window"], "rounds": rounds, "rows": [], "raw": [],
-               "targets": [], "scaling": sc, "run": {"argv": list(sys.argv[1:] if argv is None else argv),
-                                                     "seed": a.seed}}
+               "targets": [], "scaling": sc, "run": asked}
         md = markdown(res)
         (out / "results.json").write_text(json.dumps(res, indent=1))
         (out / "results.md").write_text(md)
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     res = run_suite(sizes, n_small, n_large, say, rounds=rounds, seed=a.seed,
                     profile=(out / "profile").resolve() if a.profile else None)
-    res["run"] = {"argv": list(sys.argv[1:] if argv is None else argv), "seed": a.seed}
+    res["run"] = asked
     (out / "results.json").write_text(json.dumps(res, indent=1))
     md = markdown(res)
     (out / "results.md").write_text(md)
