@@ -283,8 +283,8 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                              "            buf = dev.import_memory(exp, keep=msg.keep)\n",
                              "            buf = dev.import_memory(exp, keep=True)  # MUTANT: kept unasked\n", *KEPT),
     "kept-unproven-gone": ("hurray_ipc/broker/core.py",
-                           "            self._unmap_left(c, proven=proven)\n",
-                           "            self._unmap_left(c, proven=True)  # MUTANT: silence counted as gone\n", *KEPT),
+                           "            self._unmap_left(c, proven, silent)\n",
+                           "            self._unmap_left(c, True, False)  # MUTANT: silence counted as gone\n", *KEPT),
     "kept-to-an-older-broker": ("hurray_ipc/client/producer.py",
                                 "                        and self.session.kept_mappings):\n",
                                 "                        ):  # MUTANT: keep to a broker that never offered it\n",
@@ -305,8 +305,8 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                            "            elif True:  # MUTANT: a label never seen answered as gone\n", *KEPT),
     # A label not registered at the UNMAP is awaited (timeout_ms) and asked once it registers.
     "kept-unseen-fenced-at-once": ("hurray_ipc/broker/core.py",
-                                   "            elif self.unseen_of.get(c.rid, 0) < MAX_UNSEEN:\n",
-                                   "            elif False:  # MUTANT: not registered yet: fenced at once\n", *KEPT),
+                                   "        if self.unseen_of.get(r.producer, 0) >= MAX_UNSEEN:\n",
+                                   "        if True:  # MUTANT: not registered yet: fenced at once\n", *KEPT),
     "kept-unseen-expires-unmapped": ("hurray_ipc/broker/core.py",
                                      "                self._unseen_done(key, r, label)\n"
                                      "                r.fenced.append(label)\n",
@@ -319,12 +319,24 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                                   "                pass  # MUTANT: a BYE after a silent drop proves nothing\n",
                                   "tests/test_end_of_stream.py::test_vector_on_the_core", "tests/test_broker_core.py"),
     "bye-after-drop-holding-proves": ("hurray_ipc/broker/core.py",
-                                      "            if not proven and not c.held:  # silent: a BYE it sends later "
+                                      "            silent = not proven and not c.held  # a BYE it sends later "
                                       "proves what this could not\n",
-                                      "            if not proven:  # MUTANT: dropped holding deliveries, yet its BYE "
-                                      "proves it gone\n",
+                                      "            silent = not proven  # MUTANT: dropped holding deliveries, yet its "
+                                      "BYE proves it gone\n",
                                       "tests/test_end_of_stream.py::test_vector_on_the_core",
-                                      "tests/test_broker_core.py"),
+                                      "tests/test_broker_core.py", "tests/test_kept_mappings.py"),
+    "kept-silent-drop-fenced": ("hurray_ipc/broker/core.py",
+                                "            if not silent:\n",
+                                "            if True:  # MUTANT: a silent drop fences its rounds\n",
+                                "tests/test_end_of_stream.py::test_vector_on_the_core", "tests/test_kept_mappings.py"),
+    "kept-silent-drop-old-deadline": ("hurray_ipc/broker/core.py",
+                                      "                r.until = self._now + self.timeout_s\n",
+                                      "                pass  # MUTANT: time runs from the UNMAP\n",
+                                      "tests/test_kept_mappings.py", "tests/test_broker_core.py"),
+    "kept-silent-drop-out-of-order": ("hurray_ipc/broker/core.py",
+                                      "                self.unseen_rounds.pop(key, None)\n",
+                                      "                pass  # MUTANT: restarted, keeps its place\n",
+                                      "tests/test_kept_mappings.py"),
     "kept-unseen-never-asked": ("hurray_ipc/broker/core.py",
                                 "        if role == \"consumer\":\n            self._registered(c)\n",
                                 "        if False:  # MUTANT: a late registration is not asked\n"

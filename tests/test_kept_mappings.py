@@ -235,15 +235,69 @@ def test_a_producer_that_leaves_drops_the_labels_its_rounds_awaited():
     assert [v for _r, v, _f in w.hello(STRANGER, "consumer", 200) if v == "UNMAP"] == []
 
 
-@pytest.mark.parametrize("why, lands", [("bye", "gone"), ("process gone", "gone"), ("heartbeat timeout", "fenced")])
-def test_an_awaited_consumer_that_leaves_is_answered_for_by_how_it_left(why, lands):
+def sends(outs: list) -> list[tuple[bytes, str, dict]]:
+    return [(o.rid, o.msg.verb, o.msg.fields()) for o in outs if isinstance(o, Send)]
+
+
+@pytest.mark.parametrize("why", ["bye", "process gone"])
+def test_an_awaited_consumer_that_leaves_proven_is_answered_gone(why):
     w = World()
     w.unmap(3, [L1, L2])
     w.unmapped(C2, 3)
     outs = w.core.client_gone(C1, why)
     w.core.check_invariants()
-    got = answer([(o.rid, o.msg.verb, o.msg.fields()) for o in outs if isinstance(o, Send)])
-    assert got[lands] == {L1} and got["unmapped"] == {L2}
+    assert answer(sends(outs)) == {"request": 3, "unmapped": {L2}, "gone": {L1}, "fenced": set()}
+
+
+@pytest.mark.parametrize("then", ["bye", "hello", "silence"])
+def test_an_awaited_consumer_dropped_silent_holding_nothing_is_awaited_unregistered_from_its_drop(then):
+    """Step 4: deregistered without proof while it held nothing, it may yet speak. The round that
+    asked it awaits its label unregistered for timeout_ms from the drop (not from the UNMAP, whose
+    time ran out before the next tick): its BYE proves it gone, its HELLO gets the UNMAP again, and
+    silence past that time fences it."""
+    w = World()
+    w.unmap(1, [L1, L2])
+    w.unmapped(C2, 1)
+    w.now = 2.0
+    w.send(P, [b"PING", b"{}"])  # the broker's clock
+    assert sends(w.core.client_gone(C1, "heartbeat timeout")) == []
+    w.core.check_invariants()
+    assert tick(w, 4.9) == [], "awaited until timeout_ms after the drop"
+    if then == "bye":
+        got = answer(w.send(C1, [b"BYE", b"{}"]))
+        assert got == {"request": 1, "unmapped": {L2}, "gone": {L1}, "fenced": set()}
+    elif then == "hello":
+        sent = w.hello(C1, "consumer", 101)
+        assert [(rid, f["request"]) for rid, verb, f in sent if verb == "UNMAP"] == [(C1, 1)]
+        assert answer(w.unmapped(C1, 1)) == {"request": 1, "unmapped": {L1, L2}, "gone": set(), "fenced": set()}
+    else:
+        assert answer(tick(w, 5.1)) == {"request": 1, "unmapped": {L2}, "gone": set(), "fenced": {L1}}
+
+
+def test_an_awaited_consumer_dropped_while_it_holds_a_delivery_is_fenced_at_once():
+    """It may still read (and have mapped) what it held: nothing it says later proves otherwise."""
+    w = World()
+    _deliver_kept(w, C1, 1)
+    w.unmap(1, [L1, L2])
+    w.unmapped(C2, 1)
+    got = answer(sends(w.core.client_gone(C1, "heartbeat timeout")))
+    w.core.check_invariants()
+    assert got == {"request": 1, "unmapped": {L2}, "gone": set(), "fenced": {L1}}
+
+
+def test_a_round_whose_time_restarts_at_a_drop_expires_after_rounds_opened_before_the_drop():
+    """Rounds awaiting labels unregistered expire in the order of their deadlines (an invariant):
+    one that already awaited a label and restarts its time at a drop moves behind the others."""
+    w = World()
+    w.unmap(1, [L1, LS])
+    w.now = 1.0
+    w.unmap(2, [LS])
+    w.now = 2.0
+    w.send(P, [b"PING", b"{}"])
+    assert sends(w.core.client_gone(C1, "heartbeat timeout")) == []
+    w.core.check_invariants()
+    assert answer(tick(w, 4.1)) == {"request": 2, "unmapped": set(), "gone": set(), "fenced": {LS}}
+    assert answer(tick(w, 5.1)) == {"request": 1, "unmapped": set(), "gone": set(), "fenced": {L1, LS}}
 
 
 def test_a_forward_that_cannot_be_delivered_counts_as_fenced():

@@ -30,7 +30,7 @@ Invariants (:meth:`BrokerCore.check_invariants`, asserted after every step of th
    ``MAX_UNSEEN`` per producer, expiring in ``unseen_rounds`` order); a label is never both
    registered and awaited unregistered. A consumer deregistered without proof while it held no
    delivery (silent, §5) is remembered by routing id (``left_unproven``, never a registered one):
-   its later BYE proves it gone.
+   its later BYE proves it gone; the rounds that awaited it registered await it unregistered.
 
 Identity: a client is its ZeroMQ routing id, which the server's socket does not let a second
 connection take over (no ROUTER_HANDOVER); a re-HELLO claims only what that routing id holds.
@@ -1307,8 +1307,9 @@ class BrokerCore:
             # A BYE proves its mappings closed only when it held nothing: a delivery it still held
             # (taken and not released, a release waiting for its device work) may be mapped (§4.10).
             proven = why == "process gone" or (why == "bye" and not c.held)
-            self._unmap_left(c, proven=proven)
-            if not proven and not c.held:  # silent: a BYE it sends later proves what this could not
+            silent = not proven and not c.held  # a BYE it sends later proves what this could not
+            self._unmap_left(c, proven, silent)
+            if silent:
                 _remember(self.left_unproven, rid, None, _GONE_LABELS)
             for x in [x for x in self.claim_of.values() if x.consumer == rid]:
                 self._drop_claim(x)
@@ -1357,17 +1358,23 @@ class BrokerCore:
                 self._ask(key, r, self.clients[rid])
             elif label in self.gone_labels:
                 r.gone.append(label)
-            elif self.unseen_of.get(c.rid, 0) < MAX_UNSEEN:
+            else:
                 # Never registered here (a consumer of a broker that restarted), or left without
                 # proof (§5): it may register yet, and is asked then; fenced when the time runs out.
-                r.unseen[label] = None
-                self.unseen_in.setdefault(label, set()).add(key)
-                self.unseen_of[c.rid] = self.unseen_of.get(c.rid, 0) + 1
-            else:
-                r.fenced.append(label)
+                self._await_unseen(key, r, label)
         if r.unseen:
             self.unseen_rounds[key] = None
         self._close_if_over(key, r)
+
+    def _await_unseen(self, key: tuple[str, int], r: UnmapRound, label: str) -> None:
+        """Round ``key`` awaits ``label`` unregistered until ``r.until`` (fenced at once past the
+        producer's :data:`MAX_UNSEEN`); the caller keeps ``unseen_rounds`` in order."""
+        if self.unseen_of.get(r.producer, 0) >= MAX_UNSEEN:
+            r.fenced.append(label)
+            return
+        r.unseen[label] = None
+        self.unseen_in.setdefault(label, set()).add(key)
+        self.unseen_of[r.producer] = self.unseen_of.get(r.producer, 0) + 1
 
     def _ask(self, key: tuple[str, int], r: UnmapRound, c: Client) -> None:
         """Ask registered consumer ``c`` in round ``key``, or answer for it when it does not
@@ -1449,14 +1456,26 @@ class BrokerCore:
             r.gone.append(label)
             self._close_if_over(key, r)
 
-    def _unmap_left(self, c: Client, proven: bool) -> None:
-        """Consumer ``c`` left: gone (it closed its mappings before its BYE, or its process
-        exited) when ``proven``, else fenced, in every round that awaited it."""
+    def _unmap_left(self, c: Client, proven: bool, silent: bool) -> None:
+        """Consumer ``c`` left, in every round that awaited it: gone (it closed its mappings
+        before its BYE, or its process exited) when ``proven``; when ``silent`` (deregistered
+        without proof while it held nothing, so a BYE or a HELLO of its own may still come), awaited
+        unregistered for ``timeout_s`` from now, as if each round had named it unregistered now;
+        else fenced (it may read what it held)."""
         if proven:
             _remember(self.gone_labels, c.label, None, _GONE_LABELS)
-        for key in list(self.awaited_in.get(c.rid, ())):
+        for key in sorted(self.awaited_in.get(c.rid, ())):
             r = self.unmaps[key]
-            self._settle(key, r, c.rid, r.gone if proven else r.fenced, c.label)
+            if not silent:
+                self._settle(key, r, c.rid, r.gone if proven else r.fenced, c.label)
+                continue
+            self._answered(key, r, c.rid)
+            self._await_unseen(key, r, c.label)
+            if r.unseen:  # the latest deadline of all: moved to the end, the order holds
+                r.until = self._now + self.timeout_s
+                self.unseen_rounds.pop(key, None)
+                self.unseen_rounds[key] = None
+            self._close_if_over(key, r)
 
     def _close_if_over(self, key: tuple[str, int], r: UnmapRound) -> None:
         """Answer the producer and close round ``key`` once it awaits nobody, registered or not."""
