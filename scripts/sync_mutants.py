@@ -259,8 +259,8 @@ MUTANTS: dict[str, tuple[str, ...]] = {
     # Kept mappings (ipc-protocol.md 4.10): a kept allocation is freed only after every consumer it
     # was delivered to closed its mapping (UNMAP round), or left proven gone.
     "kept-freed-unasked": ("hurray_ipc/client/producer.py",
-                           "            elif not k.consumers:\n",
-                           "            elif True:  # MUTANT: freed without asking its consumers back\n", *KEPT),
+                           "        elif not k.consumers:\n",
+                           "        elif True:  # MUTANT: freed without asking its consumers back\n", *KEPT),
     "kept-no-order-after-answers": ("hurray_ipc/client/producer.py",
                                     "            self.device.order_receive(order_key(me, msg.request, "
                                     "f\"unmapped:{label}\"))\n",
@@ -325,6 +325,15 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                                       "BYE proves it gone\n",
                                       "tests/test_end_of_stream.py::test_vector_on_the_core",
                                       "tests/test_broker_core.py", "tests/test_kept_mappings.py"),
+    "fenced-allocation-freed-on-close": ("hurray_ipc/client/producer.py",
+                                         "            o.kept.retired = True  # an allocation of allocate(): closing "
+                                         "it frees nothing now\n",
+                                         "            pass  # MUTANT: freed once its application closes it\n",
+                                         "tests/test_fencing.py"),
+    "closed-allocation-freed-while-out": ("hurray_ipc/client/producer.py",
+                                          "        if k.free is None or k.busy:\n",
+                                          "        if k.free is None:  # MUTANT: asked back while a handoff is out\n",
+                                          "tests/test_kept_mappings_processes.py"),
     "kept-silent-drop-fenced": ("hurray_ipc/broker/core.py",
                                 "            if not silent:\n",
                                 "            if True:  # MUTANT: a silent drop fences its rounds\n",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import shutil
@@ -12,7 +13,7 @@ import pytest
 
 from brokerproc import BrokerProcess
 from hurray_ipc import workload
-from hurray_ipc.devices import CpuDevice, CudaDevice
+from hurray_ipc.devices import CpuDevice, CudaDevice, set_runtime
 from hurray_ipc.devices.backend.emulated import EmulatedRuntime, EmulationConfig
 from hurray_ipc.devices.backend.real import RealRuntime
 
@@ -82,6 +83,17 @@ def emu_config(**kw) -> EmulationConfig:
     base = dict(devices=2, op_delay_s=0.002)
     base.update(kw)
     return EmulationConfig(**base)
+
+
+@contextlib.contextmanager
+def emulated_gpu(delay: float):
+    """An emulated GPU in this process whose device operations each take ``delay`` seconds."""
+    rt = EmulatedRuntime(emu_config(op_delay_s=delay))
+    set_runtime(rt)
+    try:
+        yield CudaDevice(0, runtime=rt)
+    finally:
+        set_runtime(None)
 
 
 @pytest.fixture(params=["cpu", "emulated", "real"])

@@ -17,17 +17,17 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
 
 from brokerproc import BrokerProcess
-from conftest import Proc, emu_config
+from conftest import Proc, emu_config, emulated_gpu
 from hurray_ipc import workload
 from hurray_ipc.client import Producer
-from hurray_ipc.devices import CudaDevice, set_runtime
-from hurray_ipc.devices.backend.emulated import EmulatedRuntime
-from workers import hold_while_fenced
+from hurray_ipc.client.query import stats
+from workers import hold_fenced_then_leave, hold_while_fenced
 
 SIZE = 64 << 10
 TIMEOUT_S, FENCE_S = 1.0, 3.0
@@ -39,17 +39,6 @@ def fencing(tmp_path):
     yield b
     assert b.proc is not None and b.proc.poll() is None, "the broker died"
     b.stop()
-
-
-@contextlib.contextmanager
-def emulated_gpu(delay: float):
-    """An emulated GPU in this process whose device operations each take ``delay`` seconds."""
-    rt = EmulatedRuntime(emu_config(op_delay_s=delay))
-    set_runtime(rt)
-    try:
-        yield CudaDevice(0, runtime=rt)
-    finally:
-        set_runtime(None)
 
 
 def _write(p: Producer, buf, seq: int) -> None:
@@ -128,3 +117,51 @@ def _reuse(fencing: BrokerProcess, p: Producer, buf) -> None:
     assert r["intact"] == 1 and [tuple(x) for x in r["seen"]] == [(7, 2)], "the next handoff lost the new bytes"
     p.wait_released(timeout=30)
     assert t2.outcome == "released"
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05])
+def test_a_fenced_device_buffer_closed_by_its_application_is_not_freed_when_its_consumer_leaves(fencing, delay):
+    """Spec §5, §4.10 step 6: a consumer fenced while it held an ``allocate()``d GPU buffer
+    registers again and leaves (BYE) while its application still holds the fenced handoff (the
+    broker no longer counts it, so it counts the consumer gone). The producer's application then
+    closes the buffer: the library must not free it (not at the close, not when an UNMAP round
+    answers ``gone``), since the consumer's mapping may still be open: it stays allocated until the
+    producer's process exits. Broken, the consumer's unmap after that free is the race checker's
+    free-before-close race, in every run: each step waits on the one before (the release, pipes, the
+    broker's count of consumers), never on time."""
+    ctx = mp.get_context("spawn")
+    ready, go, left, after = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Event()
+    with emulated_gpu(delay) as device:
+        c = Proc(hold_fenced_then_leave, endpoint=fencing.endpoint, channel="fence", ready=ready, go=go, left=left,
+                 after=after, env=emu_config(op_delay_s=delay).to_env())
+        p = Producer(fencing.endpoint, "fence", device)
+        try:
+            buf = p.allocate(SIZE)
+            _write(p, buf, 1)
+            # No event: the producer's close destroys a fenced handoff's event while the consumer
+            # lives, which is allowed (it leaves) but is a race to the checker; memory is the point.
+            t = p.send(buf, "PRODUCER_SYNCED", timeout=30)
+            if not ready.wait(60):
+                pytest.fail(f"the consumer never held the buffer: {c.result(timeout=5)}")
+            os.kill(c.p.pid, signal.SIGSTOP)
+            try:
+                p.wait_released(timeout=FENCE_S + 30)  # the fence gives it back
+            finally:
+                os.kill(c.p.pid, signal.SIGCONT)
+            assert t.outcome == "consumer_fenced", t
+            go.set()
+            if not left.wait(60):
+                pytest.fail(f"the consumer never left: {c.result(timeout=5)}")
+            deadline = time.monotonic() + 30
+            while stats(fencing.endpoint, 5)["gauges"]["consumers"] and time.monotonic() < deadline:
+                time.sleep(0.05)  # until the broker read its BYE (a snapshot is at most 0.25 s old)
+            assert p.holds(buf)
+            buf.close()  # what the application does with a buffer it no longer needs
+            p.close()  # waits for any UNMAP round the close started
+        finally:
+            after.set()
+            p.close()
+        res = c.result()
+    assert res["error"] is None, res["error"]
+    assert res["fenced"] and res["registered_again"], res
+    assert res["races"] == 0, "the producer freed memory the fenced consumer still mapped"

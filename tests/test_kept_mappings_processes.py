@@ -13,7 +13,8 @@ import pytest
 
 import workers
 from brokerproc import BrokerProcess
-from conftest import SPAWN, Proc, emu_env
+from conftest import SPAWN, Proc, emu_env, emulated_gpu
+from hurray_ipc.client import Producer
 
 DELAYS = pytest.mark.parametrize("delay", [0.0, 0.02], ids=["delay0", "delay20ms"])
 
@@ -150,3 +151,30 @@ def test_an_unmap_the_broker_refuses_leaves_the_allocation_allocated(broker, del
     pr, cr = _run(broker, delay, breaks_p="refused")
     assert pr["retired"] == pr["left"] == 2 and cr["kept"] == 2
     assert pr["races"] == cr["races"] == 0
+
+
+@DELAYS
+def test_an_allocation_its_application_closes_while_a_handoff_of_it_is_out_waits_for_the_release(broker, delay):
+    """The library asks an allocation back (UNMAP, step 3) only once no handoff of it is
+    outstanding: a consumer that does not keep mappings is answered for at once (step 4), though
+    it may still be reading the buffer. Broken (asked back, so freed, at the close), the consumer's
+    read and unmap after the free are the race checker's races, every run: the consumer reads only
+    once the producer's close and any round it started are over."""
+    holding, closed = SPAWN.Event(), SPAWN.Event()
+    with emulated_gpu(delay) as device:
+        c = Proc(workers.read_after_its_producer_closed, endpoint=broker.endpoint, channel="close-early",
+                 holding=holding, closed=closed, env=emu_env(op_delay_s=delay))
+        with Producer(broker.endpoint, "close-early", device) as p:
+            buf = p.allocate(4096)
+            p.stream.memset(buf, 0x5A)  # type: ignore[union-attr]
+            t = p.send(buf, "PRODUCER_SYNCED", timeout=30)
+            assert holding.wait(60), c.result(timeout=5)
+            buf.close()
+            # A round the close started (none, kept): over once the broker's answer was read.
+            p.session.pump(lambda: not p._rounds, 30, "the UNMAP round")
+            closed.set()
+            p.wait_released(timeout=30)
+            assert t.outcome == "released"
+        res = c.result()
+    assert res["error"] is None, res["error"]
+    assert res["first"] == 0x5A and res["races"] == 0, res

@@ -131,6 +131,64 @@ def hold_while_fenced(endpoint, channel, ready, go, device="cpu", env=None):
         return {"error": traceback.format_exc()}
 
 
+def hold_fenced_then_leave(endpoint, channel, ready, go, left, after, env):
+    """Receive one GPU buffer and hold it; say so on ``ready`` and wait for ``go`` (the fencing
+    test stops this process in between, until the broker fenced it). Once the library read the
+    fence and registered again, leave (close: BYE) while the application still holds the fenced
+    handoff, which the broker no longer counts as held; say so on ``left``, wait for ``after``
+    (the producer's application closed the buffer meanwhile), and only then close the mapping, as
+    the handoff's release or this process's exit would. Reports the races the emulated runtime
+    found here: a free of the producer's before that close is one."""
+    import time
+
+    os.environ.update(env)
+    from hurray_ipc.client import Consumer
+    from hurray_ipc.workload import emulated_races
+    try:
+        c = Consumer(endpoint, channel, "cuda:0")
+        h = c.receive(timeout=30)
+        h.buffer.copy_to_host()
+        ready.set()
+        go.wait(60)
+        deadline = time.monotonic() + 30
+        # The pump thread reads PRODUCER_GONE, its next PING is answered not_registered, and it
+        # registers again (a second epoch) before its BYE.
+        while not (h.fenced and c.session.epoch >= 2 and c.session.registered) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        again = bool(h.fenced and c.session.epoch >= 2 and c.session.registered)
+        c.close()
+        left.set()
+        after.wait(60)
+        c.gpu.import_cache.clear()  # the fenced handoff's mapping closes now
+        return {"fenced": h.fenced, "registered_again": again, "races": emulated_races(c.gpu), "error": None}
+    except Exception:  # noqa: BLE001 - reported to the parent
+        return {"error": traceback.format_exc()}
+
+
+def read_after_its_producer_closed(endpoint, channel, holding, closed, env):
+    """A consumer older than kept mappings (its HELLO lacks ``kept_mappings``: the broker answers
+    an UNMAP for it at once, spec §4.10 step 4): receive one GPU buffer, say so on ``holding``,
+    wait for ``closed`` (the producer's application closed the buffer meanwhile), then read and
+    release it. Reports its first byte and the races the emulated runtime found here: a free
+    before this read and its release is one."""
+    os.environ.update(env)
+    from hurray_ipc.client import consumer as C
+    from hurray_ipc.workload import emulated_races
+    hello = C.Consumer._hello
+    C.Consumer._hello = lambda self, epoch: {k: v for k, v in hello(self, epoch).items() if k != "kept_mappings"}
+    try:
+        with C.Consumer(endpoint, channel, "cuda:0") as c:
+            h = c.receive(timeout=30)
+            holding.set()
+            closed.wait(60)
+            first = int(h.buffer.copy_to_host()[0])
+            h.release()
+            c.flush_releases(30)
+            return {"first": first, "races": emulated_races(c.gpu), "error": None}
+    except Exception:  # noqa: BLE001 - reported to the parent
+        return {"error": traceback.format_exc()}
+
+
 def emulated_writer_that_exits(delay, host_wait, key, q, done):
     """Write a pattern into emulated device memory on a stream, host-wait it before telling the
     parent (``host_wait``) or only after, hand the parent the memory (a queue message, annotated as

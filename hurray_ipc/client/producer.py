@@ -172,6 +172,7 @@ class _Outgoing:
     event: CudaEvent | None = None
     slot: Buffer | None = None
     inproc_key: str | None = None
+    kept: _Kept | None = None  # the allocation of allocate() it hands off, counted busy until its release
     on_release: Callable[[Ticket], None] | None = None
     resend: bool = False  # send() re-sends the source if the consumer died before delivery
     ready: int = 0  # READY credits its HANDOFF message carried (on the batch's last entry)
@@ -188,7 +189,9 @@ class _Kept:
     request: int | None = None  # the UNMAP round asking for it back, while one is open
     asked: set[str] = field(default_factory=set)  # the labels that round asked
     free: Callable[[], None] | None = None  # set when the application closed it: free it then
-    retired: bool = False  # a consumer could not be answered for: never freed while we live
+    retired: bool = False  # a consumer could not be answered for, or was fenced: never freed while we live
+    busy: int = 0  # handoffs of it not yet released: a close waits for them
+    ptr: int = 0
 
 
 class _VoidGrant(Exception):
@@ -379,6 +382,8 @@ class Producer:
         buf = o.source.buffer
         if o.ticket.staged or o.source.copied:
             return  # the consumer maps the slot or the copy, not the caller's memory
+        if o.kept is not None:
+            o.kept.retired = True  # an allocation of allocate(): closing it frees nothing now
         # In process the consumer reads our own mapping: new pages under it would not help.
         if isinstance(buf.device, CpuDevice) and not buf.imported and o.inproc_key is None:
             try:
@@ -400,6 +405,10 @@ class Producer:
         if o.inproc_key is not None:
             inproc.drop(o.inproc_key)
             o.inproc_key = None
+        if o.kept is not None:
+            k, o.kept = o.kept, None
+            k.busy -= 1
+            self._dispose(k)
 
     # --- the API ---------------------------------------------------------------------------
     @property
@@ -409,25 +418,38 @@ class Producer:
 
     # --- kept mappings (spec §4.10) ----------------------------------------------------------
     def _closed(self, ptr: int, free: Callable[[], None]) -> None:
-        """The application closed a buffer of :meth:`allocate`: free it now if no consumer may
-        keep it mapped, else once they all said they unmapped it (UNMAP round)."""
+        """The application closed a buffer of :meth:`allocate`: free it once no handoff of it is
+        outstanding (a consumer reads it until its release), then at once if no consumer may keep it
+        mapped, else once they all said they unmapped it (UNMAP round); never while this process
+        lives if a consumer was fenced while it held it (spec §5: :meth:`holds` stays true)."""
         with self.session.lock:
             k = self._kept.get(ptr)
             if k is None:
                 free()
                 return
             k.free = free
-            if k.retired:
-                log.warning("a buffer of allocate() that a consumer nobody could answer for may keep mapped "
-                            "stays allocated until this process exits (spec §4.10)")
-            elif not k.consumers:
-                del self._kept[ptr]
-                free()
-            elif k.request is None:
-                if self.session.closed:  # every consumer was asked at close(); these were not answered
-                    k.retired = True
-                else:
-                    self._ask_back(ptr, k)
+            self._dispose(k)
+
+    def _dispose(self, k: _Kept) -> None:
+        """The next step toward freeing a closed allocation (under the session lock)."""
+        if k.free is None or k.busy:
+            return  # open, or the release of its last outstanding handoff calls this again
+        if k.retired:
+            log.warning("a buffer of allocate() that a consumer nobody could answer for may keep mapped (fenced, "
+                        "or not answering UNMAP) stays allocated until this process exits (spec §4.10, §5)")
+        elif not k.consumers:
+            del self._kept[k.ptr]
+            k.free()
+        elif k.request is None:
+            if self.session.closed:  # every consumer was asked at close(); these were not answered
+                k.retired = True
+            else:
+                self._ask_back(k.ptr, k)
+
+    def _busy(self, out: _Outgoing, kept: _Kept | None) -> None:
+        if kept is not None:
+            out.kept = kept
+            kept.busy += 1
 
     def _ask_back(self, ptr: int, k: _Kept) -> None:
         """UNMAP: ask every consumer this allocation was delivered to with ``keep`` to close its
@@ -495,9 +517,7 @@ class Producer:
                         ", ".join(msg.fenced))
             return
         k.consumers -= k.asked
-        if k.free is not None and not k.consumers:
-            del self._kept[ptr]  # type: ignore[arg-type]
-            k.free()
+        self._dispose(k)
 
     def _unmap_refused(self, request: int, err: Error) -> None:
         """The broker refused an UNMAP (a library bug, or a broker's limit): nobody was asked, so
@@ -533,15 +553,19 @@ class Producer:
     def holds(self, obj: Any) -> bool:
         """True while ``obj`` is part of a handoff not yet released (it will come back through
         on_release), and for good when a fenced consumer may still read it and its memory could
-        not be moved (device memory: spec §5): never write or free such an object while this
-        producer is open. Host shared memory from :meth:`allocate` is moved instead, so it is free."""
+        not be moved (device memory: spec §5): never write such an object while this producer is
+        open (closing a buffer of :meth:`allocate` is safe: its memory is kept while a consumer may
+        read it). Host shared memory from :meth:`allocate` is moved instead, so it is free."""
         with self.session.lock:
             return (any(o.source.keep is obj for o in self._out.values())
                     or any(src.keep is obj for src in self._fenced))
 
     def allocate(self, size: int) -> Buffer:
         """A buffer of ``size`` bytes (an int >= 0) on the producer's device that hands off without
-        a copy; yours until you send it, then the consumer's until its release."""
+        a copy; yours until you send it, then the consumer's until its release. Close it
+        (``buf.close()``) when done: a GPU buffer's memory is freed only once no handoff of it is
+        outstanding and no consumer may still map it (spec §4.10; never while this process lives
+        once a consumer was fenced while it held it, §5)."""
         try:
             n = operator.index(size) if not isinstance(size, bool) else -1
         except TypeError:
@@ -552,7 +576,7 @@ class Producer:
             return self.device.allocate(n)
         buf = self.gpu.allocate(n, on_close=self._closed)
         with self.session.lock:
-            self._kept[buf.ptr] = _Kept()
+            self._kept[buf.ptr] = _Kept(ptr=buf.ptr)
         return buf
 
     def _take_grant(self, timeout: float | None) -> Grant:
@@ -816,11 +840,14 @@ class Producer:
             if pm.transport is Transport.IN_PROCESS:
                 inproc_obj["buffer"] = target
                 out.inproc_key = msg.inproc_ref = inproc.put(inproc_obj)
+                if on_gpu and not msg.staged and self._kept:
+                    self._busy(out, self._kept.get(self.gpu.base_of(share.ptr)))  # type: ignore[union-attr]
             else:
                 exp = share.device.export_memory(share)
                 msg.memory = exp.blob
                 msg.offset = exp.offset
                 kept = self._kept.get(share.ptr - exp.offset) if on_gpu and not msg.staged else None
+                self._busy(out, kept)
                 if (kept is not None and kept.free is None and kept.request is None and not kept.retired
                         and self.session.kept_mappings):
                     # Ours to free, so the consumer may keep its mapping after the release (§4.10).

@@ -250,6 +250,10 @@ class CudaDevice(Device):
         return Buffer(self, ptr, size, closer=free if on_close is None else lambda: on_close(ptr, free))
 
     @_on_device
+    def base_of(self, ptr: int) -> int:
+        """The base address of the allocation ``ptr`` lies in (cuMemGetAddressRange)."""
+        return self.rt.mem_range(ptr)[0]
+
     def export_memory(self, buf: Buffer) -> MemoryExport:
         """The base allocation's handle plus the buffer's offset from it (handles name allocations).
 
@@ -257,7 +261,7 @@ class CudaDevice(Device):
         for memory someone else allocated it is fetched at every export, since its owner may have
         freed and reallocated it at the same address since the last one.
         """
-        base, _size = self.rt.mem_range(buf.ptr)
+        base = self.base_of(buf.ptr)
         if base not in self._owned:
             return MemoryExport(self.rt.ipc_get_mem_handle(base), buf.ptr - base, buf.size)
         blob = self._owned.get(base)
