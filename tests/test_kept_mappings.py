@@ -285,6 +285,40 @@ def test_an_awaited_consumer_dropped_while_it_holds_a_delivery_is_fenced_at_once
     assert got == {"request": 1, "unmapped": {L2}, "gone": set(), "fenced": {L1}}
 
 
+def test_a_consumer_sent_keep_that_registers_again_without_kept_mappings_after_a_silent_drop_is_fenced():
+    """Step 0: a consumer this broker sent ``keep`` that registers again without kept_mappings
+    withdrew them (it may still keep the mapping, and will not answer): fenced in every round, also
+    when a silent drop came between (step 4: the broker remembers what it sent by routing id)."""
+    w = World()
+    token = _deliver_kept(w, C1, 1)
+    w.send(C1, Message("RELEASE", {"token": token}).encode())  # an idle kept mapping now
+    w.unmap(1, [L1])
+    w.now = 2.0
+    w.send(P, [b"PING", b"{}"])
+    assert sends(w.core.client_gone(C1, "heartbeat timeout")) == []
+    h = {"protocol": PROTOCOL_VERSION, "role": "consumer", "channel": "ch", "pid": 101, "endpoint": endpoint(101)}
+    sent = w.send(C1, [b"HELLO", json.dumps(h).encode()])  # again, without kept_mappings
+    assert answer(sent) == {"request": 1, "unmapped": set(), "gone": set(), "fenced": {L1}}
+    assert answer(w.unmap(2, [L1]))["fenced"] == {L1}
+
+
+def test_a_dropped_consumer_past_the_unregistered_bound_is_fenced_at_once_and_restarts_nothing():
+    """Step 4: a producer's rounds await at most MAX_UNSEEN labels unregistered; a label past that
+    at a drop is fenced at once, and the round's other labels keep their time."""
+    w = World()
+    labels = [f"{i:016x}" for i in range(MAX_UNSEEN - 1)]
+    for i in range(0, MAX_UNSEEN - 1, 4096):  # 4096 labels at most in one UNMAP
+        w.unmap(1 + i // 4096, labels[i:i + 4096])
+    w.unmap(100, [LS, L1])  # the last place for LS; L1 is registered, asked
+    assert w.core.unseen_of == {P: MAX_UNSEEN}
+    w.now = 2.0
+    w.send(P, [b"PING", b"{}"])
+    assert sends(w.core.client_gone(C1, "heartbeat timeout")) == []
+    w.core.check_invariants()
+    got = [f for rid, verb, f in tick(w, 3.1) if verb == "UNMAPPED" and f["request"] == 100]
+    assert got == [{"request": 100, "unmapped": [], "gone": [], "fenced": [L1, LS]}], "LS's time ran from the UNMAP"
+
+
 def test_a_round_whose_time_restarts_at_a_drop_expires_after_rounds_opened_before_the_drop():
     """Rounds awaiting labels unregistered expire in the order of their deadlines (an invariant):
     one that already awaited a label and restarts its time at a drop moves behind the others."""

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import pytest
 
 import workers
 from brokerproc import BrokerProcess
 from conftest import SPAWN, Proc, emu_env, emulated_gpu
-from hurray_ipc.client import Producer
+from hurray_ipc.client import Consumer, Producer
 
 DELAYS = pytest.mark.parametrize("delay", [0.0, 0.02], ids=["delay0", "delay20ms"])
 
@@ -175,6 +176,36 @@ def test_an_allocation_its_application_closes_while_a_handoff_of_it_is_out_waits
             closed.set()
             p.wait_released(timeout=30)
             assert t.outcome == "released"
+            p.session.pump(lambda: not p._rounds, 30, "the UNMAP round")  # asked back once released
+            assert not p._kept, "freed after the release and the round"
         res = c.result()
     assert res["error"] is None, res["error"]
     assert res["first"] == 0x5A and res["races"] == 0, res
+
+
+@DELAYS
+def test_an_allocation_closed_while_an_in_process_handoff_of_it_is_out_is_read_intact(broker, delay):
+    """The same in one process (the consumer reads the producer's own memory by its address): the
+    application's close waits for the release, and the consumer is handed the address, not the
+    application's Buffer, which the close empties. The consumer's session lock is held from before
+    the send until after the close, so it takes the delivery only then: broken either way, it
+    reads freed memory or address 0, every run (the emulator's copy then crashes the process, as
+    CUDA would answer an illegal address)."""
+    with emulated_gpu(delay) as device, Consumer(broker.endpoint, "inproc-close", device) as c, \
+            Producer(broker.endpoint, "inproc-close", device) as p:
+        got: list = []
+        receiver = threading.Thread(target=lambda: got.append(c.receive(timeout=30)))
+        receiver.start()  # its REQUEST gives the producer a grant
+        assert p.grant_ready(timeout=30)
+        buf = p.allocate(4096)
+        p.stream.memset(buf, 0x5A)  # type: ignore[union-attr]
+        with c.session.lock:  # no pump round of the consumer's until the close returned
+            t = p.send(buf, "PRODUCER_SYNCED", timeout=30)
+            buf.close()
+        receiver.join(60)
+        assert t.transport.value == "in-process" and len(got) == 1
+        data = got[0].buffer.copy_to_host()
+        got[0].release()
+        p.wait_released(timeout=30)
+        assert (data == 0x5A).all()
+        assert not p._kept, "freed at the release"

@@ -30,7 +30,8 @@ Invariants (:meth:`BrokerCore.check_invariants`, asserted after every step of th
    ``MAX_UNSEEN`` per producer, expiring in ``unseen_rounds`` order); a label is never both
    registered and awaited unregistered. A consumer deregistered without proof while it held no
    delivery (silent, §5) is remembered by routing id (``left_unproven``, never a registered one):
-   its later BYE proves it gone; the rounds that awaited it registered await it unregistered.
+   its later BYE proves it gone; the rounds that awaited it registered await it unregistered
+   (within ``MAX_UNSEEN``).
 
 Identity: a client is its ZeroMQ routing id, which the server's socket does not let a second
 connection take over (no ROUTER_HANDOVER); a re-HELLO claims only what that routing id holds.
@@ -392,7 +393,9 @@ class BrokerCore:
         self.unseen_rounds: OrderedDict[tuple[str, int], None] = OrderedDict()
         # Consumers deregistered without proof while they held no delivery (silent, §5), by routing
         # id (newest last, bounded): a BYE of theirs afterwards proves them gone (§4.10 step 4).
-        self.left_unproven: OrderedDict[bytes, None] = OrderedDict()
+        # The value: whether this broker had sent it ``keep`` (a HELLO without kept_mappings then
+        # withdraws them, step 0).
+        self.left_unproven: OrderedDict[bytes, bool] = OrderedDict()
 
     # --- outputs ---------------------------------------------------------------------------
     def _send(self, rid: bytes, msg: AnyMessage, size: int | None = None) -> int:
@@ -705,7 +708,8 @@ class BrokerCore:
         if role == "consumer":
             self.by_label[c.label] = rid
             self.gone_labels.pop(c.label, None)  # it is here again: ask it, never answer for it
-        self.left_unproven.pop(rid, None)  # registered again: its BYE is an ordinary one now
+        if self.left_unproven.pop(rid, False):  # registered again: its BYE is an ordinary one now
+            c.sent_keep = True
         self.per_process[c.process] = self.per_process.get(c.process, 0) + 1
         ch = self._channel(channel)
         ch.members[rid] = None
@@ -1310,7 +1314,7 @@ class BrokerCore:
             silent = not proven and not c.held  # a BYE it sends later proves what this could not
             self._unmap_left(c, proven, silent)
             if silent:
-                _remember(self.left_unproven, rid, None, _GONE_LABELS)
+                _remember(self.left_unproven, rid, c.sent_keep, _GONE_LABELS)
             for x in [x for x in self.claim_of.values() if x.consumer == rid]:
                 self._drop_claim(x)
             held = list(self.held_by.get(rid, {}).values())
@@ -1361,20 +1365,22 @@ class BrokerCore:
             else:
                 # Never registered here (a consumer of a broker that restarted), or left without
                 # proof (§5): it may register yet, and is asked then; fenced when the time runs out.
-                self._await_unseen(key, r, label)
+                self._await_unseen(key, r, label)  # or fenced at once, past MAX_UNSEEN
         if r.unseen:
             self.unseen_rounds[key] = None
         self._close_if_over(key, r)
 
-    def _await_unseen(self, key: tuple[str, int], r: UnmapRound, label: str) -> None:
-        """Round ``key`` awaits ``label`` unregistered until ``r.until`` (fenced at once past the
-        producer's :data:`MAX_UNSEEN`); the caller keeps ``unseen_rounds`` in order."""
+    def _await_unseen(self, key: tuple[str, int], r: UnmapRound, label: str) -> bool:
+        """Round ``key`` awaits ``label`` unregistered until ``r.until`` (True), or, past the
+        producer's :data:`MAX_UNSEEN`, counts it fenced at once (False); the caller keeps
+        ``unseen_rounds`` in order."""
         if self.unseen_of.get(r.producer, 0) >= MAX_UNSEEN:
             r.fenced.append(label)
-            return
+            return False
         r.unseen[label] = None
         self.unseen_in.setdefault(label, set()).add(key)
         self.unseen_of[r.producer] = self.unseen_of.get(r.producer, 0) + 1
+        return True
 
     def _ask(self, key: tuple[str, int], r: UnmapRound, c: Client) -> None:
         """Ask registered consumer ``c`` in round ``key``, or answer for it when it does not
@@ -1470,8 +1476,7 @@ class BrokerCore:
                 self._settle(key, r, c.rid, r.gone if proven else r.fenced, c.label)
                 continue
             self._answered(key, r, c.rid)
-            self._await_unseen(key, r, c.label)
-            if r.unseen:  # the latest deadline of all: moved to the end, the order holds
+            if self._await_unseen(key, r, c.label):  # the latest deadline of all: moved to the end
                 r.until = self._now + self.timeout_s
                 self.unseen_rounds.pop(key, None)
                 self.unseen_rounds[key] = None

@@ -26,6 +26,7 @@ from ..devices import Device, open_device
 from ..devices.base import Buffer, order_key
 from ..devices.cpu import CpuDevice
 from ..devices.cuda import CudaDevice, CudaEvent, CudaStream
+from ..devices.errors import DeviceError
 from ..devices.pool import Pool
 from ..errors import BrokerUnavailable, ClosedError, InvalidArgument, RemoteError
 from ..format.handle import BufferHandle, DeviceTag, SyncMode
@@ -393,9 +394,10 @@ class Producer:
                 log.warning("a fenced consumer may still read %r, which cannot be moved (%s): kept until close", buf, e)
         self._fenced.append(o.source)
 
-    def _undo(self, o: _Outgoing) -> None:
-        """Give back what one handoff took (its event, staging slot, in-process reference), at its
-        release or when it failed before it left. Its grant and its source are the callers'."""
+    def _undo(self, o: _Outgoing, failed: bool = False) -> None:
+        """Give back what one handoff took (its event, staging slot, in-process reference, its
+        count on an allocation), at its release or when it ``failed`` before it left. Its grant and
+        its source are the callers'."""
         if o.event is not None:
             self.events.release(o.event)  # type: ignore[union-attr]
             o.event = None
@@ -407,8 +409,14 @@ class Producer:
             o.inproc_key = None
         if o.kept is not None:
             k, o.kept = o.kept, None
-            k.busy -= 1
-            self._dispose(k)
+            with self.session.lock:
+                k.busy -= 1
+                if not failed:
+                    self._dispose(k)
+                elif k.free is not None and not k.busy:
+                    # Closed while this send failed: the next step may send (an UNMAP) or free,
+                    # so it runs after the failure is handled, from the next pump round.
+                    self.session.deferred.append(partial(self._closed_later, k))
 
     # --- the API ---------------------------------------------------------------------------
     @property
@@ -446,10 +454,34 @@ class Producer:
             else:
                 self._ask_back(k.ptr, k)
 
-    def _busy(self, out: _Outgoing, kept: _Kept | None) -> None:
-        if kept is not None:
-            out.kept = kept
-            kept.busy += 1
+    def _closed_later(self, k: _Kept) -> None:
+        with self.session.lock:
+            self._dispose(k)
+
+    def _count_out(self, out: _Outgoing, ptr: int, offset: int | None, blob: bytes | None) -> bool:
+        """Count ``out`` as a handoff of its :meth:`allocate` allocation, if it is one, so that a
+        close waits for its release; ``offset`` is ``ptr``'s from the allocation's base (None: not
+        known, in process). True when its HANDOFF may carry ``keep`` (``blob``: its memory frame):
+        ours to free, so its consumer may keep the mapping after the release (§4.10)."""
+        if not self._kept:
+            return False
+        with self.session.lock:  # closes and releases change these too, from other threads
+            k = self._kept.get(ptr if offset is None else ptr - offset)
+            if k is None and offset is None:
+                try:
+                    k = self._kept.get(self.gpu.base_of(ptr))  # type: ignore[union-attr]
+                except DeviceError:
+                    k = None  # memory the driver cannot place is not an allocation of ours
+            if k is None:
+                return False
+            out.kept = k
+            k.busy += 1
+            if blob is None or k.free is not None or k.request is not None or k.retired \
+                    or not self.session.kept_mappings:
+                return False
+            k.blob = blob
+            k.consumers.add(out.grant.consumer_id)
+            return True
 
     def _ask_back(self, ptr: int, k: _Kept) -> None:
         """UNMAP: ask every consumer this allocation was delivered to with ``keep`` to close its
@@ -513,7 +545,8 @@ class Producer:
         if msg.fenced:
             k.retired = True
             log.warning("consumer(s) %s could not be asked to unmap an allocation of allocate() (fenced, or not "
-                        "registered since a broker restart): it stays allocated until this process exits",
+                        "registered within the broker's timeout since a broker restart or since it was dropped "
+                        "silent): it stays allocated until this process exits",
                         ", ".join(msg.fenced))
             return
         k.consumers -= k.asked
@@ -553,9 +586,10 @@ class Producer:
     def holds(self, obj: Any) -> bool:
         """True while ``obj`` is part of a handoff not yet released (it will come back through
         on_release), and for good when a fenced consumer may still read it and its memory could
-        not be moved (device memory: spec §5): never write such an object while this producer is
-        open (closing a buffer of :meth:`allocate` is safe: its memory is kept while a consumer may
-        read it). Host shared memory from :meth:`allocate` is moved instead, so it is free."""
+        not be moved (device memory: spec §5): never write or free such an object while this
+        producer is open (closing a GPU buffer of :meth:`allocate` is safe: the library keeps its
+        memory while a consumer may read it). Host shared memory from :meth:`allocate` is moved
+        instead, so it is free."""
         with self.session.lock:
             return (any(o.source.keep is obj for o in self._out.values())
                     or any(src.keep is obj for src in self._fenced))
@@ -803,7 +837,7 @@ class Producer:
                     hid = out.ticket.handoff_id
                     del self._out[hid]
                     self.device.order_forget(order_key(self.session.client_id, hid, "handoff"))
-                    self._undo(out)
+                    self._undo(out, failed=True)
                     self.grants.give_back(out.grant)
                 raise
         return [out.ticket for out, _msg in batch]
@@ -838,24 +872,20 @@ class Producer:
                 if on_gpu:
                     self._order(mode, src.stream, out, consumer, inproc_obj, msg, pm.transport)
             if pm.transport is Transport.IN_PROCESS:
-                inproc_obj["buffer"] = target
+                # Its address, not the application's Buffer, which a close empties (ptr 0) while
+                # the handoff is out; the memory stays until the release (_count_out).
+                inproc_obj["buffer"] = Buffer(target.device, target.ptr, target.size)
                 out.inproc_key = msg.inproc_ref = inproc.put(inproc_obj)
-                if on_gpu and not msg.staged and self._kept:
-                    self._busy(out, self._kept.get(self.gpu.base_of(share.ptr)))  # type: ignore[union-attr]
+                if on_gpu and not msg.staged:
+                    self._count_out(out, share.ptr, None, None)
             else:
                 exp = share.device.export_memory(share)
                 msg.memory = exp.blob
                 msg.offset = exp.offset
-                kept = self._kept.get(share.ptr - exp.offset) if on_gpu and not msg.staged else None
-                self._busy(out, kept)
-                if (kept is not None and kept.free is None and kept.request is None and not kept.retired
-                        and self.session.kept_mappings):
-                    # Ours to free, so the consumer may keep its mapping after the release (§4.10).
-                    msg.keep = True
-                    kept.blob = exp.blob
-                    kept.consumers.add(grant.consumer_id)
+                if on_gpu and not msg.staged:
+                    msg.keep = self._count_out(out, share.ptr, exp.offset, exp.blob)
         except BaseException:
-            self._undo(out)
+            self._undo(out, failed=True)
             raise
         msg.handle = handle.encode()
         return out, msg

@@ -254,6 +254,7 @@ class CudaDevice(Device):
         """The base address of the allocation ``ptr`` lies in (cuMemGetAddressRange)."""
         return self.rt.mem_range(ptr)[0]
 
+    @_on_device
     def export_memory(self, buf: Buffer) -> MemoryExport:
         """The base allocation's handle plus the buffer's offset from it (handles name allocations).
 
