@@ -332,8 +332,8 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                                          "            pass  # MUTANT: freed once its application closes it\n",
                                          "tests/test_fencing.py"),
     "closed-allocation-freed-while-out": ("hurray_ipc/client/producer.py",
-                                          "        if k.free is None or k.busy:\n",
-                                          "        if k.free is None:  # MUTANT: asked back while a handoff is out\n",
+                                          "        if k.free is None or k.busy or self._kept.get(k.ptr) is not k:\n",
+                                          "        if k.free is None or self._kept.get(k.ptr) is not k:  # MUTANT\n",
                                           "tests/test_kept_mappings_processes.py"),
     "inproc-closed-buffer-handed": ("hurray_ipc/client/producer.py",
                                     "                inproc_obj[\"buffer\"] = Buffer(target.device, target.ptr, "
@@ -344,6 +344,11 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                                  "                    self._count_out(out, share.ptr, None, None)\n",
                                  "                    pass  # MUTANT: a close frees it while it is out in process\n",
                                  "tests/test_kept_mappings_processes.py"),
+    "inproc-view-not-found": ("hurray_ipc/client/producer.py",
+                              "                    k = self._kept.get(self.gpu.base_of(ptr))  "
+                              "# type: ignore[union-attr]\n",
+                              "                    k = None  # MUTANT: a view inside an allocation is not counted\n",
+                              "tests/test_kept_mappings_processes.py"),
     "left-unproven-forgets-keep": ("hurray_ipc/broker/core.py",
                                    "                _remember(self.left_unproven, rid, c.sent_keep, "
                                    "_GONE_LABELS)\n",

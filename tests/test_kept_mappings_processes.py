@@ -16,6 +16,7 @@ import workers
 from brokerproc import BrokerProcess
 from conftest import SPAWN, Proc, emu_env, emulated_gpu
 from hurray_ipc.client import Consumer, Producer
+from hurray_ipc.errors import InvalidArgument
 
 DELAYS = pytest.mark.parametrize("delay", [0.0, 0.02], ids=["delay0", "delay20ms"])
 
@@ -184,13 +185,15 @@ def test_an_allocation_its_application_closes_while_a_handoff_of_it_is_out_waits
 
 
 @DELAYS
-def test_an_allocation_closed_while_an_in_process_handoff_of_it_is_out_is_read_intact(broker, delay):
+@pytest.mark.parametrize("part", ["whole", "view"])
+def test_an_allocation_closed_while_an_in_process_handoff_of_it_is_out_is_read_intact(broker, delay, part):
     """The same in one process (the consumer reads the producer's own memory by its address): the
     application's close waits for the release, and the consumer is handed the address, not the
-    application's Buffer, which the close empties. The consumer's session lock is held from before
-    the send until after the close, so it takes the delivery only then: broken either way, it
-    reads freed memory or address 0, every run (the emulator's copy then crashes the process, as
-    CUDA would answer an illegal address)."""
+    application's Buffer, which the close empties; ``view``: a Buffer inside the allocation, found
+    by its base address. The consumer's session lock is held from before the send until after the
+    close, so it takes the delivery only then: broken any of these ways, it reads freed memory or
+    address 0, every run (the emulator's copy then crashes the process, as CUDA would answer an
+    illegal address). A closed Buffer sent again is refused, naming it."""
     with emulated_gpu(delay) as device, Consumer(broker.endpoint, "inproc-close", device) as c, \
             Producer(broker.endpoint, "inproc-close", device) as p:
         got: list = []
@@ -199,13 +202,16 @@ def test_an_allocation_closed_while_an_in_process_handoff_of_it_is_out_is_read_i
         assert p.grant_ready(timeout=30)
         buf = p.allocate(4096)
         p.stream.memset(buf, 0x5A)  # type: ignore[union-attr]
+        sent = buf if part == "whole" else device.buffer_at(buf.ptr + 1024, 1024)
         with c.session.lock:  # no pump round of the consumer's until the close returned
-            t = p.send(buf, "PRODUCER_SYNCED", timeout=30)
+            t = p.send(sent, "PRODUCER_SYNCED", timeout=30)
             buf.close()
         receiver.join(60)
         assert t.transport.value == "in-process" and len(got) == 1
         data = got[0].buffer.copy_to_host()
         got[0].release()
         p.wait_released(timeout=30)
-        assert (data == 0x5A).all()
+        assert data.size == sent.size and (data == 0x5A).all()
         assert not p._kept, "freed at the release"
+        with pytest.raises(InvalidArgument, match="was closed"):
+            p.send(buf, timeout=5)

@@ -708,7 +708,7 @@ class BrokerCore:
         if role == "consumer":
             self.by_label[c.label] = rid
             self.gone_labels.pop(c.label, None)  # it is here again: ask it, never answer for it
-        if self.left_unproven.pop(rid, False):  # registered again: its BYE is an ordinary one now
+        if self.left_unproven.pop(rid, False) and role == "consumer":  # its BYE is an ordinary one now
             c.sent_keep = True
         self.per_process[c.process] = self.per_process.get(c.process, 0) + 1
         ch = self._channel(channel)

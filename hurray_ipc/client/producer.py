@@ -440,14 +440,15 @@ class Producer:
 
     def _dispose(self, k: _Kept) -> None:
         """The next step toward freeing a closed allocation (under the session lock)."""
-        if k.free is None or k.busy:
-            return  # open, or the release of its last outstanding handoff calls this again
+        if k.free is None or k.busy or self._kept.get(k.ptr) is not k:
+            return  # open, out (its last release calls this again), or freed already
         if k.retired:
             log.warning("a buffer of allocate() that a consumer nobody could answer for may keep mapped (fenced, "
                         "or not answering UNMAP) stays allocated until this process exits (spec §4.10, §5)")
         elif not k.consumers:
             del self._kept[k.ptr]
-            k.free()
+            free, k.free = k.free, None
+            free()
         elif k.request is None:
             if self.session.closed:  # every consumer was asked at close(); these were not answered
                 k.retired = True
@@ -597,9 +598,9 @@ class Producer:
     def allocate(self, size: int) -> Buffer:
         """A buffer of ``size`` bytes (an int >= 0) on the producer's device that hands off without
         a copy; yours until you send it, then the consumer's until its release. Close it
-        (``buf.close()``) when done: a GPU buffer's memory is freed only once no handoff of it is
-        outstanding and no consumer may still map it (spec §4.10; never while this process lives
-        once a consumer was fenced while it held it, §5)."""
+        (``buf.close()``, not while a ``send()`` of it runs) when done: a GPU buffer's memory is
+        freed only once no handoff of it is outstanding and no consumer may still map it (spec
+        §4.10; never while this process lives once a consumer was fenced while it held it, §5)."""
         try:
             n = operator.index(size) if not isinstance(size, bool) else -1
         except TypeError:
@@ -848,6 +849,8 @@ class Producer:
         """One handoff's mode, producer obligation (sync-contract §1) and HANDOFF entry; not yet sent.
         What it takes (event, staging slot, in-process reference) is given back if it raises."""
         buf = src.buffer
+        if buf.closed:  # by another thread while send() ran (a re-send): no memory to hand off
+            raise InvalidArgument(f"{buf!r} was closed while it was being sent", where="send(obj=)")
         on_gpu = isinstance(buf.device, CudaDevice)
         consumer, pm = self._pairing(grant, on_gpu)
         hid = next(self._ids)
@@ -993,6 +996,9 @@ class Producer:
         except (TimeoutError, BrokerUnavailable):
             log.warning("closing with %d handoff(s) unreleased", len(self._out))
         finally:
+            with self.session.lock:  # closed while a send failed, its next step still queued
+                for k in list(self._kept.values()):
+                    self._dispose(k)
             if any(k.consumers for k in self._kept.values()):
                 self._unmap_all(self.session.timeout_s if timeout is None else max(0.0, min(timeout,
                                                                                           self.session.timeout_s)))

@@ -120,6 +120,7 @@ class Buffer:
         self.size = size
         self.imported = imported
         self.mapping = mapping
+        self.closed = False
         self._closer = closer
         self._host = host
 
@@ -137,6 +138,7 @@ class Buffer:
         closer, self._closer = self._closer, None
         self._host = None
         self.ptr = 0
+        self.closed = True
         if closer is not None:
             closer()
 

@@ -215,6 +215,12 @@ HostSlot: TypeAlias = Callable[[int], tuple[Buffer, Callable[[], None]]]
 LEGACY_DEFAULT_STREAM = 1  # cudaStreamLegacy, as CUDA Array Interface v3 and DLPack number it
 
 
+def _check_open(buf: Buffer) -> None:
+    """A device-layer Buffer closed by its owner names no memory any more."""
+    if buf.closed:
+        raise InvalidArgument(f"{buf!r} was closed: it names no memory any more", where="send(obj=)")
+
+
 def resolve(obj: Any, host_slot: HostSlot, gpu: CudaDevice | None, stream: CudaStream | None,
             own_stream: CudaStream | None) -> Source:
     """Describe ``obj`` as a shareable buffer, with the stream its GPU writes are ordered on.
@@ -228,6 +234,7 @@ def resolve(obj: Any, host_slot: HostSlot, gpu: CudaDevice | None, stream: CudaS
     a device-layer Buffer was written on ``own_stream`` (the producer's stream).
     """
     if isinstance(obj, Buffer):
+        _check_open(obj)
         on_gpu = isinstance(obj.device, CudaDevice)
         return Source(obj, shape=(obj.size,), stream=(stream or own_stream) if on_gpu else None, keep=obj)
     try:
