@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 
 import pytest
 
 import workers
 from brokerproc import BrokerProcess
 from conftest import SPAWN, Proc, emu_env, emulated_gpu
-from hurray_ipc.client import Consumer, Producer
-from hurray_ipc.errors import InvalidArgument
+from hurray_ipc.client import Producer
 
 DELAYS = pytest.mark.parametrize("delay", [0.0, 0.02], ids=["delay0", "delay20ms"])
 
@@ -191,27 +189,16 @@ def test_an_allocation_closed_while_an_in_process_handoff_of_it_is_out_is_read_i
     application's close waits for the release, and the consumer is handed the address, not the
     application's Buffer, which the close empties; ``view``: a Buffer inside the allocation, found
     by its base address. The consumer's session lock is held from before the send until after the
-    close, so it takes the delivery only then: broken any of these ways, it reads freed memory or
-    address 0, every run (the emulator's copy then crashes the process, as CUDA would answer an
-    illegal address). A closed Buffer sent again is refused, naming it."""
-    with emulated_gpu(delay) as device, Consumer(broker.endpoint, "inproc-close", device) as c, \
-            Producer(broker.endpoint, "inproc-close", device) as p:
-        got: list = []
-        receiver = threading.Thread(target=lambda: got.append(c.receive(timeout=30)))
-        receiver.start()  # its REQUEST gives the producer a grant
-        assert p.grant_ready(timeout=30)
-        buf = p.allocate(4096)
-        p.stream.memset(buf, 0x5A)  # type: ignore[union-attr]
-        sent = buf if part == "whole" else device.buffer_at(buf.ptr + 1024, 1024)
-        with c.session.lock:  # no pump round of the consumer's until the close returned
-            t = p.send(sent, "PRODUCER_SYNCED", timeout=30)
-            buf.close()
-        receiver.join(60)
-        assert t.transport.value == "in-process" and len(got) == 1
-        data = got[0].buffer.copy_to_host()
-        got[0].release()
-        p.wait_released(timeout=30)
-        assert data.size == sent.size and (data == 0x5A).all()
-        assert not p._kept, "freed at the release"
-        with pytest.raises(InvalidArgument, match="was closed"):
-            p.send(buf, timeout=5)
+    close, so it takes the delivery only then (workers.inproc_close_while_out, in a process of its
+    own): broken any of these ways, it reads freed memory or address 0 and that process dies, every
+    run. A closed Buffer sent again is refused, naming it."""
+    c = Proc(workers.inproc_close_while_out, endpoint=broker.endpoint, channel=f"inproc-close-{part}", part=part,
+             env=emu_env(op_delay_s=delay))
+    c.p.join(120)
+    assert c.p.exitcode == 0, f"the in-process run died (exit code {c.p.exitcode}): it read freed memory or address 0"
+    res = c.q.get(timeout=10)
+    assert res["error"] is None, res["error"]
+    assert res["transport"] == "in-process" and res["size"] == (4096 if part == "whole" else 1024), res
+    assert res["intact"] and res["races"] == 0, res
+    assert res["kept"] == 0, "freed at the release"
+    assert "was closed" in res["refused"], res

@@ -189,6 +189,44 @@ def read_after_its_producer_closed(endpoint, channel, holding, closed, env):
         return {"error": traceback.format_exc()}
 
 
+def inproc_close_while_out(endpoint, channel, part, env):
+    """tests/test_kept_mappings_processes.py's in-process close, in a process of its own: a broken
+    variant reads freed memory or address 0, which crashes the emulator's copy (CUDA would answer
+    an illegal address), so the crash fails that test instead of the whole test run. A producer
+    and a consumer of this process; the consumer's session lock is held across the send and the
+    application's close of the buffer (``part``: the whole buffer or a view inside it is sent), so
+    the consumer takes the delivery only after the close; then it reads and releases."""
+    import threading
+
+    from hurray_ipc.client import Consumer, Producer
+    from hurray_ipc.errors import InvalidArgument
+    from hurray_ipc.workload import emulated_races
+    device = _device("cuda:0", env)
+    with Consumer(endpoint, channel, device) as c, Producer(endpoint, channel, device) as p:
+        got: list = []
+        receiver = threading.Thread(target=lambda: got.append(c.receive(timeout=30)))
+        receiver.start()  # its REQUEST gives the producer a grant
+        if not p.grant_ready(timeout=30):
+            return {"error": "no grant"}
+        buf = p.allocate(4096)
+        p.stream.memset(buf, 0x5A)
+        sent = buf if part == "whole" else device.buffer_at(buf.ptr + 1024, 1024)
+        with c.session.lock:  # no pump round of the consumer's until the close returned
+            t = p.send(sent, "PRODUCER_SYNCED", timeout=30)
+            buf.close()
+        receiver.join(60)
+        data = got[0].buffer.copy_to_host()
+        got[0].release()
+        p.wait_released(timeout=30)
+        try:
+            p.send(buf, timeout=5)
+            refused = ""
+        except InvalidArgument as e:
+            refused = str(e)
+        return {"transport": t.transport.value, "size": int(data.size), "intact": bool((data == 0x5A).all()),
+                "kept": len(p._kept), "refused": refused, "races": emulated_races(device), "error": None}
+
+
 def emulated_writer_that_exits(delay, host_wait, key, q, done):
     """Write a pattern into emulated device memory on a stream, host-wait it before telling the
     parent (``host_wait``) or only after, hand the parent the memory (a queue message, annotated as
