@@ -165,6 +165,14 @@ def hold_fenced_then_leave(endpoint, channel, ready, go, left, after, env):
         return {"error": traceback.format_exc()}
 
 
+def _as_older_consumer() -> None:
+    """Consumers of this process register as ones older than kept mappings: their HELLO lacks
+    ``kept_mappings`` (spec §4.10 step 0)."""
+    from hurray_ipc.client import consumer as C
+    hello = C.Consumer._hello
+    C.Consumer._hello = lambda self, epoch: {k: v for k, v in hello(self, epoch).items() if k != "kept_mappings"}
+
+
 def read_after_its_producer_closed(endpoint, channel, holding, closed, env):
     """A consumer older than kept mappings (its HELLO lacks ``kept_mappings``: the broker answers
     an UNMAP for it at once, spec §4.10 step 4): receive one GPU buffer, say so on ``holding``,
@@ -174,8 +182,7 @@ def read_after_its_producer_closed(endpoint, channel, holding, closed, env):
     os.environ.update(env)
     from hurray_ipc.client import consumer as C
     from hurray_ipc.workload import emulated_races
-    hello = C.Consumer._hello
-    C.Consumer._hello = lambda self, epoch: {k: v for k, v in hello(self, epoch).items() if k != "kept_mappings"}
+    _as_older_consumer()
     try:
         with C.Consumer(endpoint, channel, "cuda:0") as c:
             h = c.receive(timeout=30)
@@ -426,9 +433,8 @@ def kept_consumer(endpoint, channel, env, count, size, done, breaks=None, counte
     elif breaks == "bye-with-mappings":
         from hurray_ipc.devices.base import ImportCache
         ImportCache.close_idle = lambda self: None
-    elif breaks == "old-consumer":  # its HELLO does not say it keeps mappings
-        hello = C.Consumer._hello
-        C.Consumer._hello = lambda self, epoch: {k: v for k, v in hello(self, epoch).items() if k != "kept_mappings"}
+    elif breaks == "old-consumer":
+        _as_older_consumer()
     leave = breaks in ("leave-first", "bye-with-mappings")  # BYE before the producer closes its buffers
     values = []
     with Consumer(endpoint, channel, "cuda:0") as c:

@@ -997,7 +997,7 @@ class Producer:
             log.warning("closing with %d handoff(s) unreleased", len(self._out))
         finally:
             with self.session.lock:  # closed while a send failed, its next step still queued
-                for k in list(self._kept.values()):
+                for k in [k for k in self._kept.values() if not k.retired]:  # retired: warned at its close
                     self._dispose(k)
             if any(k.consumers for k in self._kept.values()):
                 self._unmap_all(self.session.timeout_s if timeout is None else max(0.0, min(timeout,
