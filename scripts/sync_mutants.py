@@ -332,8 +332,8 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                                          "            pass  # MUTANT: freed once its application closes it\n",
                                          "tests/test_fencing.py"),
     "closed-allocation-freed-while-out": ("hurray_ipc/client/producer.py",
-                                          "        if k.free is None or k.busy or self._kept.get(k.ptr) is not k:\n",
-                                          "        if k.free is None or self._kept.get(k.ptr) is not k:  # MUTANT\n",
+                                          "        if k.free is None or k.busy:\n",
+                                          "        if k.free is None:  # MUTANT: freed while a handoff is out\n",
                                           "tests/test_kept_mappings_processes.py"),
     "inproc-closed-buffer-handed": ("hurray_ipc/client/producer.py",
                                     "                inproc_obj[\"buffer\"] = Buffer(target.device, target.ptr, "
@@ -349,6 +349,23 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                               "# type: ignore[union-attr]\n",
                               "                    k = None  # MUTANT: a view inside an allocation is not counted\n",
                               "tests/test_kept_mappings_processes.py"),
+    # A buffer closed by another thread while its send waited for a grant (or between a re-send's
+    # tries): sent anyway, by a cached export of unlinked memory or an export of address 0.
+    "closed-buffer-sent-after-grant": ("hurray_ipc/client/producer.py",
+                                       "        if buf.closed:  # by another thread while send() ran (a re-send): "
+                                       "no memory to hand off\n",
+                                       "        if False:  # MUTANT: a buffer closed meanwhile is sent\n",
+                                       *GIVE_BACK),
+    # A failed send of an allocation closed meanwhile queues its next step; close() must run it.
+    "close-drain-skipped": ("hurray_ipc/client/producer.py",
+                            "                for k in [k for k in self._kept.values() if not k.retired]:  "
+                            "# retired: warned at its close\n                    self._dispose(k)\n",
+                            "                pass  # MUTANT: a queued step of a closed allocation never runs\n",
+                            "tests/test_kept_mappings_processes.py"),
+    "free-taken-twice": ("hurray_ipc/client/producer.py",
+                         "            free, k.free = k.free, None\n",
+                         "            free = k.free  # MUTANT: the free is not taken as it runs\n",
+                         "tests/test_kept_mappings_processes.py"),
     "left-unproven-forgets-keep": ("hurray_ipc/broker/core.py",
                                    "                _remember(self.left_unproven, rid, c.sent_keep, "
                                    "_GONE_LABELS)\n",

@@ -267,6 +267,42 @@ def test_event_export_failure_gives_the_event_and_the_grant_back(broker, monkeyp
         nothing_taken(p, c, 2, before)
 
 
+
+@pytest.mark.parametrize("kind", ["cpu", "emulated"])
+def test_a_buffer_closed_while_its_send_waited_for_a_grant_is_refused_and_the_grant_given_back(
+        broker, monkeypatch, emulated_gpu, kind):
+    """``send()`` checks its object before it takes a grant, then may wait for one; an
+    application thread may close the buffer meanwhile (or between a re-send's tries). Here the
+    close runs inside the wait (``_take_grant`` wrapped), after that first check passed: the send
+    must refuse it with InvalidArgument naming it once the grant came, and give the grant back.
+    Broken (no check after the grant), a CPU buffer sent before is handed off by its cached export,
+    naming a segment its close unlinked, so the send returns; a GPU one fails inside the export
+    with a DeviceError about address 0; either way no InvalidArgument, every run."""
+    before = segments()
+    c = consumer(broker, f"closed-{kind}", 2, device="cpu" if kind == "cpu" else "cuda:0")
+    with Producer(broker.endpoint, f"closed-{kind}", "cpu" if kind == "cpu" else emulated_gpu) as p:
+        buf = p.allocate(SIZE)
+        data = workload.pattern(TAG, 0, SIZE)
+        if p.gpu is not None:
+            p.stream.copy(buf, data)  # type: ignore[union-attr]
+        else:
+            buf.host_view()[:] = data.tobytes()
+        p.send(buf, timeout=5)  # delivered: the CPU buffer's export is cached from here on
+        p.flush(10)
+        real = p._take_grant
+
+        def closed_meanwhile(timeout: float | None) -> Any:
+            buf.close()
+            return real(timeout)
+
+        monkeypatch.setattr(p, "_take_grant", closed_meanwhile)
+        with pytest.raises(InvalidArgument, match=r"was closed while it was being sent") as e:
+            p.send(buf, timeout=5)
+        assert e.value.where == "send(obj=)"
+        monkeypatch.setattr(p, "_take_grant", real)
+        send_good(p, 1, 1)
+        nothing_taken(p, c, 2, before)
+
 # --- the broker refuses ---------------------------------------------------------------------------
 def _bad_meta(monkeypatch: pytest.MonkeyPatch, wire: tuple[dict[str, Any], bytes]) -> None:
     """The next Source's wire metadata is ``wire`` (what a buggy client would send), once."""

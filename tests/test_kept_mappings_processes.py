@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import pytest
 
 import workers
 from brokerproc import BrokerProcess
 from conftest import SPAWN, Proc, emu_env, emulated_gpu
-from hurray_ipc.client import Producer
+from hurray_ipc.client import Consumer, Producer
+from hurray_ipc.errors import EndOfStream
+from hurray_ipc.workload import emulated_races
 
 DELAYS = pytest.mark.parametrize("delay", [0.0, 0.02], ids=["delay0", "delay20ms"])
 
@@ -181,6 +184,59 @@ def test_an_allocation_its_application_closes_while_a_handoff_of_it_is_out_waits
     assert res["error"] is None, res["error"]
     assert res["first"] == 0x5A and res["races"] == 0, res
 
+
+
+@DELAYS
+def test_an_allocation_closed_while_its_send_failed_is_freed_by_the_next_close_and_only_once(broker, delay,
+                                                                                            monkeypatch):
+    """A send of an allocation that the application closed meanwhile (another thread), and that
+    then failed (here the socket), queues the allocation's next step (free, or ask back) for the
+    next pump round, after the failure is handled. A ``close()`` that comes before any pump round
+    runs that step itself: the producer's session lock is held from before the send until after
+    the close, so no pump round can run between them. Broken, the allocation stays allocated for
+    the process's life. The queued step, run afterwards (as a pump round after the close's own would,
+    e.g. while other allocations are asked back), finds it freed and does nothing; broken (the free
+    not taken as it runs), it frees or forgets it a second time and raises. The consumer is in
+    this process, so it keeps no mapping (nothing to ask back)."""
+    with emulated_gpu(delay) as device, Consumer(broker.endpoint, "closed-failed", device, prefetch=1) as c:
+        ended: list[BaseException] = []
+
+        def receive() -> None:
+            try:
+                c.receive(timeout=30)
+            except BaseException as e:  # noqa: BLE001 - the producer's END, read by the test thread
+                ended.append(e)
+
+        receiver = threading.Thread(target=receive)
+        receiver.start()  # its REQUEST gives the producer a grant
+        p = Producer(broker.endpoint, "closed-failed", device)
+        try:
+            assert p.grant_ready(timeout=30)
+            buf = p.allocate(4096)
+            ptr, real, failed = buf.ptr, p.session.send_batch, []
+
+            def close_then_fail(msgs: list) -> None:
+                if msgs[0].verb == "HANDOFF" and not failed:
+                    failed.append(True)
+                    buf.close()  # the application's close, while the send runs
+                    raise OSError("injected: the socket send failed")
+                real(msgs)
+
+            monkeypatch.setattr(p.session, "send_batch", close_then_fail)
+            with p.session.lock:  # no pump round between the failure and the close
+                with pytest.raises(OSError, match="injected"):
+                    p.send(buf, "PRODUCER_SYNCED", timeout=30)
+                assert failed and ptr in p._kept and p.session.deferred, "its next step waits for a pump round"
+                p.close()
+            assert not p._kept and ptr not in device.rt._allocs, "the close ran the queued step: freed"
+            for step in p.session.deferred:
+                step()  # a later pump round's: nothing left to free
+            assert not p._kept and ptr not in device.rt._allocs
+        finally:
+            p.close()
+            receiver.join(60)
+        assert len(ended) == 1 and isinstance(ended[0], EndOfStream), ended
+        assert emulated_races(device) == 0
 
 @DELAYS
 @pytest.mark.parametrize("part", ["whole", "view"])

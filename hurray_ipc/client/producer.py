@@ -440,8 +440,8 @@ class Producer:
 
     def _dispose(self, k: _Kept) -> None:
         """The next step toward freeing a closed allocation (under the session lock)."""
-        if k.free is None or k.busy or self._kept.get(k.ptr) is not k:
-            return  # open, out (its last release calls this again), or freed already
+        if k.free is None or k.busy:
+            return  # open, freed already (free is taken once), or out (its last release calls this again)
         if k.retired:
             log.warning("a buffer of allocate() that a consumer nobody could answer for may keep mapped (fenced, "
                         "or not answering UNMAP) stays allocated until this process exits (spec §4.10, §5)")
@@ -679,7 +679,8 @@ class Producer:
 
         A handoff whose consumer died before it arrived is re-sent to the next consumer. A send
         that raises gives back everything it took: the consumer's grant (the next send takes
-        it), the staging slot, the event, the shared-memory copy. Raises ClosedError after
+        it), the staging slot, the event, the shared-memory copy. A Buffer closed before the send
+        or while it waits (another thread) is refused with InvalidArgument. Raises ClosedError after
         :meth:`close` or :meth:`end`, BrokerUnavailable when no broker answers.
         """
         preferred = _preferred_mode(mode)
