@@ -82,8 +82,8 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                             "        s.device.publish_host(  # MUTANT: the staged copy is not host-waited\n",
                             "tests/test_clients.py", *PATHS),
     "event-destroyed-early": ("hurray_ipc/client/producer.py",
-                              "            if o is not None and o.event is not None and self.events.pooled:",
-                              "            if o is not None and o.event is not None:  # MUTANT: destroyed early",
+                              "and pool is not None and pool.pooled and o.event.query():\n",
+                              "and pool is not None and o.event.query():  # MUTANT: destroyed early\n",
                               "tests/test_clients.py"),
     # The real backend leaves the application's CUDA state as it found it (issue 22).
     "device-not-restored": ("hurray_ipc/devices/cuda.py",
@@ -366,6 +366,36 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                          "            free, k.free = k.free, None\n",
                          "            free = k.free  # MUTANT: the free is not taken as it runs\n",
                          "tests/test_kept_mappings_processes.py"),
+    # A release proves the producer's own writes complete only when its consumer waited on them
+    # (sync-contract §3): the buffer goes back once the handoff's event completed.
+    "own-writes-not-awaited": ("hurray_ipc/client/producer.py",
+                               "        if free_source and outcome != \"consumer_fenced\" and o.event is not None "
+                               "and not o.event.query():\n",
+                               "        if False:  # MUTANT: handed back at the release, our writes maybe running\n",
+                               "tests/test_paths.py"),
+    "settled-never": ("hurray_ipc/client/producer.py",
+                      "            self.session.deferred += self._finish(hid, outcome, free_source)\n",
+                      "            self._settling[hid] = (outcome, free_source)  # MUTANT: never given back\n",
+                      "tests/test_paths.py"),
+    # The pump runs what its owner's poll queued in the same round, before the call it serves returns.
+    "poll-callbacks-late": ("hurray_ipc/client/session.py",
+                            "        busy = self._poll() if self._poll is not None else False  # it may queue "
+                            "callbacks: taken just below\n        if self.deferred:\n            "
+                            "out.extend(self.deferred)\n            self.deferred.clear()\n",
+                            "        if self.deferred:  # MUTANT: what the poll queues waits for the next round\n"
+                            "            out.extend(self.deferred)\n            self.deferred.clear()\n"
+                            "        busy = self._poll() if self._poll is not None else False\n",
+                            "tests/test_paths.py"),
+    "pooled-event-before-complete": ("hurray_ipc/client/producer.py",
+                                     "pool.pooled and o.event.query():\n",
+                                     "pool.pooled:  # MUTANT: re-pooled before it completed\n",
+                                     "tests/test_paths.py"),
+    "consumer-stream-event-dropped": ("hurray_ipc/client/producer.py",
+                                      "            # Kept until the release all the same: it tells _finish when our "
+                                      "writes completed.\n",
+                                      "            out.event = None  # MUTANT: given up once the wait is enqueued\n"
+                                      "            self.events.release(ev)  # type: ignore[union-attr]\n",
+                                      "tests/test_paths.py"),
     "left-unproven-forgets-keep": ("hurray_ipc/broker/core.py",
                                    "                _remember(self.left_unproven, rid, c.sent_keep, "
                                    "_GONE_LABELS)\n",

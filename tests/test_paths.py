@@ -369,6 +369,89 @@ def test_broken_twin_release_many_fenced_on_an_idle_stream_races_with_the_rewrit
     assert caught and rt.races
 
 
+
+# --- the producer's own writes, before a buffer goes back to it ----------------------------------
+def _reuse_after_release(broker, delay: float, channel: str, how: str, pool: bool) -> tuple[str | None, list, int]:
+    """The producer (``pool``: with the event pool) writes a buffer on one stream and sends it EVENT
+    (the write still in flight);
+    a consumer process orders nothing after that write (workers.take_without_waiting: releases at
+    once without wait(), or exits holding it). Once the buffer is back (``on_release``), the
+    producer's application writes it on another stream, as the stress workload does. Returns the
+    ticket's outcome, the race errors seen and the races counted."""
+    import workers
+    from conftest import emu_env
+
+    with emulated(delay) as (rt, dev):
+        c = Proc(workers.take_without_waiting, endpoint=broker.endpoint, channel=channel, how=how,
+                 env=emu_env(op_delay_s=delay))
+        with Producer(broker.endpoint, channel, dev, event_pool=pool) as p:
+            other = dev.create_stream()
+            buf = p.allocate(SIZE)
+            assert p.grant_ready(timeout=60), "the consumer never asked"
+            # In flight when the handle leaves, and at a large delay still at the release.
+            p.stream.copy(buf, workload.pattern(7, 0, SIZE))
+            back: list[str] = []
+            t = p.send(buf, SyncMode.EVENT, timeout=30, on_release=lambda t: back.append(t.outcome))
+            with p.session.lock:  # every pump round is flush()'s own: none of the background thread's
+                p.flush(30)
+            assert back == [t.outcome], "on_release ran once, before flush() returned"
+            other.memset(buf, 0)  # the application's reuse, on another stream
+            caught = _drain(rt, other, p.stream)
+            buf.close()
+        if how != "exit":
+            r = c.result()
+            assert r["error"] is None and r["mode"] == "SYNC_EVENT", r
+        else:
+            c.p.join(30)
+        return t.outcome, caught, len(rt.races)
+
+
+@pytest.mark.parametrize("delay", DELAYS)
+@pytest.mark.parametrize(("how", "pool"), [("release", False), ("exit", False), ("release", True)],
+                         ids=["released-unwaited", "consumer-gone", "released-unwaited-pooled"])
+def test_a_buffer_is_given_back_only_once_its_own_writes_completed(broker, delay, how, pool):
+    """A release proves the producer's writes complete only when its consumer waited on the event
+    and fenced that wait; a consumer that never waited, or the broker releasing for a dead one
+    (consumer_gone), proves nothing of them (sync-contract §3, "What a buffer release proves to the
+    producer"). The producer gives the buffer back (on_release, flush(), holds()) only once the
+    handoff's event completed, so the application's next write on any stream is ordered after
+    them. Broken (given back at the RELEASED), that write races the first one, every run. At the
+    large delay the write still runs at the release: the handoff waits in the pump's rounds, and
+    its on_release runs in the round that gives it back, before flush() returns. ``pooled``: the
+    event release comes first; a pooled event goes back to the pool then only if it had completed."""
+    outcome, caught, races = _reuse_after_release(broker, delay, f"own-{how}-{pool}", how, pool)
+    assert outcome == ("released" if how == "release" else "consumer_gone")
+    assert not caught and races == 0
+
+
+@pytest.mark.parametrize("delay", DELAYS)
+def test_a_consumer_stream_delivery_never_taken_is_given_back_once_its_writes_completed(broker, delay):
+    """SYNC_CONSUMER_STREAM orders the producer's writes before the consumer's use (its declared
+    stream waits on them), not before the producer's reuse: a delivery its consumer closes
+    without taking is released with no fence. The producer keeps the event it recorded for the
+    wait until the release and gives the buffer back once it completed; broken (the event given up
+    once the wait was enqueued), the application's rewrite on another stream races the first
+    write, every run."""
+    with emulated(delay) as (rt, dev):
+        with Producer(broker.endpoint, "own-cs", dev) as p:
+            c = Consumer(broker.endpoint, "own-cs", dev, stream=dev.create_stream())
+            try:
+                with pytest.raises(TimeoutError):
+                    c.receive(timeout=0)  # asks for one buffer, and takes none
+                other = dev.create_stream()
+                buf = p.allocate(SIZE)
+                p.stream.copy(buf, workload.pattern(7, 0, SIZE))  # in flight when the handle leaves
+                t = p.send(buf, SyncMode.CONSUMER_STREAM, timeout=30)
+                assert t.mode is SyncMode.CONSUMER_STREAM
+            finally:
+                c.close()  # the delivery was never taken: released without a fence
+            p.flush(30)
+            assert t.outcome in ("released", "consumer_gone"), t.outcome
+            other.memset(buf, 0)  # the application's reuse, on another stream
+            caught = _drain(rt, other, p.stream)
+            buf.close()
+    assert not caught and not rt.races
+
 # --- array interfaces without side effects ---------------------------------------------------------
 @pytest.mark.parametrize("delay", DELAYS)
 def test_reading_cuda_array_interface_twice_sends_nothing(broker, delay):

@@ -525,3 +525,24 @@ def kept_consumer_deaf_to_the_first_broker(endpoint, channel, env, done):
             raise TimeoutError("the producer never finished")
         c.gpu.import_cache.clear()
     return {"asked": seen, "answered": answered, "races": emulated_races(c.device)}
+
+
+def take_without_waiting(endpoint, channel, how, env):
+    """A consumer that orders nothing after its producer's writes: it receives one GPU buffer, then
+    ``release``s it at once without ``wait()`` (its fences are on a stream that never waited on the
+    producer's event), or exits holding it (``exit``: no release, no BYE; the broker releases it
+    for us, RELEASED consumer_gone). Reports the handoff's sync mode (``exit``: nothing)."""
+    os.environ.update(env)
+    from hurray_ipc.client import Consumer
+    try:
+        c = Consumer(endpoint, channel, "cuda:0")
+        h = c.receive(timeout=30)
+        if how == "exit":
+            os._exit(0)
+        mode = h.sync_mode.wire_name
+        h.release()
+        c.flush_releases(30)
+        c.close()
+        return {"mode": mode, "error": None}
+    except Exception:  # noqa: BLE001 - reported to the parent
+        return {"error": traceback.format_exc()}

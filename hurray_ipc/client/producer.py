@@ -252,6 +252,9 @@ class Producer:
         self.grants = GrantBook(self.credits)
         self._ids = itertools.count(1)
         self._out: dict[int, _Outgoing] = {}
+        # Released handoffs whose own writes may still run (their event not yet seen complete):
+        # handoff id -> (outcome, free_source); they stay in _out until _settle gives them back.
+        self._settling: dict[int, tuple[str, bool]] = {}
         self._modes = ModeCache()
         self.name = name or f"producer-{os.getpid()}"
         self.unknown_releases = 0  # RELEASED for a handoff already finished: a double release
@@ -265,7 +268,7 @@ class Producer:
         self._unmap_ids = itertools.count(1)
         self._asked_of: str | None = None  # the broker session the open rounds were asked of
         self.session = Session(endpoint, "producer", channel, self._hello, self._dispatch,
-                               heartbeat_s=heartbeat_s, timeout_s=timeout_s)
+                               heartbeat_s=heartbeat_s, timeout_s=timeout_s, poll=self._settle)
         self.session.on_welcome.append(self._ask_again)
 
     # --- broker messages -------------------------------------------------------------------
@@ -282,7 +285,7 @@ class Producer:
         # after the timeout as RELEASED consumer_gone. None is freed before the broker says so.
         return {"name": self.name, "endpoint": self.endpoint_info.to_dict(), "credits": credits, "ended": self.ended,
                 # Which consumer holds each: the broker lets only that consumer claim it again.
-                "outstanding": {h: o.ticket.consumer for h, o in self._out.items()}}
+                "outstanding": {h: o.ticket.consumer for h, o in self._out.items() if h not in self._settling}}
 
     def _dispatch(self, msg: AnyMessage) -> list[Callable[[], None]]:
         if isinstance(msg, GrantMessage):
@@ -301,8 +304,11 @@ class Producer:
             # the consumer's waits, already issued, order after. One event per handoff is destroyed
             # only with the buffer (RELEASED, _finish): the consumer's waits were issued, not
             # necessarily run, and an importer's wait on an event its exporter destroyed is undefined.
-            if o is not None and o.event is not None and self.events.pooled:  # type: ignore[union-attr]
-                self.events.release(o.event)  # type: ignore[union-attr]
+            # Either way not before it completed: until then it is what tells _finish that our own
+            # writes to the buffer did.
+            pool = self.events
+            if o is not None and o.event is not None and pool is not None and pool.pooled and o.event.query():
+                pool.release(o.event)
                 o.event = None
         elif isinstance(msg, Released):
             hid = msg.handoff_id
@@ -345,11 +351,23 @@ class Producer:
         return []
 
     def _finish(self, handoff_id: int, outcome: str, free_source: bool = True) -> list[Callable[[], None]]:
-        o = self._out.pop(handoff_id, None)
+        """The handoff ended (``outcome``): give back what it took and, unless it is re-sent
+        (``free_source`` false), the buffer to the application (on_release). Not before this
+        producer's own writes to it completed: a release proves that only when its consumer waited
+        on the event and fenced that wait; one that never waited, or the broker releasing for a
+        dead consumer, proves nothing of them (sync-contract §3, "What a buffer release proves to
+        the producer"). Until its event completed the handoff stays outstanding (:meth:`_settle`)."""
+        o = self._out.get(handoff_id)
         if o is None:
             self.unknown_releases += 1
             log.warning("release of handoff %s that is not outstanding", handoff_id)
             return []
+        if handoff_id in self._settling:
+            return []  # ended already; given back once its writes completed
+        if free_source and outcome != "consumer_fenced" and o.event is not None and not o.event.query():
+            self._settling[handoff_id] = (outcome, free_source)
+            return []
+        del self._out[handoff_id]
         self.device.order_forget(order_key(self.session.client_id, handoff_id, "handoff"))
         if outcome == "consumer_fenced":
             self._retire(o)
@@ -361,6 +379,17 @@ class Producer:
             return []  # re-sent: on_release belongs to the handoff that is delivered
         cb = o.on_release
         return [lambda: cb(o.ticket)] if cb is not None else []
+
+    def _settle(self) -> bool:
+        """The pump's hook, each round (under the session lock): :meth:`_finish` again every ended
+        handoff still waiting for its writes; those whose event completed now are given back (their
+        callbacks run in this round, after the lock), the others wait again. True while one waits."""
+        if not self._settling:
+            return False
+        for hid in list(self._settling):
+            outcome, free_source = self._settling.pop(hid)
+            self.session.deferred += self._finish(hid, outcome, free_source)
+        return bool(self._settling)
 
     def _retire(self, o: _Outgoing) -> None:
         """A fenced consumer may still read this handoff (spec §5): nothing it may read or wait on
@@ -421,7 +450,7 @@ class Producer:
     # --- the API ---------------------------------------------------------------------------
     @property
     def outstanding(self) -> int:
-        """Handoffs sent and not yet released."""
+        """Handoffs sent and not yet given back (released, and the writes they covered completed)."""
         return len(self._out)
 
     # --- kept mappings (spec §4.10) ----------------------------------------------------------
@@ -660,7 +689,9 @@ class Producer:
         writes (its capsule is kept until the release); a device-layer Buffer was written on
         :attr:`stream`. Host objects need no stream.
         ``block``: wait until the broker accepted the handoff (a refusal raises RemoteError here);
-        with ``block=False`` it lands on the returned ticket. ``on_release(ticket)`` runs once.
+        with ``block=False`` it lands on the returned ticket. ``on_release(ticket)`` runs once, when
+        the buffer is yours again to write on any stream: after the consumer's release and after
+        your writes to it that the handoff covered completed (sync-contract §3).
         ``timeout``: seconds to wait for a consumer (and, blocking, for the acceptance): HurrayTimeout.
         ``meta``: your own metadata, any JSON value (dicts with str keys, lists, str, numbers,
         bool, None), delivered exactly as sent as ``handoff.meta``; refused (InvalidArgument)
@@ -911,8 +942,7 @@ class Producer:
                 msg.event = ev.export()
         else:  # CONSUMER_STREAM: the consumer's stream waits; no event crosses the boundary
             inproc.stream(consumer.stream).wait(ev)  # type: ignore[arg-type]
-            out.event = None
-            self.events.release(ev)  # type: ignore[union-attr]
+            # Kept until the release all the same: it tells _finish when our writes completed.
 
     def _slot(self, nbytes: int) -> Buffer:
         """A slot of the staging pool for ``nbytes``: one idle of its size class, or a new one.

@@ -417,10 +417,10 @@ class Session:
     def _pump_once(self, until: Callable[[], bool], deadline: float | None, out: list[Callback]) -> tuple[bool, float]:
         """One pump round, under the lock, never blocking: returns whether ``until()`` holds, and
         how long the caller may sleep before the next round (heartbeat, deadline, owner's work)."""
+        busy = self._poll() if self._poll is not None else False  # it may queue callbacks: taken just below
         if self.deferred:
             out.extend(self.deferred)
             self.deferred.clear()
-        busy = self._poll() if self._poll is not None else False
         if until():
             return True, 0.0  # held messages stay held: the caller goes on and may add to them
         if self._outbox:
