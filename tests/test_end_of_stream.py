@@ -299,7 +299,17 @@ def test_vector_on_the_core(scenario):
     play(CoreDriver(), scenario)
 
 
-def test_vectors_on_a_live_broker(broker):
+@pytest.fixture
+def quick_broker(tmp_path):
+    """A broker that drops a silent client after 1 s, not 2: the scenarios' time rules (``wait``,
+    ``silent``) each wait for that timeout, and every other client pings while they do."""
+    b = BrokerProcess(f"ipc://{tmp_path}/broker.sock", timeout=1.0).start()
+    yield b
+    b.stop()
+
+
+def test_vectors_on_a_live_broker(quick_broker):
+    broker = quick_broker
     ctx = zmq.Context()
     try:
         for i, scenario in enumerate(VEC):
