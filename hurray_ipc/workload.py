@@ -239,7 +239,8 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
             outage: float | None = None
 
             def back(t: Any, buf: Buffer) -> None:
-                if t.outcome == "consumer_fenced" and p.holds(buf):
+                # t.obj: what was sent (the buffer, or a CAI/DLPack view of it on the mixed paths)
+                if t.outcome == "consumer_fenced" and p.holds(t.obj):
                     free.append(p.allocate(size))  # a fenced consumer may still read it: never reuse (§5)
                 else:
                     free.append(buf)
@@ -261,14 +262,16 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
                             raise TimeoutError(f"held after {seq} handoffs, never let go on (the run's gate)")
                         time.sleep(0.01)
                     gate = None
-                buf = None
+                buf: Buffer | None = None
+                obj: Any = None
+                on: Any = None  # the stream the buffer's write went to
                 try:
                     if not free:
                         p.wait_released(timeout)
                         continue
                     buf = free.pop()
                     data = pattern(tag, seq, size)
-                    obj: Any = buf
+                    obj = buf
                     kw: dict[str, Any] = {}
                     want = pref
                     if isinstance(p.device, CudaDevice):
@@ -296,8 +299,12 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
                     rep.modes[t.mode.wire_name] = rep.modes.get(t.mode.wire_name, 0) + 1
                     rep.staged += t.staged
                 except BrokerUnavailable:
-                    if buf is not None and not p.holds(buf):
-                        free.append(buf)  # it never left: no release will bring it back
+                    if buf is not None and not p.holds(obj):
+                        # It never left: no release will bring it back. A send that raises hands it
+                        # back as it took it: its write is ours to order before the next one.
+                        if on is not None:
+                            on.synchronize()
+                        free.append(buf)
                     outage = outage or time.monotonic()
                     if time.monotonic() - outage > broker_grace:
                         raise
