@@ -82,8 +82,8 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                             "        s.device.publish_host(  # MUTANT: the staged copy is not host-waited\n",
                             "tests/test_clients.py", *PATHS),
     "event-destroyed-early": ("hurray_ipc/client/producer.py",
-                              "and pool is not None and pool.pooled and o.event.query():\n",
-                              "and pool is not None and o.event.query():  # MUTANT: destroyed early\n",
+                              "and pool is not None and pool.pooled and self._writes_done(o):\n",
+                              "and pool is not None and self._writes_done(o):  # MUTANT: destroyed early\n",
                               "tests/test_clients.py"),
     # The real backend leaves the application's CUDA state as it found it (issue 22).
     "device-not-restored": ("hurray_ipc/devices/cuda.py",
@@ -370,13 +370,17 @@ MUTANTS: dict[str, tuple[str, ...]] = {
     # (sync-contract §3): the buffer goes back once the handoff's event completed.
     "own-writes-not-awaited": ("hurray_ipc/client/producer.py",
                                "        if free_source and outcome != \"consumer_fenced\" and o.event is not None "
-                               "and not o.event.query():\n",
+                               "and not self._writes_done(o):\n",
                                "        if False:  # MUTANT: handed back at the release, our writes maybe running\n",
                                "tests/test_paths.py"),
     "settled-never": ("hurray_ipc/client/producer.py",
                       "            self.session.deferred += self._finish(hid, outcome, free_source)\n",
                       "            self._settling[hid] = (outcome, free_source)  # MUTANT: never given back\n",
                       "tests/test_paths.py"),
+    "close-settle-skipped": ("hurray_ipc/client/producer.py",
+                             "            if self._settling:\n                self._settle_now()\n",
+                             "            pass  # MUTANT: nothing given back after the last pump round\n",
+                             "tests/test_paths.py"),
     # The pump runs what its owner's poll queued in the same round, before the call it serves returns.
     "poll-callbacks-late": ("hurray_ipc/client/session.py",
                             "        busy = self._poll() if self._poll is not None else False  # it may queue "
@@ -387,7 +391,7 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                             "        busy = self._poll() if self._poll is not None else False\n",
                             "tests/test_paths.py"),
     "pooled-event-before-complete": ("hurray_ipc/client/producer.py",
-                                     "pool.pooled and o.event.query():\n",
+                                     "pool.pooled and self._writes_done(o):\n",
                                      "pool.pooled:  # MUTANT: re-pooled before it completed\n",
                                      "tests/test_paths.py"),
     "consumer-stream-event-dropped": ("hurray_ipc/client/producer.py",

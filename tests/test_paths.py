@@ -371,12 +371,15 @@ def test_broken_twin_release_many_fenced_on_an_idle_stream_races_with_the_rewrit
 
 
 # --- the producer's own writes, before a buffer goes back to it ----------------------------------
-def _reuse_after_release(broker, delay: float, channel: str, how: str, pool: bool) -> tuple[str | None, list, int]:
+def _reuse_after_release(broker, delay: float, channel: str, how: str, pool: bool,
+                         close_at_once: bool = False) -> tuple[str | None, list, int]:
     """The producer (``pool``: with the event pool) writes a buffer on one stream and sends it EVENT
     (the write still in flight);
     a consumer process orders nothing after that write (workers.take_without_waiting: releases at
     once without wait(), or exits holding it). Once the buffer is back (``on_release``), the
-    producer's application writes it on another stream, as the stress workload does. Returns the
+    producer's application writes it on another stream, as the stress workload does.
+    ``close_at_once``: once the release came, the producer leaves at once (``close(timeout=0)``, as
+    ``with`` does on an exception: no pump round follows) instead of ``flush()``. Returns the
     ticket's outcome, the race errors seen and the races counted."""
     import workers
     from conftest import emu_env
@@ -391,10 +394,15 @@ def _reuse_after_release(broker, delay: float, channel: str, how: str, pool: boo
             # In flight when the handle leaves, and at a large delay still at the release.
             p.stream.copy(buf, workload.pattern(7, 0, SIZE))
             back: list[str] = []
-            t = p.send(buf, SyncMode.EVENT, timeout=30, on_release=lambda t: back.append(t.outcome))
-            with p.session.lock:  # every pump round is flush()'s own: none of the background thread's
-                p.flush(30)
-            assert back == [t.outcome], "on_release ran once, before flush() returned"
+            with p.session.lock:  # every pump round is this thread's own: none of the background thread's
+                t = p.send(buf, SyncMode.EVENT, timeout=30, on_release=lambda t: back.append(t.outcome))
+                if close_at_once:
+                    p.session.pump(lambda: p._settling or not p._out, 30, "the release")
+                    p.close(timeout=0.0)
+                    assert p.outstanding == 0, "given back, though no pump round came after the release"
+                else:
+                    p.flush(30)
+            assert back == [t.outcome], "on_release ran once, before flush() or close() returned"
             other.memset(buf, 0)  # the application's reuse, on another stream
             caught = _drain(rt, other, p.stream)
             buf.close()
@@ -422,6 +430,16 @@ def test_a_buffer_is_given_back_only_once_its_own_writes_completed(broker, delay
     outcome, caught, races = _reuse_after_release(broker, delay, f"own-{how}-{pool}", how, pool)
     assert outcome == ("released" if how == "release" else "consumer_gone")
     assert not caught and races == 0
+
+
+@pytest.mark.parametrize("delay", DELAYS)
+def test_a_producer_leaving_at_once_still_gives_back_what_waits_for_its_writes(broker, delay):
+    """A producer that leaves without a pump round after a release (``close(timeout=0)``, as
+    ``with`` does on an exception) host-waits the writes a released handoff still waits for and
+    gives it back: on_release runs, its event and staging pools close. Broken (nothing after the
+    last pump round), on_release never runs and the rewrite races the first write."""
+    outcome, caught, races = _reuse_after_release(broker, delay, "own-close", "release", False, close_at_once=True)
+    assert outcome == "released" and not caught and races == 0
 
 
 @pytest.mark.parametrize("delay", DELAYS)

@@ -41,7 +41,7 @@ from ..wire.messages import Unmap as UnmapMessage
 from ..wire.messages import Unmapped as UnmappedMessage
 from .credits import Credits
 from .grants import Grant, GrantBook, Granted
-from .session import Session, check_client_args, check_timeout
+from .session import Session, check_client_args, check_timeout, run_callbacks
 
 log = logging.getLogger("hurray.producer")
 
@@ -55,7 +55,8 @@ def _handle(size: int, tag: DeviceTag, mode: SyncMode) -> BufferHandle:
 
 
 def _settled(ticket: Ticket) -> bool:
-    return ticket.accepted or ticket.released
+    # A refusal settles it at once: the buffer may still wait for its writes before on_release.
+    return ticket.accepted or ticket.released or ticket.error is not None
 
 
 def _fewer_in_use(staging: StagingPool, before: int) -> bool:
@@ -307,7 +308,7 @@ class Producer:
             # Either way not before it completed: until then it is what tells _finish that our own
             # writes to the buffer did.
             pool = self.events
-            if o is not None and o.event is not None and pool is not None and pool.pooled and o.event.query():
+            if o is not None and o.event is not None and pool is not None and pool.pooled and self._writes_done(o):
                 pool.release(o.event)
                 o.event = None
         elif isinstance(msg, Released):
@@ -340,7 +341,7 @@ class Producer:
                 out: list[Callable[[], None]] = []
                 for i in ids:
                     o = self._out.get(i)
-                    if o is None:
+                    if o is None or i in self._settling:
                         continue
                     o.ticket.error = RemoteError(msg.code, msg.message, h)
                     self.grants.give_back(o.grant)
@@ -363,8 +364,10 @@ class Producer:
             log.warning("release of handoff %s that is not outstanding", handoff_id)
             return []
         if handoff_id in self._settling:
-            return []  # ended already; given back once its writes completed
-        if free_source and outcome != "consumer_fenced" and o.event is not None and not o.event.query():
+            self.unknown_releases += 1
+            log.warning("release of handoff %s that ended already (it waits for its writes)", handoff_id)
+            return []
+        if free_source and outcome != "consumer_fenced" and o.event is not None and not self._writes_done(o):
             self._settling[handoff_id] = (outcome, free_source)
             return []
         del self._out[handoff_id]
@@ -379,6 +382,32 @@ class Producer:
             return []  # re-sent: on_release belongs to the handoff that is delivered
         cb = o.on_release
         return [lambda: cb(o.ticket)] if cb is not None else []
+
+    def _writes_done(self, o: _Outgoing) -> bool:
+        """Whether the writes ``o``'s event was recorded after completed (a successful query is
+        where the host learns so). A query that fails counts as done, with an error on the log, so
+        that no handoff waits for ever: on CUDA such errors are sticky, and nothing enqueued after
+        them runs either."""
+        assert o.event is not None
+        try:
+            return o.event.query()
+        except DeviceError as e:
+            log.error("handoff %s: its event cannot be queried (%s); given back without knowing that the writes "
+                      "before it completed", o.ticket.handoff_id, e)
+            return True
+
+    def _settle_now(self) -> None:
+        """At close, after the last pump round: every ended handoff still waiting for its writes
+        host-waits them (this producer's own work, already enqueued) and is given back."""
+        with self.session.lock:
+            for hid in self._settling:
+                try:
+                    self._out[hid].event.synchronize()  # type: ignore[union-attr]
+                except DeviceError:
+                    pass  # _writes_done logs it
+            self._settle()
+            callbacks, self.session.deferred = self.session.deferred, []
+        run_callbacks(callbacks)
 
     def _settle(self) -> bool:
         """The pump's hook, each round (under the session lock): :meth:`_finish` again every ended
@@ -1027,6 +1056,8 @@ class Producer:
         except (TimeoutError, BrokerUnavailable):
             log.warning("closing with %d handoff(s) unreleased", len(self._out))
         finally:
+            if self._settling:
+                self._settle_now()
             with self.session.lock:  # closed while a send failed, its next step still queued
                 for k in [k for k in self._kept.values() if not k.retired]:  # retired: warned at its close
                     self._dispose(k)
