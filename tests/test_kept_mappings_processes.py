@@ -97,6 +97,19 @@ def test_an_allocation_a_consumer_cannot_be_answered_for_stays_allocated(broker,
     assert pr["races"] == cr["races"] == 0
 
 
+def test_a_producer_leaving_without_waiting_keeps_its_allocations_and_says_so_once(broker):
+    """A producer that fails inside its with-block closes without waiting (timeout 0): what its
+    consumers may still map stays allocated until the process exits (whether they answered the
+    UNMAP it sent or not), said in one warning that counts the allocations and says why (not one
+    per allocation blaming the consumers)."""
+    pr, cr = _run(broker, 0.0, breaks_p="raise-inside", allocs=4, rounds=1)
+    assert pr["kept"] == pr["retired"] == pr["left"] == 4
+    assert len(pr["warnings"]) == 1, pr["warnings"]
+    assert pr["warnings"][0].startswith("closing: 4 allocation(s) of allocate()") and "without waiting" in \
+        pr["warnings"][0], pr["warnings"]
+    assert pr["races"] == cr["races"] == 0
+
+
 def test_a_round_open_when_the_broker_restarts_is_asked_again_and_ends(tmp_path):
     """The open round is lost with the broker; the producer asks again after its new WELCOME.
     The consumer is stopped across the restart, so that UNMAP reaches the new broker before the

@@ -356,7 +356,8 @@ def kept_producer(endpoint, channel, env, allocs, rounds, size, done, breaks=Non
     as from a broker older than kept mappings; "stranger" names a consumer
     the broker never saw among those of every kept buffer; "device-memory" sends
     buffers the producer does not own (allocated on the device, not by ``allocate()``), freed
-    after their release as any owner may."""
+    after their release as any owner may; "raise-inside" leaves the producer's with-block through an
+    exception instead of closing the buffers (so without waiting), and reports its warnings."""
     os.environ.update(env)
     import numpy as np
 
@@ -391,6 +392,19 @@ def kept_producer(endpoint, channel, env, allocs, rounds, size, done, breaks=Non
                     k.consumers.add("0123456789abcdef")
             if consumer_counted is not None and not consumer_counted.wait(60):
                 raise TimeoutError("the consumer never counted its mappings")
+            if breaks == "raise-inside":  # leaves a with-block through an exception: close(timeout=0)
+                import logging
+                seen: list[str] = []
+                h = logging.Handler(logging.WARNING)
+                h.emit = lambda rec: seen.append(rec.getMessage())  # type: ignore[method-assign]
+                logging.getLogger("hurray.producer").addHandler(h)
+                try:
+                    with p:
+                        raise KeyError("the application failed")
+                except KeyError:
+                    pass
+                return {"kept": kept, "left": len(p._kept), "retired": sum(1 for k in p._kept.values() if k.retired),
+                        "warnings": seen, "races": emulated_races(p.device)}
             for b in bufs:
                 b.close()
             p.session.pump(lambda: not p._rounds, 30, "waiting for the UNMAP rounds")

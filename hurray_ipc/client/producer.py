@@ -622,25 +622,32 @@ class Producer:
 
     def _unmap_all(self, timeout: float) -> None:
         """At close: ask back every kept allocation and wait (at most ``timeout`` s) for the
-        answers; what stays unanswered is retired (spec §4.10)."""
+        answers; what stays unanswered is retired (spec §4.10), said in one warning with why."""
         with self.session.lock:
             for ptr, k in self._kept.items():
                 if k.consumers and k.request is None and not k.retired:
                     self._ask_back(ptr, k)
+        why = "the broker is unavailable, so their consumers could not be asked to unmap"
         if self._rounds and self.session.alive:
             try:
                 self.session.pump(lambda: not self._rounds, timeout, "waiting for consumers to unmap")
-            except (TimeoutError, BrokerUnavailable):
-                pass
+            except BrokerUnavailable:
+                why = "the broker went while their consumers were asked to unmap"
+            except TimeoutError:
+                why = (f"their consumers did not answer UNMAP within {timeout:g} s" if timeout > 0 else
+                       "the producer closed without waiting for their consumers to unmap (timeout 0, or a "
+                       "with-block left through an exception)")
         with self.session.lock:
+            left = len(self._unasked) + len(self._rounds)
             for ptr in self._unasked:
                 self._kept[ptr].retired = True
             self._unasked.clear()
             for request in list(self._rounds):
                 k = self._kept[self._rounds.pop(request)]
                 k.request, k.retired = None, True
-                log.warning("closing: an allocation of allocate() whose consumers did not answer UNMAP stays "
-                            "allocated until this process exits")
+        if left:
+            log.warning("closing: %d allocation(s) of allocate() that consumers may still map stay allocated until "
+                        "this process exits: %s", left, why)
 
     def holds(self, obj: Any) -> bool:
         """True while ``obj`` is part of a handoff not yet released (it will come back through
