@@ -30,7 +30,7 @@ from hurray_ipc.client.query import stats
 from workers import hold_fenced_then_leave, hold_while_fenced
 
 SIZE = 64 << 10
-TIMEOUT_S, FENCE_S = 1.0, 3.0
+TIMEOUT_S, FENCE_S = 1.0, 2.0
 
 
 @pytest.fixture
