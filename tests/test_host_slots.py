@@ -212,6 +212,14 @@ def test_the_copy_is_the_slots_first_nbytes_with_the_arrays_own_shape_and_dtype(
         again = resolve(obj, _lend(pool), None, None, None)
         assert again.slot is src.slot and cpu.export_memory(again.buffer).blob == exp.blob
         again.free()
+        # The slot remembers its view of the last size it lent: another size in the same slot
+        # gets a view of its own size, and the first size again its own bytes.
+        small = np.arange(100, dtype=np.float32)
+        for x, n, want in ((small, 400, small.tobytes()), (obj, 4000, expect)):
+            other = resolve(x, _lend(pool), None, None, None)
+            assert other.slot is src.slot and other.buffer.size == n and bytes(other.buffer.host_view()) == want
+            assert (cpu.export_memory(other.buffer).size, other.shape) == (n, x.shape)
+            other.free()
     finally:
         pool.close()
         cpu.close()

@@ -310,13 +310,20 @@ def _dlpack_source(obj: Any, gpu: CudaDevice, stream: CudaStream | None) -> Sour
                   dl_dtype=t.dl_dtype)
 
 
-def _copy_source(nbytes: int, host_slot: HostSlot) -> tuple[Buffer, Buffer, Callable[[], None]]:
+def _copy_source(nbytes: int, host_slot: HostSlot) -> tuple[Buffer, Buffer, Callable[[], None], np.ndarray]:
     """The first ``nbytes`` of a lent slot, as its own Buffer (exported as the slot's segment at
-    offset 0, so a consumer maps each slot once however often it comes back), the slot and its
-    give-back."""
+    offset 0, so a consumer maps each slot once however often it comes back) and as a uint8 array
+    to copy into, the slot and its give-back."""
     slot, give_back = host_slot(nbytes)
-    cpu: CpuDevice = slot.device  # type: ignore[assignment]
-    return cpu.buffer_at(slot.ptr, nbytes), slot, give_back
+    head: tuple[int, Buffer, np.ndarray] | None = getattr(slot, "_head", None)
+    if head is None or head[0] != nbytes:
+        # Remembered on the slot, the last size only: a steady stream of one size builds (and
+        # exports) the view once per slot; the slot lends it to one handoff at a time.
+        cpu: CpuDevice = slot.device  # type: ignore[assignment]
+        sub = cpu.buffer_at(slot.ptr, nbytes)
+        head = (nbytes, sub, np.frombuffer(sub.host_view(), dtype=np.uint8))
+        slot._head = head  # type: ignore[attr-defined]
+    return head[1], slot, give_back, head[2]
 
 
 def _host_dlpack_source(obj: Any, host_slot: HostSlot) -> Source:
@@ -325,7 +332,7 @@ def _host_dlpack_source(obj: Any, host_slot: HostSlot) -> Source:
     capsule = obj.__dlpack__()
     t = dlpack.read_capsule(capsule)  # the capsule stays unconsumed: its destructor frees it
     nbytes = _contiguous_nbytes(obj, t.shape, t.typestr, t.strides)
-    buf, slot, give_back = _copy_source(nbytes, host_slot)
+    buf, slot, give_back, _ = _copy_source(nbytes, host_slot)
     if nbytes:
         ctypes.memmove(buf.ptr, t.ptr, nbytes)
     del capsule
@@ -350,9 +357,9 @@ def _host_source(obj: Any, host_slot: HostSlot) -> Source:
         arr = arr.view(np.uint8)
     if not arr.flags.c_contiguous:
         _contiguous_nbytes(obj, tuple(arr.shape), arr.dtype.str, arr.strides)  # raises, naming the strides
-    buf, slot, give_back = _copy_source(arr.nbytes, host_slot)
+    buf, slot, give_back, dst = _copy_source(arr.nbytes, host_slot)
     if arr.nbytes:
-        np.frombuffer(buf.host_view(), dtype=np.uint8)[:] = arr.reshape(-1).view(np.uint8)
+        dst[:] = arr.reshape(-1).view(np.uint8)
     return Source(buf, arr.dtype.str, tuple(arr.shape), copied=True, slot=slot, keep=obj, cleanup=give_back,
                   readonly=not arr.flags.writeable)
 
