@@ -83,7 +83,10 @@ PRODUCER_INJECTIONS = ("no-host-wait", "record-wrong-stream")
 #: consumer reads on its own stream after waiting and its host wait, on another stream given to
 #: ``wait(s)``, or on a stream ordered by ``__dlpack__(stream=)``, and in the last two releases
 #: with its reads still pending, so the library's release-after-work must fence them. Each is a
-#: rule the plain workload never touches.
+#: rule the plain workload never touches. On the CPU, every other handoff is a new numpy array
+#: instead of the producer's own buffer: the library copies it into a recycled slot of its pool
+#: (interop/staging.py), which must come back only at its release, and never while a fenced
+#: consumer may still read it.
 PATHS = ("plain", "mixed")
 _MODES = (None, SyncMode.EVENT, SyncMode.CONSUMER_STREAM, SyncMode.PRODUCER_SYNCED)
 
@@ -147,6 +150,7 @@ class ProducerReport:
     consumer_gone: int = 0
     modes: dict[str, int] = field(default_factory=dict)
     staged: int = 0
+    copied: int = 0  # host arrays the library copied into a slot of its pool (mixed paths, CPU)
     races: int = 0  # writes or frees the emulation saw unordered after a consumer's read
     error: str | None = None
 
@@ -228,7 +232,7 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
                 p.stream.synchronize = lambda: None  # type: ignore[method-assign]  # the skipped host wait
             elif inject == "record-wrong-stream" and p.gpu is not None:
                 writer = p.gpu.create_stream()  # writes go here; send() is told the idle p.stream
-            mixed = paths == "mixed" and inject is None and p.gpu is not None
+            mixed = paths == "mixed" and inject is None
             side = p.gpu.create_stream() if mixed and p.gpu is not None else None
             free: list[Buffer] = [p.allocate(size) for _ in range(pool)]
             host: list[Any] = [None] * pool
@@ -238,9 +242,12 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
                 end = until if end is None else min(end, until)
             outage: float | None = None
 
-            def back(t: Any, buf: Buffer) -> None:
-                # t.obj: what was sent (the buffer, or a CAI/DLPack view of it on the mixed paths)
-                if t.outcome == "consumer_fenced" and p.holds(t.obj):
+            def back(t: Any, buf: Buffer | None) -> None:
+                # t.obj: what was sent (the buffer, a CAI/DLPack view of it, or a numpy array the
+                # library copied: buf None, on the mixed paths)
+                if buf is None:
+                    pass
+                elif t.outcome == "consumer_fenced" and p.holds(t.obj):
                     free.append(p.allocate(size))  # a fenced consumer may still read it: never reuse (§5)
                 else:
                     free.append(buf)
@@ -272,7 +279,7 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
                     buf = free.pop()
                     data = pattern(tag, seq, size)
                     obj = buf
-                    kw: dict[str, Any] = {}
+                    kw: dict[str, Any] = {"meta": [tag, seq]}  # the consumer checks it read these bytes
                     want = pref
                     if isinstance(p.device, CudaDevice):
                         if writer is None:  # Producer gives every CUDA device a stream; never expected
@@ -289,6 +296,9 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
                             obj = DlpackView(p.gpu, buf, side)
                         if side is not None and pref is None:
                             want = _MODES[(seq // 4) % len(_MODES)]
+                    elif mixed and seq % 2:  # a new array, copied into a slot of the library's pool
+                        free.append(buf)
+                        buf, obj = None, data
                     else:
                         np.frombuffer(buf.host_view(), dtype=np.uint8)[:] = data
                     seq += 1
@@ -298,6 +308,7 @@ def run_producer(endpoint: str, channel: str, device: str, count: int, size: int
                     _bump(counters, P_SENT)
                     rep.modes[t.mode.wire_name] = rep.modes.get(t.mode.wire_name, 0) + 1
                     rep.staged += t.staged
+                    rep.copied += buf is None
                 except BrokerUnavailable:
                     if buf is not None and not p.holds(obj):
                         # It never left: no release will bring it back. A send that raises hands it
@@ -433,6 +444,8 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
                     if hold:
                         time.sleep(hold)
                     tag, seq, ok = verify(out)
+                    # Intact bytes of another handoff (a buffer or slot reused under this one) are corrupt too.
+                    ok = ok and (h.meta is None or h.meta == [tag, seq])
                     rep.intact += ok
                     rep.corrupt += not ok
                     _bump(counters, C_INTACT if ok else C_CORRUPT)

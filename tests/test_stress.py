@@ -35,9 +35,15 @@ def test_stress_emulated_cuda_with_kills_and_broker_restart():
 
 
 def test_stress_cpu_with_consumer_kills():
+    """With --paths mixed, every other handoff is a new numpy array the library copies into a
+    recycled slot, under consumer kills. Each consumer checks that the bytes it read are those of
+    the handoff it got (its meta names them), so a slot given back at send time shows as
+    corruption (3 runs of 3 when tried; by timing: the rule's every-time test is
+    tests/test_host_slots.py)."""
     s = check(StressConfig(producers=2, consumers=3, count=300, size=16 << 10, device="cpu",
-                           kill_consumers=1.0, seed=12, progress=False))
+                           kill_consumers=1.0, seed=12, progress=False, paths="mixed"))
     assert s.consumers_killed > 0
+    assert 0 < s.copied < s.handoffs, (s.copied, s.handoffs)
 
 
 @pytest.mark.parametrize("delay_ms", [0.0, 50.0])

@@ -119,6 +119,7 @@ class StressSummary:
     broker_rss_kib_end: int = 0
     modes: dict[str, int] = field(default_factory=dict)  # handoffs by sync mode (producers that lived to the end)
     staged: int = 0  # of those, host-staged copies (for CPU consumers, in --paths mixed)
+    copied: int = 0  # of those, new host arrays copied into the library's slots (CPU, --paths mixed)
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -418,6 +419,7 @@ class Runner:
                     for mode, n in (res.get("modes") or {}).items():
                         s.modes[mode] = s.modes.get(mode, 0) + n
                     s.staged += res.get("staged", 0)
+                    s.copied += res.get("copied", 0)
         s.handoffs = self._sum("producer", workload.P_SENT)
         s.verified = self._sum("consumer", workload.C_INTACT)
         s.corrupt = self._sum("consumer", workload.C_CORRUPT)
@@ -439,7 +441,7 @@ def render(s: StressSummary) -> str:
             ("shm segments left behind", s.segments_left), ("events left behind", s.events_left),
             ("broker RSS start / end (KiB)", f"{s.broker_rss_kib_start} / {s.broker_rss_kib_end}"),
             ("sync modes", ", ".join(f"{k} {v}" for k, v in sorted(s.modes.items())) or "-"),
-            ("host-staged copies", s.staged),
+            ("host-staged copies", s.staged), ("host arrays copied into slots", s.copied),
             ("seconds", s.seconds)]
     out = [f"{k:<42} {v}" for k, v in rows]
     out += [f"error: {e}" for e in s.errors]
@@ -494,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
                         "after wait() on the consumer's stream; mixed (CUDA devices): per buffer, another "
                         "stream, a CUDA Array Interface or DLPack-only object, each preferred mode, reads on "
                         "streams given to wait() or __dlpack__(stream=) released while pending, and every "
-                        "other consumer on the CPU (host-staged copies) "
+                        "other consumer on the CPU (host-staged copies); on the CPU, every other handoff a "
+                        "new numpy array, copied into a recycled slot of the library's pool "
                         "(default: %(default)s)")
     p.add_argument("--pairs", type=non_negative_int, default=d.pairs, metavar="N",
                    help="also run N in-process producer+consumer pairs, each alone on a channel of its own: "
