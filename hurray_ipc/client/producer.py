@@ -622,32 +622,47 @@ class Producer:
 
     def _unmap_all(self, timeout: float) -> None:
         """At close: ask back every kept allocation and wait (at most ``timeout`` s) for the
-        answers; what stays unanswered is retired (spec §4.10), said in one warning with why."""
-        with self.session.lock:
-            for ptr, k in self._kept.items():
-                if k.consumers and k.request is None and not k.retired:
-                    self._ask_back(ptr, k)
-        why = "the broker is unavailable, so their consumers could not be asked to unmap"
-        if self._rounds and self.session.alive:
-            try:
+        answers; what stays unanswered is retired (spec §4.10), said in one warning with why.
+        Without a wait (timeout 0, no broker) what was asked is retired in the same hold of the
+        lock, so an answer arriving meanwhile changes nothing: the count does not depend on timing."""
+        left, wait = 0, False
+        why = "the producer was interrupted while their consumers were asked to unmap"
+        try:
+            with self.session.lock:
+                for ptr, k in self._kept.items():
+                    if k.consumers and k.request is None and not k.retired:
+                        self._ask_back(ptr, k)
+                wait = bool(self._rounds) and self.session.alive and timeout > 0
+                if not wait:
+                    why = ("the producer closed without waiting for their consumers to unmap (timeout 0, or a "
+                           "with-block left through an exception)" if self.session.alive else
+                           "the broker is unavailable, so their consumers could not be asked to unmap")
+                    left = self._retire_unanswered()
+            if wait:
                 self.session.pump(lambda: not self._rounds, timeout, "waiting for consumers to unmap")
-            except BrokerUnavailable:
-                why = "the broker went while their consumers were asked to unmap"
-            except TimeoutError:
-                why = (f"their consumers did not answer UNMAP within {timeout:g} s" if timeout > 0 else
-                       "the producer closed without waiting for their consumers to unmap (timeout 0, or a "
-                       "with-block left through an exception)")
-        with self.session.lock:
-            left = len(self._unasked) + len(self._rounds)
-            for ptr in self._unasked:
-                self._kept[ptr].retired = True
-            self._unasked.clear()
-            for request in list(self._rounds):
-                k = self._kept[self._rounds.pop(request)]
-                k.request, k.retired = None, True
-        if left:
-            log.warning("closing: %d allocation(s) of allocate() that consumers may still map stay allocated until "
-                        "this process exits: %s", left, why)
+        except BrokerUnavailable:
+            why = "the broker went while their consumers were asked to unmap"
+        except TimeoutError:
+            why = f"their consumers did not answer UNMAP within {timeout:g} s"
+        finally:
+            if wait:
+                with self.session.lock:
+                    left = self._retire_unanswered()
+            if left:
+                log.warning("closing: %d allocation(s) of allocate() that consumers may still map stay allocated "
+                            "until this process exits: %s", left, why)
+
+    def _retire_unanswered(self) -> int:
+        """(Under the session lock.) Retire every allocation still asked back or waiting to be:
+        kept until this process exits (spec §4.10). Returns how many."""
+        left = len(self._unasked) + len(self._rounds)
+        for ptr in self._unasked:
+            self._kept[ptr].retired = True
+        self._unasked.clear()
+        for request in list(self._rounds):
+            k = self._kept[self._rounds.pop(request)]
+            k.request, k.retired = None, True
+        return left
 
     def holds(self, obj: Any) -> bool:
         """True while ``obj`` is part of a handoff not yet released (it will come back through
@@ -1068,10 +1083,12 @@ class Producer:
             with self.session.lock:  # closed while a send failed, its next step still queued
                 for k in [k for k in self._kept.values() if not k.retired]:  # retired: warned at its close
                     self._dispose(k)
-            if any(k.consumers for k in self._kept.values()):
-                self._unmap_all(self.session.timeout_s if timeout is None else max(0.0, min(timeout,
-                                                                                          self.session.timeout_s)))
-            self.session.close()
+            try:
+                if any(k.consumers for k in self._kept.values()):
+                    self._unmap_all(self.session.timeout_s if timeout is None else max(0.0, min(timeout,
+                                                                                              self.session.timeout_s)))
+            finally:  # a Ctrl-C in the wait still disconnects
+                self.session.close()
             if self.events is not None and not self._out:
                 self.events.close()
             if not self._out:
