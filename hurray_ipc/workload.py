@@ -88,6 +88,9 @@ PRODUCER_INJECTIONS = ("no-host-wait", "record-wrong-stream")
 #: (interop/staging.py), which must come back only at its release, and never while a fenced
 #: consumer may still read it.
 PATHS = ("plain", "mixed")
+#: How long a consumer of a finished stress run (:func:`run_consumer`'s ``finished``) waits for a
+#: handoff still on its way before it stops.
+FINISHED_QUIET_S = 0.2
 _MODES = (None, SyncMode.EVENT, SyncMode.CONSUMER_STREAM, SyncMode.PRODUCER_SYNCED)
 
 
@@ -363,10 +366,14 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
                  idle_stop: float | None = None, hold: float = 0.0, env: dict[str, str] | None = None,
                  keep_seen: bool = True, inject: str | None = None, counters: Any = None,
                  broker_grace: float = 15.0, paths: str = "plain", declare_stream: bool = False,
-                 gate: Any = None) -> dict[str, Any]:
+                 gate: Any = None, finished: Any = None) -> dict[str, Any]:
     """Receive up to ``count`` buffers (or until ``idle_stop`` s pass with none, or until the end of
     the stream, ipc-protocol.md §4.9), checking each. ``gate``: the producers' (see
     :func:`run_producer`); while it is shut they wait at it, so idling is not stopping.
+    ``finished``: a flag (a shared ``RawValue``) the stress runner sets once no producer is left
+    alive: a producer that finishes has waited for every release, and a killed one sends nothing
+    more, so from then on the first receive that finds nothing within :data:`FINISHED_QUIET_S`
+    ends the run (instead of a whole ``idle_stop``).
     ``paths``: "plain", or "mixed" to vary how each buffer is waited for, read and released
     (:data:`PATHS`). ``declare_stream``: name the consumer's stream at request time, so that an
     in-process producer may order it itself (CONSUMER_STREAM, :func:`run_pair`).
@@ -397,16 +404,25 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
             mixed = paths == "mixed" and inject is None and c.gpu is not None
             s1, s2 = (c.gpu.create_stream(), c.gpu.create_stream()) if mixed and c.gpu is not None else (None, None)
             outage: float | None = None
+            wait = idle_stop if idle_stop is not None else timeout
+            since = time.monotonic()  # of the last handoff (or gate, or outage): idle time counts from it
             while count is None or rep.received < count:
                 try:
-                    h = c.receive(timeout=idle_stop if idle_stop is not None else timeout)
+                    # In slices when there is a finished flag to look at between them.
+                    h = c.receive(timeout=wait if finished is None else min(wait, FINISHED_QUIET_S))
                     outage = None
+                    since = time.monotonic()
                 except EndOfStream:
                     rep.ended = True
                     break
                 except TimeoutError:
                     if gate is not None and not gate.value:
+                        since = time.monotonic()
                         continue  # the producers wait at the runner's gate: more is coming
+                    if finished is not None and finished.value:
+                        break  # no producer is left: nothing more can come
+                    if time.monotonic() - since < wait:
+                        continue
                     if idle_stop is not None:
                         break
                     raise
@@ -415,6 +431,7 @@ def run_consumer(endpoint: str, channel: str, device: str, count: int | None, *,
                     if time.monotonic() - outage > broker_grace:
                         raise
                     time.sleep(0.1)
+                    since = time.monotonic()
                     continue
                 rep.received += 1
                 _bump(counters, C_RECEIVED)

@@ -192,6 +192,8 @@ class Runner:
         # A run of a given count with kills: its producers wait here after a tenth of their share
         # until the kills it owes were made (run_producer's gate), so that they always happen.
         self.gate: Any = None
+        # Set once no producer is left alive: the consumers stop as soon as they are idle.
+        self.finished: Any = workload.SPAWN.RawValue("b", 0)
         self.broker: subprocess.Popen | None = None
         self.summary = StressSummary(asdict(cfg))
 
@@ -231,7 +233,7 @@ class Runner:
             if self.cfg.paths == "mixed" and self.spec.startswith("cuda") and started % 2:
                 common["device"] = "cpu"
             kw = dict(common, count=None, idle_stop=max(IDLE_STOP_MIN, 2 * self.cfg.timeout), keep_seen=False,
-                      timeout=self.WORKER_TIMEOUT_S, gate=self.gate,
+                      timeout=self.WORKER_TIMEOUT_S, gate=self.gate, finished=self.finished,
                       inject=self.cfg.inject if self.cfg.inject in workload.CONSUMER_INJECTIONS else None)
             fn = workload.run_consumer
         p, q = workload.spawn(fn, **kw)
@@ -378,6 +380,7 @@ class Runner:
                                        f"(consumers killed {self.summary.consumers_killed}, producers killed "
                                        f"{self.summary.producers_killed}); the gate opened as the run ended")
             self.gate.value = 1
+        self.finished.value = 1
         self._collect()
         self.summary.broker_rss_kib_end = _rss(self.broker.pid)  # type: ignore[union-attr]
         self.broker.terminate()  # type: ignore[union-attr]
@@ -469,8 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--duration", type=float, metavar="SECONDS",
                    help="instead of a count: the wall time of the whole run. One deadline from the start, "
                         "which replacement workers keep; after it nothing is killed or restarted, in-flight "
-                        f"handoffs drain and consumers stop after {max(IDLE_STOP_MIN, 2 * d.timeout):g} s idle, "
-                        "so the run ends a few seconds after SECONDS")
+                        "handoffs drain and the consumers stop once every producer finished (or after "
+                        f"{max(IDLE_STOP_MIN, 2 * d.timeout):g} s idle), so the run ends a few seconds after SECONDS")
     p.add_argument("--size", type=parse_size, default=d.size, help="bytes per buffer (4096, 64K, 1M ...)")
     p.add_argument("--mode", type=sync_mode, help="preferred sync mode (default: the cheapest valid one)")
     p.add_argument("--device", type=device, default=d.device,
@@ -493,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the same as --inject skip-wait")
     p.add_argument("--paths", choices=workload.PATHS, default=d.paths,
                    help="plain: every buffer written on the producer's stream, sent in the cheapest mode, read "
-                        "after wait() on the consumer's stream; mixed (CUDA devices): per buffer, another "
+                        "after wait() on the consumer's stream; mixed: on CUDA devices, per buffer, another "
                         "stream, a CUDA Array Interface or DLPack-only object, each preferred mode, reads on "
                         "streams given to wait() or __dlpack__(stream=) released while pending, and every "
                         "other consumer on the CPU (host-staged copies); on the CPU, every other handoff a "
