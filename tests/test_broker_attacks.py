@@ -62,6 +62,7 @@ def test_one_message_cannot_kill_it(live, tmp_path):
     _alive(b, ctx)
 
 
+@pytest.mark.machine_wide
 def test_stale_segment_with_a_huge_pid_does_not_kill_it(live):
     b, ctx = live
     name = f"{shm.PREFIX}-{os.getuid()}-2147483648-c1-00"

@@ -493,6 +493,7 @@ def test_cpu_import_is_zero_copy():
     imp.close(), buf.close(), other.close()
 
 
+@pytest.mark.machine_wide
 def test_stale_segments_of_dead_processes_are_cleaned():
     import subprocess
     import sys
@@ -505,6 +506,7 @@ def test_stale_segments_of_dead_processes_are_cleaned():
     assert name in removed and name not in shm.list_segments()
 
 
+@pytest.mark.machine_wide
 def test_space_check_refuses_overfull_allocation():
     with pytest.raises(DeviceError, match="not enough space"):
         shm.check_space(shm.free_bytes() + 1)

@@ -100,6 +100,7 @@ def test_holder_in_another_pid_namespace():
     assert liveness.probe(name) is False
 
 
+@pytest.mark.machine_wide
 def test_stale_segment_sweep_keeps_live_foreign_namespace_segments_and_survives_huge_pids():
     fake_foreign = f"/{shm.PREFIX}-{os.getuid()}-4000000-c1-aaaaaa"  # a pid no live process has here
     huge = f"/{shm.PREFIX}-{os.getuid()}-2147483648-c1-bbbbbb"       # once killed the broker (OverflowError)
@@ -137,6 +138,7 @@ def test_a_zombie_is_not_alive():
     p.wait()
 
 
+@pytest.mark.machine_wide
 def test_a_sweep_touches_only_regular_files_this_user_owns(tmp_path):
     """The red team's 'another user's file stops the broker': a file named like one of our
     segments but owned by someone else made the sweep raise posix_ipc's PermissionsError (no
