@@ -22,15 +22,16 @@ from hurray_ipc.workload import emulated_races
 DELAYS = pytest.mark.parametrize("delay", [0.0, 0.02], ids=["delay0", "delay20ms"])
 
 
-def _run(broker, delay, breaks_p=None, breaks_c=None, allocs=2, rounds=3, size=4096):
+def _run(broker, delay, breaks_p=None, breaks_c=None, allocs=2, rounds=3, size=4096, env=None):
     """A producer and a consumer process hand ``allocs`` buffers over ``rounds`` times each
-    (workers.kept_producer / kept_consumer: the variants named there) and report."""
+    (workers.kept_producer / kept_consumer: the variants named there) and report. ``env``: more
+    variables for both."""
     done = SPAWN.Event()
     # The producer closes its buffers (and asks them back) only once the consumer counted what it
     # keeps, and, in the leaving variants, said BYE, whatever the timing: an UNMAP answered
     # earlier would have closed what is counted, or left no leaving to test.
     counted = SPAWN.Event()
-    env = emu_env(op_delay_s=delay)
+    env = {**emu_env(op_delay_s=delay), **(env or {})}
     n = allocs * rounds
     c = Proc(workers.kept_consumer, endpoint=broker.endpoint, channel="kept", env=env, count=n, size=size, done=done,
              breaks=breaks_c, counted=counted)
@@ -107,6 +108,19 @@ def test_a_producer_leaving_without_waiting_keeps_its_allocations_and_says_so_on
     assert len(pr["warnings"]) == 1, pr["warnings"]
     assert pr["warnings"][0].startswith("closing: 4 allocation(s) of allocate()") and "without waiting" in \
         pr["warnings"][0], pr["warnings"]
+    assert pr["races"] == cr["races"] == 0
+
+
+def test_a_producer_interrupted_while_its_consumers_unmap_disconnects_and_frees_its_pools(broker):
+    """A Ctrl-C while close() waits for the UNMAP answers: the allocations asked back are retired
+    (said in one warning), the producer disconnects, and its idle pooled events and host slots are
+    freed, although close() raises KeyboardInterrupt. An application that catches it and lives on
+    (a notebook) keeps no staging segment in /dev/shm and no event for them."""
+    pr, cr = _run(broker, 0.0, breaks_p="interrupt-in-wait", allocs=2, rounds=1, env={"HURRAY_EVENT_POOL": "1"})
+    assert pr["kept"] == pr["retired"] == pr["left"] == 2
+    assert len(pr["warnings"]) == 1 and "the producer was interrupted" in pr["warnings"][0], pr["warnings"]
+    assert pr["pooled"][0] == 1 and pr["pooled"][1] > 0, pr["pooled"]  # what there was to free
+    assert pr["disconnected"] and pr["after"] == (0, 0), pr
     assert pr["races"] == cr["races"] == 0
 
 

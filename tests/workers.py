@@ -357,7 +357,10 @@ def kept_producer(endpoint, channel, env, allocs, rounds, size, done, breaks=Non
     the broker never saw among those of every kept buffer; "device-memory" sends
     buffers the producer does not own (allocated on the device, not by ``allocate()``), freed
     after their release as any owner may; "raise-inside" leaves the producer's with-block through an
-    exception instead of closing the buffers (so without waiting), and reports its warnings."""
+    exception instead of closing the buffers (so without waiting), and reports its warnings;
+    "interrupt-in-wait" gets a Ctrl-C (KeyboardInterrupt) while close() waits for the UNMAP answers,
+    with a host slot and (``HURRAY_EVENT_POOL=1``) events idle in its pools, and reports what it
+    left: the application catches the Ctrl-C and lives on, as a notebook does."""
     os.environ.update(env)
     import numpy as np
 
@@ -392,12 +395,38 @@ def kept_producer(endpoint, channel, env, allocs, rounds, size, done, breaks=Non
                     k.consumers.add("0123456789abcdef")
             if consumer_counted is not None and not consumer_counted.wait(60):
                 raise TimeoutError("the consumer never counted its mappings")
-            if breaks == "raise-inside":  # leaves a with-block through an exception: close(timeout=0)
+            if breaks in ("raise-inside", "interrupt-in-wait"):
                 import logging
                 seen: list[str] = []
                 h = logging.Handler(logging.WARNING)
                 h.emit = lambda rec: seen.append(rec.getMessage())  # type: ignore[method-assign]
                 logging.getLogger("hurray.producer").addHandler(h)
+            if breaks == "interrupt-in-wait":
+                from hurray_ipc.devices import shm
+
+                def slots() -> int:  # a GPU producer's CPU segments: its staging slots
+                    return sum(1 for n in shm.list_segments() if shm.parse_name(n)[1:3] == (os.getpid(), "c"))
+
+                p.staging.release(p.staging.acquire(size))  # idle in the pool, as after any host copy
+                pooled = (slots(), p.events.size)
+                pump = p.session.pump
+
+                def interrupted(cond, timeout, what):
+                    if what == "waiting for consumers to unmap":
+                        raise KeyboardInterrupt
+                    return pump(cond, timeout, what)
+
+                p.session.pump = interrupted
+                try:
+                    p.close()
+                except KeyboardInterrupt:
+                    pass
+                else:
+                    raise AssertionError("close() never waited for the UNMAP answers")
+                return {"kept": kept, "left": len(p._kept), "retired": sum(1 for k in p._kept.values() if k.retired),
+                        "warnings": seen, "races": emulated_races(p.device), "pooled": pooled,
+                        "after": (slots(), p.events.size), "disconnected": p.session.closed}
+            if breaks == "raise-inside":  # leaves a with-block through an exception: close(timeout=0)
                 try:
                     with p:
                         raise KeyError("the application failed")

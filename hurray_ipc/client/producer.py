@@ -1087,13 +1087,22 @@ class Producer:
                 if any(k.consumers for k in self._kept.values()):
                     self._unmap_all(self.session.timeout_s if timeout is None else max(0.0, min(timeout,
                                                                                               self.session.timeout_s)))
-            finally:  # a Ctrl-C in the wait still disconnects
-                self.session.close()
-            if self.events is not None and not self._out:
-                self.events.close()
-            if not self._out:
-                self.staging.close()
-                self._fenced.clear()
+            finally:  # a Ctrl-C in the wait still disconnects and frees the pools (a notebook lives on)
+                try:
+                    self.session.close()
+                finally:
+                    self._close_pools()
+
+    def _close_pools(self) -> None:
+        """At close, once disconnected: destroy the pooled events and free the staging slots,
+        unless a handoff is still out (one unreleased at a close that could not wait keeps its event
+        and slot until the process exits, where a consumer may still use them)."""
+        if self._out:
+            return
+        if self.events is not None:
+            self.events.close()
+        self.staging.close()
+        self._fenced.clear()
 
     def __enter__(self) -> Producer:
         return self
