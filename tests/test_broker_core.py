@@ -26,6 +26,7 @@ from hurray_ipc.broker.core import (
     MAX_HELD,
     BrokerCore,
     Send,
+    _Recent,
 )
 from hurray_ipc.broker.queries import MAX_QUERY_PEERS, MAX_UNREAD, PROBE_FIRST_S
 from hurray_ipc.devices.base import host_id
@@ -1331,6 +1332,18 @@ def test_a_connection_with_unread_answers_is_probed_and_forgotten_once_it_has_go
     after = core.snapshot(20.0)["gauges"]
     assert after["unread_answers"] == 1  # the reader's latest only
     assert before["unread_bytes"] - after["unread_bytes"] == len(Message("STATS_REPLY", ans[2]).encode()[1])
+
+
+def test_released_tokens_are_remembered_up_to_the_bound_oldest_forgotten_first():
+    """Spec §6a: the broker remembers the latest released (and fenced) tokens, so that a second
+    RELEASE of one is already_released; past the bound the oldest is forgotten (then unknown_token).
+    A token noted twice is one entry: it must not push out a newer one."""
+    r = _Recent(3)
+    for k in ("t1", "t2", "t3", "t3", "t4"):
+        r.add(k)
+    assert len(r) == 3 and "t1" not in r, "the oldest is forgotten first, and only once the bound is passed"
+    assert all(k in r for k in ("t2", "t3", "t4")), "a token noted twice pushed out a newer one"
+    assert "t5" not in r and ("c0", "t2") not in r
 
 
 def test_the_query_table_is_bounded_and_forgets_idle_connections_first():
