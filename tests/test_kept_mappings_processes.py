@@ -115,13 +115,36 @@ def test_a_producer_interrupted_while_its_consumers_unmap_disconnects_and_frees_
     """A Ctrl-C while close() waits for the UNMAP answers: the allocations asked back are retired
     (said in one warning), the producer disconnects, and its idle pooled events and host slots are
     freed, although close() raises KeyboardInterrupt. An application that catches it and lives on
-    (a notebook) keeps no staging segment in /dev/shm and no event for them."""
-    pr, cr = _run(broker, 0.0, breaks_p="interrupt-in-wait", allocs=2, rounds=1, env={"HURRAY_EVENT_POOL": "1"})
+    (a notebook) keeps no staging segment in /dev/shm and no event for them. The consumer never
+    answers UNMAP, so the rounds are still open when the Ctrl-C comes, whatever the timing."""
+    pr, cr = _run(broker, 0.0, breaks_p="interrupt-in-wait", breaks_c="deaf-to-unmap", allocs=2, rounds=1,
+                  env={"HURRAY_EVENT_POOL": "1"})
     assert pr["kept"] == pr["retired"] == pr["left"] == 2
     assert len(pr["warnings"]) == 1 and "the producer was interrupted" in pr["warnings"][0], pr["warnings"]
     assert pr["pooled"][0] == 1 and pr["pooled"][1] > 0, pr["pooled"]  # what there was to free
     assert pr["disconnected"] and pr["after"] == (0, 0), pr
     assert pr["races"] == cr["races"] == 0
+
+
+def test_a_close_interrupted_before_it_left_the_broker_destroys_no_event(broker):
+    """Spec §5: a producer destroys no event of a fenced handoff while it is registered (its
+    consumer may still issue a wait on it). A Ctrl-C that ends close() before its BYE left, so
+    still registered, must leave the event pool alone; the next close() frees it."""
+    with emulated_gpu(0.0) as device:
+        p = Producer(broker.endpoint, "interrupted-bye", device, event_pool=True)
+        p.events.release(p.events.acquire())  # type: ignore[union-attr]  # idle in the pool
+        close = p.session.close
+
+        def interrupted() -> None:
+            raise KeyboardInterrupt
+
+        p.session.close = interrupted  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            p.close()
+        assert not p.session.closed and p.events.size == 1, "an event was destroyed while still registered"
+        p.session.close = close  # type: ignore[method-assign]
+        p.close()
+        assert p.session.closed and p.events.size == 0
 
 
 def test_a_round_open_when_the_broker_restarts_is_asked_again_and_ends(tmp_path):

@@ -454,7 +454,8 @@ def kept_consumer(endpoint, channel, env, count, size, done, breaks=None, counte
     buffers (the process lives on); "bye-with-mappings" does so without closing its kept mappings
     first; "answer-first"
     answers UNMAP before closing the mapping; "keep-everything" keeps every mapping open after its
-    release, ``keep`` or not."""
+    release, ``keep`` or not; "deaf-to-unmap" never answers UNMAP (its mappings close when it
+    does), so the producer's rounds stay open whatever the timing."""
     os.environ.update(env)
     import numpy as np
 
@@ -478,6 +479,8 @@ def kept_consumer(endpoint, channel, env, count, size, done, breaks=None, counte
         ImportCache.close_idle = lambda self: None
     elif breaks == "old-consumer":
         _as_older_consumer()
+    elif breaks == "deaf-to-unmap":
+        C.Consumer._unmap = lambda self, msg: None
     leave = breaks in ("leave-first", "bye-with-mappings")  # BYE before the producer closes its buffers
     values = []
     with Consumer(endpoint, channel, "cuda:0") as c:

@@ -1091,7 +1091,8 @@ class Producer:
                 try:
                     self.session.close()
                 finally:
-                    self._close_pools()
+                    if self.session.closed:  # not while registered: a fenced handoff's event outlives our BYE
+                        self._close_pools()
 
     def _close_pools(self) -> None:
         """At close, once disconnected: destroy the pooled events and free the staging slots,
