@@ -520,15 +520,10 @@ def apply(dest: Path, name: str) -> None:
     (dest / path).write_text(text.replace(old, new))
 
 
-def run_suite(tree: Path, tests: list[str]) -> tuple[int, int, str]:
-    """The tests on pytest-xdist workers, as scripts/test runs them (xdist's workers inherit
-    PYTHONPATH, so they import the copy). Tests marked machine_wide are left out: none checks a
-    sync rule, and a test beside them could decide them."""
+def _pytest(tree: Path, tests: list[str], *args: str) -> tuple[int, int, str, list[str]]:
     env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
-    workers = max(1, min(4, len(os.sched_getaffinity(0))))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-n", str(workers),
-                           "-m", "not machine_wide", *tests], cwd=tree, env=env, capture_output=True, text=True,
-                          timeout=1200)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *args, *tests],
+                          cwd=tree, env=env, capture_output=True, text=True, timeout=1200)
     lines = proc.stdout.strip().splitlines()
     tail = lines[-1] if lines else proc.stderr[-500:]
     failed = sum(int(n) for n in re.findall(r"(\d+) (?:failed|error)", tail))
@@ -537,6 +532,16 @@ def run_suite(tree: Path, tests: list[str]) -> tuple[int, int, str]:
     which = list(dict.fromkeys(ln.split(" - ")[0].removeprefix("FAILED ").removeprefix("ERROR ") for ln in lines
                                if ln.startswith(("FAILED ", "ERROR "))))
     return (len(which) if which else failed), passed, tail, which
+
+
+def run_suite(tree: Path, tests: list[str]) -> tuple[int, int, str, list[str]]:
+    """The tests as scripts/test runs them: on pytest-xdist workers (they inherit PYTHONPATH, so
+    they import the copy), then those marked machine_wide alone, which a test beside them could
+    decide (pytest exits 5 there when the files hold none: nothing counted)."""
+    workers = max(1, min(4, len(os.sched_getaffinity(0))))
+    f1, p1, t1, w1 = _pytest(tree, tests, "-n", str(workers), "-m", "not machine_wide")
+    f2, p2, t2, w2 = _pytest(tree, tests, "-m", "machine_wide")
+    return f1 + f2, p1 + p2, f"{t1} | machine_wide: {t2}", w1 + w2
 
 
 def main(argv: list[str] | None = None) -> int:

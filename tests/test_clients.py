@@ -342,6 +342,7 @@ def test_async_for_ends_when_the_consumer_is_closed_while_it_waits(broker):
     assert c.session.closed
 
 
+@pytest.mark.machine_wide  # a sweep beside it would remove a leaked segment of the dead workers first
 def test_no_segments_left_behind(broker):
     """The workers' segments are gone once they exited: none of their pid is left in /dev/shm
     (only theirs are counted: other tests or test runs on this machine make and remove their own)."""

@@ -48,6 +48,7 @@ def test_lease_alive_while_held_and_gone_after_close():
     assert liveness.probe(lease.name) is None, "a closed lease's file is gone: nothing to probe"
 
 
+@pytest.mark.machine_wide  # any broker's sweep probes (and removes) every dead lease of this user
 def test_killed_holder_is_dead_at_once_and_its_file_swept():
     p, name, _, _ = _holder()
     assert liveness.probe(name) is True
@@ -88,6 +89,7 @@ def test_probe_refuses_a_file_it_cannot_trust(tmp_path):
     assert liveness.probe(name, tmp_path) is None, "a directory is not a lease"
 
 
+@pytest.mark.machine_wide  # as above: its last probe races any other sweep
 def test_holder_in_another_pid_namespace():
     """Its pid means nothing here (it is 1 or 2 in its namespace); its lease still decides."""
     p, name, ns, pid = _holder(*unshare_cmd())

@@ -15,7 +15,9 @@ from hurray_ipc.cli import stress
 from hurray_ipc.cli.stress import Runner, StressConfig, render
 from hurray_ipc.devices.backend.real import RealRuntime
 
-pytestmark = pytest.mark.stress
+# machine_wide: a run counts the segments and events its dead workers left, which another test's
+# sweep beside it could remove first; and each run sweeps every dead process's segments itself.
+pytestmark = [pytest.mark.stress, pytest.mark.machine_wide]
 
 
 def check(cfg: StressConfig):
