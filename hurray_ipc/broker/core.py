@@ -131,11 +131,11 @@ class _Recent:
     """The latest ``bound`` keys noted, oldest forgotten first, for membership tests only.
 
     Holds each key's ``hash()``, not the key: str caches its hash, so noting a token costs no
-    hashing, and 100,000 tokens take 8.6 MB (tracemalloc) instead of the 24.8 MB of their
-    48-character strings in an OrderedDict, which showed as a broker RSS plateau 27 MiB above its
-    start once that many handoffs had been released. Two
-    keys of one 64-bit hash are one entry: a key never noted then tests as noted, with odds of
-    about bound / 2**64, which only changes an error code or skips a stranger's claim."""
+    hashing, and 100,000 tokens take 8.6 MB (tracemalloc, the module run as source) instead of the
+    24.8 MB of their 48-character strings in an OrderedDict, which showed as a broker RSS plateau
+    27 MiB above its start once that many handoffs had been released. Two keys of one hash are one
+    entry, so a key never noted can test as noted: for random tokens with odds of about
+    bound / 2**64. That only changes an error code or skips a claim, never a live delivery."""
 
     def __init__(self, bound: int) -> None:
         self.bound = bound
