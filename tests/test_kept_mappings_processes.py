@@ -128,8 +128,10 @@ def test_a_producer_interrupted_while_its_consumers_unmap_disconnects_and_frees_
 
 def test_a_close_interrupted_before_it_left_the_broker_destroys_no_event(broker):
     """Spec §5: a producer destroys no event of a fenced handoff while it is registered (its
-    consumer may still issue a wait on it). A Ctrl-C that ends close() before its BYE left, so
-    still registered, must leave the event pool alone; the next close() frees it."""
+    consumer may still issue a wait on it). Such an event stays in the producer's event pool, and
+    closing the pool destroys every event in it, idle or out: so a Ctrl-C that ends close() before
+    its BYE left, still registered, must not close the pool. An idle event shows whether it did;
+    the next close() frees it."""
     with emulated_gpu(0.0) as device:
         p = Producer(broker.endpoint, "interrupted-bye", device, event_pool=True)
         p.events.release(p.events.acquire())  # type: ignore[union-attr]  # idle in the pool
