@@ -401,6 +401,11 @@ def kept_producer(endpoint, channel, env, allocs, rounds, size, done, breaks=Non
                 h = logging.Handler(logging.WARNING)
                 h.emit = lambda rec: seen.append(rec.getMessage())  # type: ignore[method-assign]
                 logging.getLogger("hurray.producer").addHandler(h)
+
+                def after_close(**more):  # what the producer kept after its close, and what it logged
+                    retired = sum(1 for k in p._kept.values() if k.retired)
+                    return {"kept": kept, "left": len(p._kept), "retired": retired, "warnings": seen,
+                            "races": emulated_races(p.device), **more}
             if breaks == "interrupt-in-wait":
                 from hurray_ipc.devices import shm
 
@@ -423,17 +428,14 @@ def kept_producer(endpoint, channel, env, allocs, rounds, size, done, breaks=Non
                     pass
                 else:
                     raise AssertionError("close() never waited for the UNMAP answers")
-                return {"kept": kept, "left": len(p._kept), "retired": sum(1 for k in p._kept.values() if k.retired),
-                        "warnings": seen, "races": emulated_races(p.device), "pooled": pooled,
-                        "after": (slots(), p.events.size), "disconnected": p.session.closed}
+                return after_close(pooled=pooled, after=(slots(), p.events.size), disconnected=p.session.closed)
             if breaks == "raise-inside":  # leaves a with-block through an exception: close(timeout=0)
                 try:
                     with p:
                         raise KeyError("the application failed")
                 except KeyError:
                     pass
-                return {"kept": kept, "left": len(p._kept), "retired": sum(1 for k in p._kept.values() if k.retired),
-                        "warnings": seen, "races": emulated_races(p.device)}
+                return after_close()
             for b in bufs:
                 b.close()
             p.session.pump(lambda: not p._rounds, 30, "waiting for the UNMAP rounds")
