@@ -7,6 +7,7 @@ import itertools
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import struct
@@ -28,11 +29,42 @@ from hurray_ipc.client import Consumer, Producer
 from test_clients import Proc
 from workers import collect, once_let_through
 
+ANY_PORT = "tcp://127.0.0.1:*"  # --listen: the sending bridge binds a free port and logs it (listening)
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a link whose address must be known before anything binds it (a broker's
+    ``--export``/``--import`` pair, bound again after each bridge restart): a free one below the
+    kernel's ephemeral range, so that no outgoing connection (another test's) takes it between
+    this probe and the bind; the tests whose sender binds once use :data:`ANY_PORT` instead."""
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port in [10000, {low})")
+
+
+def listening(out, timeout: float = 30.0) -> str:
+    """The endpoint that the sending bridge ``out``, started with ``--listen`` :data:`ANY_PORT`,
+    bound: its object's (an :class:`InThread`), else its log's ``listening`` line (read without
+    moving the file offset the bridge process writes at)."""
+    if isinstance(out, InThread):
+        return str(out.bridge.endpoint)
+    fd, deadline = out.log.fileno(), time.monotonic() + timeout
+    while True:
+        text = os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+        for line in text.splitlines():
+            if '"listening"' in line:
+                return str(json.loads(line)["endpoint"])
+        assert out.poll() is None, f"the sending bridge exited ({out.returncode}) before it listened: {text[-1500:]}"
+        assert time.monotonic() < deadline, f"the sending bridge never logged its endpoint: {text[-1500:]}"
+        time.sleep(0.05)
 
 
 def bridge(*args, env=None):
@@ -225,9 +257,9 @@ def stop_all(*procs):
 def test_bridged_handoffs_curve(two_brokers, keys):
     a, b = two_brokers
     ch = fresh("x")
-    url = f"tcp://127.0.0.1:{free_port()}"
-    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url,
+    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", ANY_PORT,
                  "--server-key", str(keys / "server.key_secret"), "--clients", str(keys / "clients"))
+    url = listening(out)
     inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url,
                  "--client-key", str(keys / "client.key_secret"), "--server-public", str(keys / "server.key"))
     try:
@@ -254,8 +286,8 @@ def test_arrays_and_user_metadata_cross_the_bridges_as_sent(two_brokers):
 
     a, b = two_brokers
     ch = fresh("m")
-    url = f"tcp://127.0.0.1:{free_port()}"
-    out = InThread("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure")
+    out = InThread("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", ANY_PORT, "--insecure")
+    url = listening(out)
     inn = InThread("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure")
     sent = [(np.arange(6, dtype=">i2").reshape(2, 3), {"frame": 1, "tags": ["a", "b"]}),
             (np.float32(2.5).reshape(()), ["x", 2]),
@@ -288,8 +320,8 @@ def test_an_ended_stream_on_one_side_neither_stops_nor_ends_the_bridge(two_broke
 
     a, b = two_brokers
     ch = fresh("e")
-    url = f"tcp://127.0.0.1:{free_port()}"
-    out = InThread("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure")
+    out = InThread("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", ANY_PORT, "--insecure")
+    url = listening(out)
     inn = InThread("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure")
     try:
         with Consumer(b.endpoint, ch, "cpu") as c:
@@ -312,16 +344,17 @@ def test_an_ended_stream_on_one_side_neither_stops_nor_ends_the_bridge(two_broke
 def test_keys_required_unless_insecure(two_brokers):
     a, _ = two_brokers
     ch = fresh("x")
-    p = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", f"tcp://127.0.0.1:{free_port()}")
+    p = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", ANY_PORT)
     assert p.wait(30) == 2 and "--insecure" in stop(p)
 
 
-def raw_sender(url):
+def raw_sender():
+    """A hand-driven sending peer: its ROUTER socket, bound to a free port, and that endpoint."""
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.ROUTER)
     s.setsockopt(zmq.LINGER, 0)
-    s.bind(url)
-    return s
+    s.bind(ANY_PORT)
+    return s, s.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
 def recv(s, verb, timeout=10000):
@@ -398,8 +431,7 @@ def test_descriptors_that_fit_alone_but_not_together_get_no_space_not_sigbus(two
         pytest.skip("this machine does not let this user create user+mount namespaces")
     _, b = two_brokers
     ch = fresh("full")
-    url = f"tcp://127.0.0.1:{free_port()}"
-    s = raw_sender(url)
+    s, url = raw_sender()
     inn = subprocess.Popen([*ns, "sh", "-c", "mount -t tmpfs -o size=96m tmpfs /dev/shm && exec \"$@\"", "sh",
                             sys.executable, "-m", "hurray_ipc.broker.bridge", "in", "--channel", ch,
                             "--endpoint", b.endpoint, "--connect", url, "--insecure"],
@@ -437,8 +469,7 @@ def test_a_consumer_gone_before_its_handoff_arrived_neither_loses_it_nor_stops_t
 
     _, b = two_brokers
     ch = fresh("v")
-    url = f"tcp://127.0.0.1:{free_port()}"
-    s = raw_sender(url)
+    s, url = raw_sender()
     timeout = 1.0  # the link timeout: a receiver silent this long is dropped by its sender
     inn = InThread("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure",
                    "--timeout", str(timeout))
@@ -498,11 +529,11 @@ def test_link_cut_mid_transfer_releases_once(two_brokers, plane):
     rdma = ["--rdma"] if plane == "nixl" else []
     a, b = two_brokers
     ch = fresh("y")
-    url = f"tcp://127.0.0.1:{free_port()}"
     # A link timeout of 1 s (3 s by default): the sending bridge learns of the cut by the
     # receiver's silence, so the release after the cut comes a link timeout later.
-    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", "--timeout", "1",
+    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", ANY_PORT, "--insecure", "--timeout", "1",
                  *rdma)
+    url = listening(out)
     inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure", "--timeout", "1",
                  *rdma)
     try:
@@ -535,10 +566,10 @@ def test_a_late_local_consumer_loses_nothing_and_keeps_the_link(two_brokers, pla
     rdma = ["--rdma"] if plane == "nixl" else []
     a, b = two_brokers
     ch = fresh("late")
-    url = f"tcp://127.0.0.1:{free_port()}"
     timeout = 0.5  # the link timeout: a receiver silent this long is dropped by its sender
-    out = InThread("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure",
+    out = InThread("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", ANY_PORT, "--insecure",
                    "--timeout", str(timeout), *rdma)
+    url = listening(out)
     inn = InThread("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure",
                    "--timeout", str(timeout), *rdma)
     gate, c = SPAWN.Event(), None
@@ -638,9 +669,10 @@ def test_sending_bridge_leaves_its_broker_when_its_last_peer_goes(two_brokers):
 
     a, _ = two_brokers
     ch = fresh("lv")
-    url = f"tcp://127.0.0.1:{free_port()}"
     # a 0.5 s link timeout: the peer stays linked while it speaks (below), goes half a second after it falls silent
-    out = InThread("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", "--timeout", "0.5")
+    out = InThread("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", ANY_PORT, "--insecure",
+                   "--timeout", "0.5")
+    url = listening(out)
     s, say, expect = raw_receiver(url)
 
     def bridges():
@@ -668,9 +700,9 @@ def test_bridge_copies_to_receiver_gpu(two_brokers):
     """--device cuda:0 on the receiving side: buffers reach B's consumers in GPU memory, synced."""
     a, b = two_brokers
     ch = fresh("g")
-    url = f"tcp://127.0.0.1:{free_port()}"
     env = emu_config().to_env()
-    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure")
+    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", ANY_PORT, "--insecure")
+    url = listening(out)
     inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure", "--device", "cuda:0",
                  env=env)
     try:
@@ -818,12 +850,12 @@ def _all_through(pr, cr, n, out_err, in_err):
     return logs
 
 
-def _bridged_pair(a, b, url, out_args, in_args, n=6, size=(3 << 20) + 12345, pool=4, start=InThread):
+def _bridged_pair(a, b, out_args, in_args, n=6, size=(3 << 20) + 12345, pool=4, start=InThread):
     """``n`` buffers from a producer on A to a consumer on B across a pair of bridges (``start``:
     :class:`InThread`, or :func:`bridge` for processes); the bridges' logs."""
     ch = fresh("r")
-    out = start("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", *out_args)
-    inn = start("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure", *in_args)
+    out = start("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", ANY_PORT, "--insecure", *out_args)
+    inn = start("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", listening(out), "--insecure", *in_args)
     try:
         c = Proc(workload.run_consumer, endpoint=b.endpoint, channel=ch, device="cpu", count=n, env={})
         p = Proc(workload.run_producer, endpoint=a.endpoint, channel=ch, device="cpu", count=n, size=size, env={},
@@ -838,7 +870,7 @@ def _bridged_pair(a, b, url, out_args, in_args, n=6, size=(3 << 20) + 12345, poo
 @NEEDS_NIXL
 def test_bridged_over_nixl(two_brokers):
     a, b = two_brokers
-    out_err, in_err = _bridged_pair(a, b, f"tcp://127.0.0.1:{free_port()}", ["--rdma"], ["--rdma"])
+    out_err, in_err = _bridged_pair(a, b, ["--rdma"], ["--rdma"])
     assert '"data_plane": "nixl"' in out_err and '"data_plane": "nixl"' in in_err, (out_err[-800:], in_err[-800:])
 
 
@@ -861,7 +893,7 @@ def test_source_registrations_live_as_long_as_the_mapping(two_brokers, monkeypat
     monkeypatch.setenv("HURRAY_IMPORT_CACHE", import_cache)  # the bridges' consumer maps the buffers
     a, b = two_brokers
     # Bridge processes: a process reads HURRAY_IMPORT_CACHE once (this one's CPU device has read it)
-    out_err, in_err = _bridged_pair(a, b, f"tcp://127.0.0.1:{free_port()}", ["--rdma"], ["--rdma"], n=12,
+    out_err, in_err = _bridged_pair(a, b, ["--rdma"], ["--rdma"], n=12,
                                     size=1 << 20, start=bridge)
     out, inn = _closed(out_err), _closed(in_err)
     assert out["sent"] == 12 and out["nixl_registrations"] == (4 if import_cache == "64" else 12), out
@@ -879,7 +911,7 @@ def test_nixl_transfer_in_several_writes(two_brokers, monkeypatch):
     chunk = 1 << 20
     monkeypatch.setattr(bridge_module, "WRITE_CHUNK", chunk)  # read when a sending bridge is built
     a, b = two_brokers
-    out_err, _ = _bridged_pair(a, b, f"tcp://127.0.0.1:{free_port()}", ["--rdma"], ["--rdma"], n=2,
+    out_err, _ = _bridged_pair(a, b, ["--rdma"], ["--rdma"], n=2,
                                size=2 * chunk + 4097, pool=2)
     assert _closed(out_err)["rdma_writes"] == 2 * 3, _closed(out_err)
 
@@ -891,7 +923,7 @@ def test_bridged_over_nixl_on_ucx_tcp(two_brokers, monkeypatch):
     while it has a region offered (RdmaEngine.progress)."""
     monkeypatch.setenv("UCX_TLS", "tcp")  # read by UCX once per process: bridges of their own
     a, b = two_brokers
-    out_err, in_err = _bridged_pair(a, b, f"tcp://127.0.0.1:{free_port()}", ["--rdma"], ["--rdma"], n=3, start=bridge)
+    out_err, in_err = _bridged_pair(a, b, ["--rdma"], ["--rdma"], n=3, start=bridge)
     assert '"data_plane": "nixl"' in in_err and "transfer_aborted" not in out_err, out_err[-800:]
 
 
@@ -903,9 +935,9 @@ def test_nixl_writes_into_receiver_gpu_and_flushes_before_handing_on(two_brokers
     offered to a NIC with no flush since."""
     a, b = two_brokers
     ch = fresh("v")
-    url = f"tcp://127.0.0.1:{free_port()}"
     env = emu_config().to_env()
-    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", "--rdma")
+    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", ANY_PORT, "--insecure", "--rdma")
+    url = listening(out)
     inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure", "--rdma",
                  "--device", "cuda:0", env=env)
     try:
@@ -935,10 +967,10 @@ def test_sending_bridge_on_the_gpu_reads_retired_device_memory(two_brokers, plan
     rdma = ["--rdma"] if plane == "nixl" else []
     a, b = two_brokers
     ch = fresh("s")
-    url = f"tcp://127.0.0.1:{free_port()}"
     env = emu_config().to_env()
-    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", "--device",
+    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", ANY_PORT, "--insecure", "--device",
                  "cuda:0", *rdma, env=env)
+    url = listening(out)
     inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure", *rdma)
     try:
         c = Proc(workload.run_consumer, endpoint=b.endpoint, channel=ch, device="cpu", count=4, env={}, timeout=40)
@@ -970,10 +1002,10 @@ def test_real_gpu_to_gpu_over_nixl(two_brokers):
         pytest.skip(f"real CUDA not available here: {REAL_SKIP}")
     a, b = two_brokers
     ch = fresh("g2g")
-    url = f"tcp://127.0.0.1:{free_port()}"
     env = {"HURRAY_CUDA": "real"}
-    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", "--rdma",
+    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", ANY_PORT, "--insecure", "--rdma",
                  "--device", "cuda:0", env=env)
+    url = listening(out)
     inn = bridge("in", "--channel", ch, "--endpoint", b.endpoint, "--connect", url, "--insecure", "--rdma",
                  "--device", "cuda:0", env=env)
     try:
@@ -994,7 +1026,7 @@ def test_real_gpu_to_gpu_over_nixl(two_brokers):
 def test_a_bridge_without_nixl_still_links_over_zmq(two_brokers, side):
     a, b = two_brokers
     rdma = {"out": (["--rdma"], []), "in": ([], ["--rdma"])}[side]
-    out_err, in_err = _bridged_pair(a, b, f"tcp://127.0.0.1:{free_port()}", *rdma, n=3)
+    out_err, in_err = _bridged_pair(a, b, *rdma, n=3)
     assert '"data_plane": "zmq"' in out_err and '"data_plane": "zmq"' in in_err, (out_err[-800:], in_err[-800:])
 
 
@@ -1017,11 +1049,11 @@ def test_offers_of_a_gone_agent_do_not_leak_the_sending_bridges_sockets(two_brok
 
     a, _ = two_brokers
     ch = fresh("gone")
-    url = f"tcp://127.0.0.1:{free_port()}"
     # A link timeout far past the run: this hand-driven receiver sends no LINK_PING, and under load
     # 100 failed NIXL connects may leave it silent longer than the default (it was dropped, link_lost).
-    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", url, "--insecure", "--rdma",
+    out = bridge("out", "--channel", ch, "--endpoint", a.endpoint, "--listen", ANY_PORT, "--insecure", "--rdma",
                  "--timeout", "60")
+    url = listening(out)
     s, say, expect = raw_receiver(url)
     with RdmaEngine("gone-rx") as rx:
         offer = rx.expose(rx.register_array(np.zeros(4096, np.uint8)))

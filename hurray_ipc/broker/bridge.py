@@ -249,7 +249,9 @@ class BridgeOut:
         self.sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(listen)
+        # The address bound: ``--listen tcp://*:*`` (any free port) is only known from here
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        log.info(json.dumps({"event": "listening", "channel": channel, "endpoint": self.endpoint}))
         self.local = endpoint
         # A local consumer exists only while a remote peer is linked: with no peer, the bridge
         # must not hold handoffs that nobody can receive (its BYE gives them back to the broker).
@@ -1162,7 +1164,9 @@ def parser() -> argparse.ArgumentParser:
         # The broker that runs this bridge (hurray_ipc/broker/supervise.py): leave when it is gone.
         s.add_argument("--parent", type=int, default=None, help=argparse.SUPPRESS)
     o, i = sub.choices["out"], sub.choices["in"]
-    o.add_argument("--listen", required=True)
+    o.add_argument("--listen", required=True,
+                   help="the address peers connect to, e.g. tcp://*:5555 (tcp://HOST:* binds a free port; the "
+                        "bridge logs the one it bound: event listening)")
     o.add_argument("--device", default="cpu",
                    help="take buffers as cpu (GPU ones host-staged by their producer) or cuda:N (GPU memory: read "
                         "in place by NIXL where it takes VRAM, else copied to host here)")
