@@ -10,7 +10,7 @@ from hurray_ipc.bench import stages
 
 
 def test_each_stage_runs_its_handoffs_and_reports_a_positive_cpu_figure():
-    for name, stage in stages.STAGES.items():
+    for name, stage in {**stages.STAGES, stages.FLOOR: stages.socket_floor}.items():
         us = stage(300)
         assert 0 < us < 10_000, (name, us)
 
@@ -25,4 +25,6 @@ def test_the_cli_writes_the_table_of_pure_and_compiled_side_by_side(tmp_path):
     assert all(row["pure_us"] > 0 for row in res["rows"])
     if "compiled" in res["compiled"].values():
         assert all(row["compiled_us"] > 0 and row["compiled_over_pure"] > 0 for row in res["rows"])
-    assert "| broker |" in (tmp_path / "stages.md").read_text()
+    assert res["raw"][stages.FLOOR] and res["floor_us"] > 0
+    md = (tmp_path / "stages.md").read_text()
+    assert "| broker |" in md and "Socket floor of the client stages" in md

@@ -18,6 +18,12 @@ in one process, against what the others would send it:
 The producer sends one 4 KiB buffer of its own (``allocate``, zero copy) with ``send(block=False)``
 keeping :data:`WINDOW` in flight, the consumer ``receive()``s and ``release()``s; every figure
 is CPU microseconds per handoff, after a warm-up.
+
+- **socket floor**: what the client stages' harness costs with no library code in it: a client
+  that sends one HANDOFF's frames per handoff and receives one message back, :data:`WINDOW` in
+  flight, over the same inproc socket with the same wake-up (poll on the socket's ZMQ_FD, then
+  ZMQ_EVENTS) and the same accounting, to a peer thread that echoes. A producer or consumer can
+  cost no less; what either costs above it is its Python.
 """
 
 from __future__ import annotations
@@ -53,7 +59,8 @@ from ..wire.ipc import (
 )
 from .harness import WINDOW
 
-__all__ = ["STAGES", "TARGETS_US", "broker_stage", "consumer_stage", "markdown", "producer_stage", "run_stages"]
+__all__ = ["FLOOR", "STAGES", "TARGETS_US", "broker_stage", "consumer_stage", "markdown", "producer_stage",
+           "run_stages", "socket_floor"]
 
 SIZE = 4096
 _PEER = b"peer"  # the far peer's routing id inside the peer thread
@@ -99,14 +106,54 @@ class _FarConsumer:
         return None
 
 
-class _PeerThread(threading.Thread):
-    """A BrokerCore behind an inproc ROUTER, the far peer inside it; its CPU is :attr:`cpu_s`."""
+class _Peer(threading.Thread):
+    """What a client stage talks to: an inproc ROUTER served by this thread, which hands every
+    message it receives to :meth:`answer`."""
 
-    def __init__(self, channel: str, far: str):
+    def __init__(self) -> None:
         super().__init__(name="hurray-stage-peer", daemon=True)
         self.endpoint = f"inproc://hurray-stage-{os.getpid()}-{next(_seq)}"
         self.router = zmq.Context.instance().socket(zmq.ROUTER)
         self.router.bind(self.endpoint)
+        self.stopping = threading.Event()
+        self.error: BaseException | None = None
+
+    def answer(self, parts: list[Any]) -> None:
+        raise NotImplementedError
+
+    def run(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                if self.router.poll(5):
+                    while True:
+                        try:
+                            parts = self.router.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self.answer(parts)
+        except BaseException as e:  # noqa: BLE001 - reported by stop()
+            self.error = e
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.join(10)
+        self.router.close(0)
+        if self.error is not None:
+            raise RuntimeError(f"the stage's peer thread failed: {self.error!r}") from self.error
+
+
+class _Echo(_Peer):
+    """Sends every message back as it came: the socket floor's peer."""
+
+    def answer(self, parts: list[Any]) -> None:
+        self.router.send_multipart(parts)
+
+
+class _PeerThread(_Peer):
+    """A BrokerCore behind the inproc ROUTER, the far peer inside it."""
+
+    def __init__(self, channel: str, far: str):
+        super().__init__()
         self.cpu = CpuDevice()
         self.core = BrokerCore(host=host_id(), timeout_s=3600.0)
         now = time.monotonic()
@@ -117,9 +164,6 @@ class _PeerThread(threading.Thread):
             self.far = _FarConsumer()
             outs = _hello(self.core, _PEER, "consumer", channel, self.cpu, now)
             outs += self.core.receive(_PEER, _frames("REQUEST", {"credits": WINDOW}), now)
-        self.stopping = threading.Event()
-        self.cpu_s = 0.0
-        self.error: BaseException | None = None
         self._pending: dict[bytes, list[Any]] = {}
         self._apply(outs)
 
@@ -140,36 +184,16 @@ class _PeerThread(threading.Thread):
                 self.router.send_multipart([rid, *(f for group in parcel for f in encode_group(group))])
         self._pending.clear()
 
-    def run(self) -> None:
-        t0 = time.thread_time()
-        try:
-            while not self.stopping.is_set():
-                if self.router.poll(5):
-                    while True:
-                        try:
-                            parts = self.router.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._apply(self.core.receive(parts[0], parts[1:], time.monotonic()))
-        except BaseException as e:  # noqa: BLE001 - reported by stop()
-            self.error = e
-        finally:
-            self.cpu_s = time.thread_time() - t0
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.join(10)
-        self.router.close(0)
-        if self.error is not None:
-            raise RuntimeError(f"the stage's peer thread failed: {self.error!r}") from self.error
+    def answer(self, parts: list[Any]) -> None:
+        self._apply(self.core.receive(parts[0], parts[1:], time.monotonic()))
 
 
 def _client_stage(far: str, n: int, run: Callable[[str, str, int], None], close: Callable[[], None]) -> float:
-    """CPU µs per handoff of the client ``run(endpoint, channel, count)`` drives, less the peer's;
-    ``close()`` closes the client while the peer still answers (an inproc send to a closed
-    ROUTER would block)."""
+    """CPU µs per handoff of the client ``run(endpoint, channel, count)`` drives, less the peer's
+    (``far``: the far peer's role, or ``"echo"``: :class:`_Echo`); ``close()`` closes the client
+    while the peer still answers (an inproc send to a closed ROUTER would block)."""
     channel = f"stage-{os.getpid()}-{next(_seq)}"
-    peer = _PeerThread(channel, far)
+    peer = _Echo() if far == "echo" else _PeerThread(channel, far)
     peer.start()
     try:
         run(peer.endpoint, channel, 0)  # the client's construction and warm-up are not measured
@@ -184,7 +208,7 @@ def _client_stage(far: str, n: int, run: Callable[[str, str, int], None], close:
     return round((cpu - peer_cpu) / n * 1e6, 1)
 
 
-def _peer_cpu(peer: _PeerThread) -> float:
+def _peer_cpu(peer: _Peer) -> float:
     """The peer thread's CPU so far (its clock, read from this thread through /proc)."""
     with open(f"/proc/self/task/{peer.native_id}/schedstat") as f:
         return int(f.read().split()[0]) / 1e9
@@ -236,6 +260,46 @@ def consumer_stage(n: int = 5000) -> float:
             clients["c"].close()
 
     return _client_stage("producer", n, run, close)
+
+
+def socket_floor(n: int = 5000) -> float:
+    """CPU µs per handoff of the client stages' harness alone (no library code): one HANDOFF's
+    frames out and one message back per handoff, :data:`WINDOW` in flight, woken as a client's
+    session is woken."""
+    import select
+
+    from ..transport.sockets import NOBLOCK, readable, recv_frames, send_frames
+
+    socks: dict[str, Any] = {}
+    far = _FarProducer(CpuDevice())
+    frames = far.answer(Grant(grant_id=1, epoch=1, consumer_id="0" * 16))
+    assert frames is not None
+
+    def run(endpoint: str, channel: str, count: int) -> None:
+        if "d" not in socks:
+            d = socks["d"] = zmq.Context.instance().socket(zmq.DEALER)
+            d.connect(endpoint)
+            socks["poll"] = select.poll()
+            socks["poll"].register(d.getsockopt(zmq.FD), select.POLLIN)
+            count = 200  # warm-up
+        d, sleep = socks["d"], socks["poll"]
+        sent = back = 0
+        while back < count:
+            while sent < count and sent - back < WINDOW:
+                send_frames(d, frames)
+                sent += 1
+            while not readable(d):
+                sleep.poll(100)
+            while readable(d):
+                recv_frames(d, NOBLOCK)
+                back += 1
+
+    def close() -> None:
+        if "d" in socks:
+            socks["d"].close(0)
+        far.buf.close()
+
+    return _client_stage("echo", n, run, close)
 
 
 def broker_stage(n: int = 5000) -> float:
@@ -291,6 +355,8 @@ def broker_stage(n: int = 5000) -> float:
 STAGES: dict[str, Callable[[int], float]] = {"broker": broker_stage, "producer": producer_stage,
                                               "consumer": consumer_stage}
 TARGETS_US = {"broker": 15.0, "producer": 25.0, "consumer": 25.0}  # issue 24
+FLOOR = "socket floor"  # run beside the stages, once per round: no library code, so no pure/compiled pair
+_RUNNABLE: dict[str, Callable[[int], float]] = {**STAGES, FLOOR: socket_floor}
 
 
 def _one(stage: str, n: int, pure: bool) -> float:
@@ -305,21 +371,23 @@ def _one(stage: str, n: int, pure: bool) -> float:
 
 def run_stages(n: int = 5000, rounds: int = 5, seed: int | None = 0,
                say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """Each stage, pure and compiled (where built), in each of ``rounds`` rounds, every round in a
-    new shuffled order, each run in its own process; medians, and the compiled/pure ratio of each
-    round's pair (side by side) as their median."""
+    """Each stage, pure and compiled (where built), and the socket floor, in each of ``rounds``
+    rounds, every round in a new shuffled order, each run in its own process; medians, and the
+    compiled/pure ratio of each round's pair (side by side) as their median."""
     from ..compiled import status
 
     built = "compiled" in status().values()
     variants = [False, True] if built else [True]
     rng = random.Random(seed)
     per: dict[str, list[float]] = {f"{st} {'pure' if pure else 'compiled'}": [] for st in STAGES for pure in variants}
+    per[FLOOR] = []
     for r in range(rounds):
-        order = [(st, pure) for st in STAGES for pure in variants]
+        order = [(st, pure) for st in STAGES for pure in variants] + [(FLOOR, not built)]
         rng.shuffle(order)
         for st, pure in order:
-            say(f"round {r + 1}: {st} {'pure' if pure else 'compiled'}")
-            per[f"{st} {'pure' if pure else 'compiled'}"].append(_one(st, n, pure))
+            key = st if st == FLOOR else f"{st} {'pure' if pure else 'compiled'}"
+            say(f"round {r + 1}: {key}")
+            per[key].append(_one(st, n, pure))
     rows = []
     for st in STAGES:
         pure_us = per[f"{st} pure"]
@@ -331,7 +399,8 @@ def run_stages(n: int = 5000, rounds: int = 5, seed: int | None = 0,
         best = row.get("compiled_us", row["pure_us"])
         row["met"] = best <= TARGETS_US[st]
         rows.append(row)
-    return {"n": n, "rounds": rounds, "compiled": status(), "raw": per, "rows": rows}
+    return {"n": n, "rounds": rounds, "compiled": status(), "raw": per, "rows": rows,
+            "floor_us": statistics.median(per[FLOOR])}
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -342,11 +411,17 @@ def markdown(res: dict[str, Any]) -> str:
     for r in res["rows"]:
         lines.append(f"| {r['stage']} | {r['pure_us']:.1f} | {r.get('compiled_us', float('nan')):.1f} | "
                      f"{r.get('compiled_over_pure', '')} | {r['target_us']:g} | {'yes' if r['met'] else 'no'} |")
+    floor = res.get("floor_us")
+    if floor is not None:  # results written before the floor was measured have none
+        best = {r["stage"]: r.get("compiled_us", r["pure_us"]) for r in res["rows"]}
+        lines += ["", f"Socket floor of the client stages (one message each way per handoff over the same socket, "
+                      f"no library code): {floor:.1f} µs; above it: producer {best['producer'] - floor:.1f}, "
+                      f"consumer {best['consumer'] - floor:.1f} µs."]
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--one"]:
-        print(json.dumps({"us": STAGES[sys.argv[2]](int(sys.argv[3]))}))
+        print(json.dumps({"us": _RUNNABLE[sys.argv[2]](int(sys.argv[3]))}))
     else:
         print(markdown(run_stages(int(sys.argv[1]) if len(sys.argv) > 1 else 5000)))
