@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 
 import pytest
@@ -18,6 +20,26 @@ from hurray_ipc.devices.backend.emulated import EmulatedRuntime, EmulationConfig
 from hurray_ipc.devices.backend.real import RealRuntime
 
 SPAWN = mp.get_context("spawn")
+
+
+def free_port() -> int:
+    """A TCP port for an address that must be known before its server binds it (a broker's
+    ``--export``/``--import`` pair, bound again after each bridge restart; a metrics port): a free
+    one below the kernel's ephemeral range, so that no outgoing connection (another test's) takes
+    it between this probe and the bind. Where the server can bind ``tcp://HOST:*`` and say which
+    port it got, use that instead (test_bridge.ANY_PORT)."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port in [10000, {low})")
 
 
 @pytest.fixture(autouse=True)

@@ -7,9 +7,7 @@ import itertools
 import json
 import logging
 import os
-import random
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -23,31 +21,13 @@ import pytest
 import zmq
 
 from brokerproc import BrokerProcess
-from conftest import SPAWN, emu_config
+from conftest import SPAWN, emu_config, free_port
 from hurray_ipc import workload
 from hurray_ipc.client import Consumer, Producer
 from test_clients import Proc
 from workers import collect, once_let_through
 
 ANY_PORT = "tcp://127.0.0.1:*"  # --listen: the sending bridge binds a free port and logs it (listening)
-
-
-def free_port() -> int:
-    """A port for a link whose address must be known before anything binds it (a broker's
-    ``--export``/``--import`` pair, bound again after each bridge restart): a free one below the
-    kernel's ephemeral range, so that no outgoing connection (another test's) takes it between
-    this probe and the bind; the tests whose sender binds once use :data:`ANY_PORT` instead."""
-    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    rng = random.Random()
-    for _ in range(100):
-        port = rng.randrange(10000, low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise AssertionError(f"no free port in [10000, {low})")
 
 
 def listening(out, timeout: float = 30.0) -> str:

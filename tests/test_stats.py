@@ -25,6 +25,7 @@ import pytest
 import zmq
 
 from brokerproc import BrokerProcess
+from conftest import free_port
 from hurray_ipc.broker.core import BrokerCore, Send
 from hurray_ipc.broker.queries import MAX_STATS_CHANNELS, MAX_STATS_CLIENTS
 from hurray_ipc.wire.ipc import (
@@ -465,12 +466,6 @@ def test_top_once_without_a_broker_is_one_line_and_exit_2(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def scrape(port: int, token: str) -> dict[str, float]:
     req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(req, timeout=5) as resp:
@@ -487,7 +482,7 @@ def test_metrics_endpoint_serves_the_same_numbers(tmp_path):
     pytest.importorskip("prometheus_client")
     token_file = tmp_path / "m.sock.metrics-token"
     for _attempt in range(3):  # a free port can be taken between the probe and the broker's bind
-        port = _free_port()
+        port = free_port()
         b = BrokerProcess(f"ipc://{tmp_path}/m.sock", timeout=30,
                           extra_args=["--metrics-port", str(port)]).start()
         try:
