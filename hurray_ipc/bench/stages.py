@@ -13,7 +13,7 @@ in one process, against what the others would send it:
   a BrokerCore behind a ROUTER, with the far peer played inside it (a consumer that releases each
   DELIVER at once, or a producer that answers each GRANT with a HANDOFF of one shared-memory
   buffer). Time: the process's CPU (every thread: the client's caller and its pump thread) less the
-  peer thread's own CPU (``time.thread_time`` in it).
+  peer thread's own CPU (its scheduler clock, read through /proc).
 
 The producer sends one 4 KiB buffer of its own (``allocate``, zero copy) with ``send(block=False)``
 keeping :data:`WINDOW` in flight, the consumer ``receive()``s and ``release()``s; every figure
