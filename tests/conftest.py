@@ -25,21 +25,21 @@ SPAWN = mp.get_context("spawn")
 def free_port() -> int:
     """A TCP port for an address that must be known before its server binds it (a broker's
     ``--export``/``--import`` pair, bound again after each bridge restart; a metrics port): a free
-    one below the kernel's ephemeral range, so that no outgoing connection (another test's) takes
-    it between this probe and the bind. Where the server can bind ``tcp://HOST:*`` and say which
+    one outside the kernel's ephemeral range, so that no outgoing connection (another test's)
+    takes it between this probe and the bind. Where the server can bind ``tcp://HOST:*`` and say which
     port it got, use that instead (test_bridge.ANY_PORT)."""
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        low = int(f.read().split()[0])
+        low, high = (int(x) for x in f.read().split())
+    ports = [*range(10000, low), *range(high + 1, 65536)]  # outside the ephemeral range, either side
     rng = random.Random()
-    for _ in range(100):
-        port = rng.randrange(10000, low)
+    for port in rng.sample(ports, min(100, len(ports))):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise AssertionError(f"no free port in [10000, {low})")
+    raise AssertionError(f"no free port outside the ephemeral range [{low}, {high}]")
 
 
 @pytest.fixture(autouse=True)

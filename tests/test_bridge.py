@@ -23,6 +23,7 @@ import zmq
 from brokerproc import BrokerProcess
 from conftest import SPAWN, emu_config, free_port
 from hurray_ipc import workload
+from hurray_ipc.broker.bridge import bound_endpoint
 from hurray_ipc.client import Consumer, Producer
 from test_clients import Proc
 from workers import collect, once_let_through
@@ -32,19 +33,20 @@ ANY_PORT = "tcp://127.0.0.1:*"  # --listen: the sending bridge binds a free port
 
 def listening(out, timeout: float = 30.0) -> str:
     """The endpoint that the sending bridge ``out``, started with ``--listen`` :data:`ANY_PORT`,
-    bound: its object's (an :class:`InThread`), else its log's ``listening`` line (read without
-    moving the file offset the bridge process writes at)."""
+    bound: its object's (an :class:`InThread`), else its log's ``bridge_listening`` line, read
+    without moving the file offset the bridge process writes at. A process that never says is
+    killed (nothing else would stop it) and fails the test."""
     if isinstance(out, InThread):
         return str(out.bridge.endpoint)
     fd, deadline = out.log.fileno(), time.monotonic() + timeout
-    while True:
-        text = os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
-        for line in text.splitlines():
-            if '"listening"' in line:
-                return str(json.loads(line)["endpoint"])
-        assert out.poll() is None, f"the sending bridge exited ({out.returncode}) before it listened: {text[-1500:]}"
-        assert time.monotonic() < deadline, f"the sending bridge never logged its endpoint: {text[-1500:]}"
+    while (url := bound_endpoint(text := os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace"))) is None:
+        if out.poll() is not None or time.monotonic() > deadline:
+            out.kill()
+            out.wait()
+            raise AssertionError(f"the sending bridge (status {out.returncode}) never said where it listens: "
+                                 f"{text[-1500:]}")
         time.sleep(0.05)
+    return url
 
 
 def bridge(*args, env=None):
@@ -796,6 +798,31 @@ def test_broker_bridge_needs_keys_or_insecure(tmp_path):
     r = subprocess.run([sys.executable, "-m", "hurray_ipc.broker", "--endpoint", f"ipc://{tmp_path}/x.sock",
                         "--export", "e=tcp://127.0.0.1:1"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--bridge-insecure" in r.stderr
+
+
+def test_the_bound_endpoint_is_read_from_the_sending_bridges_own_line_once_whole():
+    """``--listen tcp://HOST:*``: the port is learnt from the bridge's bridge_listening line; not
+    from a broker's own listening line (a broker's bridges log into its log), nor from a line
+    still being written."""
+    from hurray_ipc.broker.bridge import bound_endpoint
+
+    broker = '{"event": "listening", "endpoint": "ipc:///tmp/b.sock", "session": "s"}\n'
+    line = '{"event": "bridge_listening", "channel": "c", "endpoint": "tcp://127.0.0.1:41234"}\n'
+    assert bound_endpoint("") is None and bound_endpoint(broker) is None
+    assert bound_endpoint(broker + line[:-9]) is None
+    assert bound_endpoint("bridge: plain text\n" + broker + line) == "tcp://127.0.0.1:41234"
+
+
+@pytest.mark.parametrize("option", ["--export", "--import"])
+def test_a_broker_bridge_needs_a_port_number(tmp_path, option):
+    """A broker's bridge is bound (or reached) at an address the other broker names as well, and
+    bound again after every restart: ``tcp://*:*`` (any free port) would be a different port each
+    time, which nobody could connect to. Refused before the broker serves, naming the spec."""
+    r = subprocess.run([sys.executable, "-m", "hurray_ipc.broker", "--endpoint", f"ipc://{tmp_path}/x.sock",
+                        option, "e=tcp://127.0.0.1:*", "--bridge-insecure"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert ("hurray-broker: bridge 'e=tcp://127.0.0.1:*': the port must be a number, which the other broker's "
+            f"{'--import' if option == '--export' else '--export'} names too") in r.stderr.splitlines(), r.stderr
 
 
 def test_coverage_counts_bytes_once_and_names_the_gap():

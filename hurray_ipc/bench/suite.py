@@ -919,12 +919,8 @@ def bench_nixl(size: int, n: int, memory: str = "shared") -> dict[str, Any]:
 def bench_bridge(tmp: Path, size: int, n: int, curve: bool, rdma: bool = False) -> dict[str, Any]:
     """Bridged throughput between two brokers on loopback TCP (one link; ``rdma``: both bridges
     offer NIXL, so the bytes move over it and only control messages over ZeroMQ)."""
-    import socket
+    from ..broker.bridge import bound_endpoint
 
-    with socket.socket() as so:
-        so.bind(("127.0.0.1", 0))
-        port = so.getsockname()[1]
-    url = f"tcp://127.0.0.1:{port}"
     tag = ("curve" if curve else "plain") + ("-rdma" if rdma else "")
     a, b = f"ipc://{tmp}/a-{tag}.sock", f"ipc://{tmp}/b-{tag}.sock"
     procs = [subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker", "--endpoint", ep, "--log-level", "error"])
@@ -944,7 +940,12 @@ def bench_bridge(tmp: Path, size: int, n: int, curve: bool, rdma: bool = False) 
         logs = [tmp / f"bridge-{side}-{tag}.log" for side in ("out", "in")]
         with logs[0].open("w") as out_log, logs[1].open("w") as in_log:
             procs.append(subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker.bridge", "out", "--channel", "bb",
-                                           "--endpoint", a, "--listen", url, *out_sec], stderr=out_log))
+                                           "--endpoint", a, "--listen", "tcp://127.0.0.1:*", *out_sec], stderr=out_log))
+            deadline = time.monotonic() + 60
+            while (url := bound_endpoint(logs[0].read_text())) is None:  # the port it bound, once it says
+                if procs[-1].poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the sending bridge never said where it listens: {logs[0].read_text()[-1500:]}")
+                time.sleep(0.02)
             procs.append(subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker.bridge", "in", "--channel", "bb",
                                            "--endpoint", b, "--connect", url, *in_sec], stderr=in_log))
         try:

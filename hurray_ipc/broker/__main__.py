@@ -200,6 +200,9 @@ def _bridges(a: argparse.Namespace, endpoint: str) -> list[Child]:
         channel, sep, url = spec.partition("=")
         if not sep or not channel or not url.startswith("tcp://"):
             raise ValueError(f"bridge {spec!r}: expected CHANNEL=tcp://ADDRESS:PORT")
+        if not url.rpartition(":")[2].isdigit():  # tcp://*:* would bind a new port at every restart
+            raise ValueError(f"bridge {spec!r}: the port must be a number, which the other broker's "
+                             f"{'--import' if make == 'out' else '--export'} names too")
         if make == "out":
             if keys:
                 Curve.server(str(keys / "server.key_secret"), str(keys / "clients"))  # readable, or ValueError/OSError

@@ -251,7 +251,7 @@ class BridgeOut:
         self.sock.bind(listen)
         # The address bound: ``--listen tcp://*:*`` (any free port) is only known from here
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        log.info(json.dumps({"event": "listening", "channel": channel, "endpoint": self.endpoint}))
+        log.info(json.dumps({"event": "bridge_listening", "channel": channel, "endpoint": self.endpoint}))
         self.local = endpoint
         # A local consumer exists only while a remote peer is linked: with no peer, the bridge
         # must not hold handoffs that nobody can receive (its BYE gives them back to the broker).
@@ -1165,8 +1165,8 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--parent", type=int, default=None, help=argparse.SUPPRESS)
     o, i = sub.choices["out"], sub.choices["in"]
     o.add_argument("--listen", required=True,
-                   help="the address peers connect to, e.g. tcp://*:5555 (tcp://HOST:* binds a free port; the "
-                        "bridge logs the one it bound: event listening)")
+                   help="the address to bind, e.g. tcp://*:5555 (tcp://*:* binds a free port and logs it, event "
+                        "bridge_listening: peers connect to this host's address on that port)")
     o.add_argument("--device", default="cpu",
                    help="take buffers as cpu (GPU ones host-staged by their producer) or cuda:N (GPU memory: read "
                         "in place by NIXL where it takes VRAM, else copied to host here)")
@@ -1179,6 +1179,20 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--window", type=int, default=WINDOW,
                    help=f"transfers granted ahead and held at once (1-{MAX_WINDOW}); memory: window x buffer size")
     return ap
+
+
+def bound_endpoint(log_text: str) -> str | None:
+    """The address a sending bridge bound, from its JSON log (its ``bridge_listening`` line), or
+    None while that line is not there whole: what a caller that passed ``--listen tcp://HOST:*``
+    reads to learn the port."""
+    for line in log_text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:  # not JSON, or the last line half written
+            continue
+        if isinstance(rec, dict) and rec.get("event") == "bridge_listening":
+            return str(rec["endpoint"])
+    return None
 
 
 def build(a: argparse.Namespace, route_key: str | None = None) -> BridgeOut | BridgeIn:
