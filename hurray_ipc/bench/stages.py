@@ -19,11 +19,13 @@ The producer sends one 4 KiB buffer of its own (``allocate``, zero copy) with ``
 keeping :data:`WINDOW` in flight, the consumer ``receive()``s and ``release()``s; every figure
 is CPU microseconds per handoff, after a warm-up.
 
-- **socket floor**: what the client stages' harness costs with no library code in it: a client
-  that sends one HANDOFF's frames per handoff and receives one message back, :data:`WINDOW` in
-  flight, over the same inproc socket with the same wake-up (poll on the socket's ZMQ_FD, then
-  ZMQ_EVENTS) and the same accounting, to a peer thread that echoes. A producer or consumer can
-  cost no less; what either costs above it is its Python.
+- **socket floor**: the client stages' socket traffic with no library code in it: a client that
+  sends one HANDOFF's frames per handoff and receives one message back, :data:`WINDOW` in flight,
+  over the same inproc socket with the same wake-up (poll on the socket's ZMQ_FD, then
+  ZMQ_EVENTS) and the same accounting, to a peer thread that echoes. A client stage sends and
+  receives about one message per handoff each way as well (more when its messages are not
+  coalesced), so what it costs above the floor is mostly its own Python: its steps, its session's
+  lock and pump, and wake-ups the echo does not cause.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ shared_memory, torch.multiprocessing (when installed) and memcpy, in one run.
     hurray-bench --sizes 4K --window 64           # the rows' window (and prefetch) 64 instead of 8
     hurray-bench --scaling            # only the scaling table: 1x1, 4x4, 16x16 on 1 and 16 channels
     hurray-bench --scaling --full     # the same with more handoffs per configuration and 5 rounds
-    hurray-bench --stages             # CPU per handoff of broker, producer, consumer alone (pure vs compiled)
+    hurray-bench --stages             # CPU per handoff of broker, producer, consumer alone (pure vs compiled),
+                                      # beside the socket floor of the client stages' harness
     hurray-bench --legs               # where one paced handoff's latency goes, process by process
 
 Writes results.json, results.md and plot.png (with the bench extra) into the results folder and
@@ -64,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="handoffs per scaling configuration, split over its producers (default 3000; --full 20000)")
     p.add_argument("--stages", action="store_true",
                    help="instead of the rows: the CPU per handoff of each stage alone (broker dispatch, producer, "
-                        "consumer; hurray_ipc/bench/stages.py), pure Python and compiled side by side")
+                        "consumer; hurray_ipc/bench/stages.py), pure Python and compiled side by side, and "
+                        "the socket floor of the client stages' harness (its socket traffic, no library code)")
     p.add_argument("--legs", action="store_true",
                    help="instead of the rows: one paced 4 KiB handoff's one-way latency split leg by leg (producer, "
                         "each hop, the broker's dispatch, flush and send, consumer; hurray_ipc/bench/legs.py), "
