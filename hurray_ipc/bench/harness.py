@@ -22,7 +22,7 @@ from ..errors import InvalidArgument
 from ..workload import spawn
 
 __all__ = ["MAX_WINDOW", "PACE", "WINDOW", "WINDOW_ENV", "broker_process", "latency", "pct", "proc_cpu_s",
-           "proc_rss_kib", "run_pair", "window"]
+           "proc_rss_kib", "run_pair", "warm_up", "window"]
 
 WINDOW = 8  # the default window: the issues' throughput targets are at 8
 MAX_WINDOW = 64  # each Hurray producer row allocates a window of buffers of the row's size
@@ -51,6 +51,13 @@ def pct(xs: list[float], p: float) -> float:
     """The ``p``-th percentile of ``xs`` (nearest rank); NaN when empty."""
     s = sorted(xs)
     return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))] if s else float("nan")
+
+
+def warm_up(w: int) -> int:
+    """Handoffs a Hurray row sends before it measures, at window ``w`` (producer and consumer
+    count the same): at least one per buffer of the window, so that every buffer or pool slot the
+    measured phases use exists and is mapped by the consumer before they start."""
+    return max(10, w)
 
 
 def latency(xs: list[float]) -> dict[str, float]:
