@@ -22,10 +22,11 @@ is CPU microseconds per handoff, after a warm-up.
 - **socket floor**: the client stages' socket traffic with no library code in it: a client that
   sends one HANDOFF's frames per handoff and receives one message back, :data:`WINDOW` in flight,
   over the same inproc socket with the same wake-up (poll on the socket's ZMQ_FD, then
-  ZMQ_EVENTS) and the same accounting, to a peer thread that echoes. A client stage sends and
-  receives about one message per handoff each way as well (more when its messages are not
-  coalesced), so what it costs above the floor is mostly its own Python: its steps, its session's
-  lock and pump, and wake-ups the echo does not cause.
+  ZMQ_EVENTS) and the same accounting, to a peer thread that echoes. Each client stage also
+  counts the messages its client sent and received per handoff (a batch of DELIVERs or RELEASEs
+  is one), and the table scales the floor's cost per message to that count: what a stage costs
+  above it is mostly its own Python (its steps, its session's lock and pump, wake-ups the echo
+  does not cause). The scaling assumes a message costs the same whatever it carries.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import zmq
 
@@ -190,24 +191,35 @@ class _PeerThread(_Peer):
         self._apply(self.core.receive(parts[0], parts[1:], time.monotonic()))
 
 
-def _client_stage(far: str, n: int, run: Callable[[str, str, int], None], close: Callable[[], None]) -> float:
+class Figure(NamedTuple):
+    """One stage run: CPU µs per handoff, and the messages its client sent and received per
+    handoff (None for the broker stage, which has no socket)."""
+
+    us: float
+    messages: float | None = None
+
+
+def _client_stage(far: str, n: int, run: Callable[[str, str, int], None], close: Callable[[], None],
+                  messages: Callable[[], int]) -> Figure:
     """CPU µs per handoff of the client ``run(endpoint, channel, count)`` drives, less the peer's
-    (``far``: the far peer's role, or ``"echo"``: :class:`_Echo`); ``close()`` closes the client
-    while the peer still answers (an inproc send to a closed ROUTER would block)."""
+    (``far``: the far peer's role, or ``"echo"``: :class:`_Echo`), and the client's ``messages()``
+    (sent and received so far) per handoff; ``close()`` closes the client while the peer still
+    answers (an inproc send to a closed ROUTER would block)."""
     channel = f"stage-{os.getpid()}-{next(_seq)}"
     peer = _Echo() if far == "echo" else _PeerThread(channel, far)
     peer.start()
     try:
         run(peer.endpoint, channel, 0)  # the client's construction and warm-up are not measured
-        cpu0, peer0 = time.process_time(), _peer_cpu(peer)
+        cpu0, peer0, msgs0 = time.process_time(), _peer_cpu(peer), messages()
         run(peer.endpoint, channel, n)
         cpu, peer_cpu = time.process_time() - cpu0, _peer_cpu(peer) - peer0
+        msgs = messages() - msgs0
     finally:
         try:
             close()
         finally:
             peer.stop()
-    return round((cpu - peer_cpu) / n * 1e6, 1)
+    return Figure(round((cpu - peer_cpu) / n * 1e6, 1), round(msgs / n, 2))
 
 
 def _peer_cpu(peer: _Peer) -> float:
@@ -216,7 +228,15 @@ def _peer_cpu(peer: _Peer) -> float:
         return int(f.read().split()[0]) / 1e9
 
 
-def producer_stage(n: int = 5000) -> float:
+def _traffic(clients: dict[str, Any], key: str) -> Callable[[], int]:
+    """Messages the client ``clients[key]`` has sent and received so far (0 before it exists)."""
+    def count() -> int:
+        c = clients.get(key)
+        return c.session.messages_sent + c.session.messages_received if c is not None else 0
+    return count
+
+
+def producer_stage(n: int = 5000) -> Figure:
     """Producer CPU µs per handoff: ``send(block=False)`` of one allocated 4 KiB buffer, window 8."""
     from ..client import Producer
 
@@ -239,10 +259,10 @@ def producer_stage(n: int = 5000) -> float:
             clients["buf"].close()
             clients["p"].close()
 
-    return _client_stage("consumer", n, run, close)
+    return _client_stage("consumer", n, run, close, _traffic(clients, "p"))
 
 
-def consumer_stage(n: int = 5000) -> float:
+def consumer_stage(n: int = 5000) -> Figure:
     """Consumer CPU µs per handoff: ``receive()`` then ``release()`` of a 4 KiB CPU buffer, prefetch 8."""
     from ..client import Consumer
 
@@ -261,10 +281,10 @@ def consumer_stage(n: int = 5000) -> float:
         if "c" in clients:
             clients["c"].close()
 
-    return _client_stage("producer", n, run, close)
+    return _client_stage("producer", n, run, close, _traffic(clients, "c"))
 
 
-def socket_floor(n: int = 5000) -> float:
+def socket_floor(n: int = 5000) -> Figure:
     """CPU µs per handoff of the client stages' harness alone (no library code): one HANDOFF's
     frames out and one message back per handoff, :data:`WINDOW` in flight, woken as a client's
     session is woken."""
@@ -272,7 +292,7 @@ def socket_floor(n: int = 5000) -> float:
 
     from ..transport.sockets import NOBLOCK, readable, recv_frames, send_frames
 
-    socks: dict[str, Any] = {}
+    socks: dict[str, Any] = {"messages": 0}
     far = _FarProducer(CpuDevice())
     frames = far.answer(Grant(grant_id=1, epoch=1, consumer_id="0" * 16))
     assert frames is not None
@@ -295,16 +315,17 @@ def socket_floor(n: int = 5000) -> float:
             while readable(d):
                 recv_frames(d, NOBLOCK)
                 back += 1
+        socks["messages"] += sent + back
 
     def close() -> None:
         if "d" in socks:
             socks["d"].close(0)
         far.buf.close()
 
-    return _client_stage("echo", n, run, close)
+    return _client_stage("echo", n, run, close, lambda: int(socks["messages"]))
 
 
-def broker_stage(n: int = 5000) -> float:
+def broker_stage(n: int = 5000) -> Figure:
     """Broker CPU µs per handoff: decode, dispatch, coalesce and encode of HANDOFF -> DELIVER and
     RELEASE -> RELEASED + GRANT, BrokerCore alone."""
     cpu = CpuDevice()
@@ -349,26 +370,26 @@ def broker_stage(n: int = 5000) -> float:
             outs = core.receive(rid, frames, 1.0)
             spent[0] += clock() - t
             rid, frames = step(outs)
-        return round(spent[0] / n * 1e6, 1)
+        return Figure(round(spent[0] / n * 1e6, 1))
     finally:
         far_p.buf.close()
 
 
-STAGES: dict[str, Callable[[int], float]] = {"broker": broker_stage, "producer": producer_stage,
+STAGES: dict[str, Callable[[int], Figure]] = {"broker": broker_stage, "producer": producer_stage,
                                               "consumer": consumer_stage}
 TARGETS_US = {"broker": 15.0, "producer": 25.0, "consumer": 25.0}  # issue 24
 FLOOR = "socket floor"  # run beside the stages, once per round: no library code, so no pure/compiled pair
-_RUNNABLE: dict[str, Callable[[int], float]] = {**STAGES, FLOOR: socket_floor}
+_RUNNABLE: dict[str, Callable[[int], Figure]] = {**STAGES, FLOOR: socket_floor}
 
 
-def _one(stage: str, n: int, pure: bool) -> float:
+def _one(stage: str, n: int, pure: bool) -> Figure:
     """``stage`` in a new process (HURRAY_PURE as given): a stage never inherits another's caches."""
     env = {**os.environ, "HURRAY_PURE": "1" if pure else "0"}
     out = subprocess.run([sys.executable, "-m", "hurray_ipc.bench.stages", "--one", stage, str(n)], env=env,
                          capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(f"stage {stage} failed: {out.stderr[-2000:]}")
-    return float(json.loads(out.stdout.strip().splitlines()[-1])["us"])
+    return Figure(**json.loads(out.stdout.strip().splitlines()[-1]))
 
 
 def run_stages(n: int = 5000, rounds: int = 5, seed: int | None = 0,
@@ -383,13 +404,17 @@ def run_stages(n: int = 5000, rounds: int = 5, seed: int | None = 0,
     rng = random.Random(seed)
     per: dict[str, list[float]] = {f"{st} {'pure' if pure else 'compiled'}": [] for st in STAGES for pure in variants}
     per[FLOOR] = []
+    messages: dict[str, list[float]] = {}  # per stage (pure and compiled together): its client's messages per handoff
     for r in range(rounds):
         order = [(st, pure) for st in STAGES for pure in variants] + [(FLOOR, not built)]
         rng.shuffle(order)
         for st, pure in order:
             key = st if st == FLOOR else f"{st} {'pure' if pure else 'compiled'}"
             say(f"round {r + 1}: {key}")
-            per[key].append(_one(st, n, pure))
+            fig = _one(st, n, pure)
+            per[key].append(fig.us)
+            if fig.messages is not None:
+                messages.setdefault(st, []).append(fig.messages)
     rows = []
     for st in STAGES:
         pure_us = per[f"{st} pure"]
@@ -400,9 +425,11 @@ def run_stages(n: int = 5000, rounds: int = 5, seed: int | None = 0,
             row["compiled_over_pure"] = round(statistics.median(c / p for c, p in zip(comp, pure_us, strict=True)), 2)
         best = row.get("compiled_us", row["pure_us"])
         row["met"] = best <= TARGETS_US[st]
+        if st in messages:
+            row["messages_per_handoff"] = statistics.median(messages[st])
         rows.append(row)
     return {"n": n, "rounds": rounds, "compiled": status(), "raw": per, "rows": rows,
-            "floor_us": statistics.median(per[FLOOR])}
+            "floor_us": statistics.median(per[FLOOR]), "floor_messages_per_handoff": statistics.median(messages[FLOOR])}
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -413,17 +440,23 @@ def markdown(res: dict[str, Any]) -> str:
     for r in res["rows"]:
         lines.append(f"| {r['stage']} | {r['pure_us']:.1f} | {r.get('compiled_us', float('nan')):.1f} | "
                      f"{r.get('compiled_over_pure', '')} | {r['target_us']:g} | {'yes' if r['met'] else 'no'} |")
-    floor = res.get("floor_us")
-    if floor is not None:  # results written before the floor was measured have none
-        best = {r["stage"]: r.get("compiled_us", r["pure_us"]) for r in res["rows"]}
-        lines += ["", f"Socket floor of the client stages (one message each way per handoff over the same socket, "
-                      f"no library code): {floor:.1f} µs; above it: producer {best['producer'] - floor:.1f}, "
-                      f"consumer {best['consumer'] - floor:.1f} µs."]
+    floor, floor_msgs = res.get("floor_us"), res.get("floor_messages_per_handoff")
+    if floor is not None and floor_msgs:  # results written before the floor was measured have none
+        per_msg = floor / floor_msgs
+        lines += ["", f"Socket floor of the client stages (the same socket and wake-up, no library code): "
+                      f"{floor:.1f} µs per handoff at {floor_msgs:g} messages, "
+                      f"{per_msg:.1f} µs a message."]
+        for r in res["rows"]:
+            if "messages_per_handoff" in r:
+                m = r["messages_per_handoff"]
+                best = r.get("compiled_us", r["pure_us"])
+                lines.append(f"- {r['stage']}: {m:g} messages per handoff (sent and received), so about "
+                             f"{per_msg * m:.1f} µs of socket floor and {best - per_msg * m:.1f} µs above it.")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--one"]:
-        print(json.dumps({"us": _RUNNABLE[sys.argv[2]](int(sys.argv[3]))}))
+        print(json.dumps(_RUNNABLE[sys.argv[2]](int(sys.argv[3]))._asdict()))
     else:
         print(markdown(run_stages(int(sys.argv[1]) if len(sys.argv) > 1 else 5000)))
