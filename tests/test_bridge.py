@@ -28,7 +28,7 @@ from hurray_ipc.client import Consumer, Producer
 from test_clients import Proc
 from workers import collect, once_let_through
 
-ANY_PORT = "tcp://127.0.0.1:*"  # --listen: the sending bridge binds a free port and logs it (listening)
+ANY_PORT = "tcp://127.0.0.1:*"  # --listen: the sending bridge binds a free port and logs it (bridge_listening)
 
 
 def listening(out, timeout: float = 30.0) -> str:
