@@ -1182,9 +1182,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def bound_endpoint(log_text: str) -> str | None:
-    """The address a sending bridge bound, from its JSON log (its ``bridge_listening`` line), or
-    None while that line is not there whole: what a caller that passed ``--listen tcp://HOST:*``
-    reads to learn the port."""
+    """The address a sending bridge bound, from its log in ``--log-format json`` (the bridge's
+    default; its ``bridge_listening`` line), or None while that line is not there whole: what a
+    caller that passed ``--listen tcp://HOST:*`` reads to learn the port."""
     for line in log_text.splitlines():
         try:
             rec = json.loads(line)
