@@ -23,7 +23,7 @@ import zmq
 from brokerproc import BrokerProcess
 from conftest import SPAWN, emu_config, free_port
 from hurray_ipc import workload
-from hurray_ipc.broker.bridge import bound_endpoint
+from hurray_ipc.broker.bridge import bound_endpoint, wait_bound
 from hurray_ipc.client import Consumer, Producer
 from test_clients import Proc
 from workers import collect, once_let_through
@@ -38,14 +38,16 @@ def listening(out, timeout: float = 30.0) -> str:
     killed (nothing else would stop it) and fails the test."""
     if isinstance(out, InThread):
         return str(out.bridge.endpoint)
-    fd, deadline = out.log.fileno(), time.monotonic() + timeout
-    while (url := bound_endpoint(text := os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace"))) is None:
-        if out.poll() is not None or time.monotonic() > deadline:
-            out.kill()
-            out.wait()
-            raise AssertionError(f"the sending bridge (status {out.returncode}) never said where it listens: "
-                                 f"{text[-1500:]}")
-        time.sleep(0.05)
+    fd = out.log.fileno()
+
+    def read() -> str:
+        return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+
+    if (url := wait_bound(read, lambda: out.poll() is None, timeout)) is None:
+        out.kill()
+        out.wait()
+        raise AssertionError(f"the sending bridge (status {out.returncode}) never said where it listens: "
+                             f"{read()[-1500:]}")
     return url
 
 
@@ -804,13 +806,23 @@ def test_the_bound_endpoint_is_read_from_the_sending_bridges_own_line_once_whole
     """``--listen tcp://HOST:*``: the port is learnt from the bridge's bridge_listening line; not
     from a broker's own listening line (a broker's bridges log into its log), nor from a line
     still being written."""
-    from hurray_ipc.broker.bridge import bound_endpoint
-
     broker = '{"event": "listening", "endpoint": "ipc:///tmp/b.sock", "session": "s"}\n'
     line = '{"event": "bridge_listening", "channel": "c", "endpoint": "tcp://127.0.0.1:41234"}\n'
     assert bound_endpoint("") is None and bound_endpoint(broker) is None
     assert bound_endpoint(broker + line[:-9]) is None
     assert bound_endpoint("bridge: plain text\n" + broker + line) == "tcp://127.0.0.1:41234"
+
+
+def test_waiting_for_the_bound_endpoint_ends_when_the_bridge_says_stops_or_time_runs_out():
+    """:func:`wait_bound` reads the log until the line is whole; a bridge that stopped, or never
+    says within the timeout, gives None (the caller stops it and reports), never a wait without end."""
+    line = '{"event": "bridge_listening", "channel": "c", "endpoint": "tcp://127.0.0.1:41234"}\n'
+    logs = iter(["", line[:20], line])
+    assert wait_bound(lambda: next(logs), lambda: True, 60) == "tcp://127.0.0.1:41234"
+    assert next(logs, "read no further") == "read no further"
+    reads = []
+    assert wait_bound(lambda: reads.append(1) or "", lambda: False, 60) is None and reads == [1]
+    assert wait_bound(lambda: "", lambda: True, 0) is None
 
 
 @pytest.mark.parametrize("option", ["--export", "--import"])

@@ -924,7 +924,7 @@ def bench_nixl(size: int, n: int, memory: str = "shared") -> dict[str, Any]:
 def bench_bridge(tmp: Path, size: int, n: int, curve: bool, rdma: bool = False) -> dict[str, Any]:
     """Bridged throughput between two brokers on loopback TCP (one link; ``rdma``: both bridges
     offer NIXL, so the bytes move over it and only control messages over ZeroMQ)."""
-    from ..broker.bridge import bound_endpoint
+    from ..broker.bridge import wait_bound
 
     tag = ("curve" if curve else "plain") + ("-rdma" if rdma else "")
     a, b = f"ipc://{tmp}/a-{tag}.sock", f"ipc://{tmp}/b-{tag}.sock"
@@ -946,11 +946,9 @@ def bench_bridge(tmp: Path, size: int, n: int, curve: bool, rdma: bool = False) 
         with logs[0].open("w") as out_log, logs[1].open("w") as in_log:
             procs.append(subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker.bridge", "out", "--channel", "bb",
                                            "--endpoint", a, "--listen", "tcp://127.0.0.1:*", *out_sec], stderr=out_log))
-            deadline = time.monotonic() + 60
-            while (url := bound_endpoint(logs[0].read_text())) is None:  # the port it bound, once it says
-                if procs[-1].poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the sending bridge never said where it listens: {logs[0].read_text()[-1500:]}")
-                time.sleep(0.02)
+            sender = procs[-1]
+            if (url := wait_bound(logs[0].read_text, lambda: sender.poll() is None, 60)) is None:
+                raise RuntimeError(f"the sending bridge never said where it listens: {logs[0].read_text()[-1500:]}")
             procs.append(subprocess.Popen([sys.executable, "-m", "hurray_ipc.broker.bridge", "in", "--channel", "bb",
                                            "--endpoint", b, "--connect", url, *in_sec], stderr=in_log))
         try:

@@ -1195,6 +1195,19 @@ def bound_endpoint(log_text: str) -> str | None:
     return None
 
 
+def wait_bound(read_log: Callable[[], str], running: Callable[[], bool], timeout: float) -> str | None:
+    """The address a sending bridge started with ``--listen tcp://HOST:*`` bound: ``read_log()``
+    (its whole log so far) is read every 20 ms until :func:`bound_endpoint` finds it. None once
+    ``running()`` is false or ``timeout`` seconds passed without it; the caller then stops the bridge
+    and reports its log."""
+    deadline = time.monotonic() + timeout
+    while (url := bound_endpoint(read_log())) is None:
+        if not running() or time.monotonic() > deadline:
+            return None
+        time.sleep(0.02)
+    return url
+
+
 def build(a: argparse.Namespace, route_key: str | None = None) -> BridgeOut | BridgeIn:
     """The bridge that the parsed command line ``a`` (an ``out`` or ``in`` of :func:`parser`) names,
     not yet serving. Raises OSError, ValueError or zmq.ZMQError (keys, endpoints) and DeviceError."""
