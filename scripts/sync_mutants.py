@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest_workers  # scripts/, beside this file
+
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ["tests/test_races.py", "tests/test_paths.py", "tests/test_clients.py", "tests/test_devices.py",
          "tests/test_stress.py"]
@@ -538,8 +540,7 @@ def run_suite(tree: Path, tests: list[str]) -> tuple[int, int, str, list[str]]:
     """The tests as scripts/test runs them: on pytest-xdist workers (they inherit PYTHONPATH, so
     they import the copy), then those marked machine_wide alone, which a test beside them could
     decide (pytest exits 5 there when the files hold none: nothing counted)."""
-    workers = max(1, min(4, len(os.sched_getaffinity(0))))
-    f1, p1, t1, w1 = _pytest(tree, tests, "-n", str(workers), "-m", "not machine_wide")
+    f1, p1, t1, w1 = _pytest(tree, tests, "-n", str(pytest_workers.count()), "-m", "not machine_wide")
     f2, p2, t2, w2 = _pytest(tree, tests, "-m", "machine_wide")
     return f1 + f2, p1 + p2, f"{t1} | machine_wide: {t2}", w1 + w2
 
