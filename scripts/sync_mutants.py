@@ -485,6 +485,17 @@ MUTANTS: dict[str, tuple[str, ...]] = {
     "mailbox-claim-unchecked": ("hurray_ipc/devices/backend/mailbox.py",
                                 "        if struct.unpack_from(\"<Q\", self.map, slot * 8)[0] == expect:\n",
                                 "        if True:  # MUTANT: taken meanwhile or not\n", "tests/test_mailbox.py"),
+    # Consumer.close() with a handoff the application still holds: BYE at once, so the broker hands
+    # the buffer back (spec §5) while the consumer's read of it may still run.
+    "close-bye-while-held": ("hurray_ipc/client/consumer.py",
+                             "        for ho in list(self._held.values()):\n",
+                             "        for ho in list(self._waiting.values()):  # MUTANT: only what was never taken\n",
+                             "tests/test_paths.py", "tests/test_clients.py"),
+    # ... and a close whose releases still wait for device work after the session's timeout.
+    "close-bye-while-reads-pending": ("hurray_ipc/client/consumer.py",
+                                      "                bye = False\n",
+                                      "                bye = True  # MUTANT: BYE while the release waits\n",
+                                      "tests/test_paths.py"),
 }
 
 

@@ -43,6 +43,28 @@ def test_cpu_ipc_zero_copy(broker):
     assert cr["modes"] == {"SYNC_PRODUCER_SYNCED": 12} and cr["staged"] == 0
 
 
+def test_close_releases_what_the_application_still_holds_before_its_bye(broker):
+    """Consumer.close() with a received handoff still held: it is released (the producer's ticket
+    says 'released', not 'consumer_gone', which would hand the buffer back whatever the consumer
+    still does with it) and refuses use afterwards, so the old handle cannot read the bytes of the
+    producer's next send into the same slot."""
+    from hurray_ipc import AlreadyReleasedError
+
+    with Producer(broker.endpoint, "close-held") as p:
+        with Consumer(broker.endpoint, "close-held") as c:
+            sent: list = []
+            th = threading.Thread(target=lambda: sent.append(p.send(np.full(4, 7, np.float32), timeout=10)))
+            th.start()
+            h = c.receive(timeout=10)
+            th.join(10)
+            c.close()
+            p.flush(10)
+            assert sent[0].outcome == "released"
+            with pytest.raises(AlreadyReleasedError):
+                h.numpy()
+            c.close()  # idempotent
+
+
 def test_emulated_cuda_event_mode(broker):
     pr, cr = run_pair(broker, "cuda:0", "cuda:0", emu_env(op_delay_s=0.005))
     assert cr["modes"] == {"SYNC_EVENT": 12} and cr["staged"] == 0

@@ -20,7 +20,7 @@ import pytest
 
 from brokerproc import BrokerProcess
 from conftest import Proc, emu_config
-from hurray_ipc import InvalidArgument, workload
+from hurray_ipc import AlreadyReleasedError, InvalidArgument, workload
 from hurray_ipc.client import Consumer, Producer
 from hurray_ipc.devices import CudaDevice, DeviceError, RaceError, set_runtime
 from hurray_ipc.devices.backend.emulated import EmulatedRuntime
@@ -343,6 +343,61 @@ def test_broken_twin_release_while_reads_pending_races_with_the_rewrite(broker, 
         hs[0].release(stream=idle)  # fences a stream the read is not on: RELEASE goes at once
 
     rt, _outs, caught = _release_then_rewrite(broker, delay, "rel-bad", release)
+    assert caught and rt.races
+
+
+@pytest.mark.parametrize("delay", DELAYS)
+def test_close_releases_a_held_handoff_after_its_pending_reads(broker, delay):
+    """Consumer.close() while the application holds a handoff whose read is still pending: close
+    releases it as release() would, after the read, and says BYE only then, so the producer's
+    rewrite is ordered after the read; the handoff refuses use afterwards."""
+    held: list = []
+
+    def release(c: Consumer, hs: list) -> None:
+        held.extend(hs)
+        c.close()
+
+    rt, outs, caught = _release_then_rewrite(broker, delay, "rel-close", release)
+    assert not caught and not rt.races
+    assert workload.verify(outs[0]) == (7, 0, True)
+    with pytest.raises(AlreadyReleasedError):
+        _ = held[0].buffer.device_buffer
+
+
+def test_close_whose_reads_outlast_its_wait_leaves_without_bye_so_the_buffer_is_fenced(tmp_path):
+    """Consumer.close() whose release still waits for device work after the session's timeout
+    leaves without a BYE (a BYE would have the broker hand the buffer straight back, spec §5): the
+    broker fences the silent consumer, and the producer gets RELEASED consumer_fenced and retires
+    the buffer (``holds()`` stays true) instead of writing it under the pending read."""
+    b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=1.0, extra_args=["--fence", "1.0"]).start()
+    try:
+        with emulated(1.0) as (_rt, dev):  # each device op takes a second: the read outlasts close's wait
+            with Producer(b.endpoint, "slow-close", dev) as p:
+                c = Consumer(b.endpoint, "slow-close", dev, heartbeat_s=0.05, timeout_s=0.3)
+                buf = p.allocate(SIZE)
+                tickets: list = []
+                th = threading.Thread(target=lambda: tickets.append(p.send(buf, SyncMode.EVENT, timeout=10)),
+                                      daemon=True)
+                th.start()
+                h = c.receive(timeout=10)
+                th.join(10)
+                h.wait()
+                _read(c, h)
+                c.close()
+                p.flush(10)
+                assert tickets[0].outcome == "consumer_fenced"
+                assert p.holds(buf)
+    finally:
+        b.stop()
+
+
+@NEEDS_HB
+@pytest.mark.parametrize("delay", DELAYS)
+def test_broken_twin_bye_while_a_held_handoffs_read_is_pending_races_with_the_rewrite(broker, delay):
+    def release(c: Consumer, hs: list) -> None:
+        c.session.close()  # BYE at once: the broker hands the buffer back (spec §5) while the read runs
+
+    rt, _outs, caught = _release_then_rewrite(broker, delay, "rel-bye", release)
     assert caught and rt.races
 
 

@@ -720,7 +720,8 @@ class Consumer:
         return self.core.inbox
 
     def flush_releases(self, timeout: float | None = None) -> None:
-        """Wait until every deferred release was sent."""
+        """Wait until every deferred release was sent (HurrayTimeout after ``timeout`` seconds)."""
+        check_timeout(timeout, "flush_releases(timeout=)")
         self.session.pump(lambda: not self._poll_releases(), timeout,
                           f"waiting for the device work of {self.core.releasing} release(s)")
 
@@ -900,6 +901,7 @@ class Consumer:
         producer registers and reopens it (spec §4.9); HurrayTimeout after ``timeout`` seconds.
         For a consumer that serves one stream after another: ``while True: c.wait_open();
         for h in c: ...``."""
+        check_timeout(timeout, "wait_open(timeout=)")
         self.session.pump(lambda: not self.ended, timeout,
                           f"waiting for a producer to reopen channel {self.session.channel!r}")
 
@@ -985,22 +987,40 @@ class Consumer:
                 raise
 
     def close(self) -> None:
-        """Disconnect. Handoffs still held are released (the broker releases them to producers)."""
-        for ho in list(self._waiting.values()):
-            if not ho.released:
-                ho.release()
+        """Disconnect. Every handoff still held, received or not, is released first as
+        :meth:`ReceivedHandoff.release` would (after the device work on every stream it was
+        ordered on), so it raises AlreadyReleasedError on use from then on; views taken before
+        must not be used either. The BYE leaves only once each of those releases went out: the
+        broker gives a BYE's deliveries straight back to their producers (spec §5), which may
+        then write them. When that device work has not completed within the session's timeout,
+        the consumer leaves without a BYE, so the broker fences it and the producers retire
+        those buffers instead of reusing them. Idempotent."""
+        if self.session.closed:
+            return
+        for ho in list(self._held.values()):
+            if not ho.released and not ho.producer_gone:
+                try:
+                    ho.release()
+                except Exception as e:  # noqa: BLE001 - one handoff's failure must not keep the others
+                    log.warning("closing: releasing %s failed: %s", ho.token[:16], e)
+        bye = True
         if self.core.releasing and self.session.alive:
             try:
                 self.flush_releases(self.session.timeout_s)
-            except (TimeoutError, ConnectionError):
-                log.warning("closing with %d release(s) still waiting for device work", self.core.releasing)
+            except TimeoutError:
+                bye = False
+                log.warning("closing without BYE: %d release(s) still wait for device work after %g s; the "
+                            "broker fences this consumer and its producers retire those buffers",
+                            self.core.releasing, self.session.timeout_s)
+            except ConnectionError:
+                pass  # no broker to answer: nothing more to release
         if self.gpu is not None and self._kept_from:
             # Kept mappings close before the BYE: the broker answers a later UNMAP for a consumer
             # that said BYE (spec §4.10), so its producer may free the allocation at once.
             self.gpu.import_cache.close_idle()
             for producer in self._kept_from:
                 self.gpu.order_send(order_key(producer, 0, f"left:{self._label}"))
-        self.session.close()
+        self.session.close(bye=bye)
         if self._fences is not None:
             self._fences.close(taken_too=False)  # those still pending complete on their own
         if self.declared_stream is not None:

@@ -21,6 +21,7 @@ one replies ``not_registered``) it registers anew with the state its owner repor
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import select
@@ -40,7 +41,20 @@ from ..errors import BrokerUnavailable, ClosedError, HurrayTimeout, InvalidArgum
 from ..transport.liveness import process_lease
 from ..transport.sockets import NOBLOCK, readable, recv_frames, send_frames
 from ..wire.ipc import BROKER_VERBS, HotMessage, Message, ProtocolError, coalesce, decode_all, encode_group
-from ..wire.messages import AnyMessage, Bye, Error, Hello, Ping, Pong, Ready, Request, Shutdown, Welcome, parse
+from ..wire.messages import (
+    MAX_CREDITS,
+    AnyMessage,
+    Bye,
+    Error,
+    Hello,
+    Ping,
+    Pong,
+    Ready,
+    Request,
+    Shutdown,
+    Welcome,
+    parse,
+)
 from ..wire.messages import Route as RouteMessage
 from .endpoint import check_endpoint, check_socket_dir, default_endpoint
 
@@ -98,12 +112,23 @@ def unavailable_hint(endpoint: str) -> str:
     return f"is a broker listening there? start one with `{START_BROKER} --endpoint {endpoint}`"
 
 
+def _seconds(v: Any, low: float, above: bool) -> bool:
+    """``v`` is an int or float (not a bool) of finite seconds, above ``low`` or from it."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return False
+    try:
+        f = float(v)  # an int too large for a float raises: no deadline can be computed from it
+    except OverflowError:
+        return False
+    return math.isfinite(f) and (f > low if above else f >= low)
+
+
 def check_timeout(timeout: float | None, where: str) -> None:
-    """A timeout is None (no end) or a number of seconds >= 0; else InvalidArgument naming ``where``."""
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
-                                or not timeout >= 0):
-        raise InvalidArgument("a timeout is a number of seconds >= 0, or None to wait without end", where=where,
-                              value=timeout)
+    """A timeout is None (no end) or a finite number of seconds >= 0; else InvalidArgument naming
+    ``where``."""
+    if timeout is not None and not _seconds(timeout, 0, above=False):
+        raise InvalidArgument("a timeout is a finite number of seconds >= 0, or None to wait without end",
+                              where=where, value=timeout)
 
 
 def check_client_args(role: str, channel: Any, prefetch: Any, low: int, heartbeat_s: Any, timeout_s: Any) -> None:
@@ -111,11 +136,12 @@ def check_client_args(role: str, channel: Any, prefetch: Any, low: int, heartbea
     cls = role.capitalize()
     if not isinstance(channel, str) or not 1 <= len(channel) <= 256:
         raise InvalidArgument("a channel is a name of 1 to 256 characters", where=f"{cls}(channel=)", value=channel)
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < low:
-        raise InvalidArgument(f"prefetch is an int >= {low}", where=f"{cls}(prefetch=)", value=prefetch)
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not low <= prefetch <= MAX_CREDITS:
+        raise InvalidArgument(f"prefetch is an int from {low} to {MAX_CREDITS} (the credits one request may ask "
+                              "for, spec §2)", where=f"{cls}(prefetch=)", value=prefetch)
     for name, v in (("heartbeat_s", heartbeat_s), ("timeout_s", timeout_s)):
-        if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
-            raise InvalidArgument("a number of seconds > 0", where=f"{cls}({name}=)", value=v)
+        if not _seconds(v, 0, above=True):
+            raise InvalidArgument("a finite number of seconds > 0", where=f"{cls}({name}=)", value=v)
 
 
 class Session:
@@ -527,7 +553,9 @@ class Session:
                 run_callbacks(callbacks)
             time.sleep(idle)
 
-    def close(self) -> None:
+    def close(self, bye: bool = True) -> None:
+        """Send what is queued, then BYE (unless ``bye`` is False: the broker then judges this
+        client by its silence, spec §5), and close the socket. Idempotent."""
         if self.closed:
             return
         with self.lock:
@@ -535,7 +563,8 @@ class Session:
                 self.flush_out()
                 # Also before the WELCOME came: the HELLO went first on this socket, so the BYE
                 # ends that registration (a BYE the broker cannot place is ignored, spec §2).
-                self.send(Bye())
+                if bye:
+                    self.send(Bye())
             except zmq.ZMQError:
                 pass
             self.closed = True
