@@ -30,6 +30,7 @@ one, the fix. A call that raises gives back everything it took (see client/DESIG
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 
@@ -51,7 +52,7 @@ class _Located(HurrayError):
             shown = repr(value)
             if len(shown) > 80:
                 shown = shown[:77] + "..."
-            if shown not in message:
+            if not re.search(rf"(?<![\w.]){re.escape(shown)}(?![\w.])", message):  # 0 is not shown by "4096"
                 message = f"{message} (got {shown})"
         super().__init__(f"{where}: {message}" if where else message)
 

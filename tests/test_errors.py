@@ -59,7 +59,11 @@ def test_constructor_arguments_are_checked_before_anything_connects(tmp_path):
     ep = f"ipc://{tmp_path}/none.sock"
     refused(lambda: Producer(ep, channel=""), InvalidArgument, "Producer(channel=)", "1 to 256 characters")
     refused(lambda: Consumer(ep, channel="x" * 300), InvalidArgument, "Consumer(channel=)")
-    refused(lambda: Producer(ep, "c", prefetch=0), InvalidArgument, "Producer(prefetch=)", ">= 1", "got 0")
+    refused(lambda: Producer(ep, "c", prefetch=0), InvalidArgument, "Producer(prefetch=)", "from 1 to 4096", "got 0")
+    # More than one request may ask for: the broker would refuse every REQUEST and the client never receive.
+    refused(lambda: Consumer(ep, "c", prefetch=4097), InvalidArgument, "Consumer(prefetch=)", "4097")
+    refused(lambda: Producer(ep, "c", prefetch=2**64), InvalidArgument, "Producer(prefetch=)")
+    refused(lambda: Producer(ep, "c", heartbeat_s=float("inf")), InvalidArgument, "Producer(heartbeat_s=)", "inf")
     refused(lambda: Consumer(ep, "c", prefetch=-1), InvalidArgument, "Consumer(prefetch=)", "-1")
     refused(lambda: Producer(ep, "c", timeout_s=0), InvalidArgument, "Producer(timeout_s=)")
     refused(lambda: Producer(ep, "c", device="gpu"), InvalidArgument, "Producer(device=)", "'cpu' or 'cuda:N'",
@@ -95,8 +99,48 @@ def test_what_send_refuses_and_how(broker):
         refused(lambda: p.send(b"x", stream=1), InvalidArgument, "send(stream=)", "without a CUDA device")
         refused(lambda: p.allocate(-1), InvalidArgument, "allocate(size=)", "-1")
         refused(lambda: p.allocate(1.5), InvalidArgument, "allocate(size=)", "1.5")
+        refused(lambda: p.send(b"x", on_release=5), InvalidArgument, "send(on_release=)", "callable", "5")
+        refused(lambda: p.send_many([b"x"], on_release="f"), InvalidArgument, "send_many(on_release=)")
+        refused(lambda: p.send(b"x", readonly="no"), InvalidArgument, "send(readonly=)", "'no'")
+        refused(lambda: p.send(b"x", meta={"n": 10**5000}), InvalidArgument, "send(meta=)", "meta['n']",
+                "16610 bits")
+        refused(lambda: p.send_many(None), InvalidArgument, "send_many(objs=)", "a list", "NoneType")  # type: ignore[arg-type]
+        refused(lambda: p.send_many(np.zeros((2, 4))), InvalidArgument, "send_many(objs=)", "ndarray")  # type: ignore[arg-type]
         assert p.allocate(np.int64(8)).size == 8
-        assert not p._out and not p.grants  # none of it took anything
+        assert not p._out and not p.grants and p.staging.in_use == 0  # none of it took anything
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1, "5", 10**400, True])
+def test_every_wait_checks_its_timeout(broker, bad):
+    """A timeout is None or finite seconds >= 0 on every call that waits: NaN once hung flush() for
+    ever, a huge int raised OverflowError from inside the wait, a str a TypeError."""
+    with Producer(broker.endpoint, "timeouts", "cpu") as p, Consumer(broker.endpoint, "timeouts", "cpu") as c:
+        for where, call in [("send(timeout=)", lambda: p.send(b"x", timeout=bad)),
+                            ("flush(timeout=)", lambda: p.flush(bad)),
+                            ("wait_released(timeout=)", lambda: p.wait_released(bad)),
+                            ("grant_ready(timeout=)", lambda: p.grant_ready(bad)),
+                            ("receive(timeout=)", lambda: c.receive(bad)),
+                            ("flush_releases(timeout=)", lambda: c.flush_releases(bad)),
+                            ("wait_open(timeout=)", lambda: c.wait_open(bad))]:
+            refused(call, InvalidArgument, where, "finite number of seconds")
+        refused(lambda: p.close(bad), InvalidArgument, "close(timeout=)")
+        assert not p.session.closed
+
+
+def test_send_with_timeout_0_and_a_grant_here_returns_the_ticket_of_the_one_handoff(broker):
+    """``timeout`` bounds the wait for a grant, not the broker's answer to a handoff already out: with a
+    grant here, send(timeout=0) returns its ticket. (It used to raise HurrayTimeout for a handoff that was
+    delivered all the same, so a caller that retried sent it twice.)"""
+    with Producer(broker.endpoint, "t0", "cpu") as p, Consumer(broker.endpoint, "t0", "cpu") as c:
+        refused(lambda: c.receive(timeout=0), HurrayTimeout)  # asks for a buffer: the producer gets a grant
+        assert p.grant_ready(10)
+        t = p.send(np.arange(3), timeout=0)
+        assert t.error is None
+        h = c.receive(timeout=10)
+        assert list(h.numpy()) == [0, 1, 2]
+        h.release()
+        p.flush(10)
+        refused(lambda: c.receive(timeout=0), HurrayTimeout)  # nothing else came
 
 
 def test_receive_and_handoff_misuse(broker):
@@ -119,6 +163,7 @@ def test_after_close_every_call_is_a_closed_error(broker):
     p.close()
     c.close()
     refused(lambda: p.send(b"x"), ClosedError, "was closed before send")
+    refused(lambda: p.allocate(8), ClosedError, "was closed before allocate")
     refused(lambda: p.send_many([b"x"]), ClosedError, "was closed")
     p.end()  # close() ended the stream already: nothing to do
     refused(lambda: c.receive(timeout=1), ClosedError, "was closed", "channel 'closed'")

@@ -200,6 +200,12 @@ class _VoidGrant(Exception):
     """A grant of an earlier registration of this producer: unusable, and not to be given back."""
 
 
+def _check_on_release(on_release: Any, where: str) -> None:
+    """``on_release`` is None or a callable (it is called with the ticket, later, from a pump)."""
+    if on_release is not None and not callable(on_release):
+        raise InvalidArgument("on_release is a callable taking the Ticket, or None", where=where, value=on_release)
+
+
 def _preferred_mode(mode: Any) -> SyncMode | None:
     """``send(mode=)``: a SyncMode, its name ('EVENT', 'SYNC_EVENT', 'event') or None."""
     if mode is None or isinstance(mode, SyncMode):
@@ -680,7 +686,9 @@ class Producer:
         a copy; yours until you send it, then the consumer's until its release. Close it
         (``buf.close()``, not while a ``send()`` of it runs) when done: a GPU buffer's memory is
         freed only once no handoff of it is outstanding and no consumer may still map it (spec
-        §4.10; never while this process lives once a consumer was fenced while it held it, §5)."""
+        §4.10; never while this process lives once a consumer was fenced while it held it, §5).
+        ClosedError after :meth:`close` or :meth:`end`."""
+        self._check_open("allocate")
         try:
             n = operator.index(size) if not isinstance(size, bool) else -1
         except TypeError:
@@ -712,6 +720,7 @@ class Producer:
         :meth:`send` would. For a caller that must not block on a consumer: a loop with other work
         (a bridge) calls this with 0 and sends only when it returns True. Raises BrokerUnavailable
         as :meth:`send` does."""
+        check_timeout(timeout, "grant_ready(timeout=)")
         try:
             grant = self._take_grant(timeout)
         except TimeoutError:
@@ -743,7 +752,11 @@ class Producer:
         with ``block=False`` it lands on the returned ticket. ``on_release(ticket)`` runs once, when
         the buffer is yours again to write on any stream: after the consumer's release and after
         your writes to it that the handoff covered completed (sync-contract §3).
-        ``timeout``: seconds to wait for a consumer (and, blocking, for the acceptance): HurrayTimeout.
+        ``timeout``: seconds to wait for a consumer's grant: HurrayTimeout, with nothing sent and
+        nothing taken (0: only when a grant is already here). Once the handoff left, a blocking
+        send waits for the broker's answer whatever ``timeout`` says (a timeout then would raise
+        for a handoff that is out and may be delivered); that wait ends with BrokerUnavailable when
+        the broker stays silent for the session's ``timeout_s``.
         ``meta``: your own metadata, any JSON value (dicts with str keys, lists, str, numbers,
         bool, None), delivered exactly as sent as ``handoff.meta``; refused (InvalidArgument)
         before anything is taken when it is not JSON or its encoding is over 64 KiB.
@@ -767,6 +780,7 @@ class Producer:
         """
         preferred = _preferred_mode(mode)
         check_timeout(timeout, "send(timeout=)")
+        _check_on_release(on_release, "send(on_release=)")
         src = self._source(obj, stream, preferred, meta, shape, dtype, readonly)
         try:
             while True:
@@ -782,7 +796,8 @@ class Producer:
                 ticket = self._submit([prepared])[0]
                 if not block:
                     return ticket
-                self.session.pump(partial(_settled, ticket), timeout, "waiting for the broker to accept")
+                # Not bounded by `timeout`: the handoff is out (see the docstring).
+                self.session.pump(partial(_settled, ticket), None, "waiting for the broker to accept")
                 if ticket.error is not None and ticket.error.code in ("consumer_gone", "unknown_grant"):
                     continue  # never delivered: its consumer died, or its grant was revoked or void
                 if ticket.error is not None:
@@ -815,7 +830,10 @@ class Producer:
             if shape is not None or dtype is not None:
                 src.describe_as(shape, dtype)
             if readonly is not None:
-                src.readonly = bool(readonly)
+                if not isinstance(readonly, bool):
+                    raise InvalidArgument("readonly is True, False or None (from the object)", where="send(readonly=)",
+                                          value=readonly)
+                src.readonly = readonly
             src.user = meta
             src.wire = src.wire_meta()
         except BaseException:
@@ -863,6 +881,10 @@ class Producer:
         broker gone, a timeout) raises after the handoffs already sent, whose tickets stay valid."""
         preferred = _preferred_mode(mode)
         check_timeout(timeout, "send_many(timeout=)")
+        _check_on_release(on_release, "send_many(on_release=)")
+        if not isinstance(objs, list | tuple):  # an array is one object: iterating it would send each row
+            raise InvalidArgument("send_many takes a list (or tuple) of objects; send() takes one",
+                                  where="send_many(objs=)", value=f"<{type(objs).__name__}>")
         srcs: list[Source] = []
         try:
             for obj in objs:
@@ -1026,13 +1048,16 @@ class Producer:
         return slot
 
     def wait_released(self, timeout: float | None = None) -> None:
-        """Wait until at least one outstanding handoff is released."""
+        """Wait until at least one outstanding handoff is released (HurrayTimeout after ``timeout``
+        seconds)."""
+        check_timeout(timeout, "wait_released(timeout=)")
         before = len(self._out)
         if before:
             self.session.pump(lambda: len(self._out) < before, timeout, "waiting for a release")
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until every handoff was released."""
+        """Wait until every handoff was released (HurrayTimeout after ``timeout`` seconds)."""
+        check_timeout(timeout, "flush(timeout=)")
         self.session.pump(lambda: not self._out, timeout, f"waiting for {len(self._out)} release(s)")
 
     def end(self) -> None:
@@ -1064,6 +1089,7 @@ class Producer:
         finish, so its consumers wait for another (as for a crash, spec §4.9)."""
         if self.session.closed:
             return
+        check_timeout(timeout, "close(timeout=)")
         try:
             if end and not self.ended:
                 self.end()

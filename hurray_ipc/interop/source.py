@@ -150,7 +150,14 @@ def check_user_meta(meta: Any, path: str = "meta") -> None:
                 raise InvalidArgument(f"{where} is a tuple, which would arrive as a list; send a list",
                                       where="send(meta=)", value=v)
             kids = [(x, f"{where}[{i}]") for i, x in enumerate(v)]
-        elif v is None or isinstance(v, str | bool | int):
+        elif v is None or isinstance(v, str | bool):
+            continue
+        elif isinstance(v, int):
+            try:
+                int.__repr__(v)  # Python refuses to write an int of more than sys.get_int_max_str_digits()
+            except ValueError:
+                raise InvalidArgument(f"{where} is an int of {v.bit_length()} bits, more digits than Python writes "
+                                      "as JSON", where="send(meta=)", value=f"<int of {v.bit_length()} bits>") from None
             continue
         elif isinstance(v, float):
             if not math.isfinite(v):
