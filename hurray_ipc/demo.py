@@ -28,6 +28,7 @@ import numpy as np
 from . import workload
 from .cli import caps as caps_cli
 from .cli import inspect as inspect_cli
+from .cli.common import buffer_size, positive_int
 from .format.handle import BufferHandle, DeviceTag, SyncMode
 
 
@@ -142,8 +143,9 @@ def show_caps(env: dict[str, str], shell: dict[str, str]) -> None:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__)
-    ap.add_argument("--count", type=int, default=8, help="buffers per scenario")
-    ap.add_argument("--size", type=int, default=256 << 10, help="bytes per buffer")
+    ap.add_argument("--count", type=positive_int, default=8, help="buffers per scenario")
+    ap.add_argument("--size", type=buffer_size, default=256 << 10,
+                    help="bytes per buffer (4096, 64K, 1M ...; at least 16, which name the buffer for the check)")
     a = ap.parse_args(argv)
     show_handles()
     shell = dict(os.environ)  # what a command pasted from this output runs with

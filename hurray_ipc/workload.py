@@ -43,6 +43,9 @@ def spawn(fn: Callable[..., Any], **kwargs: Any) -> tuple[Any, Any]:
     return p, q
 
 
+MIN_SIZE = 16  # bytes: the head of every pattern names (tag, seq), which verify() reads
+
+
 def pattern(tag: int, seq: int, nbytes: int) -> np.ndarray:
     """The bytes buffer ``seq`` of producer ``tag`` carries; the first 16 name (tag, seq)."""
     words = max(2, -(-nbytes // 8))
@@ -53,7 +56,7 @@ def pattern(tag: int, seq: int, nbytes: int) -> np.ndarray:
 
 def verify(data: np.ndarray) -> tuple[int, int, bool]:
     """(tag, seq, intact) of received bytes."""
-    if data.nbytes < 16:
+    if data.nbytes < MIN_SIZE:
         return -1, -1, False
     head = data[:16].view(np.uint64)
     tag, seq = int(head[0]), int(head[1])

@@ -42,6 +42,18 @@ def test_version(prog):
     ("hurray_ipc.cli.caps", ["--device", "cpu", "--broker", "localhost:5555"], "is not a ZeroMQ endpoint"),
     ("hurray_ipc.cli.stress", ["--mode", "bogus"], "unknown sync mode 'bogus'"),
     ("hurray_ipc.cli.stress", ["--producers", "0"], "0 is not a positive integer"),
+    # Each of these used to run, and then report its own workload as corrupt or FAIL (exit 1):
+    ("hurray_ipc.cli.stress", ["--size", "8"], "at least 16 bytes"),
+    ("hurray_ipc.cli.stress", ["--size", "-5"], "a number of bytes >= 0"),
+    ("hurray_ipc.cli.stress", ["--duration", "0"], "0 is not a finite number > 0"),
+    ("hurray_ipc.cli.stress", ["--mode", "SYNC_EVENT"], "a cpu buffer is always SYNC_PRODUCER_SYNCED"),
+    ("hurray_ipc", ["demo", "--count", "0"], "0 is not a positive integer"),
+    ("hurray_ipc", ["demo", "--size", "15"], "at least 16 bytes"),
+    # ... and these hung (size 0: the mp.Queue row) or printed a traceback:
+    ("hurray_ipc.cli.bench", ["--sizes", "4K,0"], "sizes of at least 1 byte"),
+    ("hurray_ipc.cli.bench", ["--sizes", "4Q"], "size '4Q': expected bytes like 4096"),
+    ("hurray_ipc.cli.bench", ["--iterations", "0"], "0 is not a positive integer"),
+    ("hurray_ipc.cli.bench", ["--render", "/nonexistent/results.json"], "No such file or directory"),
     ("hurray_ipc.cli.top", ["--interval", "0"], "0 is not a positive number of seconds"),
     ("hurray_ipc.cli.top", ["--endpoint", "broker.sock"], "is not a ZeroMQ endpoint"),
     ("hurray_ipc.broker", ["--metrics-port", "70000"], "70000 is not a port number"),
@@ -322,7 +334,7 @@ def test_python_m_hurray_ipc_says_what_it_is_and_how_to_start() -> None:
 
 @pytest.mark.parametrize(("args", "says"), [
     (["deom"], "python -m hurray_ipc: error: unknown command 'deom'; the one command is 'demo'"),
-    (["demo", "--count", "x"], "python -m hurray_ipc demo: error: argument --count: invalid int value: 'x'"),
+    (["demo", "--count", "x"], "python -m hurray_ipc demo: error: argument --count: 'x' is not an integer"),
 ])
 def test_python_m_hurray_ipc_refuses_bad_arguments(args: list[str], says: str) -> None:
     r = run("hurray_ipc", *args)

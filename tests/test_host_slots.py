@@ -166,6 +166,19 @@ def test_an_exhausted_pool_waits_for_a_release_then_proceeds(broker, monkeypatch
         assert p.staging._slots.made == 1
 
 
+@pytest.mark.parametrize(("raw", "limit"), [("4096", 4096), ("512M", 512 << 20), ("1G", 1 << 30), ("2GiB", 2 << 30),
+                                            ("1.5G", None), ("-1", None), ("lots", None)])
+def test_the_pool_limit_reads_sizes_as_the_readme_writes_them(monkeypatch, raw, limit):
+    """HURRAY_STAGING_BYTES takes bytes or K/M/G (the README's "1 GiB"); anything else is refused
+    naming the variable (it was a bare int() ValueError)."""
+    monkeypatch.setenv("HURRAY_STAGING_BYTES", raw)
+    if limit is None:
+        with pytest.raises(InvalidArgument, match=r"^HURRAY_STAGING_BYTES: .*e\.g\. 1G"):
+            StagingPool(CpuDevice())
+    else:
+        assert StagingPool(CpuDevice()).max_bytes == limit
+
+
 def test_an_array_larger_than_the_pool_is_refused_up_front_naming_the_limit(broker):
     with Producer(broker.endpoint, "big", "cpu") as p:
         p.staging.max_bytes = MIN_SLOT

@@ -31,8 +31,15 @@ from ..bench.harness import MAX_WINDOW, WINDOW, WINDOW_ENV, window
 from ..bench.scaling import run_scaling, scaling_targets
 from ..bench.suite import aggregate, machine, markdown, plot, run_suite, targets
 from ..errors import InvalidArgument
-from .common import add_version
-from .stress import parse_size
+from .common import add_version, parse_size, positive_int
+
+
+def _sizes(text: str) -> list[int]:
+    """--sizes: comma-separated sizes, each at least one byte (an empty buffer has nothing to time)."""
+    sizes = [parse_size(s) for s in text.split(",") if s.strip()]
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated sizes of at least 1 byte, e.g. 4K,1M")
+    return sizes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,11 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         prog="hurray-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_version(p)
-    p.add_argument("--sizes", default="4K,1M,64M", help="comma-separated buffer sizes")
-    p.add_argument("--iterations", type=int, default=None, help="round trips per row for sizes <= 1 MiB")
+    p.add_argument("--sizes", type=_sizes, default="4K,1M,64M", help="comma-separated buffer sizes (each >= 1 byte)")
+    p.add_argument("--iterations", type=positive_int, default=None, help="round trips per row for sizes <= 1 MiB")
     p.add_argument("--full", action="store_true", help="2000 / 200 iterations instead of 300 / 40")
     p.add_argument("--out", default=None, help="results folder (default results/bench-<time>)")
-    p.add_argument("--rounds", type=int, default=None,
+    p.add_argument("--rounds", type=positive_int, default=None,
                    help="rounds, each in a new shuffled order; rows report medians over them (default 3; --full 5)")
     p.add_argument("--seed", type=int, default=0, help="seed of the shuffles")
     p.add_argument("--window", type=int, default=None,
@@ -83,7 +90,10 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--window sets the main rows' window; {other[0]} keeps its own ({WINDOW})")
         os.environ[WINDOW_ENV] = str(a.window)  # every row reads it, in every process it spawns
     if a.render:
-        res = json.loads(Path(a.render).read_text())
+        try:
+            res = json.loads(Path(a.render).read_text())
+        except (OSError, ValueError) as e:
+            p.error(f"--render {a.render}: {e}")
         res["rows"], res["targets"] = aggregate(res["raw"]), targets(res["raw"], res.get("window", WINDOW))
         if res.get("scaling"):
             res["scaling"]["rows"] = sorted(aggregate(res["scaling"]["raw"]),
@@ -100,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             window()  # HURRAY_BENCH_WINDOW may come from the environment: refused before anything starts
         except InvalidArgument as e:
             p.error(f"{e}: unset it, or pass --window")
-    sizes = [parse_size(s) for s in a.sizes.split(",") if s]
+    sizes = a.sizes
     n_small = a.iterations or (2000 if a.full else 300)
     n_large = max(5, n_small // 10) if a.iterations else (200 if a.full else 40)
     out = Path(a.out or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -43,6 +43,40 @@ def _int_at_least(value: str, least: int, what: str) -> int:
     return n
 
 
+def parse_size(text: str) -> int:
+    """Bytes as a command line writes them: 4096, 64K, 1M, 2GiB (>= 0)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    try:
+        n = int(float(t[:-1] if t[-1:] in "KMG" else t) * mult)
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"size {text!r}: expected bytes like 4096, 64K, 1M") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"size {text!r}: a number of bytes >= 0")
+    return n
+
+
+def buffer_size(text: str) -> int:
+    """A buffer size for the checked workload (hurray-stress, the demo): at least its header."""
+    from ..workload import MIN_SIZE
+
+    n = parse_size(text)
+    if n < MIN_SIZE:
+        raise argparse.ArgumentTypeError(f"size {text!r}: at least {MIN_SIZE} bytes, which name the buffer's "
+                                         "producer and number for the check")
+    return n
+
+
+def positive_float(value: str) -> float:
+    try:
+        f = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not (f > 0 and f != float("inf")):  # also NaN
+        raise argparse.ArgumentTypeError(f"{value} is not a finite number > 0")
+    return f
+
+
 def non_negative_int(value: str) -> int:
     return _int_at_least(value, 0, "a count")
 

@@ -38,21 +38,22 @@ from typing import Any
 
 from .. import workload
 from ..devices import DeviceError, backend_name, parse_spec, shm
-from .common import add_version, cuda_hint, device, non_negative_int, positive_int, sync_mode
+from ..format.handle import SyncMode
+from .common import (
+    add_version,
+    buffer_size,
+    cuda_hint,
+    device,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    sync_mode,
+)
 
 # After the deadline of a --duration run: producers send nothing new and wait for their releases,
 # consumers stop after this many seconds without a buffer. The run ends within duration plus that,
 # plus the drain; nothing is killed or restarted after the deadline.
 IDLE_STOP_MIN = 3.0
-
-
-def parse_size(text: str) -> int:
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
-    try:
-        return int(float(t[:-1] if t[-1:] in "KMG" else t) * mult)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"size {text!r}: expected bytes like 4096, 64K, 1M") from None
 
 
 @dataclass
@@ -469,12 +470,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--consumers", type=positive_int, default=d.consumers, help="consumer processes")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--count", type=positive_int, default=d.count, help="handoffs in total")
-    g.add_argument("--duration", type=float, metavar="SECONDS",
+    g.add_argument("--duration", type=positive_float, metavar="SECONDS",
                    help="instead of a count: the wall time of the whole run. One deadline from the start, "
                         "which replacement workers keep; after it nothing is killed or restarted, in-flight "
                         "handoffs drain and the consumers stop once every producer finished (or after "
                         f"{max(IDLE_STOP_MIN, 2 * d.timeout):g} s idle), so the run ends a few seconds after SECONDS")
-    p.add_argument("--size", type=parse_size, default=d.size, help="bytes per buffer (4096, 64K, 1M ...)")
+    p.add_argument("--size", type=buffer_size, default=d.size,
+                   help="bytes per buffer (4096, 64K, 1M ...; at least 16, which name the buffer for the check)")
     p.add_argument("--mode", type=sync_mode, help="preferred sync mode (default: the cheapest valid one)")
     p.add_argument("--device", type=device, default=d.device,
                    help="cpu or cuda:N; cuda:N runs on the CUDA emulation when HURRAY_CUDA=emulated is set")
@@ -510,6 +512,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="a live progress bar on stderr (default: only when stderr is a terminal and "
                         "without --json)")
     a = p.parse_args(argv)
+    if a.mode is not None and a.device == "cpu" and SyncMode.from_name(a.mode) is not SyncMode.PRODUCER_SYNCED:
+        p.error(f"--mode {a.mode}: a cpu buffer is always SYNC_PRODUCER_SYNCED (sync-contract §1); the other "
+                "modes need --device cuda:N")
     progress = a.progress if a.progress is not None else (sys.stderr.isatty() and not a.json)
     try:
         emulated = backend_name() == "emulated"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 
@@ -42,6 +43,19 @@ MIN_SLOT = 64 << 10
 
 class StagingExhausted(DeviceError):
     """Every slot is in use and the pool is at its byte limit; wait for a release."""
+
+
+def _env_bytes(name: str, default: int) -> int:
+    """A byte count from the environment variable ``name``: 1073741824, 1G, 512M, 64K (powers of
+    1024; an optional B or iB after the letter); InvalidArgument naming the variable otherwise."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:I?B)?\s*", raw.upper())
+    if m is None:
+        raise InvalidArgument("expected bytes as an integer, or with K, M or G (powers of 1024), e.g. 1G",
+                              where=name, value=raw)
+    return int(m[1]) << {"": 0, "K": 10, "M": 20, "G": 30}[m[2]]
 
 
 def size_class(nbytes: int) -> int:
@@ -70,7 +84,7 @@ class StagingPool:
         self._unpin_with = self.pin_with  # stays set when pinning is given up: earlier slots are pinned
         self._pinned: set[int] = set()  # id() of the slots cudaHostRegister accepted
         if max_bytes is None:
-            max_bytes = int(os.environ.get("HURRAY_STAGING_BYTES", str(1 << 30)))
+            max_bytes = _env_bytes("HURRAY_STAGING_BYTES", 1 << 30)
         self.max_bytes = max_bytes
         if idle_s is None:
             raw = os.environ.get("HURRAY_STAGING_IDLE_S", "30")
