@@ -131,6 +131,25 @@ def test_as_stream_refuses_with_what_and_which_value(bad, error, words):
             dev.as_stream(bad)
 
 
+def test_another_gpus_stream_or_memory_is_refused_where_it_is_given(broker):
+    """A stream of cuda:1 given to a cuda:0 client (an event recorded on it would be cuda:1's), and
+    cuda:1 memory given to a cuda:0 producer, are refused naming both devices; another object for
+    the same GPU is that GPU."""
+    with emulated(0.0) as (rt, dev):
+        other, again = CudaDevice(1, runtime=rt), CudaDevice(0, runtime=rt)
+        s1 = other.create_stream()
+        with pytest.raises(InvalidArgument, match="is a stream of cuda:1, not of cuda:0"):
+            dev.as_stream(s1)
+        assert dev.as_stream(again.create_stream()).device is again
+        with Producer(broker.endpoint, "xdev", dev) as p:
+            with pytest.raises(InvalidArgument, match=r"send\(obj=\): .* is memory of cuda:1; this producer hands "
+                                                      r"off cuda:0's"):
+                p.send(other.allocate(SIZE), timeout=5)
+            with pytest.raises(InvalidArgument, match="is a stream of cuda:1"):
+                p.send(p.allocate(SIZE), stream=s1, timeout=5)
+            assert not p._out and not p.grants
+
+
 def test_as_stream_checks_the_protocol_answer():
     class Wrong:
         def __init__(self, answer):

@@ -314,6 +314,11 @@ class CudaDevice(Device):
         """A non-owning CudaStream for a stream someone else created (never destroyed by us)."""
         return CudaStream(self, raw, owned=False)
 
+    def same_device(self, other: Device) -> bool:
+        """Whether ``other`` is this GPU: this object, or another opened on the same runtime and ordinal."""
+        return other is self or (isinstance(other, CudaDevice) and other.rt is self.rt
+                                 and other.ordinal == self.ordinal)
+
     def as_stream(self, obj: Any) -> CudaStream:
         """The :class:`CudaStream` of this device that ``obj`` names; the one place streams are coerced.
 
@@ -325,8 +330,10 @@ class CudaDevice(Device):
         naming the offending value otherwise.
         """
         if isinstance(obj, CudaStream):
-            if obj.device is not self and obj.device.rt is not self.rt:
-                raise InvalidArgument(f"stream {obj!r} belongs to another CUDA runtime, not to cuda:{self.ordinal}")
+            if not self.same_device(obj.device):
+                raise InvalidArgument(f"stream {obj!r} is a stream of {obj.device.identity.spec}, not of "
+                                      f"{self.identity.spec}: the event recorded or waited on it would be another "
+                                      "device's")
             if obj.raw is None:
                 raise InvalidArgument(f"stream {obj!r} was closed")
             return obj
