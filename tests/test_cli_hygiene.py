@@ -40,6 +40,7 @@ def test_version(prog):
     ("hurray_ipc.broker", ["--import-device", "gpu"], "'gpu' is not a device"),
     ("hurray_ipc.cli.caps", ["--device", "cuda0"], "'cuda0' is not a device"),
     ("hurray_ipc.cli.caps", ["--device", "cpu", "--broker", "localhost:5555"], "is not a ZeroMQ endpoint"),
+    ("hurray_ipc.cli.caps", ["--device", "cpu", "--channel", "first"], "add --broker ENDPOINT"),  # was ignored
     ("hurray_ipc.cli.stress", ["--mode", "bogus"], "unknown sync mode 'bogus'"),
     ("hurray_ipc.cli.stress", ["--producers", "0"], "0 is not a positive integer"),
     # Each of these used to run, and then report its own workload as corrupt or FAIL (exit 1):

@@ -4,6 +4,7 @@ double releases, zero leaked segments and events. Larger runs: hurray-stress --c
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -12,7 +13,7 @@ import pytest
 
 from hurray_ipc import workload
 from hurray_ipc.cli import stress
-from hurray_ipc.cli.stress import Runner, StressConfig, render
+from hurray_ipc.cli.stress import Runner, StressConfig, StressSummary, render
 from hurray_ipc.devices.backend.real import RealRuntime
 
 # machine_wide: a run counts the segments and events its dead workers left, which another test's
@@ -142,3 +143,13 @@ def test_a_gate_whose_owed_kills_never_come_fails_the_run_promptly(monkeypatch):
     assert any("never let go on" in e for e in s.errors), render(s)
     assert s.lost == 0 and s.segments_left == 0, render(s)
     assert time.monotonic() - t0 < 60, "the consumers waited for the result timeout"
+
+
+def test_the_table_says_what_a_cpu_run_cannot_check_and_what_kills_left_unchecked():
+    """A newcomer read 'races 0' on a cpu run as a check that passed, and 100 handoffs against 70
+    verified as a gap: the table says there is no GPU ordering on a cpu run, and why handoffs of
+    killed workers are not checked."""
+    cpu = render(StressSummary(config={"device": "cpu"}, handoffs=100, verified=70))
+    assert "- (cpu: no GPU ordering to check)" in cpu and "30 handoff(s) sent but not checked" in cpu
+    gpu = render(StressSummary(config={"device": "cuda:0"}, handoffs=10, verified=10, races=0))
+    assert "not checked" not in gpu and re.search(r"races \(happens-before check\) +0\n", gpu)

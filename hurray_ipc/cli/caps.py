@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.device is None:
         p.error("the following arguments are required: --device")
+    if a.channel and not a.broker:
+        p.error("--channel asks the running broker about that channel's consumers: add --broker ENDPOINT")
     try:
         t = Transport.parse(a.transport) if a.transport else None
         if a.broker:

@@ -1,6 +1,6 @@
 """hurray-inspect: decode a 16-byte buffer handle and say what its sync_mode obliges.
 
-    hurray-inspect 0010000000000000400000000100 0000   # hex (spaces, 0x and ':' allowed)
+    hurray-inspect "0010000000000000400000000100 0000"  # hex (spaces, 0x and ':' allowed; quote spaces)
     hurray-inspect @handle.bin                         # raw bytes (16) or hex text from a file
     hurray-inspect - < handle.bin                      # the same from stdin
     hurray-inspect --json HEX                          # machine-readable
