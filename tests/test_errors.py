@@ -151,6 +151,12 @@ def test_receive_and_handoff_misuse(broker):
         p.send(np.arange(3), timeout=5)
         h = c.receive(timeout=5)
         refused(lambda: h.buffer.__dlpack__(stream=3), InvalidArgument, "takes only None")
+        # the standard's types, each checked (they raised TypeError/ValueError from inside):
+        refused(lambda: h.buffer.__dlpack__(max_version=5), InvalidArgument, "__dlpack__(max_version=)", "5")
+        refused(lambda: h.buffer.__dlpack__(max_version="ab"), InvalidArgument, "(major, minor)")
+        refused(lambda: h.buffer.__dlpack__(dl_device=("a", "b")), InvalidArgument, "__dlpack__(dl_device=)")
+        refused(lambda: h.buffer.__dlpack__(copy="yes"), InvalidArgument, "__dlpack__(copy=)", "'yes'")
+        assert np.from_dlpack(h.buffer).tolist() == [0, 1, 2]  # numpy's own keywords still pass
         refused(lambda: h.buffer.copy_to_host(bytearray(2)), InvalidArgument, "exactly 24 bytes")
         h.release()
         refused(h.release, AlreadyReleasedError, "already released")

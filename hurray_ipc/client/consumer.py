@@ -241,6 +241,7 @@ class ReceivedBuffer:
         stream. Capsules are built so that a consumer failing after taking one keeps its own
         error (interop/dlpack.py)."""
         self._check()
+        _check_dlpack_args(max_version, dl_device, copy)
         here = self._dl_device()
         if dl_device is not None and (int(dl_device[0]), int(dl_device[1])) != here:
             raise ExportRefused(f"this buffer lives on DLPack device {here} and is exported there only, not to "
@@ -288,6 +289,24 @@ class ReceivedBuffer:
         owner = _OwnedCopy(dst)
         return dlpack.make_capsule(dst.ptr, self.shape, self.typestr, here[0], here[1], owner,
                                    dl_dtype=self.dl_dtype, versioned=versioned, copied=True)
+
+
+def _int_pair(v: Any) -> bool:
+    return (isinstance(v, tuple | list) and len(v) == 2  # a tuple by the standard; a list harms nobody
+            and all(isinstance(x, int | np.integer) and not isinstance(x, bool) for x in v))
+
+
+def _check_dlpack_args(max_version: Any, dl_device: Any, copy: Any) -> None:
+    """``__dlpack__``'s keywords as the array API standard types them; InvalidArgument otherwise."""
+    where = "ReceivedBuffer.__dlpack__"
+    if max_version is not None and not _int_pair(max_version):
+        raise InvalidArgument("max_version is a (major, minor) tuple of ints, or None", where=f"{where}(max_version=)",
+                              value=max_version)
+    if dl_device is not None and not _int_pair(dl_device):
+        raise InvalidArgument("dl_device is a (device type, device id) tuple of ints, or None",
+                              where=f"{where}(dl_device=)", value=dl_device)
+    if copy is not None and not isinstance(copy, bool | np.bool_):
+        raise InvalidArgument("copy is True, False or None", where=f"{where}(copy=)", value=copy)
 
 
 def _import(module: str, how: str) -> Any:
