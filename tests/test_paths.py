@@ -150,6 +150,29 @@ def test_another_gpus_stream_or_memory_is_refused_where_it_is_given(broker):
             assert not p._out and not p.grants
 
 
+def test_a_bad_stream_is_refused_naming_the_call_it_was_given_to(broker):
+    """as_stream is the one place streams are coerced; its refusals carry the caller's where=."""
+    with emulated(0.0) as (_rt, dev):
+        with pytest.raises(InvalidArgument, match=r"^Producer\(stream=\): stream gave cudaStream_t -3"):
+            Producer(broker.endpoint, "where", dev, stream=-3)
+        with Producer(broker.endpoint, "where", dev) as p, Consumer(broker.endpoint, "where", dev) as c:
+            with pytest.raises(TypeError, match=r"^send\(stream=\): not a CUDA stream: 's'"):
+                p.send(p.allocate(SIZE), stream="s", timeout=5)
+            with pytest.raises(InvalidArgument, match=r"^Consumer\(stream=\): .*cudaStream_t -3"):
+                Consumer(broker.endpoint, "where", dev, stream=-3)
+            th = _send_in_thread(p, p.allocate(SIZE))
+            h = c.receive(timeout=10)
+            th.join(10)
+            for call, where in [(lambda: h.wait("s"), "ReceivedHandoff.wait(*streams)"),
+                                (lambda: h.order_onto("s"), "ReceivedHandoff.order_onto(stream=)"),
+                                (lambda: h.release(stream="s"), "ReceivedHandoff.release(stream=)"),
+                                (lambda: c.release_many([h], stream="s"), "release_many(stream=)")]:
+                with pytest.raises(TypeError) as e:
+                    call()
+                assert e.value.where == where and str(e.value).startswith(f"{where}: not a CUDA stream"), e.value
+            h.release()
+
+
 def test_as_stream_checks_the_protocol_answer():
     class Wrong:
         def __init__(self, answer):

@@ -127,7 +127,7 @@ def test_release_many_is_all_or_nothing(pair, broker, bad):
             t.join(30)
             items, match = [a, b, foreign], "item 2 is not a handoff this consumer received"
         else:
-            items, kwargs, where, match = [a, b], {"stream": 7}, "stream=", "has no streams"
+            items, kwargs, where, match = [a, b], {"stream": 7}, "release_many(stream=)", "has no streams"
         with pytest.raises(InvalidArgument, match=match) as e:
             c.release_many(items, **kwargs)
         assert e.value.where == where

@@ -429,7 +429,7 @@ class ReceivedHandoff(Handoff):
         that :meth:`release` without ``stream=`` waits for.
         """
         self._check_usable()
-        targets = [self._consumer.as_stream(s) for s in streams] or (
+        targets = [self._consumer.as_stream(s, "ReceivedHandoff.wait(*streams)") for s in streams] or (
             [self._consumer.stream] if self._consumer.stream is not None else [])
         if self.handle.sync_mode is SyncMode.EVENT and not self.event_released and not targets:
             raise InvalidArgument("an EVENT handoff needs a stream to wait on: Consumer(stream=...) or "
@@ -502,7 +502,7 @@ class ReceivedHandoff(Handoff):
 
     def order_onto(self, stream: Any) -> CudaStream:
         """Make ``stream`` wait for the handoff, device-side only (``__dlpack__(stream=)``)."""
-        s = self._consumer.as_stream(stream)
+        s = self._consumer.as_stream(stream, "ReceivedHandoff.order_onto(stream=)")
         if self.handle.sync_mode is SyncMode.EVENT and self.event_released and not self._waited:
             raise AlreadyReleasedError("the event was released before any stream waited on it")
         self._order_on([s])
@@ -527,7 +527,8 @@ class ReceivedHandoff(Handoff):
         with self._consumer.session.lock:
             if self.released:
                 raise AlreadyReleasedError("the buffer of this handoff was already released")
-            self._release_streams = None if stream is None else [self._consumer.as_stream(stream)]
+            self._release_streams = None if stream is None else [
+                self._consumer.as_stream(stream, "ReceivedHandoff.release(stream=)")]
             super().release()
 
     def _fence_streams(self) -> list[CudaStream]:
@@ -601,7 +602,7 @@ class Consumer:
         self.cpu = open_device("cpu")
         self.gpu: CudaDevice | None = self.device if isinstance(self.device, CudaDevice) else None
         if stream is not None:
-            stream = self.as_stream(stream)
+            stream = self.as_stream(stream, "Consumer(stream=)")
         self.declared_stream = stream
         self.stream: CudaStream | None = stream or (self.gpu.create_stream() if self.gpu else None)
         if stream is not None:
@@ -635,12 +636,13 @@ class Consumer:
         self._label = consumer_label(self.session.client_id.encode())  # how producers name us (§1)
         self._kept_from: set[str] = set()  # producers that sent us kept mappings (spec §4.10)
 
-    def as_stream(self, stream: Any) -> CudaStream:
-        """``stream`` (CudaStream, ``__cuda_stream__`` object or cudaStream_t int) on our GPU."""
+    def as_stream(self, stream: Any, where: str = "stream=") -> CudaStream:
+        """``stream`` (CudaStream, ``__cuda_stream__`` object or cudaStream_t int) on our GPU; errors
+        name ``where`` (the call and argument it was given to)."""
         if self.gpu is None:
             raise InvalidArgument(f"a consumer on {self.device.identity.spec} has no streams: create it with "
-                                  "Consumer(device='cuda:N')", where="stream=", value=stream)
-        return self.gpu.as_stream(stream)
+                                  "Consumer(device='cuda:N')", where=where, value=stream)
+        return self.gpu.as_stream(stream, where)
 
     # --- deferred releases ------------------------------------------------------------------
     def _fence(self) -> CudaEvent:
@@ -900,7 +902,7 @@ class Consumer:
             if id(h) in seen:
                 raise InvalidArgument(f"item {i} (handoff {h.handoff_id}) is listed twice", where=where, value=h)
             seen.add(id(h))
-        fence = None if stream is None else self.as_stream(stream)
+        fence = None if stream is None else self.as_stream(stream, "release_many(stream=)")
         with self.session.holding():  # checked and released as one step (ReceivedHandoff.release locks too)
             done = [h.handoff_id for h in batch if h.released]
             if done:

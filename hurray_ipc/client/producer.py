@@ -249,7 +249,8 @@ class Producer:
         #: writes to ``allocate()``d buffers here), and what it passes to a CUDA DLPack exporter.
         self.stream: CudaStream | None = None
         if self.gpu is not None:
-            self.stream = self.gpu.as_stream(stream) if stream is not None else self.gpu.create_stream()
+            self.stream = self.gpu.as_stream(stream, "Producer(stream=)") if stream is not None \
+                else self.gpu.create_stream()
         self.events = EventPool(self.gpu, event_pool_setting(event_pool)) if self.gpu else None
         self.staging = StagingPool(self.cpu, pin_with=self.gpu)
         self.credits = Credits(prefetch)  # READY credits sent and not yet granted
@@ -855,7 +856,7 @@ class Producer:
         if self.gpu is None:
             raise InvalidArgument("a producer without a CUDA device has no streams", where="send(stream=)",
                                   value=stream)
-        return self.gpu.as_stream(stream)
+        return self.gpu.as_stream(stream, "send(stream=)")
 
     def _pairing(self, grant: Grant, on_gpu: bool) -> tuple[Endpoint, PairModes]:
         """The consumer's endpoint (as its pairing's first GRANT carried it) and the pair's valid

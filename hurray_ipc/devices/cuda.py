@@ -319,7 +319,7 @@ class CudaDevice(Device):
         return other is self or (isinstance(other, CudaDevice) and other.rt is self.rt
                                  and other.ordinal == self.ordinal)
 
-    def as_stream(self, obj: Any) -> CudaStream:
+    def as_stream(self, obj: Any, where: str | None = None) -> CudaStream:
         """The :class:`CudaStream` of this device that ``obj`` names; the one place streams are coerced.
 
         Accepted: a :class:`CudaStream` of this device; any object with the ``__cuda_stream__``
@@ -327,8 +327,16 @@ class CudaDevice(Device):
         ``cudaStream_t`` int: 0 or 1 the legacy default stream, 2 the per-thread default stream,
         anything else a stream handle. The same handle always gives the same object, so streams
         compare by identity. Raises UnsupportedObject (a TypeError) or InvalidArgument (a ValueError)
-        naming the offending value otherwise.
+        naming the offending value otherwise, prefixed with ``where`` (the call and argument) when given.
         """
+        try:
+            return self._as_stream(obj)
+        except (InvalidArgument, UnsupportedObject) as e:
+            if where is None or e.where is not None:
+                raise
+            raise type(e)(str(e), where=where) from None
+
+    def _as_stream(self, obj: Any) -> CudaStream:
         if isinstance(obj, CudaStream):
             if not self.same_device(obj.device):
                 raise InvalidArgument(f"stream {obj!r} is a stream of {obj.device.identity.spec}, not of "
