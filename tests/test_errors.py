@@ -102,6 +102,8 @@ def test_what_send_refuses_and_how(broker):
         refused(lambda: p.send(b"x", on_release=5), InvalidArgument, "send(on_release=)", "callable", "5")
         refused(lambda: p.send_many([b"x"], on_release="f"), InvalidArgument, "send_many(on_release=)")
         refused(lambda: p.send(b"x", readonly="no"), InvalidArgument, "send(readonly=)", "'no'")
+        refused(lambda: p.send(np.zeros(8, np.uint8), shape=[1] * 33 + [8]), InvalidArgument, "send(shape=)",
+                "at most 32")  # was where='send()' and '(got None)'
         refused(lambda: p.send(b"x", meta={"n": 10**5000}), InvalidArgument, "send(meta=)", "meta['n']",
                 "16610 bits")
         refused(lambda: p.send_many(None), InvalidArgument, "send_many(objs=)", "a list", "NoneType")  # type: ignore[arg-type]

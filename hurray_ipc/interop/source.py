@@ -34,6 +34,10 @@ from ..errors import InvalidArgument, UnsupportedObject, an
 from ..wire.ipc import MAX_HEADER_BYTES, MAX_HEADER_DEPTH, ProtocolError, json_bytes
 from . import dlpack
 
+# The send() argument each field of the HANDOFF's meta comes from (spec §4.8), for refusals.
+_ARGUMENT_OF = {"shape": "send(shape=)", "typestr": "send(dtype=)", "dl_dtype": "send(dtype=)",
+                "readonly": "send(readonly=)", "user": "send(meta=)"}
+
 
 @dataclass
 class Source:
@@ -78,7 +82,8 @@ class Source:
         try:
             check_meta(m, self.buffer.size)
         except ProtocolError as e:
-            raise InvalidArgument(str(e), where="send()", value=m.get(e.extra.get("field", "meta"))) from None
+            key = str(e.extra.get("field", "meta")).removeprefix("meta.")
+            raise InvalidArgument(str(e), where=_ARGUMENT_OF.get(key, "send()"), value=m.get(key, m)) from None
         raw = json_bytes(m)
         if len(raw) > MAX_HEADER_BYTES:
             raise InvalidArgument(f"the handoff's metadata encodes to {len(raw)} bytes of JSON; the protocol allows "
