@@ -496,6 +496,14 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                                       "                bye = False\n",
                                       "                bye = True  # MUTANT: BYE while the release waits\n",
                                       "tests/test_paths.py"),
+    # A stream ordered (__dlpack__(stream=) / order_onto) after the handoff was released: its reads
+    # would run on memory the producer may be writing.
+    "order-onto-after-release": ("hurray_ipc/client/consumer.py",
+                                 "        :meth:`wait`, refused once the handoff was released or its producer is gone."
+                                 "\"\"\"\n        self._check_usable()\n",
+                                 "        :meth:`wait`, refused once the handoff was released or its producer is gone."
+                                 "\"\"\"\n        pass  # MUTANT: ordered after the release\n",
+                                 "tests/test_paths.py"),
 }
 
 

@@ -173,6 +173,26 @@ def test_a_bad_stream_is_refused_naming_the_call_it_was_given_to(broker):
             h.release()
 
 
+@pytest.mark.parametrize("mode", [SyncMode.PRODUCER_SYNCED, SyncMode.EVENT])
+def test_order_onto_after_the_release_is_refused_as_wait_is(broker, mode):
+    """A stream ordered after a released handoff would read memory the producer may be writing:
+    order_onto (what __dlpack__(stream=) uses) refuses it as wait() does. It used to order the
+    stream of a PRODUCER_SYNCED handoff silently, and to blame the event for an EVENT one."""
+    with emulated(0.0) as (_rt, dev):
+        with Producer(broker.endpoint, f"late-{mode.name}", dev) as p, \
+                Consumer(broker.endpoint, f"late-{mode.name}", dev) as c:
+            th = threading.Thread(target=lambda: p.send(p.allocate(SIZE), mode, timeout=10), daemon=True)
+            th.start()
+            h = c.receive(timeout=10)
+            th.join(10)
+            assert h.sync_mode is mode
+            h.wait()
+            h.release()
+            for call in (lambda: h.order_onto(c.stream), lambda: h.wait()):
+                with pytest.raises(AlreadyReleasedError, match="was released; it must not be accessed"):
+                    call()
+
+
 def test_as_stream_checks_the_protocol_answer():
     class Wrong:
         def __init__(self, answer):

@@ -501,7 +501,9 @@ class ReceivedHandoff(Handoff):
         return None
 
     def order_onto(self, stream: Any) -> CudaStream:
-        """Make ``stream`` wait for the handoff, device-side only (``__dlpack__(stream=)``)."""
+        """Make ``stream`` wait for the handoff, device-side only (``__dlpack__(stream=)``). As
+        :meth:`wait`, refused once the handoff was released or its producer is gone."""
+        self._check_usable()
         s = self._consumer.as_stream(stream, "ReceivedHandoff.order_onto(stream=)")
         if self.handle.sync_mode is SyncMode.EVENT and self.event_released and not self._waited:
             raise AlreadyReleasedError("the event was released before any stream waited on it")
