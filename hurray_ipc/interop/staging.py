@@ -110,8 +110,9 @@ class StagingPool:
         if cls > self.max_bytes:
             raise InvalidArgument(f"a copy of {nbytes} bytes into shared memory needs a {cls}-byte slot; the "
                                   f"producer's staging pool holds at most {self.max_bytes} bytes "
-                                  "(HURRAY_STAGING_BYTES): raise it, or send a buffer from Producer.allocate(), "
-                                  "which travels without a copy", where="send()", value=nbytes)
+                                  "(HURRAY_STAGING_BYTES): raise it (a host array may instead be written into a "
+                                  "buffer from Producer.allocate(), which travels without a copy)", where="send()",
+                                  value=nbytes)
         now = self._clock()
         self._asked[cls] = now
         if now - self._swept >= self.idle_s:
