@@ -488,14 +488,29 @@ MUTANTS: dict[str, tuple[str, ...]] = {
     # Consumer.close() with a handoff the application still holds: BYE at once, so the broker hands
     # the buffer back (spec §5) while the consumer's read of it may still run.
     "close-bye-while-held": ("hurray_ipc/client/consumer.py",
-                             "        for ho in list(self._held.values()):\n",
-                             "        for ho in list(self._waiting.values()):  # MUTANT: only what was never taken\n",
+                             "            held = [ho for ho in self._held.values() if not ho.released and not "
+                             "ho.producer_gone]\n",
+                             "            held = [ho for ho in self._waiting.values() if not ho.released]  "
+                             "# MUTANT: only the untaken\n",
                              "tests/test_paths.py", "tests/test_clients.py"),
-    # ... and a close whose releases still wait for device work after the session's timeout.
-    "close-bye-while-reads-pending": ("hurray_ipc/client/consumer.py",
-                                      "                bye = False\n",
-                                      "                bye = True  # MUTANT: BYE while the release waits\n",
+    # ... with a release still owed (device work past the timeout, a silent broker, a failed release).
+    "close-bye-while-releases-owed": ("hurray_ipc/client/consumer.py",
+                                      "        bye = not self.core.releasing and not failed\n",
+                                      "        bye = True  # MUTANT: BYE while a release is owed\n",
                                       "tests/test_paths.py"),
+    # ... with a handoff the garbage collector queued un-released (not in _held any more).
+    "close-bye-before-collected-released": ("hurray_ipc/client/consumer.py",
+                                            "            self._poll_releases()  # un-released handoffs the garbage "
+                                            "collector found: released first\n",
+                                            "            pass  # MUTANT: collected handoffs left to the broker\n",
+                                            "tests/test_paths.py"),
+    # receive() in another thread while close() waits: takes, or waits for, what close() will not release.
+    "receive-while-closing": ("hurray_ipc/client/consumer.py",
+                              "                                stop=lambda: self.core.ended or self._closing, "
+                              "take_next=self._take)\n",
+                              "                                stop=lambda: self.core.ended, take_next=self._take)  "
+                              "# MUTANT\n",
+                              "tests/test_paths.py"),
     # A stream ordered (__dlpack__(stream=) / order_onto) after the handoff was released: its reads
     # would run on memory the producer may be writing.
     "order-onto-after-release": ("hurray_ipc/client/consumer.py",

@@ -10,7 +10,11 @@ delay. Only an exact happens-before checker makes that deterministic; see NEEDS_
 
 from __future__ import annotations
 
+import gc
+import os
+import signal
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,7 +24,7 @@ import pytest
 
 from brokerproc import BrokerProcess
 from conftest import Proc, emu_config
-from hurray_ipc import AlreadyReleasedError, InvalidArgument, workload
+from hurray_ipc import AlreadyReleasedError, ClosedError, InvalidArgument, workload
 from hurray_ipc.client import Consumer, Producer
 from hurray_ipc.devices import CudaDevice, DeviceError, RaceError, set_runtime
 from hurray_ipc.devices.backend.emulated import EmulatedRuntime
@@ -426,16 +430,16 @@ def test_close_releases_a_held_handoff_after_its_pending_reads(broker, delay):
         _ = held[0].buffer.device_buffer
 
 
-def test_close_whose_reads_outlast_its_wait_leaves_without_bye_so_the_buffer_is_fenced(tmp_path):
-    """Consumer.close() whose release still waits for device work after the session's timeout
-    leaves without a BYE (a BYE would have the broker hand the buffer straight back, spec §5): the
-    broker fences the silent consumer, and the producer gets RELEASED consumer_fenced and retires
-    the buffer (``holds()`` stays true) instead of writing it under the pending read."""
+@contextmanager
+def _slow_close_pair(tmp_path, channel: str) -> Iterator[tuple[Any, Producer, Consumer, Any, list]]:
+    """A broker that fences after 1 s of silence, device ops of 1 s each (a read outlasts every
+    wait below), a producer and a consumer (session timeout 0.3 s) holding one EVENT handoff
+    whose read is still pending: (broker, producer, consumer, handoff, [its ticket])."""
     b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=1.0, extra_args=["--fence", "1.0"]).start()
     try:
-        with emulated(1.0) as (_rt, dev):  # each device op takes a second: the read outlasts close's wait
-            with Producer(b.endpoint, "slow-close", dev) as p:
-                c = Consumer(b.endpoint, "slow-close", dev, heartbeat_s=0.05, timeout_s=0.3)
+        with emulated(1.0) as (_rt, dev):
+            with Producer(b.endpoint, channel, dev) as p:
+                c = Consumer(b.endpoint, channel, dev, heartbeat_s=0.05, timeout_s=0.3)
                 buf = p.allocate(SIZE)
                 tickets: list = []
                 th = threading.Thread(target=lambda: tickets.append(p.send(buf, SyncMode.EVENT, timeout=10)),
@@ -445,12 +449,82 @@ def test_close_whose_reads_outlast_its_wait_leaves_without_bye_so_the_buffer_is_
                 th.join(10)
                 h.wait()
                 _read(c, h)
+                yield b, p, c, h, tickets
                 c.close()
-                p.flush(10)
-                assert tickets[0].outcome == "consumer_fenced"
-                assert p.holds(buf)
     finally:
         b.stop()
+
+
+def test_close_whose_reads_outlast_its_wait_leaves_without_bye_so_the_buffer_is_fenced(tmp_path):
+    """Consumer.close() whose release still waits for device work after the session's timeout
+    leaves without a BYE (a BYE would have the broker hand the buffer straight back, spec §5): the
+    broker fences the silent consumer, and the producer gets RELEASED consumer_fenced and retires
+    the buffer (``holds()`` stays true) instead of writing it under the pending read."""
+    with _slow_close_pair(tmp_path, "slow-close") as (_b, p, c, _h, tickets):
+        c.close()
+        p.flush(10)
+        assert tickets[0].outcome == "consumer_fenced"
+        assert p.holds(tickets[0].obj)
+
+
+def test_close_while_the_broker_is_silent_and_a_read_pends_leaves_without_bye(tmp_path):
+    """The same when close() finds the broker silent (paused past the session timeout): no wait is
+    possible, a release is still owed, so no BYE either; a BYE would reach the broker when it
+    resumes and have it hand the buffer back under the read."""
+    with _slow_close_pair(tmp_path, "paused") as (b, p, c, _h, tickets):
+        os.kill(b.proc.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 10
+            while c.session.alive and time.monotonic() < deadline:  # the consumer judges the broker gone
+                time.sleep(0.02)
+            c.close()
+        finally:
+            os.kill(b.proc.pid, signal.SIGCONT)
+        p.flush(10)
+        assert tickets[0].outcome == "consumer_fenced"
+
+
+def test_receive_in_another_thread_during_close_is_refused(tmp_path):
+    """From the start of close() on, receive() raises ClosedError (a loop in another thread ends)
+    instead of waiting on, or taking a delivery close() would then leave unreleased."""
+    with _slow_close_pair(tmp_path, "closing") as (_b, _p, c, _h, _tickets):
+        closer = threading.Thread(target=c.close, daemon=True)
+        closer.start()
+        deadline = time.monotonic() + 10
+        while not c.releasing and closer.is_alive() and time.monotonic() < deadline:  # close() released h
+            time.sleep(0.01)
+        assert c.releasing and closer.is_alive(), "close() should still wait for the pending read"
+        with pytest.raises(ClosedError, match="is closing"):
+            c.receive(timeout=0.3)
+        closer.join(10)
+
+
+@pytest.mark.parametrize("delay", DELAYS)
+def test_close_releases_a_handoff_the_garbage_collector_found_after_its_pending_read(broker, delay):
+    """A handoff dropped un-released (its release queued by the finalizer) is released by close()
+    before the BYE, after its pending read, like a held one."""
+    with emulated(delay) as (rt, dev):
+        with Producer(broker.endpoint, "dropped", dev) as p:
+            c = Consumer(broker.endpoint, "dropped", dev)
+            buf = p.allocate(SIZE)
+            p.stream.copy(buf, workload.pattern(7, 0, SIZE))
+            tickets: list = []
+            th = threading.Thread(target=lambda: tickets.append(p.send(buf, SyncMode.EVENT, timeout=10)), daemon=True)
+            th.start()
+            h = c.receive(timeout=10)
+            th.join(10)
+            h.wait()
+            out = _read(c, h)
+            with pytest.warns(ResourceWarning, match="garbage-collected"):
+                del h
+                gc.collect()
+            c.close()
+            p.flush(10)
+            p.stream.memset(buf, 0)  # the buffer is the producer's again
+            caught = _drain(rt, p.stream, c.stream)
+            assert tickets[0].outcome == "released"
+            assert not caught and not rt.races
+            assert workload.verify(out) == (7, 0, True)
 
 
 @NEEDS_HB

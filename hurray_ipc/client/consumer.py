@@ -620,6 +620,7 @@ class Consumer:
         # _dropped (see ReceivedHandoff.__del__) for the pump to release.
         self._held: weakref.WeakValueDictionary[str, ReceivedHandoff] = weakref.WeakValueDictionary()
         self._dropped: deque[ReceivedHandoff] = deque()
+        self._closing = False  # close() began: receive() takes nothing more
         self._maps: dict[str, Buffer] = {}  # each delivery's mapping, closed when the core says Unmap
         self.name = name or f"consumer-{os.getpid()}"
         self.errors: deque[RemoteError] = deque(maxlen=256)
@@ -851,15 +852,16 @@ class Consumer:
     def receive(self, timeout: float | None = None) -> ReceivedHandoff:
         """The next handoff. Raises EndOfStream once every producer of the channel ended and every
         handoff they sent was received (spec §4.9), HurrayTimeout after ``timeout`` seconds,
-        BrokerUnavailable if the broker is gone, ClosedError after :meth:`close`.
+        BrokerUnavailable if the broker is gone, ClosedError once :meth:`close` began.
 
         Thread-safe: concurrent callers each get a different handoff."""
         check_timeout(timeout, "receive(timeout=)")
-
         got = self.session.pull(self.core.inbox, "REQUEST", self.core.want_request, self.core.requested, timeout,
                                 f"waiting for a handoff on channel {self.session.channel!r}",
-                                stop=lambda: self.core.ended, take_next=self._take)
+                                stop=lambda: self.core.ended or self._closing, take_next=self._take)
         if got is None:
+            if self._closing:
+                raise self._closing_error()
             raise EndOfStream(f"every producer of channel {self.session.channel!r} ended its stream and every "
                               "handoff they sent was received")
         return got
@@ -913,8 +915,15 @@ class Consumer:
             for h in batch:
                 h.release(fence)
 
+    def _closing_error(self) -> ClosedError:
+        return ClosedError(f"this consumer of channel {self.session.channel!r} is closing (close() began in "
+                           "another thread): nothing more is received")
+
     def _take(self) -> ReceivedHandoff:
-        """Under the lock, inside the pump: the oldest delivery, for one ``receive()``."""
+        """Under the lock, inside the pump: the oldest delivery, for one ``receive()``; ClosedError
+        once :meth:`close` began (it releases what is held, so nothing more may be taken)."""
+        if self._closing:
+            raise self._closing_error()
         token, actions = self.core.taken()
         self._carry_out(actions)  # the inbox emptied: the releases held back for it go now
         return self._waiting.pop(token)
@@ -1015,28 +1024,37 @@ class Consumer:
         ordered on), so it raises AlreadyReleasedError on use from then on; views taken before
         must not be used either. The BYE leaves only once each of those releases went out: the
         broker gives a BYE's deliveries straight back to their producers (spec §5), which may
-        then write them. When that device work has not completed within the session's timeout,
-        the consumer leaves without a BYE, so the broker fences it and the producers retire
-        those buffers instead of reusing them. Idempotent."""
+        then write them. When a release is still owed after the session's timeout (its device
+        work has not completed, the broker did not answer, or the release failed), the consumer
+        leaves without a BYE, so the broker fences it and the producers retire those buffers
+        instead of reusing them; until the broker notices (its fence), a grant it holds for this
+        consumer may still be used by a producer's send, whose ticket then says the handoff was
+        undelivered. From the start of close() on, receive() in another thread raises ClosedError
+        (a loop ends) instead of taking a delivery; a handoff that thread still holds is released
+        here like the others, so stop using it first. Idempotent."""
         if self.session.closed:
             return
-        for ho in list(self._held.values()):
-            if not ho.released and not ho.producer_gone:
-                try:
-                    ho.release()
-                except Exception as e:  # noqa: BLE001 - one handoff's failure must not keep the others
-                    log.warning("closing: releasing %s failed: %s", ho.token[:16], e)
-        bye = True
+        with self.session.lock:
+            self._closing = True  # receive() takes nothing more (_take)
+            self._poll_releases()  # un-released handoffs the garbage collector found: released first
+            held = [ho for ho in self._held.values() if not ho.released and not ho.producer_gone]
+        failed = 0
+        for ho in held:
+            try:
+                ho.release()
+            except Exception as e:  # noqa: BLE001 - one handoff's failure must not keep the others
+                failed += 1
+                log.warning("closing: releasing %s failed: %s", ho.token[:16], e)
         if self.core.releasing and self.session.alive:
             try:
                 self.flush_releases(self.session.timeout_s)
-            except TimeoutError:
-                bye = False
-                log.warning("closing without BYE: %d release(s) still wait for device work after %g s; the "
-                            "broker fences this consumer and its producers retire those buffers",
-                            self.core.releasing, self.session.timeout_s)
-            except ConnectionError:
-                pass  # no broker to answer: nothing more to release
+            except (TimeoutError, ConnectionError):
+                pass  # judged below
+        bye = not self.core.releasing and not failed
+        if not bye:
+            log.warning("closing without BYE: %d release(s) still owed (device work not completed within %g s, no "
+                        "broker, or %d failed); the broker fences this consumer and its producers retire those "
+                        "buffers", self.core.releasing, self.session.timeout_s, failed)
         if self.gpu is not None and self._kept_from:
             # Kept mappings close before the BYE: the broker answers a later UNMAP for a consumer
             # that said BYE (spec §4.10), so its producer may free the allocation at once.
