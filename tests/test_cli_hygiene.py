@@ -45,14 +45,14 @@ def test_version(prog):
     ("hurray_ipc.cli.stress", ["--producers", "0"], "0 is not a positive integer"),
     # Each of these used to run, and then report its own workload as corrupt or FAIL (exit 1):
     ("hurray_ipc.cli.stress", ["--size", "8"], "at least 16 bytes"),
-    ("hurray_ipc.cli.stress", ["--size", "-5"], "a number of bytes >= 0"),
+    ("hurray_ipc.cli.stress", ["--size", "-5"], "'-5' is not a byte count"),
     ("hurray_ipc.cli.stress", ["--duration", "0"], "0 is not a finite number > 0"),
     ("hurray_ipc.cli.stress", ["--mode", "SYNC_EVENT"], "a cpu buffer is always SYNC_PRODUCER_SYNCED"),
     ("hurray_ipc", ["demo", "--count", "0"], "0 is not a positive integer"),
     ("hurray_ipc", ["demo", "--size", "15"], "at least 16 bytes"),
     # ... and these hung (size 0: the mp.Queue row) or printed a traceback:
     ("hurray_ipc.cli.bench", ["--sizes", "4K,0"], "sizes of at least 1 byte"),
-    ("hurray_ipc.cli.bench", ["--sizes", "4Q"], "size '4Q': expected bytes like 4096"),
+    ("hurray_ipc.cli.bench", ["--sizes", "4Q"], "size '4Q' is not a byte count"),
     ("hurray_ipc.cli.bench", ["--iterations", "0"], "0 is not a positive integer"),
     ("hurray_ipc.cli.bench", ["--render", "/nonexistent/results.json"], "No such file or directory"),
     ("hurray_ipc.cli.top", ["--interval", "0"], "0 is not a positive number of seconds"),

@@ -9,6 +9,7 @@ import re
 from .. import __version__
 from ..client.endpoint import check_endpoint
 from ..devices.backend.driver import with_emulation_hint
+from ..units import parse_bytes
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _DEVICE = re.compile(r"^(cpu|cuda:[0-9]{1,4})$")
@@ -44,16 +45,11 @@ def _int_at_least(value: str, least: int, what: str) -> int:
 
 
 def parse_size(text: str) -> int:
-    """Bytes as a command line writes them: 4096, 64K, 1M, 2GiB (>= 0)."""
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    """Bytes as a command line writes them: 4096, 64K, 1M, 2GiB (>= 0; :func:`units.parse_bytes`)."""
     try:
-        n = int(float(t[:-1] if t[-1:] in "KMG" else t) * mult)
-    except (ValueError, OverflowError):
-        raise argparse.ArgumentTypeError(f"size {text!r}: expected bytes like 4096, 64K, 1M") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"size {text!r}: a number of bytes >= 0")
-    return n
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"size {e}") from None
 
 
 def buffer_size(text: str) -> int:

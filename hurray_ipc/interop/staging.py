@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from collections.abc import Callable
 
@@ -35,6 +34,7 @@ from ..devices.cuda import CudaDevice
 from ..devices.errors import DeviceError
 from ..devices.pool import Pool
 from ..errors import InvalidArgument
+from ..units import parse_bytes
 
 log = logging.getLogger("hurray.staging")
 
@@ -46,16 +46,15 @@ class StagingExhausted(DeviceError):
 
 
 def _env_bytes(name: str, default: int) -> int:
-    """A byte count from the environment variable ``name``: 1073741824, 1G, 512M, 64K (powers of
-    1024; an optional B or iB after the letter); InvalidArgument naming the variable otherwise."""
+    """A byte count from the environment variable ``name`` (:func:`units.parse_bytes`: 1073741824,
+    1G, 512M); InvalidArgument naming the variable otherwise."""
     raw = os.environ.get(name)
     if raw is None:
         return default
-    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:I?B)?\s*", raw.upper())
-    if m is None:
-        raise InvalidArgument("expected bytes as an integer, or with K, M or G (powers of 1024), e.g. 1G",
-                              where=name, value=raw)
-    return int(m[1]) << {"": 0, "K": 10, "M": 20, "G": 30}[m[2]]
+    try:
+        return parse_bytes(raw)
+    except ValueError as e:
+        raise InvalidArgument(str(e), where=name) from None
 
 
 def size_class(nbytes: int) -> int:
