@@ -8,7 +8,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parent.parent / "hurray_ipc"
 # Bottom to top; one rank may import any lower rank. The top rank's packages (the service and the
 # tools) may use one another.
-RANKS = [["errors", "notes", "compiled"], ["format"], ["contract"], ["wire"], ["devices"], ["transport"],
+RANKS = [["errors", "notes", "compiled", "units"], ["format"], ["contract"], ["wire"], ["devices"], ["transport"],
          ["interchange", "interop"], ["client"], ["broker", "bench", "cli", "workload", "demo", "__main__"]]
 RANK = {name: i for i, names in enumerate(RANKS) for name in names}
 
