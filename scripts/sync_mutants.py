@@ -488,22 +488,28 @@ MUTANTS: dict[str, tuple[str, ...]] = {
     # Consumer.close() with a handoff the application still holds: BYE at once, so the broker hands
     # the buffer back (spec §5) while the consumer's read of it may still run.
     "close-bye-while-held": ("hurray_ipc/client/consumer.py",
-                             "            held = [ho for ho in self._held.values() if not ho.released and not "
+                             "        return [ho for ho in self._held.values() if not ho.released and not "
                              "ho.producer_gone]\n",
-                             "            held = [ho for ho in self._waiting.values() if not ho.released]  "
+                             "        return [ho for ho in self._waiting.values() if not ho.released]  "
                              "# MUTANT: only the untaken\n",
                              "tests/test_paths.py", "tests/test_clients.py"),
     # ... with a release still owed (device work past the timeout, a silent broker, a failed release).
     "close-bye-while-releases-owed": ("hurray_ipc/client/consumer.py",
-                                      "        bye = not self.core.releasing and not failed\n",
-                                      "        bye = True  # MUTANT: BYE while a release is owed\n",
+                                      "            return not owed and not failed\n",
+                                      "            return True  # MUTANT: BYE while a release is owed\n",
                                       "tests/test_paths.py"),
     # ... with a handoff the garbage collector queued un-released (not in _held any more).
     "close-bye-before-collected-released": ("hurray_ipc/client/consumer.py",
-                                            "            self._poll_releases()  # un-released handoffs the garbage "
+                                            "                self._poll_releases()  # un-released handoffs the garbage "
                                             "collector found: released first\n",
-                                            "            pass  # MUTANT: collected handoffs left to the broker\n",
+                                            "                pass  # MUTANT: collected handoffs left to the broker\n",
                                             "tests/test_paths.py"),
+    # ... with a delivery that arrived while close() waited for the others' device work.
+    "close-single-round": ("hurray_ipc/client/consumer.py",
+                           "        for _ in range(3):  # a delivery that arrives while close() waits is released in "
+                           "the next round\n",
+                           "        for _ in range(1):  # MUTANT: what arrives meanwhile is left to the BYE\n",
+                           "tests/test_paths.py"),
     # receive() in another thread while close() waits: takes, or waits for, what close() will not release.
     "receive-while-closing": ("hurray_ipc/client/consumer.py",
                               "                                stop=lambda: self.core.ended or self._closing, "

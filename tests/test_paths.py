@@ -431,15 +431,16 @@ def test_close_releases_a_held_handoff_after_its_pending_reads(broker, delay):
 
 
 @contextmanager
-def _slow_close_pair(tmp_path, channel: str) -> Iterator[tuple[Any, Producer, Consumer, Any, list]]:
+def _slow_close_pair(tmp_path, channel: str,
+                     timeout_s: float = 0.3) -> Iterator[tuple[Any, Producer, Consumer, Any, list]]:
     """A broker that fences after 1 s of silence, device ops of 1 s each (a read outlasts every
-    wait below), a producer and a consumer (session timeout 0.3 s) holding one EVENT handoff
+    wait below), a producer and a consumer (session timeout 0.3 s, prefetch 2) holding one EVENT handoff
     whose read is still pending: (broker, producer, consumer, handoff, [its ticket])."""
     b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=1.0, extra_args=["--fence", "1.0"]).start()
     try:
         with emulated(1.0) as (_rt, dev):
             with Producer(b.endpoint, channel, dev) as p:
-                c = Consumer(b.endpoint, channel, dev, heartbeat_s=0.05, timeout_s=0.3)
+                c = Consumer(b.endpoint, channel, dev, prefetch=2, heartbeat_s=0.05, timeout_s=timeout_s)
                 buf = p.allocate(SIZE)
                 tickets: list = []
                 th = threading.Thread(target=lambda: tickets.append(p.send(buf, SyncMode.EVENT, timeout=10)),
@@ -497,6 +498,22 @@ def test_receive_in_another_thread_during_close_is_refused(tmp_path):
         with pytest.raises(ClosedError, match="is closing"):
             c.receive(timeout=0.3)
         closer.join(10)
+
+
+def test_a_delivery_that_arrives_while_close_waits_is_released_not_left_to_the_bye(tmp_path):
+    """close() waits for a pending read (within its timeout here); meanwhile the producer's next
+    handoff is delivered (the consumer had asked for two). close() releases it in its next round,
+    so both come back released; a BYE with it still held would hand it back as consumer_gone."""
+    with _slow_close_pair(tmp_path, "late", timeout_s=5.0) as (_b, p, c, _h, tickets):
+        closer = threading.Thread(target=c.close, daemon=True)
+        closer.start()
+        deadline = time.monotonic() + 10
+        while not c.releasing and closer.is_alive() and time.monotonic() < deadline:  # close() began its wait
+            time.sleep(0.01)
+        late = p.send(p.allocate(SIZE), SyncMode.EVENT, block=False, timeout=10)
+        closer.join(15)
+        p.flush(15)
+        assert (tickets[0].outcome, late.outcome) == ("released", "released")
 
 
 @pytest.mark.parametrize("delay", DELAYS)

@@ -15,6 +15,7 @@ import asyncio
 import importlib
 import logging
 import os
+import time
 import warnings
 import weakref
 from collections import deque
@@ -915,6 +916,10 @@ class Consumer:
             for h in batch:
                 h.release(fence)
 
+    def _unreleased(self) -> list[ReceivedHandoff]:
+        """Under the session lock: handoffs delivered or received and not released (nor gone)."""
+        return [ho for ho in self._held.values() if not ho.released and not ho.producer_gone]
+
     def _closing_error(self) -> ClosedError:
         return ClosedError(f"this consumer of channel {self.session.channel!r} is closing (close() began in "
                            "another thread): nothing more is received")
@@ -1036,32 +1041,39 @@ class Consumer:
             return
         with self.session.lock:
             self._closing = True  # receive() takes nothing more (_take)
-            self._poll_releases()  # un-released handoffs the garbage collector found: released first
-            held = [ho for ho in self._held.values() if not ho.released and not ho.producer_gone]
         failed = 0
-        for ho in held:
+        deadline = time.monotonic() + self.session.timeout_s
+        for _ in range(3):  # a delivery that arrives while close() waits is released in the next round
+            with self.session.lock:
+                self._poll_releases()  # un-released handoffs the garbage collector found: released first
+                held = self._unreleased()
+            for ho in held:
+                try:
+                    ho.release()
+                except Exception as e:  # noqa: BLE001 - one handoff's failure must not keep the others
+                    failed += 1
+                    log.warning("closing: releasing %s failed: %s", ho.token[:16], e)
+            if not self.core.releasing or not self.session.alive:
+                break
             try:
-                ho.release()
-            except Exception as e:  # noqa: BLE001 - one handoff's failure must not keep the others
-                failed += 1
-                log.warning("closing: releasing %s failed: %s", ho.token[:16], e)
-        if self.core.releasing and self.session.alive:
-            try:
-                self.flush_releases(self.session.timeout_s)
+                self.flush_releases(max(0.0, deadline - time.monotonic()))
             except (TimeoutError, ConnectionError):
-                pass  # judged below
-        bye = not self.core.releasing and not failed
-        if not bye:
-            log.warning("closing without BYE: %d release(s) still owed (device work not completed within %g s, no "
-                        "broker, or %d failed); the broker fences this consumer and its producers retire those "
-                        "buffers", self.core.releasing, self.session.timeout_s, failed)
+                break  # judged at the BYE
+
+        def bye() -> bool:  # under the session lock, with the BYE: nothing owed, nothing held
+            owed = self.core.releasing + len(self._unreleased())
+            if owed or failed:
+                log.warning("closing without BYE: %d release(s) still owed (device work not completed within %g s, "
+                            "no broker, or %d failed); the broker fences this consumer and its producers retire "
+                            "those buffers", owed, self.session.timeout_s, failed)
+            return not owed and not failed
         if self.gpu is not None and self._kept_from:
             # Kept mappings close before the BYE: the broker answers a later UNMAP for a consumer
             # that said BYE (spec §4.10), so its producer may free the allocation at once.
             self.gpu.import_cache.close_idle()
             for producer in self._kept_from:
                 self.gpu.order_send(order_key(producer, 0, f"left:{self._label}"))
-        self.session.close(bye=bye)
+        self.session.close(bye)
         if self._fences is not None:
             self._fences.close(taken_too=False)  # those still pending complete on their own
         if self.declared_stream is not None:

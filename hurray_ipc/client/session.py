@@ -553,9 +553,10 @@ class Session:
                 run_callbacks(callbacks)
             time.sleep(idle)
 
-    def close(self, bye: bool = True) -> None:
-        """Send what is queued, then BYE (unless ``bye`` is False: the broker then judges this
-        client by its silence, spec §5), and close the socket. Idempotent."""
+    def close(self, bye: Callable[[], bool] | bool = True) -> None:
+        """Send what is queued, then BYE (unless ``bye`` is, or returns, False: the broker then
+        judges this client by its silence, spec §5), and close the socket. A callable ``bye`` is
+        asked under the lock, so no dispatch runs between its answer and the BYE. Idempotent."""
         if self.closed:
             return
         with self.lock:
@@ -563,7 +564,7 @@ class Session:
                 self.flush_out()
                 # Also before the WELCOME came: the HELLO went first on this socket, so the BYE
                 # ends that registration (a BYE the broker cannot place is ignored, spec §2).
-                if bye:
+                if bye() if callable(bye) else bye:
                     self.send(Bye())
             except zmq.ZMQError:
                 pass
