@@ -126,7 +126,9 @@ def _seconds(v: Any, low: float, above: bool) -> bool:
 def check_timeout(timeout: float | None, where: str) -> None:
     """A timeout is None (no end) or a finite number of seconds >= 0; else InvalidArgument naming
     ``where``."""
-    if timeout is not None and not _seconds(timeout, 0, above=False):
+    if timeout is None or (type(timeout) is float and 0.0 <= timeout < math.inf):  # the usual: no call
+        return
+    if not _seconds(timeout, 0, above=False):
         raise InvalidArgument("a timeout is a finite number of seconds >= 0, or None to wait without end",
                               where=where, value=timeout)
 
