@@ -1,0 +1,78 @@
+"""One peer's backlog must not hold other peers' answers (docs/spec/ipc-protocol.md §1, §6a).
+
+ZeroMQ reads the broker's peers in turn, one message each, whatever a message costs. A round of
+the broker loop that sent its answers only once it had read everything waiting (up to 1000
+messages) let a peer flooding 64-entry RELEASE batches hold a healthy pair's every answer for
+hundreds of milliseconds: the pair fell from 1,600 to 0-1 handoffs a second, and stayed there
+while the broker worked through the flood's backlog. Here the socket is a scripted queue, so
+what the loop does between reading a message and sending its answer is counted exactly, not timed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+
+import pytest
+
+from hurray_ipc.broker import server
+from hurray_ipc.devices.base import host_id
+from hurray_ipc.wire.ipc import PROTOCOL_VERSION, Message, encode_batch
+
+
+def _hello(rid: bytes, pid: int) -> list[bytes]:
+    endpoint = {"device": {"kind": "cpu", "ordinal": 0, "uuid": "cpu-test", "pci_bus_id": "", "emulated": False,
+                           "host": host_id()},
+                "caps": {"ipc_memory": True, "ipc_events": False, "ipc_streams": False, "peers": []},
+                "pid": pid, "stream": None}
+    header = {"protocol": PROTOCOL_VERSION, "role": "consumer", "channel": "ch", "pid": pid, "endpoint": endpoint}
+    return [rid, b"HELLO", json.dumps(header).encode()]
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """A Broker whose socket reads from ``inbox`` and records into ``log``: ("in", rid,
+    entries handled so far) per message read, ("out", rid, verb) per message sent."""
+    b = server.Broker("tcp://127.0.0.1:*")
+    inbox: deque[list[bytes]] = deque()
+    log: list[tuple[str, bytes, object]] = []
+
+    def recv(sock: object, flags: int = 0) -> list[bytes]:
+        parts = inbox.popleft()
+        log.append(("in", parts[0], b.core.stats.messages_in))
+        return parts
+
+    monkeypatch.setattr(server, "readable", lambda sock: bool(inbox))
+    monkeypatch.setattr(server, "recv_frames", recv)
+    monkeypatch.setattr(server, "send_frames", lambda sock, frames, flags=0: log.append(("out", frames[0], frames[1])))
+    try:
+        yield b, inbox, log
+    finally:
+        monkeypatch.undo()
+        b.shutdown("test over")
+
+
+def test_an_answer_waits_behind_at_most_one_round_of_another_peers_backlog(scripted):
+    b, inbox, log = scripted
+    inbox.extend([_hello(b"flood", 7), _hello(b"quiet", 8)])
+    while inbox:
+        b.round()
+    assert b"flood" in b.core.clients and b"quiet" in b.core.clients
+    forged = encode_batch([Message("RELEASE", {"token": "f0" * 23 + f"{i:02x}"}) for i in range(64)])
+    inbox.extend([[b"flood", *forged] for _ in range(3)])
+    inbox.append([b"quiet", b"PING", b"{}"])
+    inbox.extend([[b"flood", *forged] for _ in range(40)])  # 2,560 entries, each answered unknown_token
+    log.clear()
+    rounds = 0
+    while inbox:
+        b.round()
+        rounds += 1
+    (read_at,) = [n for kind, rid, n in log if kind == "in" and rid == b"quiet"]
+    pong = next(i for i, (kind, rid, _) in enumerate(log) if kind == "out" and rid == b"quiet")
+    handled_before_pong = max(n for kind, _, n in log[:pong] if kind == "in")  # entries when the last read began
+    assert log[pong][2] == b"PONG"
+    # The spec's bound, not the module's constant (a test reading that would follow it): the PING's
+    # round goes on for at most 256 entries (the last read begins below it).
+    assert handled_before_pong - read_at < 256, (read_at, handled_before_pong)
+    assert rounds >= 43 * 64 // (256 + 64), rounds
+    assert b.core.stats.errors == 43 * 64  # every entry still answered: a round ends, it drops nothing
