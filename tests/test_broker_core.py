@@ -821,6 +821,43 @@ def test_message_rate_is_bounded_per_client():
     assert not _errors(core.receive(b"c", ping, 1.5)), "the allowance refills with time"
 
 
+def test_refusals_count_against_the_message_rate_and_a_message_past_it_costs_one_error():
+    """A flood whose every entry is refused (RELEASE batches of 64 made-up tokens) kept the
+    broker busy at 30-45k entries/s under the 50k/s limit, and each message cost 64 ERRORs. Each
+    refused entry now costs 1 + ERROR_COST, and a message past the rate is refused whole: one
+    ERROR however many entries it carries (spec §6a)."""
+    core = _core()
+    _hello(core, b"c", "consumer", pid=6)
+    forged = [Message("RELEASE", {"token": _forged(i)}) for i in range(64)]
+    batch = encode_batch(forged)
+    # The spec's figures: a burst of 50,000, each refused entry 10 of it (1 + ERROR_COST); a
+    # message is refused once the allowance is below 1 when it arrives: 50,000 // 640 + 1.
+    answered = 79
+    counts = [len(_errors(core.receive(b"c", batch, 1.0))) for _ in range(answered + 3)]
+    assert counts == [64] * answered + [1] * 3, counts
+    (err,) = _errors(core.receive(b"c", batch, 1.0))
+    assert (err["code"], err["limit"], err["ref"]) == ("limit_exceeded", "message_rate", "RELEASE"), err
+    core.check_invariants()
+    assert len(_errors(core.receive(b"c", batch, 2.5))) == 64, "the allowance refills with time"
+
+
+def test_a_handoff_message_past_the_rate_is_refused_whole_naming_its_handoffs_and_keeps_its_grants():
+    from hurray_ipc.broker.core import MAX_RATE
+    core = _core()
+    _hello(core, b"p", "producer", pid=5)
+    _hello(core, b"c", "consumer", pid=6, credits=2)
+    gids = _grant_ids(core.receive(b"p", frames("READY", {"credits": 2}), 0.0))
+    core.clients[b"p"].allowance = 0.5  # as after MAX_RATE messages within the second
+    msgs = [Message("HANDOFF", {"grant_id": g, "handoff_id": 10 + i, "offset": 0},
+                    {"handle": cpu_handle(), "memory": b"M" * 64}) for i, g in enumerate(gids)]
+    (err,) = _errors(core.receive(b"p", encode_batch(msgs), 0.0))
+    assert (err["code"], err["limit"], err["handoff_ids"]) == ("limit_exceeded", "message_rate", [10, 11]), err
+    assert not core.deliveries and len(gids) == 2
+    core.check_invariants()
+    outs = core.receive(b"p", encode_batch(msgs), 1.0 / MAX_RATE * 200)  # refilled: the same grants work
+    assert not _errors(outs) and len(core.deliveries) == 2
+
+
 def test_bad_handle_error_names_the_handle_field_and_offset():
     core = _core()
     _hello(core, b"p", "producer", pid=5)

@@ -1,0 +1,179 @@
+"""A healthy pair's rate beside one flood on a live broker (hurray_ipc/broker/DESIGN.md, Known limits).
+
+Usage: .venv/bin/python scripts/floods.py [releases|queries|hold|deaf ...] [--seconds S]
+
+Starts a broker, a producer and a consumer of the public API (one process each, a 4 KiB host array
+per send) and, after a few seconds, one attacker process speaking raw frames:
+
+- releases: a registered consumer sending RELEASE batches of 64 tokens the broker never issued,
+  as fast as it can, never reading;
+- queries: 200 unregistered connections sending STATS and CAPS, never reading;
+- hold: a consumer on the pair's channel asking for 4096 credits, reading every DELIVER and
+  releasing none, pinging so that it is never judged silent;
+- deaf: a consumer on the pair's channel with 64 credits that never reads its socket.
+
+It prints the pair's handoffs and the broker's RSS each second before, during and after the flood,
+then one line per attack with the medians. Loopback only; it stops by itself. Not a test: what it
+measures is load on this machine, which the attacker's own CPU use is part of.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the raw-frame client written from the spec, and the broker runner
+
+KINDS = ("releases", "queries", "hold", "deaf")
+
+
+def _producer(ep: str, stop: mp.synchronize.Event) -> None:
+    import numpy as np
+
+    from hurray_ipc import HurrayError, Producer
+    a = np.zeros(1024, np.float32)
+    with Producer(channel="good", endpoint=ep) as p:
+        while not stop.is_set():
+            try:
+                p.send(a, timeout=1)
+            except HurrayError:
+                pass  # the flood may delay a grant past the timeout: try again
+
+
+def _consumer(ep: str, count: mp.sharedctypes.Synchronized, stop: mp.synchronize.Event) -> None:
+    from hurray_ipc import Consumer, HurrayError
+    with Consumer(channel="good", endpoint=ep) as c:
+        while not stop.is_set():
+            try:
+                h = c.receive(timeout=0.5)
+            except HurrayError:
+                continue
+            if h is None:
+                break
+            h.release()
+            with count.get_lock():
+                count.value += 1
+
+
+def _attack(kind: str, ep: str, stop: mp.synchronize.Event) -> None:
+    import zmq
+
+    from test_protocol_raw import BATCH, RELEASE, Raw, endpoint_dict
+    ctx = zmq.Context()
+    if kind == "releases":
+        r = Raw(ctx, ep, "flood")
+        r.hello("consumer", "flood", endpoint_dict(os.getpid()))
+        r.s.setsockopt(zmq.SNDHWM, 0)
+        body = BATCH.pack(64, 0, 0) + b"".join(RELEASE.pack(os.urandom(24), 1, 0) for _ in range(64))
+        while not stop.is_set():
+            try:
+                r.s.send_multipart([b"RELEASE", body], zmq.NOBLOCK)
+            except zmq.Again:
+                stop.wait(0.001)
+    elif kind == "queries":
+        socks = []
+        for _ in range(200):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.connect(ep)
+            socks.append(s)
+        caps = json.dumps({"device": endpoint_dict(os.getpid()), "request_id": 1}).encode()
+        while not stop.is_set():
+            for i, s in enumerate(socks):
+                try:
+                    s.send_multipart([b"STATS", b"{}"] if i % 2 else [b"CAPS", caps], zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+    else:
+        r = Raw(ctx, ep, kind)
+        r.send("HELLO", {"protocol": 2, "role": "consumer", "channel": "good", "client_id": "x", "pid": os.getpid(),
+                         "endpoint": endpoint_dict(os.getpid()), "credits": 4096 if kind == "hold" else 64})
+        if kind == "deaf":
+            r.s.setsockopt(zmq.RCVHWM, 1)
+        while not stop.is_set():
+            r.send("PING", {})
+            if kind == "hold":
+                while r.s.poll(10):
+                    r.s.recv_multipart()
+            else:
+                stop.wait(0.1)
+    ctx.destroy(linger=0)
+
+
+def _rss_mb(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0]) // 1024
+
+
+def run(kind: str, seconds: int) -> dict[str, float]:
+    from brokerproc import BrokerProcess
+    b = BrokerProcess(f"ipc://{tempfile.mkdtemp(prefix='hurray-floods-')}/b.sock", timeout=1.0).start()
+    assert b.proc is not None
+    stop, attack_stop = mp.Event(), mp.Event()
+    count = mp.Value("q", 0)
+    pair = [mp.Process(target=_producer, args=(b.endpoint, stop)),
+            mp.Process(target=_consumer, args=(b.endpoint, count, stop))]
+    for p in pair:
+        p.start()
+    rates: dict[str, list[int]] = {"before": [], "during": [], "after": []}
+    rss = 0
+
+    def window(phase: str, n: int) -> None:
+        nonlocal rss
+        for _ in range(n):
+            c0 = count.value
+            time.sleep(1)  # a rate is counted over wall time: this is the measurement's clock
+            rates[phase].append(count.value - c0)
+            rss = max(rss, _rss_mb(b.proc.pid))
+            print(f"{kind:8s} {phase:6s} {rates[phase][-1]:6d} handoffs/s  broker RSS {_rss_mb(b.proc.pid)} MB",
+                  flush=True)
+
+    try:
+        window("before", 4)
+        a = mp.Process(target=_attack, args=(kind, b.endpoint, attack_stop))
+        a.start()
+        window("during", seconds)
+        attack_stop.set()
+        a.join(5)
+        if a.is_alive():
+            a.kill()
+        window("after", 5)
+    finally:
+        stop.set()
+        for p in pair:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+        b.stop()
+    return {"before": statistics.median(rates["before"][1:]), "during": statistics.median(rates["during"]),
+            "after_first": rates["after"][0], "after": statistics.median(rates["after"]), "rss_max_mb": rss}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("kinds", nargs="*", choices=KINDS, default=list(KINDS), metavar="KIND",
+                    help=f"attacks to run, one after another: {', '.join(KINDS)} (default: all)")
+    ap.add_argument("--seconds", type=int, default=8, help="how long each flood lasts (default 8)")
+    args = ap.parse_args()
+    if args.seconds < 1:
+        ap.error(f"--seconds takes a whole number of seconds >= 1 (got {args.seconds})")
+    mp.set_start_method("spawn")
+    results = {k: run(k, args.seconds) for k in args.kinds}
+    print("\nattack     pair before  during  1st s after  after  broker RSS max")
+    for k, r in results.items():
+        print(f"{k:10s} {r['before']:9.0f}/s {r['during']:6.0f}/s {r['after_first']:9.0f}/s {r['after']:5.0f}/s"
+              f"  {r['rss_max_mb']} MB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
