@@ -55,7 +55,9 @@ def test_version(prog):
     ("hurray_ipc.cli.bench", ["--sizes", "4Q"], "size '4Q' is not a byte count"),
     ("hurray_ipc.cli.bench", ["--iterations", "0"], "0 is not a positive integer"),
     ("hurray_ipc.cli.bench", ["--render", "/nonexistent/results.json"], "No such file or directory"),
-    ("hurray_ipc.cli.top", ["--interval", "0"], "0 is not a positive number of seconds"),
+    ("hurray_ipc.cli.top", ["--interval", "0"], "0 is not a finite number > 0"),
+    ("hurray_ipc.cli.top", ["--interval", "inf"], "inf is not a finite number > 0"),  # it polled never
+    ("hurray_ipc.cli.top", ["--once", "--json"], "not allowed with argument"),  # --json won silently
     ("hurray_ipc.cli.top", ["--endpoint", "broker.sock"], "is not a ZeroMQ endpoint"),
     ("hurray_ipc.broker", ["--metrics-port", "70000"], "70000 is not a port number"),
 ])

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..client.endpoint import default_endpoint
 from ..client.query import BrokerQuery, NoAnswer
-from .common import add_version, endpoint
+from .common import add_version, endpoint, positive_float
 
 # --- rendering ----------------------------------------------------------------------------------
 
@@ -118,27 +118,18 @@ def plain_loop(client: BrokerQuery, interval: float, timeout: float) -> int:
         time.sleep(interval)  # pacing the display, not synchronisation
 
 
-def _positive(value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive number of seconds")
-    return x
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hurray-top", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_version(p)
     p.add_argument("--endpoint", type=endpoint, default=None,
                    help=f"the broker's endpoint (default {default_endpoint()})")
-    p.add_argument("--interval", type=_positive, default=1.0, help="seconds between polls (default %(default)s)")
-    p.add_argument("--timeout", type=_positive, default=3.0,
+    p.add_argument("--interval", type=positive_float, default=1.0, help="seconds between polls (default %(default)s)")
+    p.add_argument("--timeout", type=positive_float, default=3.0,
                    help="seconds to wait for the broker's answer (default %(default)s)")
-    p.add_argument("--once", action="store_true", help="print one plain-text snapshot and exit")
-    p.add_argument("--json", action="store_true", help="print the raw STATS_REPLY as JSON and exit")
+    once = p.add_mutually_exclusive_group()
+    once.add_argument("--once", action="store_true", help="print one plain-text snapshot and exit")
+    once.add_argument("--json", action="store_true", help="print the raw STATS_REPLY as JSON and exit")
     a = p.parse_args(argv)
     ep = a.endpoint or default_endpoint()
 
