@@ -2,7 +2,7 @@
 
     hurray-broker                  # in the foreground, logging to stderr
     hurray-broker --daemon         # in the background; prints where, its pid and its log; exit 0
-    hurray-broker --stop           # stops the one at the endpoint (SIGTERM), waits until it exited
+    hurray-broker --stop           # stops the one at the endpoint (SIGTERM), waits until it exited; exit 0
 
 Exit 1 when the broker cannot serve (another broker holds the endpoint, an unsafe socket
 directory) or --daemon / --stop could not do what they say; 2 on a usage error.

@@ -154,8 +154,10 @@ def _pidfd(pid: int) -> int | None:
 
 
 def stop(endpoint: str) -> str:
-    """SIGTERM the broker of ``endpoint`` and wait until it exited; the line to print. Refused if
-    there is none, it is another user's, or it does not exit within STOP_TIMEOUT_S."""
+    """SIGTERM the broker of ``endpoint`` and wait until it exited; the line to print, also when
+    none runs there (nothing to stop: as ``start`` of a running one, so scripts may always call
+    it). Refused if it is another user's, one answers that no lock names, or it does not exit
+    within STOP_TIMEOUT_S."""
     sock = socket_path(endpoint, "--stop")
     endpoint = f"ipc://{sock}"
     try:
@@ -167,31 +169,36 @@ def stop(endpoint: str) -> str:
         if answered is not None:  # e.g. another implementation, which wrote no pid; or another PID namespace's
             raise Refused(f"a broker answers at {endpoint} (pid {answered} in its own view) but {sock}.lock names "
                           "no process of this user that holds it: not stopping it")
-        raise Refused(f"no broker running at {endpoint}")
+        return _none_running(endpoint)
     try:
         uid = os.stat(f"/proc/{pid}").st_uid
     except FileNotFoundError:
-        raise Refused(f"no broker running at {endpoint} (pid {pid} just exited)") from None
+        return _none_running(endpoint, pid)
     if uid != os.getuid():
         raise Refused(f"the broker at {endpoint} is pid {pid} of uid {uid}, not this user's (uid {os.getuid()}): "
                       "not stopping it")
     pidfd = _pidfd(pid)
     try:
         if pidfd is not None and holder(sock) != pid:  # the pidfd names the process verified to hold it
-            raise Refused(f"no broker running at {endpoint} (pid {pid} just exited)")
+            return _none_running(endpoint, pid)
         try:
             if pidfd is not None:
                 signal.pidfd_send_signal(pidfd, signal.SIGTERM)
             else:
                 os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
-            raise Refused(f"no broker running at {endpoint} (pid {pid} just exited)") from None
+            return _none_running(endpoint, pid)
         if not _wait_exit(pid, pidfd, sock, STOP_TIMEOUT_S):
             raise Refused(f"the broker at {endpoint} (pid {pid}) did not exit within {STOP_TIMEOUT_S:g} s of SIGTERM")
     finally:
         if pidfd is not None:
             os.close(pidfd)
     return f"{PROG}: stopped the broker at {endpoint} (pid {pid})"
+
+
+def _none_running(endpoint: str, exited: int | None = None) -> str:
+    just = f", pid {exited} just exited" if exited is not None else ""
+    return f"{PROG}: no broker running at {endpoint} (nothing to stop{just})"
 
 
 def _wait_exit(pid: int, pidfd: int | None, sock: Path, timeout: float) -> bool:
