@@ -555,10 +555,10 @@ class Session:
                 run_callbacks(callbacks)
             time.sleep(idle)
 
-    def close(self, bye: Callable[[], bool] | bool = True) -> None:
-        """Send what is queued, then BYE (unless ``bye`` is, or returns, False: the broker then
-        judges this client by its silence, spec §5), and close the socket. A callable ``bye`` is
-        asked under the lock, so no dispatch runs between its answer and the BYE. Idempotent."""
+    def close(self, bye: Callable[[], bool] | None = None) -> None:
+        """Send what is queued, then BYE (unless ``bye`` returns False: the broker then judges
+        this client by its silence, spec §5), and close the socket. ``bye`` is asked under the
+        lock, so no dispatch runs between its answer and the BYE. Idempotent."""
         if self.closed:
             return
         with self.lock:
@@ -566,7 +566,7 @@ class Session:
                 self.flush_out()
                 # Also before the WELCOME came: the HELLO went first on this socket, so the BYE
                 # ends that registration (a BYE the broker cannot place is ignored, spec §2).
-                if bye() if callable(bye) else bye:
+                if bye is None or bye():
                     self.send(Bye())
             except zmq.ZMQError:
                 pass

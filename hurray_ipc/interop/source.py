@@ -248,10 +248,9 @@ def resolve(obj: Any, host_slot: HostSlot, gpu: CudaDevice | None, stream: CudaS
     if isinstance(obj, Buffer):
         _check_open(obj)
         on_gpu = isinstance(obj.device, CudaDevice)
-        if on_gpu and not _need_gpu(gpu).same_device(obj.device):
+        if on_gpu and not (ours := _need_gpu(gpu)).same_device(obj.device):
             raise InvalidArgument(f"{obj!r} is memory of {obj.device.identity.spec}; this producer hands off "
-                                  f"{_need_gpu(gpu).identity.spec}'s: create a Producer on that device",
-                                  where="send(obj=)")
+                                  f"{ours.identity.spec}'s: create a Producer on that device", where="send(obj=)")
         return Source(obj, shape=(obj.size,), stream=(stream or own_stream) if on_gpu else None, keep=obj)
     try:
         cai = getattr(obj, "__cuda_array_interface__", None)
