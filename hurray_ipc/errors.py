@@ -52,7 +52,8 @@ class _Located(HurrayError):
             shown = repr(value)
             if len(shown) > 80:
                 shown = shown[:77] + "..."
-            if not re.search(rf"(?<![\w.]){re.escape(shown)}(?![\w.])", message):  # 0 is not shown by "4096"
+            # As a word: 0 is not shown by "4096", nor 1 by "1.5"; a full stop after it ends a sentence.
+            if not re.search(rf"(?<![\w.]){re.escape(shown)}(?!\w|\.\w)", message):
                 message = f"{message} (got {shown})"
         super().__init__(f"{where}: {message}" if where else message)
 

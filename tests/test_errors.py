@@ -268,3 +268,16 @@ def test_clients_refuse_a_socket_directory_another_user_could_swap(tmp_path):
         os.chown(theirs, 54321, 54321)
         refused(lambda: Consumer(f"ipc://{theirs}/broker.sock", "c"), UnsafeEndpoint, "belongs to uid 54321")
     assert issubclass(UnsafeEndpoint, PermissionError) and stat.S_ISVTX
+
+
+@pytest.mark.parametrize(("message", "value", "shown"), [
+    ("a prefetch from 1 to 4096", 0, True),  # '0' is not in '4096' as a word
+    ("between 1.5 and 2", 1, True),  # nor '1' in '1.5'
+    ("no window of 1.5.", 1.5, False),  # a value that ends the sentence is shown already
+    ("no window of 1.5: ask again", 1.5, False),
+    ("size 16 at least", 16, False),
+])
+def test_a_refusal_shows_the_value_once(message, value, shown):
+    text = str(InvalidArgument(message, where="f(x=)", value=value))
+    assert text.endswith(f"(got {value!r})") == shown, text
+
