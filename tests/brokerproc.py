@@ -6,8 +6,28 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+# Runs first in the child, then becomes the broker (execv keeps the pid and the death signal): the
+# broker gets SIGTERM when the test process that started it dies, even by SIGKILL (a timeout, a
+# mutant run cut short), instead of serving on for ever. The signal follows the thread that forked,
+# so it is asked for only from the main thread (pytest's, and each xdist worker's).
+_DIE_WITH_PARENT = ("import ctypes, os, signal, sys\n"
+                    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+                    "if os.getppid() != int(sys.argv[1]):\n"
+                    "    sys.exit('the test process died before its broker started')\n"
+                    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n")
+
+
+def broker_command(*args: str) -> list[str]:
+    """``python -m hurray_ipc.broker ARGS``, ended with the process that runs it when called from
+    the main thread."""
+    cmd = [sys.executable, "-m", "hurray_ipc.broker", *args]
+    if threading.current_thread() is not threading.main_thread() or not sys.platform.startswith("linux"):
+        return cmd
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd[1:]]
 
 
 class BrokerProcess:
@@ -29,9 +49,9 @@ class BrokerProcess:
         # then blocks the broker in its next log write (a fuzz run logs an ERROR per message).
         self.log = tempfile.NamedTemporaryFile("w+", prefix="hurray-broker-", suffix=".log")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hurray_ipc.broker", "--endpoint", self.endpoint, "--timeout", str(self.timeout),
-             "--heartbeat", "0.2", "--log-level", self.log_level,
-             *(["--log-format", self.log_format] if self.log_format else []), *self.extra_args],
+            broker_command("--endpoint", self.endpoint, "--timeout", str(self.timeout), "--heartbeat", "0.2",
+                           "--log-level", self.log_level,
+                           *(["--log-format", self.log_format] if self.log_format else []), *self.extra_args),
             stderr=self.log, text=True)
         deadline = time.monotonic() + 20
         while not path.exists():

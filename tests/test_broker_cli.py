@@ -281,3 +281,23 @@ def test_a_stopping_broker_ignores_another_sigterm_to_the_end(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.splitlines()[-1] == "at exit: True", r.stdout
+
+
+def test_a_test_broker_dies_with_the_test_process_that_started_it(tmp_path):
+    """A test process killed outright (a timeout, a mutant run cut short) left its broker serving
+    for ever; brokerproc now has the broker SIGTERMed when its starter dies."""
+    starter = ("import os, pathlib, signal, sys; sys.path.insert(0, sys.argv[1]); "
+               "from brokerproc import BrokerProcess; b = BrokerProcess(sys.argv[2]).start(); "
+               "pathlib.Path(sys.argv[3]).write_text(str(b.proc.pid)); "
+               "os.kill(os.getpid(), signal.SIGKILL)")
+    pid_file = tmp_path / "pid"
+    r = subprocess.run([sys.executable, "-c", starter, str(Path(__file__).parent), f"ipc://{tmp_path}/b.sock",
+                        str(pid_file)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=60)
+    assert r.returncode == -signal.SIGKILL, r
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 30
+    while not gone(pid):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"the broker (pid {pid}) outlived the test process that started it")
+        time.sleep(0.02)  # not our child: nothing to wait on but /proc
