@@ -841,6 +841,15 @@ def test_refusals_count_against_the_message_rate_and_a_message_past_it_costs_one
     assert len(_errors(core.receive(b"c", batch, 2.5))) == 64, "the allowance refills with time"
 
 
+def test_malformed_messages_count_against_the_message_rate_too():
+    """A registered client's malformed messages were never judged by the rate (the check sat
+    after decoding), so a flood of them was answered one ERROR each for ever."""
+    core = _core()
+    _hello(core, b"c", "consumer", pid=6)
+    codes = [e["code"] for _ in range(5003) for e in _errors(core.receive(b"c", [b"NOPE", b"{}"], 1.0))]
+    assert codes == ["unknown_verb"] * 5000 + ["limit_exceeded"] * 3, codes[4995:]  # 50,000 // (1 + 9)
+
+
 def test_a_handoff_message_past_the_rate_is_refused_whole_naming_its_handoffs_and_keeps_its_grants():
     from hurray_ipc.broker.core import MAX_RATE
     core = _core()

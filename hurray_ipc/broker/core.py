@@ -119,7 +119,7 @@ log = logging.getLogger("hurray.broker")
 MAX_CLIENTS = 16384             # registrations in all
 MAX_CLIENTS_PER_PROCESS = 256   # registrations of one process (by lease, else by host and pid)
 MAX_RATE = 50_000.0  # messages per second one registered client may send (sustained; burst of one second)
-# What an ERROR answering a registered client costs it beyond its message, in MAX_RATE units (§6a):
+# What an ERROR answering a registered client costs its allowance beyond the entry it answers (§6a):
 # a refusal costs the broker several times what a handled entry does (measured 2026-12-07: a RELEASE
 # batch of 64 made-up tokens kept the broker busy at 30-45k entries/s, under MAX_RATE), so a client
 # whose every entry is refused is held to MAX_RATE / (1 + ERROR_COST) of them.
@@ -470,6 +470,16 @@ class BrokerCore:
         client.allowance_at = now
         return client.allowance < 1.0
 
+    def _rate_refusal(self, rid: bytes, ref: str, handoff_ids: list[int] | None) -> None:
+        """A message past its client's rate, refused as a whole with one ERROR whatever it
+        carries (§6a; ``handoff_ids`` of a HANDOFF batch, whose grants stay the producer's), so
+        that past its rate a client's message costs the broker little. Not charged."""
+        self.stats.limits_refused += 1
+        self._error(rid, "limit_exceeded", f"a client may send at most {int(MAX_RATE)} messages per second "
+                    f"(an entry a refusal answers counts {1 + int(ERROR_COST)}); this one was dropped",
+                    ref=ref, limit="message_rate", value=int(MAX_RATE),
+                    **({"handoff_ids": handoff_ids} if handoff_ids else {}))
+
     def _error(self, rid: bytes, code: str, message: str, **extra: Any) -> None:
         c = self.clients.get(rid)
         if c is not None and extra.get("limit") != "message_rate":
@@ -505,11 +515,18 @@ class BrokerCore:
             self.started = now
         self._now = now
         self.stats.wire_in += 1
+        client = self.clients.get(rid)
+        over = client is not None and self._over_rate(client, now)  # judged as it arrives (§6a)
         try:
             msgs = decode_all(parts, allowed=CLIENT_VERBS)
         except ProtocolError as e:
             self.stats.messages_in += 1
-            self._error(rid, e.code, str(e), ref=ref, **e.extra)
+            if over:
+                self._rate_refusal(rid, ref, e.extra.get("handoff_ids"))
+            else:
+                if client is not None:
+                    client.allowance -= 1.0  # refused whole: one entry, and its ERROR
+                self._error(rid, e.code, str(e), ref=ref, **e.extra)
             return self._take()
         except Exception as e:  # noqa: BLE001 - a bug must cost one message, never the broker
             self.stats.messages_in += 1
@@ -517,15 +534,8 @@ class BrokerCore:
             self._error(rid, "internal", f"internal error: {type(e).__name__}")
             return self._take()
         self.stats.messages_in += len(msgs)
-        client = self.clients.get(rid)
-        if client is not None and self._over_rate(client, now):
-            # Refused as a whole, one ERROR for all its entries (spec §6a): past its rate a
-            # client's message must cost the broker little, whatever it carries.
-            ids = [m.handoff_id for m in msgs if isinstance(m, Handoff)]
-            self._error(rid, "limit_exceeded", f"a client may send at most {int(MAX_RATE)} messages per second "
-                        f"(an entry a refusal answers counts {1 + int(ERROR_COST)}); this one was dropped",
-                        ref=ref, limit="message_rate", value=int(MAX_RATE), **({"handoff_ids": ids} if ids else {}))
-            self.stats.limits_refused += 1
+        if over:
+            self._rate_refusal(rid, ref, [m.handoff_id for m in msgs if isinstance(m, Handoff)])
             return self._take()
         for msg in msgs:
             self._asking = None
