@@ -838,7 +838,54 @@ def test_refusals_count_against_the_message_rate_and_a_message_past_it_costs_one
     (err,) = _errors(core.receive(b"c", batch, 1.0))
     assert (err["code"], err["limit"], err["ref"]) == ("limit_exceeded", "message_rate", "RELEASE"), err
     core.check_invariants()
+    # The refusals were not charged: the allowance is 50,000 - 79 * 640 = -560, so 561 units of
+    # refill (561 / 50,000 s) admit the next batch, and 560 do not.
+    assert len(_errors(core.receive(b"c", batch, 1.0 + 560 / 50_000))) == 1
+    assert len(_errors(core.receive(b"c", batch, 1.0 + 561 / 50_000))) == 64
     assert len(_errors(core.receive(b"c", batch, 2.5))) == 64, "the allowance refills with time"
+
+
+def test_releases_crossing_producer_gone_are_answered_but_not_charged_once():
+    """A consumer holding 8192 deliveries whose producer dies releases them all at once, each
+    answered unknown_token: charged 10 each, that crossed the rate after 5,000 and refused the
+    RELEASEs of a live producer's buffers that came after, whole, so those stayed held."""
+    core = _core()
+    _hello(core, b"c", "consumer", pid=6)
+    _hello(core, b"p", "producer", pid=5)
+    _hello(core, b"q", "producer", pid=7)
+    tokens: dict[bytes, list[str]] = {b"p": [], b"q": []}
+    hid = itertools.count(1)
+    for who, n in ((b"p", 4096), (b"p", 4032), (b"q", 64)):
+        core.receive(b"c", frames("REQUEST", {"credits": n}), 0.0)
+        gids = _grant_ids(core.receive(who, frames("READY", {"credits": n}), 0.0))
+        for i in range(0, n, 64):
+            msgs = [Message("HANDOFF", {"grant_id": g, "handoff_id": next(hid), "offset": 0},
+                            {"handle": cpu_handle(), "memory": b"M" * 64}) for g in gids[i:i + 64]]
+            outs = core.receive(who, encode_batch(msgs), 0.0)
+            tokens[who] += [o.msg.fields()["token"] for o in outs if isinstance(o, Send) and o.msg.verb == "DELIVER"]
+    assert core.clients[b"c"].held == 8192
+    core.client_gone(b"p", "process gone")
+    order = tokens[b"p"] + tokens[b"q"]
+    codes = [e["code"] for i in range(0, len(order), 64)
+             for e in _errors(core.receive(b"c", encode_batch([Message("RELEASE", {"token": t})
+                                                              for t in order[i:i + 64]]), 10.0))]
+    assert codes == ["unknown_token"] * 8128, set(codes)
+    assert core.clients[b"c"].held == 0, "the live producer's 64 came back"
+    # Once each: a replay of those tokens is charged as any made-up token. The 8192 entries cost
+    # 1 each, so 41,808 are left: 41,808 // 640 + 1 = 66 batches are answered, then one ERROR.
+    replay = encode_batch([Message("RELEASE", {"token": t}) for t in tokens[b"p"][:64]])
+    counts = [len(_errors(core.receive(b"c", replay, 10.0))) for _ in range(68)]
+    assert counts == [64] * 66 + [1] * 2, counts
+    core.check_invariants()
+
+
+def test_a_batch_before_hello_is_refused_whole():
+    """An unregistered peer's 64-entry RELEASE batch got 64 not_registered ERRORs, so a flood
+    that never registered escaped the message rate and cost 64 answers a message."""
+    core = _core()
+    forged = encode_batch([Message("RELEASE", {"token": _forged(i)}) for i in range(64)])
+    (err,) = _errors(core.receive(b"x", forged, 0.0))
+    assert (err["code"], err["ref"]) == ("not_registered", "RELEASE"), err
 
 
 def test_malformed_messages_count_against_the_message_rate_too():

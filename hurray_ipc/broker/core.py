@@ -159,6 +159,10 @@ class _Recent:
     def __contains__(self, key: Any) -> bool:
         return hash(key) in self._hashes
 
+    def discard(self, key: Any) -> None:
+        """Forget ``key`` (its place in the order stays until it is the oldest)."""
+        self._hashes.discard(hash(key))
+
     def __len__(self) -> int:
         return len(self._order)
 
@@ -399,6 +403,10 @@ class BrokerCore:
         self.by_handoff: dict[tuple[bytes, int], str] = {}  # (producer, handoff) -> token
         self.released = _Recent(_RELEASED_MEMORY)  # tokens
         self.fenced = _Recent(_RELEASED_MEMORY)  # tokens of fenced deliveries (§5)
+        # Tokens told PRODUCER_GONE while held, until their consumer's RELEASE crosses it: that
+        # one refusal is not charged to its rate (§6a), a second is.
+        self.gone = _Recent(_RELEASED_MEMORY)
+        self._uncharged = False  # the ERROR being sent answers such a crossing
         self.orphans: dict[tuple[bytes, int], float] = {}  # (producer, handoff) -> release deadline
         # Orphans whose deadline passed (their producer got RELEASED): a late claim must not revive them.
         self.expired = _Recent(_RELEASED_MEMORY)  # (producer, handoff)
@@ -482,8 +490,9 @@ class BrokerCore:
 
     def _error(self, rid: bytes, code: str, message: str, **extra: Any) -> None:
         c = self.clients.get(rid)
-        if c is not None and extra.get("limit") != "message_rate":
+        if c is not None and not self._uncharged and extra.get("limit") != "message_rate":
             c.allowance -= ERROR_COST
+        self._uncharged = False
         self.stats.errors += 1
         n = self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1
         if n <= 100 or n % 1000 == 0:  # every refusal is answered; a flood of them is not all logged
@@ -537,8 +546,12 @@ class BrokerCore:
         if over:
             self._rate_refusal(rid, ref, [m.handoff_id for m in msgs if isinstance(m, Handoff)])
             return self._take()
+        if client is None and len(msgs) > 1:  # a batch before HELLO: one refusal, not one per entry (§2)
+            self._error(rid, "not_registered", f"{ref} before HELLO (or the broker restarted): send HELLO", ref=ref)
+            return self._take()
         for msg in msgs:
             self._asking = None
+            self._uncharged = False
             try:
                 self._dispatch(rid, msg, now)
             except ProtocolError as e:
@@ -1185,6 +1198,10 @@ class BrokerCore:
         if d is None:
             if token in self.released or (c.rid, token) in self.withdrawn:
                 raise ProtocolError("already_released", f"token {token[:8]}... was already released")
+            if token in self.gone:  # a RELEASE that crossed PRODUCER_GONE: expected, once
+                self.gone.discard(token)
+                self._uncharged = True
+                raise ProtocolError("unknown_token", f"token {token[:8]}...'s producer is gone (PRODUCER_GONE)")
             raise ProtocolError("unknown_token", f"token {token[:8]}... is not one this broker issued")
         if d.consumer != c.rid:
             raise ProtocolError("foreign_token", f"token {token[:8]}... was delivered to another consumer")
@@ -1314,6 +1331,8 @@ class BrokerCore:
             by_consumer.setdefault(x.consumer, []).append(x.token)
         for rid, tokens in by_consumer.items():
             if rid in self.clients:
+                for t in tokens:
+                    self.gone.add(t)
                 self._send(rid, ProducerGone(tokens))
 
     def _void_credits(self, c: Client) -> None:
