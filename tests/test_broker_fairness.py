@@ -32,10 +32,16 @@ def _hello(rid: bytes, pid: int) -> list[bytes]:
 @pytest.fixture
 def scripted(monkeypatch):
     """A Broker whose socket reads from ``inbox`` and records into ``log``: ("in", rid,
-    entries handled so far) per message read, ("out", rid, verb) per message sent."""
+    entries handled so far) per message read, ("out", rid, verb) per message sent. Its loop's
+    clock stands still unless a test sets ``tick[0]``, the seconds each reading of it adds."""
     b = server.Broker("tcp://127.0.0.1:*")
     inbox: deque[list[bytes]] = deque()
     log: list[tuple[str, bytes, object]] = []
+    tick, now = [0.0], [1000.0]
+
+    def clock() -> float:
+        now[0] += tick[0]
+        return now[0]
 
     def recv(sock: object, flags: int = 0) -> list[bytes]:
         parts = inbox.popleft()
@@ -45,19 +51,25 @@ def scripted(monkeypatch):
     monkeypatch.setattr(server, "readable", lambda sock: bool(inbox))
     monkeypatch.setattr(server, "recv_frames", recv)
     monkeypatch.setattr(server, "send_frames", lambda sock, frames, flags=0: log.append(("out", frames[0], frames[1])))
+    monkeypatch.setattr(server, "round_clock", clock)
     try:
-        yield b, inbox, log
+        yield b, inbox, log, tick
     finally:
         monkeypatch.undo()
         b.shutdown("test over")
 
 
-def test_an_answer_waits_behind_at_most_one_round_of_another_peers_backlog(scripted):
-    b, inbox, log = scripted
+def _register(b, inbox) -> None:
     inbox.extend([_hello(b"flood", 7), _hello(b"quiet", 8)])
     while inbox:
         b.round()
     assert b"flood" in b.core.clients and b"quiet" in b.core.clients
+
+
+def test_an_answer_waits_behind_at_most_one_round_of_another_peers_backlog(scripted):
+    """By entries: the clock stands still, so only the entry bound can end a round."""
+    b, inbox, log, _ = scripted
+    _register(b, inbox)
     forged = encode_batch([Message("RELEASE", {"token": "f0" * 23 + f"{i:02x}"}) for i in range(64)])
     inbox.extend([[b"flood", *forged] for _ in range(3)])
     inbox.append([b"quiet", b"PING", b"{}"])
@@ -76,3 +88,18 @@ def test_an_answer_waits_behind_at_most_one_round_of_another_peers_backlog(scrip
     assert handled_before_pong - read_at < 256, (read_at, handled_before_pong)
     assert rounds >= 43 * 64 // (256 + 64), rounds
     assert b.core.stats.errors == 43 * 64  # every entry still answered: a round ends, it drops nothing
+
+
+def test_a_round_of_cheap_messages_ends_after_two_milliseconds(scripted):
+    """By time: 1-entry PINGs never reach the entry bound, and each reading of the clock adds
+    0.5 ms, so a round reads 4 of them (spec §1: 2 ms) before its answers go out."""
+    b, inbox, log, tick = scripted
+    _register(b, inbox)
+    inbox.extend([[b"flood", b"PING", b"{}"] for _ in range(20)])
+    log.clear()
+    tick[0] = 0.0005
+    b.round()
+    assert [rid for kind, rid, _ in log if kind == "in"] == [b"flood"] * 4, log
+    assert [verb for kind, _, verb in log if kind == "out"] == [b"PONG"] * 4, "what it read is answered"
+    assert len(inbox) == 16
+
