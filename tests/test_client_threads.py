@@ -435,3 +435,31 @@ def test_whoever_takes_what_the_sleeping_thread_waits_on_wakes_it(fake):
     finally:
         s._leader = False
         s.close()
+
+
+def test_a_pump_round_never_blocks_on_a_broker_that_does_not_read(broker):
+    """The broker reads a peer only 256 messages ahead (spec §1), and a client sends under its
+    session lock: with ZeroMQ's default send high-water mark (1000) a client with more than that
+    unread by a stopped broker blocked in send() holding the lock, against the session's rule that
+    a pump round never blocks. 3000 messages of 1 KB also outrun the kernel's socket buffers."""
+    import signal
+
+    from hurray_ipc.wire.ipc import Message
+
+    with Consumer(broker.endpoint, "nohwm", timeout_s=60) as c:
+        c.wait_open(timeout=10)
+        os.kill(broker.proc.pid, signal.SIGSTOP)
+        try:
+            def burst() -> None:
+                for _ in range(3000):
+                    c.session.send(Message("PING", {"pad": "x" * 1000}))
+                c.session.flush_out()
+
+            t = threading.Thread(target=burst, daemon=True)
+            t.start()
+            t.join(30)
+            blocked = t.is_alive()
+        finally:
+            os.kill(broker.proc.pid, signal.SIGCONT)
+        t.join(30)
+        assert not blocked, "flush_out blocked in send() while the broker did not read"

@@ -178,6 +178,10 @@ class Session:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, self.client_id.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
+        # No send high-water mark: a pump round sends under the lock and must never block, and the
+        # broker reads a peer only 256 messages ahead (spec §1). What waits here is this client's
+        # own traffic, which its credits and held deliveries bound, and heartbeats.
+        self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.connect(self.endpoint)
         self.fd = int(self.sock.getsockopt(zmq.FD))  # readable when the socket has work (edge-triggered)
         # Waiting between pump rounds (see the module doc): the leader polls the socket's fd and
