@@ -7,6 +7,7 @@ per send) and, after a few seconds, one attacker process speaking raw frames:
 
 - releases: a registered consumer sending RELEASE batches of 64 tokens the broker never issued,
   as fast as it can, never reading;
+- unregistered: the same batches from a connection that never sent HELLO;
 - queries: 200 unregistered connections sending STATS and CAPS, never reading;
 - hold: a consumer on the pair's channel asking for 4096 credits, reading every DELIVER and
   releasing none, pinging so that it is never judged silent;
@@ -32,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the raw-frame client written from the spec, and the broker runner
 
-KINDS = ("releases", "queries", "hold", "deaf")
+KINDS = ("releases", "unregistered", "queries", "hold", "deaf")
 
 
 def _producer(ep: str, stop: mp.synchronize.Event) -> None:
@@ -68,9 +69,10 @@ def _attack(kind: str, ep: str, stop: mp.synchronize.Event) -> None:
 
     from test_protocol_raw import BATCH, RELEASE, Raw, endpoint_dict
     ctx = zmq.Context()
-    if kind == "releases":
+    if kind in ("releases", "unregistered"):
         r = Raw(ctx, ep, "flood")
-        r.hello("consumer", "flood", endpoint_dict(os.getpid()))
+        if kind == "releases":
+            r.hello("consumer", "flood", endpoint_dict(os.getpid()))
         r.s.setsockopt(zmq.SNDHWM, 0)
         body = BATCH.pack(64, 0, 0) + b"".join(RELEASE.pack(os.urandom(24), 1, 0) for _ in range(64))
         while not stop.is_set():
