@@ -8,6 +8,7 @@ per send) and, after a few seconds, one attacker process speaking raw frames:
 - releases: a registered consumer sending RELEASE batches of 64 tokens the broker never issued,
   as fast as it can, never reading;
 - unregistered: the same batches from a connection that never sent HELLO;
+- hello: one connection sending 0.88 MB HELLOs (8192 `held` entries) that are refused;
 - queries: 200 unregistered connections sending STATS and CAPS, never reading;
 - hold: a consumer on the pair's channel asking for 4096 credits, reading every DELIVER and
   releasing none, pinging so that it is never judged silent;
@@ -33,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the raw-frame client written from the spec, and the broker runner
 
-KINDS = ("releases", "unregistered", "queries", "hold", "deaf")
+KINDS = ("releases", "unregistered", "hello", "queries", "hold", "deaf")
 
 
 def _producer(ep: str, stop: mp.synchronize.Event) -> None:
@@ -78,6 +79,19 @@ def _attack(kind: str, ep: str, stop: mp.synchronize.Event) -> None:
         while not stop.is_set():
             try:
                 r.s.send_multipart([b"RELEASE", body], zmq.NOBLOCK)
+            except zmq.Again:
+                stop.wait(0.001)
+    elif kind == "hello":
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(ep)
+        held = [{"token": "f0" * 24, "producer_id": "p" * 16, "handoff_id": i, "event_pending": False}
+                for i in range(8192)]
+        hello = json.dumps({"protocol": 2, "role": "consumer", "channel": "x", "pid": os.getpid(),
+                            "endpoint": endpoint_dict(os.getpid()), "held": held, "lease": "not a lease"}).encode()
+        while not stop.is_set():
+            try:
+                s.send_multipart([b"HELLO", hello], zmq.NOBLOCK)
             except zmq.Again:
                 stop.wait(0.001)
     elif kind == "queries":

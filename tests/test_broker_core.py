@@ -879,6 +879,26 @@ def test_releases_crossing_producer_gone_are_answered_but_not_charged_once():
     core.check_invariants()
 
 
+def test_peers_not_registered_share_a_byte_budget_and_past_it_are_dropped_unread():
+    """A HELLO is parsed whole before anything can refuse it, and peers not registered have no
+    rate: one connection sending 0.88 MB HELLOs (18 ms each to parse) held a healthy pair at
+    9-10 handoffs/s. They now share 8 MiB a second (burst 8 MiB, spec §6a); past it a message
+    is dropped unread and unanswered, and registered clients are not charged."""
+    core = _core()
+    _hello(core, b"c", "consumer", pid=6)
+    mib = [b"HELLO", json.dumps({"pad": "x" * ((1 << 20) - 16)}).encode()]
+    assert sum(map(len, mib)) == 1 << 20
+    answered = [len(_errors(core.receive(b"x%d" % i, mib, 1.0))) for i in range(10)]
+    assert answered == [1] * 8 + [0] * 2, answered  # 8 MiB read, then the budget is spent
+    assert core.stats.limits_refused == 2
+    assert [o.msg.verb for o in core.receive(b"c", frames("PING", {}), 1.0)] == ["PONG"], "registered: unaffected"
+    # Read while the budget is above 0, then charged in full: half a MiB of refill admits one
+    # (leaving -0.5 MiB), not two; another half MiB and a little admits the next.
+    assert [len(_errors(core.receive(b"y", mib, 1.0 + 0.5 / 8))) for _ in range(2)] == [1, 0]
+    assert not _errors(core.receive(b"y", mib, 1.0 + 0.999 / 8))
+    assert len(_errors(core.receive(b"y", mib, 1.0 + 1.001 / 8))) == 1
+
+
 def test_a_batch_before_hello_is_refused_whole():
     """An unregistered peer's 64-entry RELEASE batch got 64 not_registered ERRORs, so a flood
     that never registered escaped the message rate and cost 64 answers a message."""

@@ -124,6 +124,11 @@ MAX_RATE = 50_000.0  # messages per second one registered client may send (susta
 # batch of 64 made-up tokens kept the broker busy at 30-45k entries/s, under MAX_RATE), so a client
 # whose every entry is refused is held to MAX_RATE / (1 + ERROR_COST) of them.
 ERROR_COST = 9.0
+# Bytes a second of messages from peers not registered, all of them together, and the burst (§6a):
+# they have no rate of their own, and a HELLO is parsed whole before anything can refuse it (a
+# reviewer's 0.88 MB HELLOs cost 18 ms each and held a healthy pair at 9-10 handoffs/s). The
+# burst takes the largest HELLO (2 MiB) four times over.
+UNREGISTERED_BYTES = float(8 << 20)
 FENCE_TIMEOUTS = 20  # a consumer alive but silent this many timeouts while holding buffers is fenced (§5)
 MAX_ROUTING_ID = 32  # bytes: a DELIVER names its producer in a 32-byte field (spec §2.2)
 _RELEASED_MEMORY = 100_000  # released (and fenced) tokens remembered, to tell "already released" from "unknown" (§6a)
@@ -402,6 +407,7 @@ class BrokerCore:
         self.handed_by: dict[bytes, dict[str, Delivery]] = {}
         self.by_handoff: dict[tuple[bytes, int], str] = {}  # (producer, handoff) -> token
         self.released = _Recent(_RELEASED_MEMORY)  # tokens
+        self._unregistered = [UNREGISTERED_BYTES, 0.0]  # UNREGISTERED_BYTES' bucket: [allowance, at]
         self.fenced = _Recent(_RELEASED_MEMORY)  # tokens of fenced deliveries (§5)
         # Tokens told PRODUCER_GONE while held, until their consumer's RELEASE crosses it: that
         # one refusal is not charged to its rate (§6a), a second is.
@@ -478,6 +484,17 @@ class BrokerCore:
         client.allowance_at = now
         return client.allowance < 1.0
 
+    def _unregistered_budget(self, parts: list[bytes], now: float) -> bool:
+        """Whether a message from a peer not registered may be read: while the bucket all such
+        peers share is above 0, which the message's bytes are then charged to (§6a)."""
+        b = self._unregistered
+        b[0] = min(UNREGISTERED_BYTES, b[0] + max(0.0, now - b[1]) * UNREGISTERED_BYTES)
+        b[1] = now
+        if b[0] <= 0:
+            return False
+        b[0] -= sum(len(p) for p in parts)
+        return True
+
     def _rate_refusal(self, rid: bytes, ref: str, handoff_ids: list[int] | None) -> None:
         """A message past its client's rate, refused as a whole with one ERROR whatever it
         carries (§6a; ``handoff_ids`` of a HANDOFF batch, whose grants stay the producer's), so
@@ -525,6 +542,9 @@ class BrokerCore:
         self._now = now
         self.stats.wire_in += 1
         client = self.clients.get(rid)
+        if client is None and not self._unregistered_budget(parts, now):
+            self.stats.limits_refused += 1  # dropped unread, unanswered (§6a)
+            return self._take()
         over = client is not None and self._over_rate(client, now)  # judged as it arrives (§6a)
         try:
             msgs = decode_all(parts, allowed=CLIENT_VERBS)
