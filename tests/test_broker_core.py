@@ -838,10 +838,10 @@ def test_refusals_count_against_the_message_rate_and_a_message_past_it_costs_one
     (err,) = _errors(core.receive(b"c", batch, 1.0))
     assert (err["code"], err["limit"], err["ref"]) == ("limit_exceeded", "message_rate", "RELEASE"), err
     core.check_invariants()
-    # The refusals were not charged: the allowance is 50,000 - 79 * 640 = -560, so 561 units of
-    # refill (561 / 50,000 s) admit the next batch, and 560 do not.
-    assert len(_errors(core.receive(b"c", batch, 1.0 + 560 / 50_000))) == 1
-    assert len(_errors(core.receive(b"c", batch, 1.0 + 561 / 50_000))) == 64
+    # The refusals were not charged: the allowance is 50,000 - 79 * 640 = -560, so 562 units of
+    # refill (more than the 561 that reach exactly 1, a float comparison) admit the next batch.
+    assert len(_errors(core.receive(b"c", batch, 1.0 + 559 / 50_000))) == 1
+    assert len(_errors(core.receive(b"c", batch, 1.0 + 562 / 50_000))) == 64
     assert len(_errors(core.receive(b"c", batch, 2.5))) == 64, "the allowance refills with time"
 
 
@@ -899,6 +899,29 @@ def test_peers_not_registered_share_a_byte_budget_and_past_it_are_dropped_unread
     assert len(_errors(core.receive(b"y", mib, 1.0 + 1.001 / 8))) == 1
 
 
+def test_an_event_release_and_a_release_crossing_producer_gone_are_each_uncharged_once():
+    """An event-mode consumer sends EVENT_RELEASE and RELEASE per token: the first must not use
+    up the second's exemption (a reviewer's finding: one memory for both kinds did)."""
+    core = _core()
+    _hello(core, b"c", "consumer", pid=6)
+    _hello(core, b"p", "producer", pid=5)
+    core.receive(b"c", frames("REQUEST", {"credits": 64}), 0.0)
+    gids = _grant_ids(core.receive(b"p", frames("READY", {"credits": 64}), 0.0))
+    outs = core.receive(b"p", encode_batch([Message("HANDOFF", {"grant_id": g, "handoff_id": i, "offset": 0},
+                                                    {"handle": cpu_handle(), "memory": b"M" * 64})
+                                            for i, g in enumerate(gids)]), 0.0)
+    tokens = [o.msg.fields()["token"] for o in outs if isinstance(o, Send) and o.msg.verb == "DELIVER"]
+    core.client_gone(b"p", "process gone")
+    c = core.clients[b"c"]
+    c.allowance, c.allowance_at = 129.0, 10.0  # at 10 an answer, the 14th entry would be past the rate
+    batch = [Message(verb, {"token": t}) for t in tokens[:32] for verb in ("EVENT_RELEASE", "RELEASE")]
+    codes = [e["code"] for e in _errors(core.receive(b"c", encode_batch(batch), 10.0))]
+    codes += [e["code"] for e in _errors(core.receive(b"c", encode_batch(
+        [Message(v, {"token": t}) for t in tokens[32:] for v in ("EVENT_RELEASE", "RELEASE")]), 10.0))]
+    assert codes == ["unknown_token"] * 128, codes
+    assert c.allowance == 1.0
+
+
 def test_a_batch_before_hello_is_refused_whole():
     """An unregistered peer's 64-entry RELEASE batch got 64 not_registered ERRORs, so a flood
     that never registered escaped the message rate and cost 64 answers a message."""
@@ -906,6 +929,10 @@ def test_a_batch_before_hello_is_refused_whole():
     forged = encode_batch([Message("RELEASE", {"token": _forged(i)}) for i in range(64)])
     (err,) = _errors(core.receive(b"x", forged, 0.0))
     assert (err["code"], err["ref"]) == ("not_registered", "RELEASE"), err
+    handoffs = encode_batch([Message("HANDOFF", {"grant_id": 1, "handoff_id": 10 + i, "offset": 0},
+                                     {"handle": cpu_handle(), "memory": b"M" * 64}) for i in range(3)])
+    (err,) = _errors(core.receive(b"x", handoffs, 0.0))
+    assert (err["code"], err["handoff_ids"]) == ("not_registered", [10, 11, 12]), err  # §2.2: refused whole
 
 
 def test_malformed_messages_count_against_the_message_rate_too():

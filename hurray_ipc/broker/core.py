@@ -165,7 +165,9 @@ class _Recent:
         return hash(key) in self._hashes
 
     def discard(self, key: Any) -> None:
-        """Forget ``key`` (its place in the order stays until it is the oldest)."""
+        """Forget ``key``. Its place in the order stays until it is the oldest, so ``len`` counts
+        it until then, and the key noted again would be forgotten early: for keys noted once
+        (tokens), neither matters."""
         self._hashes.discard(hash(key))
 
     def __len__(self) -> int:
@@ -411,7 +413,7 @@ class BrokerCore:
         self.fenced = _Recent(_RELEASED_MEMORY)  # tokens of fenced deliveries (§5)
         # Tokens told PRODUCER_GONE while held, until their consumer's RELEASE crosses it: that
         # one refusal is not charged to its rate (§6a), a second is.
-        self.gone = _Recent(_RELEASED_MEMORY)
+        self.gone = _Recent(2 * _RELEASED_MEMORY)  # each token, and (token, "event")
         self._uncharged = False  # the ERROR being sent answers such a crossing
         self.orphans: dict[tuple[bytes, int], float] = {}  # (producer, handoff) -> release deadline
         # Orphans whose deadline passed (their producer got RELEASED): a late claim must not revive them.
@@ -502,14 +504,15 @@ class BrokerCore:
         self.stats.limits_refused += 1
         self._error(rid, "limit_exceeded", f"a client may send at most {int(MAX_RATE)} messages per second "
                     f"(an entry a refusal answers counts {1 + int(ERROR_COST)}); this one was dropped",
-                    ref=ref, limit="message_rate", value=int(MAX_RATE),
+                    charge=False, ref=ref, limit="message_rate", value=int(MAX_RATE),
                     **({"handoff_ids": handoff_ids} if handoff_ids else {}))
 
-    def _error(self, rid: bytes, code: str, message: str, **extra: Any) -> None:
+    def _error(self, rid: bytes, code: str, message: str, *, charge: bool = True, **extra: Any) -> None:
+        """ERROR ``code`` to ``rid``; a registered client's allowance pays ERROR_COST for it unless
+        ``charge`` is false or it answers a RELEASE crossing PRODUCER_GONE (§6a)."""
         c = self.clients.get(rid)
-        if c is not None and not self._uncharged and extra.get("limit") != "message_rate":
+        if c is not None and charge and not self._uncharged:
             c.allowance -= ERROR_COST
-        self._uncharged = False
         self.stats.errors += 1
         n = self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1
         if n <= 100 or n % 1000 == 0:  # every refusal is answered; a flood of them is not all logged
@@ -554,12 +557,14 @@ class BrokerCore:
                 self._rate_refusal(rid, ref, e.extra.get("handoff_ids"))
             else:
                 if client is not None:
-                    client.allowance -= 1.0  # refused whole: one entry, and its ERROR
+                    client.allowance -= 1.0  # a message refused whole is one entry (§6a)
                 self._error(rid, e.code, str(e), ref=ref, **e.extra)
             return self._take()
         except Exception as e:  # noqa: BLE001 - a bug must cost one message, never the broker
             self.stats.messages_in += 1
             log.exception("internal error decoding a message")
+            if client is not None:
+                client.allowance -= 1.0
             self._error(rid, "internal", f"internal error: {type(e).__name__}")
             return self._take()
         self.stats.messages_in += len(msgs)
@@ -567,11 +572,13 @@ class BrokerCore:
             self._rate_refusal(rid, ref, [m.handoff_id for m in msgs if isinstance(m, Handoff)])
             return self._take()
         if client is None and len(msgs) > 1:  # a batch before HELLO: one refusal, not one per entry (§2)
-            self._error(rid, "not_registered", f"{ref} before HELLO (or the broker restarted): send HELLO", ref=ref)
+            ids = [m.handoff_id for m in msgs if isinstance(m, Handoff)]
+            self._error(rid, "not_registered", f"{ref} before HELLO (or the broker restarted): send HELLO",
+                        charge=False, ref=ref, **({"handoff_ids": ids} if ids else {}))  # not registered: no rate
             return self._take()
         for msg in msgs:
             self._asking = None
-            self._uncharged = False
+            self._uncharged = False  # set by _delivery_of only for the entry it refuses
             try:
                 self._dispatch(rid, msg, now)
             except ProtocolError as e:
@@ -1218,8 +1225,9 @@ class BrokerCore:
         if d is None:
             if token in self.released or (c.rid, token) in self.withdrawn:
                 raise ProtocolError("already_released", f"token {token[:8]}... was already released")
-            if token in self.gone:  # a RELEASE that crossed PRODUCER_GONE: expected, once
-                self.gone.discard(token)
+            crossing = token if isinstance(msg, Release) else (token, "event")
+            if crossing in self.gone:  # a RELEASE (or EVENT_RELEASE) that crossed PRODUCER_GONE: expected, once
+                self.gone.discard(crossing)
                 self._uncharged = True
                 raise ProtocolError("unknown_token", f"token {token[:8]}...'s producer is gone (PRODUCER_GONE)")
             raise ProtocolError("unknown_token", f"token {token[:8]}... is not one this broker issued")
@@ -1353,6 +1361,7 @@ class BrokerCore:
             if rid in self.clients:
                 for t in tokens:
                     self.gone.add(t)
+                    self.gone.add((t, "event"))
                 self._send(rid, ProducerGone(tokens))
 
     def _void_credits(self, c: Client) -> None:
