@@ -179,8 +179,11 @@ def stop(endpoint: str) -> str:
                       "not stopping it")
     pidfd = _pidfd(pid)
     try:
-        if pidfd is not None and holder(sock) != pid:  # the pidfd names the process verified to hold it
-            return _none_running(endpoint, pid)
+        if pidfd is not None and (now := holder(sock)) != pid:  # the pidfd names the process verified to hold it
+            if now is None:
+                return _none_running(endpoint, pid)
+            raise Refused(f"the broker at {endpoint} changed while stopping it (pid {pid} exited, pid {now} "
+                          "holds it now): not stopping that one; run --stop again")
         try:
             if pidfd is not None:
                 signal.pidfd_send_signal(pidfd, signal.SIGTERM)
