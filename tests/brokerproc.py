@@ -15,7 +15,9 @@ from pathlib import Path
 # mutant run cut short), instead of serving on for ever. The signal follows the thread that forked,
 # so it is asked for only from the main thread (pytest's, and each xdist worker's).
 _DIE_WITH_PARENT = ("import ctypes, os, signal, sys\n"
-                    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+                    "if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM) != 0:  # PR_SET_PDEATHSIG\n"
+                    "    print('brokerproc: prctl(PR_SET_PDEATHSIG) failed: this broker may outlive its test',"
+                    " file=sys.stderr)\n"
                     "if os.getppid() != int(sys.argv[1]):\n"
                     "    sys.exit('the test process died before its broker started')\n"
                     "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n")

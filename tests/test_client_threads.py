@@ -441,7 +441,8 @@ def test_a_pump_round_never_blocks_on_a_broker_that_does_not_read(broker):
     """The broker reads a peer only 256 messages ahead (spec §1), and a client sends under its
     session lock: with ZeroMQ's default send high-water mark (1000) a client with more than that
     unread by a stopped broker blocked in send() holding the lock, against the session's rule that
-    a pump round never blocks. 3000 messages of 1 KB also outrun the kernel's socket buffers."""
+    a pump round never blocks. 20,000 messages of 1 KB also outrun the kernel's socket buffers
+    (a few hundred KB by default)."""
     import signal
 
     from hurray_ipc.wire.ipc import Message
@@ -451,8 +452,8 @@ def test_a_pump_round_never_blocks_on_a_broker_that_does_not_read(broker):
         os.kill(broker.proc.pid, signal.SIGSTOP)
         try:
             def burst() -> None:
-                for _ in range(3000):
-                    c.session.send(Message("PING", {"pad": "x" * 1000}))
+                for _ in range(20_000):
+                    c.session.queue(Message("PING", {"pad": "x" * 1000}))
                 c.session.flush_out()
 
             t = threading.Thread(target=burst, daemon=True)

@@ -180,7 +180,8 @@ class Session:
         self.sock.setsockopt(zmq.LINGER, 0)
         # No send high-water mark: a pump round sends under the lock and must never block, and the
         # broker reads a peer only 256 messages ahead (spec §1). What waits here is this client's
-        # own traffic, which its credits and held deliveries bound, and heartbeats.
+        # own traffic, which its credits and held deliveries bound, plus, while no broker answers,
+        # one HELLO a heartbeat (with the held list), which nothing bounds (client/DESIGN.md).
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.connect(self.endpoint)
         self.fd = int(self.sock.getsockopt(zmq.FD))  # readable when the socket has work (edge-triggered)
