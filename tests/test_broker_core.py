@@ -920,6 +920,10 @@ def test_an_event_release_and_a_release_crossing_producer_gone_are_each_uncharge
         [Message(v, {"token": t}) for t in tokens[32:] for v in ("EVENT_RELEASE", "RELEASE")]), 10.0))]
     assert codes == ["unknown_token"] * 128, codes
     assert c.allowance == 1.0
+    # The exemption answered its entry only: a malformed message next is charged its 10.
+    c.allowance = 20.0
+    core.receive(b"c", [b"NOPE", b"{}"], 10.0)
+    assert c.allowance == 10.0
 
 
 def test_a_batch_before_hello_is_refused_whole():

@@ -511,7 +511,8 @@ class BrokerCore:
         """ERROR ``code`` to ``rid``; a registered client's allowance pays ERROR_COST for it unless
         ``charge`` is false or it answers a RELEASE crossing PRODUCER_GONE (§6a)."""
         c = self.clients.get(rid)
-        if c is not None and charge and not self._uncharged:
+        uncharged, self._uncharged = self._uncharged, False  # consumed here: no later ERROR inherits it
+        if c is not None and charge and not uncharged:
             c.allowance -= ERROR_COST
         self.stats.errors += 1
         n = self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1
