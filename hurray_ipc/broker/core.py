@@ -112,6 +112,7 @@ from .queries import (
     QueryLedger,
     Sample,
     caps_reply,
+    refilled,
     stats_snapshot,
 )
 
@@ -490,7 +491,7 @@ class BrokerCore:
         """Whether a message from a peer not registered may be read: while the bucket all such
         peers share is above 0, which the message's bytes are then charged to (§6a)."""
         b = self._unregistered
-        b[0] = min(UNREGISTERED_BYTES, b[0] + max(0.0, now - b[1]) * UNREGISTERED_BYTES)
+        b[0] = refilled(b[0], b[1], UNREGISTERED_BYTES, now)
         b[1] = now
         if b[0] <= 0:
             return False
@@ -498,13 +499,18 @@ class BrokerCore:
         return True
 
     def _rate_refusal(self, rid: bytes, ref: str, handoff_ids: list[int] | None) -> None:
-        """A message past its client's rate, refused as a whole with one ERROR whatever it
-        carries (§6a; ``handoff_ids`` of a HANDOFF batch, whose grants stay the producer's), so
-        that past its rate a client's message costs the broker little. Not charged."""
+        """A message past its client's rate, refused as a whole (§6a), so that past its rate a
+        client's message costs the broker little."""
         self.stats.limits_refused += 1
-        self._error(rid, "limit_exceeded", f"a client may send at most {int(MAX_RATE)} messages per second "
-                    f"(an entry a refusal answers counts {1 + int(ERROR_COST)}); this one was dropped",
-                    charge=False, ref=ref, limit="message_rate", value=int(MAX_RATE),
+        self._refuse_whole(rid, "limit_exceeded", f"a client may send at most {int(MAX_RATE)} messages per second "
+                           f"(an entry a refusal answers counts {1 + int(ERROR_COST)}); this one was dropped",
+                           ref, handoff_ids, limit="message_rate", value=int(MAX_RATE))
+
+    def _refuse_whole(self, rid: bytes, code: str, message: str, ref: str, handoff_ids: list[int] | None,
+                      **extra: Any) -> None:
+        """One uncharged ERROR for a whole message, whatever it carries; a HANDOFF batch's refusal
+        lists its ``handoff_ids``, whose grants stay the producer's (§2.2)."""
+        self._error(rid, code, message, charge=False, ref=ref, **extra,
                     **({"handoff_ids": handoff_ids} if handoff_ids else {}))
 
     def _error(self, rid: bytes, code: str, message: str, *, charge: bool = True, **extra: Any) -> None:
@@ -569,13 +575,13 @@ class BrokerCore:
             self._error(rid, "internal", f"internal error: {type(e).__name__}")
             return self._take()
         self.stats.messages_in += len(msgs)
-        if over:
-            self._rate_refusal(rid, ref, [m.handoff_id for m in msgs if isinstance(m, Handoff)])
-            return self._take()
-        if client is None and len(msgs) > 1:  # a batch before HELLO: one refusal, not one per entry (§2)
+        if over or (client is None and len(msgs) > 1):  # a batch before HELLO: one refusal too (§2)
             ids = [m.handoff_id for m in msgs if isinstance(m, Handoff)]
-            self._error(rid, "not_registered", f"{ref} before HELLO (or the broker restarted): send HELLO",
-                        charge=False, ref=ref, **({"handoff_ids": ids} if ids else {}))  # not registered: no rate
+            if over:
+                self._rate_refusal(rid, ref, ids)
+            else:
+                self._refuse_whole(rid, "not_registered", f"{ref} before HELLO (or the broker restarted): send "
+                                   "HELLO", ref, ids)
             return self._take()
         for msg in msgs:
             self._asking = None

@@ -84,6 +84,12 @@ class Asker:
     proved: bool = False  # its latest query named its latest unread answer: it reads, and holds nothing
 
 
+def refilled(allowance: float, at: float, rate: float, now: float) -> float:
+    """A budget of ``rate`` a second that holds at most ``rate`` (one second's worth): what
+    ``allowance``, as it was at ``at``, has become at ``now`` (never less: time does not run back)."""
+    return min(rate, allowance + max(0.0, now - at) * rate)
+
+
 class QueryLedger:
     """The connections that asked (spec §6a): idle ones (nothing unread) in least-recently-asked
     order, the first to be forgotten; those with unread answers, forgotten only once a send to
@@ -145,10 +151,10 @@ class QueryLedger:
         second per connection; False (no answer) for the rest of those. True: answer it (its
         fields are judged next: a malformed one is answered ERROR, stamped the same), then
         :meth:`charge` its size."""
-        a.allowance = min(self.query_bytes, a.allowance + max(0.0, now - a.at) * self.query_bytes)
+        a.allowance = refilled(a.allowance, a.at, self.query_bytes, now)
         a.at = now
         t = self._total
-        t[0] = min(self.query_bytes_total, t[0] + max(0.0, now - t[1]) * self.query_bytes_total)
+        t[0] = refilled(t[0], t[1], self.query_bytes_total, now)
         t[1] = now
         # Past the total, a connection that just showed it read everything is still answered, from
         # a reserve of as much again: peers that stay connected and never read would otherwise
