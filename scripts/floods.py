@@ -125,11 +125,6 @@ def _attack(kind: str, ep: str, stop: mp.synchronize.Event) -> None:
     ctx.destroy(linger=0)
 
 
-def _rss_mb(pid: int) -> int:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(status.split("VmRSS:")[1].split()[0]) // 1024
-
-
 def run(kind: str, seconds: int) -> dict[str, float]:
     from brokerproc import BrokerProcess
     b = BrokerProcess(f"ipc://{tempfile.mkdtemp(prefix='hurray-floods-')}/b.sock", timeout=1.0).start()
@@ -149,8 +144,9 @@ def run(kind: str, seconds: int) -> dict[str, float]:
             c0 = count.value
             time.sleep(1)  # a rate is counted over wall time: this is the measurement's clock
             rates[phase].append(count.value - c0)
-            rss = max(rss, _rss_mb(b.proc.pid))
-            print(f"{kind:8s} {phase:6s} {rates[phase][-1]:6d} handoffs/s  broker RSS {_rss_mb(b.proc.pid)} MB",
+            now_mb = b.rss_kib // 1024
+            rss = max(rss, now_mb)
+            print(f"{kind:8s} {phase:6s} {rates[phase][-1]:6d} handoffs/s  broker RSS {now_mb} MB",
                   flush=True)
 
     try:
