@@ -144,6 +144,8 @@ ERROR_CODES = frozenset({
 class ProtocolError(HurrayError, ValueError):
     """A message that violates the protocol. ``code`` is one of ERROR_CODES."""
 
+    charge = True  # whether the broker's ERROR for it counts against the sender's message rate (spec §6a)
+
     def __init__(self, code: str, message: str, **extra: Any):
         assert code in ERROR_CODES, code
         self.code = code

@@ -415,7 +415,6 @@ class BrokerCore:
         # Tokens told PRODUCER_GONE while held, until their consumer's RELEASE crosses it: that
         # one refusal is not charged to its rate (§6a), a second is.
         self.gone = _Recent(2 * _RELEASED_MEMORY)  # each token, and (token, "event")
-        self._uncharged = False  # the ERROR being sent answers such a crossing
         self.orphans: dict[tuple[bytes, int], float] = {}  # (producer, handoff) -> release deadline
         # Orphans whose deadline passed (their producer got RELEASED): a late claim must not revive them.
         self.expired = _Recent(_RELEASED_MEMORY)  # (producer, handoff)
@@ -515,10 +514,9 @@ class BrokerCore:
 
     def _error(self, rid: bytes, code: str, message: str, *, charge: bool = True, **extra: Any) -> None:
         """ERROR ``code`` to ``rid``; a registered client's allowance pays ERROR_COST for it unless
-        ``charge`` is false or it answers a RELEASE crossing PRODUCER_GONE (§6a)."""
+        ``charge`` is false (§6a)."""
         c = self.clients.get(rid)
-        uncharged, self._uncharged = self._uncharged, False  # consumed here: no later ERROR inherits it
-        if c is not None and charge and not uncharged:
+        if c is not None and charge:
             c.allowance -= ERROR_COST
         self.stats.errors += 1
         n = self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1
@@ -585,7 +583,6 @@ class BrokerCore:
             return self._take()
         for msg in msgs:
             self._asking = None
-            self._uncharged = False  # set by _delivery_of only for the entry it refuses
             try:
                 self._dispatch(rid, msg, now)
             except ProtocolError as e:
@@ -595,7 +592,7 @@ class BrokerCore:
                 extra.update(e.extra)
                 if "field" in extra and "value" not in extra:  # null: the message has no such field
                     extra["value"] = shown(head, str(extra["field"]))
-                self._error(rid, e.code, str(e), ref=ref, **extra)
+                self._error(rid, e.code, str(e), charge=e.charge, ref=ref, **extra)
             except Exception as e:  # noqa: BLE001 - a bug must cost one message, never the broker
                 log.exception("internal error handling a message")
                 self._error(rid, "internal", f"internal error: {type(e).__name__}")
@@ -1235,8 +1232,9 @@ class BrokerCore:
             crossing = token if isinstance(msg, Release) else (token, "event")
             if crossing in self.gone:  # a RELEASE (or EVENT_RELEASE) that crossed PRODUCER_GONE: expected, once
                 self.gone.discard(crossing)
-                self._uncharged = True
-                raise ProtocolError("unknown_token", f"token {token[:8]}...'s producer is gone (PRODUCER_GONE)")
+                crossed = ProtocolError("unknown_token", f"token {token[:8]}...'s producer is gone (PRODUCER_GONE)")
+                crossed.charge = False
+                raise crossed
             raise ProtocolError("unknown_token", f"token {token[:8]}... is not one this broker issued")
         if d.consumer != c.rid:
             raise ProtocolError("foreign_token", f"token {token[:8]}... was delivered to another consumer")
