@@ -14,6 +14,7 @@ import subprocess
 import pytest
 
 from brokerproc import BrokerProcess
+from fakebroker import FakeBroker
 from hurray_ipc import workload
 from hurray_ipc.devices import CpuDevice, CudaDevice, set_runtime
 from hurray_ipc.devices.backend.emulated import EmulatedRuntime, EmulationConfig
@@ -182,6 +183,14 @@ def broker(tmp_path):
     b = BrokerProcess(f"ipc://{tmp_path}/broker.sock", timeout=2.0).start()
     yield b
     b.stop()
+
+
+@pytest.fixture
+def fake(tmp_path):
+    """A fake broker (tests/fakebroker.py) on a fresh ipc:// endpoint."""
+    f = FakeBroker(tmp_path)
+    yield f
+    f.close()
 
 
 def emu_env(**kw):

@@ -13,9 +13,8 @@ import time
 import warnings
 
 import numpy as np
-import pytest
-import zmq
 
+from fakebroker import FakeBroker
 from hurray_ipc.client import Consumer, Producer
 from hurray_ipc.client import session as session_mod
 from hurray_ipc.client.session import Session
@@ -303,35 +302,6 @@ def test_event_synchronize_on_a_dead_zombie_recorder_raises():
 # A fake broker (a ROUTER the test drives) answers the HELLO and then says nothing unless told.
 # With a heartbeat of a minute nothing arrives by itself, so a thread that waits between pump
 # rounds for anything but what the tests below require sleeps past their 10 s bound.
-
-
-class FakeBroker:
-    def __init__(self, tmp_path) -> None:
-        self.ctx = zmq.Context.instance()
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.endpoint = f"ipc://{tmp_path}/fake.sock"
-        self.router.bind(self.endpoint)
-        self.rid = b""
-
-    def next(self, timeout_s: float = 10.0) -> list[bytes]:
-        assert self.router.poll(int(timeout_s * 1000)), "the fake broker got nothing"
-        rid, *frames = self.router.recv_multipart()
-        self.rid = rid
-        return frames
-
-    def say(self, msg) -> None:
-        self.router.send_multipart([self.rid, *msg.encode()])
-
-    def close(self) -> None:
-        self.router.close()
-
-
-@pytest.fixture
-def fake(tmp_path):
-    f = FakeBroker(tmp_path)
-    yield f
-    f.close()
 
 
 def _session(fake: FakeBroker, dispatch) -> Session:

@@ -181,7 +181,7 @@ class Session:
         # No send high-water mark: a pump round sends under the lock and must never block, and the
         # broker reads a peer only 256 messages ahead (spec §1). What waits here is this client's
         # own traffic, which its credits and held deliveries bound, plus, while no broker answers,
-        # one HELLO a heartbeat (with the held list), which nothing bounds (client/DESIGN.md).
+        # one PING a heartbeat (about 120 bytes queued each) and at most one HELLO (_pump_once).
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.connect(self.endpoint)
         self.fd = int(self.sock.getsockopt(zmq.FD))  # readable when the socket has work (edge-triggered)
@@ -460,7 +460,13 @@ class Session:
             self.flush_out()  # before waiting: nothing held waits on the socket
         now = time.monotonic()
         if now - self.last_tx >= self.heartbeat_s:
-            if not self.registered and now - self._hello_sent >= self.heartbeat_s:
+            # HELLO again only once something came since the last one (an ERROR refusing it, a
+            # SHUTDOWN): while nothing answers, the last HELLO may still wait in the socket, and
+            # one a heartbeat (up to 1.3 MB with the held list) would pile up for as long as the
+            # broker is away. A PING meanwhile is answered not_registered by a broker that lost
+            # the HELLO, and that answer sends the next (_handle_one; spec §5).
+            answered = self.last_rx >= self._hello_sent
+            if not self.registered and answered and now - self._hello_sent >= self.heartbeat_s:
                 self._register()
             else:
                 self.send(Ping())
