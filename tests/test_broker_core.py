@@ -879,6 +879,91 @@ def test_releases_crossing_producer_gone_are_answered_but_not_charged_once():
     core.check_invariants()
 
 
+def _holding(core: BrokerCore, n: int) -> list[str]:
+    """Consumer ``c`` and producer ``p`` registered; ``c`` holds ``n`` (<= 64) deliveries of
+    ``p``: their tokens."""
+    _hello(core, b"c", "consumer", pid=6)
+    _hello(core, b"p", "producer", pid=5)
+    core.receive(b"c", frames("REQUEST", {"credits": n}), 0.0)
+    gids = _grant_ids(core.receive(b"p", frames("READY", {"credits": n}), 0.0))
+    outs = core.receive(b"p", encode_batch([Message("HANDOFF", {"grant_id": g, "handoff_id": i, "offset": 0},
+                                                    {"handle": cpu_handle(), "memory": b"M" * 64})
+                                            for i, g in enumerate(gids)]), 0.0)
+    tokens = [o.msg.fields()["token"] for o in outs if isinstance(o, Send) and o.msg.verb == "DELIVER"]
+    assert len(tokens) == n and core.clients[b"c"].held == n
+    return tokens
+
+
+def test_a_consumer_past_its_rate_still_gives_back_the_buffers_it_holds():
+    """A RELEASE batch past the rate was refused whole: the consumer counted its buffers given
+    back, the broker kept them bound, and their producer never had them back (a consumer of a
+    fast broker releasing 25,000 event-mode handoffs a second is past 50,000 entries). Now
+    each entry naming a delivery bound to the sender is handled past the rate; the rest of the
+    message is dropped with one ERROR, and its credits are applied as on any RELEASE (§6a)."""
+    core = _core()
+    tokens = _holding(core, 8)
+    c = core.clients[b"c"]
+    c.allowance, c.allowance_at = 0.5, 10.0  # past the rate: below 1 as the message arrives
+    batch = [Message("RELEASE", {"token": t}) for t in tokens[:4]]
+    batch += [Message("RELEASE", {"token": _forged(i)}) for i in range(3)]
+    batch += [Message("RELEASE", {"token": tokens[4], "credits": 5})]
+    outs = core.receive(b"c", encode_batch(batch), 10.0)
+    released = sorted(f["handoff_id"] for to, verb, f in _sent(outs) if to == b"p" and verb == "RELEASED")
+    assert released == [0, 1, 2, 3, 4], released
+    (err,) = _errors(outs)
+    assert (err["code"], err["limit"], err["ref"]) == ("limit_exceeded", "message_rate", "RELEASE"), err
+    assert (c.held, c.credits) == (3, 5)
+    assert c.allowance == 0.5 - 5, "the 5 entries handled are charged, the refusal is not"
+    core.check_invariants()
+    # Nothing bound among them: refused whole as before, its credits applied all the same.
+    outs = core.receive(b"c", encode_batch([Message("RELEASE", {"token": tokens[0], "credits": 2})]), 10.0)
+    assert [e["limit"] for e in _errors(outs)] == ["message_rate"] and c.credits == 7
+    # A producer's batch of the same verbs past its rate is refused whole, as anything else.
+    p = core.clients[b"p"]
+    p.allowance, p.allowance_at = 0.5, 10.0
+    (err,) = _errors(core.receive(b"p", encode_batch([Message("RELEASE", {"token": tokens[5]})]), 10.0))
+    assert err["limit"] == "message_rate" and c.held == 3
+
+
+def test_past_its_rate_a_consumer_cannot_release_another_consumers_buffer():
+    """Past the rate only the sender's own deliveries are handled: another consumer's token is
+    dropped with the rest (one ERROR, the rate's), not handled (which would answer
+    foreign_token, charged) and never released."""
+    core = _core()
+    (mine,) = _holding(core, 1)
+    _hello(core, b"d", "consumer", pid=7)
+    core.receive(b"d", frames("REQUEST", {"credits": 1}), 0.0)
+    (gid,) = _grant_ids(core.receive(b"p", frames("READY", {"credits": 1}), 0.0))
+    outs = core.receive(b"p", encode_batch([Message("HANDOFF", {"grant_id": gid, "handoff_id": 9, "offset": 0},
+                                                    {"handle": cpu_handle(), "memory": b"M" * 64})]), 0.0)
+    (theirs,) = [f["token"] for to, verb, f in _sent(outs) if to == b"d" and verb == "DELIVER"]
+    c = core.clients[b"c"]
+    c.allowance, c.allowance_at = 0.5, 10.0
+    outs = core.receive(b"c", encode_batch([Message("RELEASE", {"token": t}) for t in (theirs, mine)]), 10.0)
+    assert [(e["code"], e.get("limit")) for e in _errors(outs)] == [("limit_exceeded", "message_rate")]
+    assert [f["handoff_id"] for to, verb, f in _sent(outs) if verb == "RELEASED"] == [0]
+    assert (core.clients[b"d"].held, c.held) == (1, 0)
+    core.check_invariants()
+
+
+def test_a_request_or_ready_past_the_rate_names_its_credits():
+    """A REQUEST refused by the rate left its credits counted as asked by the consumer, which
+    then asked for nothing more and waited for deliveries that could not come. The refusal names
+    them, so that the client counts them as not asked (§6a)."""
+    core = _core()
+    _hello(core, b"c", "consumer", pid=6)
+    _hello(core, b"p", "producer", pid=5)
+    for rid, verb in ((b"c", "REQUEST"), (b"p", "READY")):
+        cl = core.clients[rid]
+        cl.allowance, cl.allowance_at = 0.5, 10.0
+        (err,) = _errors(core.receive(rid, frames(verb, {"credits": 7}), 10.0))
+        assert (err["limit"], err["ref"], err["credits"]) == ("message_rate", verb, 7), err
+        assert cl.credits == 0
+    # A PING past the rate names none.
+    (err,) = _errors(core.receive(b"c", frames("PING", {}), 10.0))
+    assert err["limit"] == "message_rate" and "credits" not in err, err
+
+
 def test_peers_not_registered_share_a_byte_budget_and_past_it_are_dropped_unread():
     """A HELLO is parsed whole before anything can refuse it, and peers not registered have no
     rate: one connection sending 0.88 MB HELLOs (18 ms each to parse) held a healthy pair at

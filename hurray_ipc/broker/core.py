@@ -201,6 +201,15 @@ def _unindex(index: dict[Any, set[Any]], key: Any, item: Any) -> None:
             del index[key]
 
 
+def _asked(msgs: list[Any]) -> int:
+    """The credits of a lone REQUEST or READY (1..MAX_CREDITS, else 0): what its refusal names."""
+    if len(msgs) == 1 and isinstance(msgs[0], Message) and msgs[0].verb in ("REQUEST", "READY"):
+        n = msgs[0].header.get("credits")
+        if type(n) is int and 1 <= n <= MAX_CREDITS:
+            return n
+    return 0
+
+
 @dataclass
 class Client:
     rid: bytes
@@ -497,13 +506,15 @@ class BrokerCore:
         b[0] -= sum(len(p) for p in parts)
         return True
 
-    def _rate_refusal(self, rid: bytes, ref: str, handoff_ids: list[int] | None) -> None:
+    def _rate_refusal(self, rid: bytes, ref: str, handoff_ids: list[int] | None, credits: int) -> None:
         """A message past its client's rate, refused as a whole (§6a), so that past its rate a
-        client's message costs the broker little."""
+        client's message costs the broker little. ``credits``: a refused REQUEST's or READY's,
+        named so that its client counts them as not asked (0: none)."""
         self.stats.limits_refused += 1
         self._refuse_whole(rid, "limit_exceeded", f"a client may send at most {int(MAX_RATE)} messages per second "
                            f"(an entry a refusal answers counts {1 + int(ERROR_COST)}); this one was dropped",
-                           ref, handoff_ids, limit="message_rate", value=int(MAX_RATE))
+                           ref, handoff_ids, limit="message_rate", value=int(MAX_RATE),
+                           **({"credits": credits} if credits else {}))
 
     def _refuse_whole(self, rid: bytes, code: str, message: str, ref: str, handoff_ids: list[int] | None,
                       **extra: Any) -> None:
@@ -559,7 +570,7 @@ class BrokerCore:
         except ProtocolError as e:
             self.stats.messages_in += 1
             if over:
-                self._rate_refusal(rid, ref, e.extra.get("handoff_ids"))
+                self._rate_refusal(rid, ref, e.extra.get("handoff_ids"), 0)
             else:
                 if client is not None:
                     client.allowance -= 1.0  # a message refused whole is one entry (§6a)
@@ -573,31 +584,68 @@ class BrokerCore:
             self._error(rid, "internal", f"internal error: {type(e).__name__}")
             return self._take()
         self.stats.messages_in += len(msgs)
+        if over and client is not None and client.role == "consumer" and all(
+                m.verb in ("RELEASE", "EVENT_RELEASE") for m in msgs):
+            self._releases_past_rate(client, msgs, ref, now)
+            return self._take()
         if over or (client is None and len(msgs) > 1):  # a batch before HELLO: one refusal too (§2)
             ids = [m.handoff_id for m in msgs if isinstance(m, Handoff)]
             if over:
-                self._rate_refusal(rid, ref, ids)
+                self._rate_refusal(rid, ref, ids, _asked(msgs))
             else:
                 self._refuse_whole(rid, "not_registered", f"{ref} before HELLO (or the broker restarted): send "
                                    "HELLO", ref, ids)
             return self._take()
         for msg in msgs:
-            self._asking = None
-            try:
-                self._dispatch(rid, msg, now)
-            except ProtocolError as e:
-                head = msg.header if isinstance(msg, Message) else msg.fields()
-                extra = {k: head[k] for k in ("handoff_id", "request_id", "token", "request")
-                         if k in head and echoable(head[k])}
-                extra.update(e.extra)
-                if "field" in extra and "value" not in extra:  # null: the message has no such field
-                    extra["value"] = shown(head, str(extra["field"]))
-                self._error(rid, e.code, str(e), charge=e.charge, ref=ref, **extra)
-            except Exception as e:  # noqa: BLE001 - a bug must cost one message, never the broker
-                log.exception("internal error handling a message")
-                self._error(rid, "internal", f"internal error: {type(e).__name__}")
-        self._asking = None
+            self._entry(rid, msg, ref, now)
         return self._take()
+
+    def _entry(self, rid: bytes, msg: Any, ref: str, now: float) -> None:
+        """Handle one entry (a JSON message is one), answering a refusal with its ERROR."""
+        self._asking = None
+        try:
+            self._dispatch(rid, msg, now)
+        except ProtocolError as e:
+            head = msg.header if isinstance(msg, Message) else msg.fields()
+            extra = {k: head[k] for k in ("handoff_id", "request_id", "token", "request")
+                     if k in head and echoable(head[k])}
+            extra.update(e.extra)
+            if "field" in extra and "value" not in extra:  # null: the message has no such field
+                extra["value"] = shown(head, str(extra["field"]))
+            self._error(rid, e.code, str(e), charge=e.charge, ref=ref, **extra)
+        except Exception as e:  # noqa: BLE001 - a bug must cost one message, never the broker
+            log.exception("internal error handling a message")
+            self._error(rid, "internal", f"internal error: {type(e).__name__}")
+        finally:
+            self._asking = None
+
+    def _releases_past_rate(self, c: Client, msgs: list[Any], ref: str, now: float) -> None:
+        """A consumer's RELEASE / EVENT_RELEASE message past its rate (§6a): each entry naming a
+        delivery bound to it is handled as usual (and charged), since the broker's own deliveries
+        bound those and a buffer must never stay held for its consumer's rate; the others are
+        dropped, answered together by one uncharged ERROR. Credits an entry carries are applied
+        either way, as on any RELEASE: the consumer counts them as asked."""
+        dropped = 0
+        for raw in msgs:
+            try:
+                m = parse(raw) if isinstance(raw, Message) else raw
+            except ProtocolError:
+                m = None
+            if not isinstance(m, Release | EventRelease):
+                dropped += 1
+                continue
+            d = self.deliveries.get(m.token) or self.claim_of.get((c.rid, m.token))
+            if d is not None and d.consumer == c.rid:
+                self._entry(c.rid, raw, ref, now)
+                continue
+            dropped += 1
+            if m.credits:
+                try:
+                    self._add_requests(c, self._credit_count(m.credits, "credits"))
+                except ProtocolError:
+                    self.stats.limits_refused += 1
+        if dropped:
+            self._rate_refusal(c.rid, ref, None, 0)
 
     def _dispatch(self, rid: bytes, msg: Any, now: float) -> None:
         client = self.clients.get(rid)

@@ -786,6 +786,7 @@ class Consumer:
             self._unmap(msg)
         elif isinstance(msg, Error):
             err = RemoteError(msg.code, msg.message, msg.fields())
+            self.core.credits.answered(msg.refused_credits)  # asked again at the next want()
             if err.code in ("unknown_token", "already_released") and self.core.crossed(msg.token):
                 log.debug("RELEASE crossed PRODUCER_GONE: %s", err)  # expected: nothing to report
             else:

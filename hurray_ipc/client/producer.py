@@ -331,6 +331,7 @@ class Producer:
             self.grants.revoked(msg.grant_ids)
         elif isinstance(msg, Error):
             h = msg.fields()
+            self.credits.answered(msg.refused_credits)  # asked again at the next want()
             if h.get("ref") == "UNMAP" and h.get("request") in self._rounds:
                 self._unmap_refused(h["request"], msg)
                 return []

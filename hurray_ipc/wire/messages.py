@@ -547,6 +547,13 @@ class Error(JsonMessage):
         v = self.extra.get("token")
         return v if isinstance(v, str) else None
 
+    @property
+    def refused_credits(self) -> int:
+        """The credits of a REQUEST or READY this ERROR refused whole (the message rate's refusal
+        names them, spec §6a): never applied, so no longer asked. 0: none named."""
+        v = self.extra.get("credits")
+        return v if type(v) is int and v > 0 and self.extra.get("ref") in ("REQUEST", "READY") else 0
+
     def fields(self) -> dict[str, Any]:
         return {"code": self.code, "message": self.message, **self.extra,
                 **({"ticket": self.ticket} if self.ticket is not None else {})}

@@ -1,0 +1,65 @@
+"""What a client does with a REQUEST or READY the broker refused whole (its message rate, spec
+§6a): the refusal names the credits, which were never applied, and the client asks for them
+again. A client that kept counting them as asked asked for nothing more and waited for a
+delivery (or a grant) that could not come, until its timeout.
+
+A fake broker (tests/fakebroker.py) refuses the first ask and nothing else; with a heartbeat of a
+minute no PING arrives, so the next message the fake reads is the second ask, or nothing within
+10 s."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+
+from fakebroker import FakeBroker
+from hurray_ipc.client import Consumer, Producer
+from hurray_ipc.errors import ClosedError, HurrayTimeout
+from hurray_ipc.wire.ipc import decode_all
+from hurray_ipc.wire.messages import Error, Welcome
+
+WELCOME = Welcome(session="ab" * 8, heartbeat_ms=60_000, timeout_ms=120_000, fence_ms=120_000)
+
+
+def _rate_refusal(verb: str, credits: int) -> Error:
+    """The broker's refusal of a message past the rate, as core._rate_refusal words it."""
+    return Error("limit_exceeded", "a client may send at most 50000 messages per second; this one was dropped",
+                 {"ref": verb, "limit": "message_rate", "value": 50000, "credits": credits})
+
+
+def _ask(fake: FakeBroker) -> tuple[str, int]:
+    """The next message, which must be a lone REQUEST or READY: its verb and credits."""
+    (msg,) = decode_all(fake.next())
+    assert msg.verb in ("REQUEST", "READY"), msg.verb
+    return msg.verb, msg.header["credits"]
+
+
+@pytest.mark.parametrize("role", ["consumer", "producer"])
+def test_credits_a_rate_refusal_names_are_asked_again(fake: FakeBroker, role: str) -> None:
+    kw = {"prefetch": 3, "heartbeat_s": 60.0, "timeout_s": 120.0}
+    client = Consumer(fake.endpoint, "ch", **kw) if role == "consumer" else Producer(fake.endpoint, "ch", **kw)
+    waiting = threading.Thread(target=lambda: None)
+    try:
+        assert decode_all(fake.next())[0].verb == "HELLO"
+        fake.say(WELCOME)
+        # The consumer asks when receive() waits, the producer when send() waits for a grant.
+        call = (lambda: client.receive(timeout=20)) if role == "consumer" else \
+            (lambda: client.send(b"x" * 16, timeout=20))
+        waiting = threading.Thread(target=_swallow, args=(call,), daemon=True)
+        waiting.start()
+        verb, n = _ask(fake)
+        assert (verb, n) == (("REQUEST" if role == "consumer" else "READY"), 3)
+        fake.say(_rate_refusal(verb, n))
+        assert _ask(fake) == (verb, 3), "the refused credits were asked again"
+    finally:
+        client.session.close()  # not client.close(): the fake answers no BYE or END
+        if waiting.ident is not None:
+            waiting.join(30)
+
+
+def _swallow(call) -> None:
+    """Run ``call``; the session closing under it ends it with an error the test expects."""
+    with contextlib.suppress(ClosedError, HurrayTimeout):
+        call()
