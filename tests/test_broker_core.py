@@ -946,6 +946,23 @@ def test_past_its_rate_a_consumer_cannot_release_another_consumers_buffer():
     core.check_invariants()
 
 
+def test_a_producer_past_its_rate_still_ends_its_stream():
+    """An END past the rate was refused whole: the producer counted its stream ended, and its
+    consumers waited for an end that had been sent. END passes the rate (once per stream, §6a);
+    a consumer's END past its rate is refused whole as before, not answered wrong_role."""
+    core = _core()
+    _hello(core, b"c", "consumer", pid=6)
+    _hello(core, b"p", "producer", pid=5)
+    for rid in (b"c", b"p"):
+        core.clients[rid].allowance, core.clients[rid].allowance_at = 0.5, 10.0
+    (err,) = _errors(core.receive(b"c", frames("END", {}), 10.0))
+    assert err["limit"] == "message_rate", err
+    outs = core.receive(b"p", frames("END", {}), 10.0)
+    assert [(to, verb, f) for to, verb, f in _sent(outs)] == [(b"c", "CHANNEL_STATE", {"ended": True})]
+    assert core.clients[b"p"].ended and core.clients[b"p"].allowance == -0.5
+    core.check_invariants()
+
+
 def test_a_request_or_ready_past_the_rate_names_its_credits():
     """A REQUEST refused by the rate left its credits counted as asked by the consumer, which
     then asked for nothing more and waited for deliveries that could not come. The refusal names

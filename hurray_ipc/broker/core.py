@@ -584,9 +584,7 @@ class BrokerCore:
             self._error(rid, "internal", f"internal error: {type(e).__name__}")
             return self._take()
         self.stats.messages_in += len(msgs)
-        if over and client is not None and client.role == "consumer" and all(
-                m.verb in ("RELEASE", "EVENT_RELEASE") for m in msgs):
-            self._releases_past_rate(client, msgs, ref, now)
+        if over and client is not None and self._passes_rate(client, msgs, ref, now):
             return self._take()
         if over or (client is None and len(msgs) > 1):  # a batch before HELLO: one refusal too (§2)
             ids = [m.handoff_id for m in msgs if isinstance(m, Handoff)]
@@ -618,6 +616,19 @@ class BrokerCore:
             self._error(rid, "internal", f"internal error: {type(e).__name__}")
         finally:
             self._asking = None
+
+    def _passes_rate(self, c: Client, msgs: list[Any], ref: str, now: float) -> bool:
+        """Handle what a client's message past its rate still does (§6a), returning True, or
+        return False (it is refused whole). Only what the broker's own state bounds passes, and
+        only what would be lost for good if refused: a consumer's releases of its own deliveries,
+        and a producer's END (it ends the stream once; a second does nothing)."""
+        if c.role == "producer" and len(msgs) == 1 and msgs[0].verb == "END":
+            self._entry(c.rid, msgs[0], ref, now)
+            return True
+        if c.role == "consumer" and all(m.verb in ("RELEASE", "EVENT_RELEASE") for m in msgs):
+            self._releases_past_rate(c, msgs, ref, now)
+            return True
+        return False
 
     def _releases_past_rate(self, c: Client, msgs: list[Any], ref: str, now: float) -> None:
         """A consumer's RELEASE / EVENT_RELEASE message past its rate (§6a): each entry naming a
