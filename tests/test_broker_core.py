@@ -963,6 +963,18 @@ def test_a_producer_past_its_rate_still_ends_its_stream():
     core.check_invariants()
 
 
+def test_a_clock_reading_earlier_than_the_last_takes_no_allowance_away():
+    """The rate refilled by (now - then) * rate, so a reading earlier than the last (a caller's
+    clock that is not monotonic, an injected one) took a second's allowance away per second
+    back, as the byte budgets' shared refill (queries.refilled) never did."""
+    core = _core()
+    _hello(core, b"c", "consumer", pid=6)
+    c = core.clients[b"c"]
+    c.allowance, c.allowance_at = 100.0, 10.0
+    assert not _errors(core.receive(b"c", frames("PING", {}), 9.0))
+    assert c.allowance == 99.0
+
+
 def test_a_request_or_ready_past_the_rate_names_its_credits():
     """A REQUEST refused by the rate left its credits counted as asked by the consumer, which
     then asked for nothing more and waited for deliveries that could not come. The refusal names

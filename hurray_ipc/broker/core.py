@@ -491,7 +491,7 @@ class BrokerCore:
         """Refill ``client``'s allowance (MAX_RATE a second, at most one second's worth) and say
         whether a message arriving now is past its rate: each entry it carries costs 1 and each
         ERROR answering it ERROR_COST more (§6a), so a message may take the allowance below 0."""
-        client.allowance = min(MAX_RATE, client.allowance + (now - client.allowance_at) * MAX_RATE)
+        client.allowance = refilled(client.allowance, client.allowance_at, MAX_RATE, now)
         client.allowance_at = now
         return client.allowance < 1.0
 
