@@ -898,8 +898,9 @@ def test_a_consumer_past_its_rate_still_gives_back_the_buffers_it_holds():
     """A RELEASE batch past the rate was refused whole: the consumer counted its buffers given
     back, the broker kept them bound, and their producer never had them back (a consumer of a
     fast broker releasing 25,000 event-mode handoffs a second is past 50,000 entries). Now
-    each entry naming a delivery bound to the sender is handled past the rate; the rest of the
-    message is dropped with one ERROR, and its credits are applied as on any RELEASE (§6a)."""
+    each entry naming a delivery bound to the sender is handled past the rate, for nothing; the
+    rest of the message is dropped with one ERROR, and its credits are applied as on any RELEASE
+    (§6a)."""
     core = _core()
     tokens = _holding(core, 8)
     c = core.clients[b"c"]
@@ -913,7 +914,7 @@ def test_a_consumer_past_its_rate_still_gives_back_the_buffers_it_holds():
     (err,) = _errors(outs)
     assert (err["code"], err["limit"], err["ref"]) == ("limit_exceeded", "message_rate", "RELEASE"), err
     assert (c.held, c.credits) == (3, 5)
-    assert c.allowance == 0.5 - 5, "the 5 entries handled are charged, the refusal is not"
+    assert c.allowance == 0.5, "what passes the rate costs nothing, nor does the refusal"
     core.check_invariants()
     # Nothing bound among them: refused whole as before, its credits applied all the same.
     outs = core.receive(b"c", encode_batch([Message("RELEASE", {"token": tokens[0], "credits": 2})]), 10.0)
@@ -946,6 +947,48 @@ def test_past_its_rate_a_consumer_cannot_release_another_consumers_buffer():
     core.check_invariants()
 
 
+def test_past_its_rate_only_what_gives_back_passes_so_a_repeat_costs_one_error():
+    """Past the rate an entry passed when its token was bound to the sender, whether or not it
+    would be refused: an EVENT_RELEASE of a held delivery whose event was released (or that has
+    none) stays bound and is refused every time, so a consumer holding one delivery got 64
+    ERRORs per batch past its rate without end (a reviewer's finding). Only the first
+    EVENT_RELEASE of a pending event passes, and the first RELEASE."""
+    core = _core()
+    token = _event_handoff(core)
+    c = core.clients[b"c"]
+    c.allowance, c.allowance_at = 0.5, 10.0
+    batch = encode_batch([Message("EVENT_RELEASE", {"token": token})] * 64)
+    outs = core.receive(b"c", batch, 10.0)
+    assert [(to, verb) for to, verb, _ in _sent(outs)] == [(b"p", "EVENT_RELEASED"), (b"c", "ERROR")]
+    for _ in range(10):
+        assert [e["limit"] for e in _errors(core.receive(b"c", batch, 10.0))] == ["message_rate"]
+    assert c.allowance == 0.5 and c.held == 1
+    # A RELEASE asking credits out of range (1..4096, §4) would be refused bad_header: dropped.
+    (err,) = _errors(core.receive(b"c", encode_batch([Message("RELEASE", {"token": token, "credits": 60000})]),
+                                  10.0))
+    assert err["limit"] == "message_rate" and c.held == 1, err
+    release = encode_batch([Message("RELEASE", {"token": token})] * 2)
+    outs = core.receive(b"c", release, 10.0)
+    assert [(to, verb) for to, verb, _ in _sent(outs)] == [(b"p", "RELEASED"), (b"c", "ERROR")]
+    assert c.held == 0
+    core.check_invariants()
+
+
+def test_past_its_rate_a_consumer_withdraws_its_own_provisional_claim():
+    """A claim made by re-HELLO (§6) is the consumer's as a delivery is: its RELEASE passes the
+    rate and withdraws it; a second is dropped."""
+    core = _core()
+    _claim(core, b"c-a", _forged(0), pid=11, now=0.0)
+    c = core.clients[b"c-a"]
+    assert c.held == 1
+    c.allowance, c.allowance_at = 0.5, 10.0
+    assert not _errors(core.receive(b"c-a", encode_batch([Message("RELEASE", {"token": _forged(0)})]), 10.0))
+    assert c.held == 0 and not core.claims
+    (err,) = _errors(core.receive(b"c-a", encode_batch([Message("RELEASE", {"token": _forged(0)})]), 10.0))
+    assert err["limit"] == "message_rate", err
+    core.check_invariants()
+
+
 def test_a_producer_past_its_rate_still_ends_its_stream():
     """An END past the rate was refused whole: the producer counted its stream ended, and its
     consumers waited for an end that had been sent. END passes the rate (once per stream, §6a);
@@ -959,7 +1002,7 @@ def test_a_producer_past_its_rate_still_ends_its_stream():
     assert err["limit"] == "message_rate", err
     outs = core.receive(b"p", frames("END", {}), 10.0)
     assert [(to, verb, f) for to, verb, f in _sent(outs)] == [(b"c", "CHANNEL_STATE", {"ended": True})]
-    assert core.clients[b"p"].ended and core.clients[b"p"].allowance == -0.5
+    assert core.clients[b"p"].ended and core.clients[b"p"].allowance == 0.5
     core.check_invariants()
 
 

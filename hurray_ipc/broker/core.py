@@ -621,21 +621,26 @@ class BrokerCore:
         """Handle what a client's message past its rate still does (§6a), returning True, or
         return False (it is refused whole). Only what the broker's own state bounds passes, and
         only what would be lost for good if refused: a consumer's releases of its own deliveries,
-        and a producer's END (it ends the stream once; a second does nothing)."""
+        and a producer's END (it ends the stream once; a second does nothing and is not
+        answered). What passes costs nothing, so the allowance's floor stays as §6a says."""
+        allowance = c.allowance
         if c.role == "producer" and len(msgs) == 1 and msgs[0].verb == "END":
             self._entry(c.rid, msgs[0], ref, now)
-            return True
-        if c.role == "consumer" and all(m.verb in ("RELEASE", "EVENT_RELEASE") for m in msgs):
+        elif c.role == "consumer" and all(m.verb in ("RELEASE", "EVENT_RELEASE") for m in msgs):
             self._releases_past_rate(c, msgs, ref, now)
-            return True
-        return False
+        else:
+            return False
+        c.allowance = allowance
+        return True
 
     def _releases_past_rate(self, c: Client, msgs: list[Any], ref: str, now: float) -> None:
-        """A consumer's RELEASE / EVENT_RELEASE message past its rate (§6a): each entry naming a
-        delivery bound to it is handled as usual (and charged), since the broker's own deliveries
-        bound those and a buffer must never stay held for its consumer's rate; the others are
-        dropped, answered together by one uncharged ERROR. Credits an entry carries are applied
-        either way, as on any RELEASE: the consumer counts them as asked."""
+        """A consumer's RELEASE / EVENT_RELEASE message past its rate (§6a): each entry that
+        gives back what the broker gave it (the first RELEASE of a delivery bound to it or of its
+        own claim, the first EVENT_RELEASE of one whose event is pending, credits in range) is
+        handled as usual, since the broker's own deliveries bound those and a buffer must never
+        stay held for its consumer's rate. Every other entry would be refused, so could repeat
+        without end: it is dropped, all of them answered by one uncharged ERROR; credits it
+        carries are applied, as on any RELEASE (§4)."""
         dropped = 0
         for raw in msgs:
             try:
@@ -646,7 +651,8 @@ class BrokerCore:
                 dropped += 1
                 continue
             d = self.deliveries.get(m.token) or self.claim_of.get((c.rid, m.token))
-            if d is not None and d.consumer == c.rid:
+            if (d is not None and d.consumer == c.rid and 0 <= m.credits <= MAX_CREDITS
+                    and (isinstance(m, Release) or d.event_pending)):
                 self._entry(c.rid, raw, ref, now)
                 continue
             dropped += 1
