@@ -483,3 +483,16 @@ def test_the_wire_carries_keep_both_ways():
     assert back.keep and back.deliver("00" * 24, "p").keep
     (plain,) = decode_all(Handoff(grant_id=1, handoff_id=2, handle=h.handle, memory=MEM).encode())
     assert not plain.keep
+
+
+def test_an_unmapped_past_the_rate_still_answers_its_round():
+    """An UNMAPPED past the consumer's message rate was refused whole: the round never ended and
+    its producer kept the allocation until it closed. An UNMAPPED answering a round that awaits
+    the sender passes the rate, for nothing (spec §6a); a second one is refused whole."""
+    w = World()
+    w.unmap(7, [L1])
+    c = w.core.clients[C1]
+    c.allowance, c.allowance_at = 0.5, 0.0
+    assert answer(w.unmapped(C1, 7)) == {"request": 7, "unmapped": {L1}, "gone": set(), "fenced": set()}
+    assert c.allowance == 0.5
+    assert [(e["code"], e["limit"]) for e in errors(w.unmapped(C1, 7))] == [("limit_exceeded", "message_rate")]

@@ -621,10 +621,13 @@ class BrokerCore:
         """Handle what a client's message past its rate still does (§6a), returning True, or
         return False (it is refused whole). Only what the broker's own state bounds passes, and
         only what would be lost for good if refused: a consumer's releases of its own deliveries,
-        and a producer's END (it ends the stream once; a second does nothing and is not
-        answered). What passes costs nothing, so the allowance's floor stays as §6a says."""
+        its UNMAPPED answering a round that awaits it (each once), and a producer's END (it ends
+        the stream once; a second does nothing and is not answered). What passes costs nothing,
+        so the allowance's floor stays as §6a says."""
         allowance = c.allowance
         if c.role == "producer" and len(msgs) == 1 and msgs[0].verb == "END":
+            self._entry(c.rid, msgs[0], ref, now)
+        elif c.role == "consumer" and len(msgs) == 1 and msgs[0].verb == "UNMAPPED" and self._awaited(c, msgs[0]):
             self._entry(c.rid, msgs[0], ref, now)
         elif c.role == "consumer" and all(m.verb in ("RELEASE", "EVENT_RELEASE") for m in msgs):
             self._releases_past_rate(c, msgs, ref, now)
@@ -632,6 +635,17 @@ class BrokerCore:
             return False
         c.allowance = allowance
         return True
+
+    def _awaited(self, c: Client, raw: Any) -> bool:
+        """Whether UNMAPPED ``raw`` from consumer ``c`` answers an UNMAP round that awaits it."""
+        try:
+            m = parse(raw)
+        except ProtocolError:
+            return False
+        if not isinstance(m, Unmapped) or m.producer_id is None:
+            return False
+        r = self.unmaps.get((m.producer_id, m.request))
+        return r is not None and c.rid in r.waiting
 
     def _releases_past_rate(self, c: Client, msgs: list[Any], ref: str, now: float) -> None:
         """A consumer's RELEASE / EVENT_RELEASE message past its rate (§6a): each entry that
