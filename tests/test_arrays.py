@@ -417,3 +417,33 @@ def test_a_waker_whose_loop_closed_does_not_stop_the_pump_thread(pair):
     finally:
         if called.set in c.session.wakers:
             c.session.wakers.remove(called.set)
+
+
+def test_remembered_metadata_follows_every_field_it_depends_on():
+    """A source's wire metadata without send(meta=) is checked and encoded once per kind of
+    array, not per send: each field it depends on must still change it (read-only or not, a
+    DLPack dtype, the buffer's size), and a shape that does not fit its buffer is refused every
+    time, never remembered as fitting."""
+    from hurray_ipc.devices import CpuDevice
+    from hurray_ipc.interop.source import Source
+
+    cpu = CpuDevice()
+    eight, sixteen = cpu.allocate(8), cpu.allocate(16)
+    try:
+        def sent(src: Source) -> Any:
+            meta, raw = src.wire_meta()
+            assert raw is not None and json.loads(raw) == meta
+            return meta
+
+        assert sent(Source(eight, "<f4", (2,))) == {"typestr": "<f4", "shape": [2]}
+        assert sent(Source(eight, "<f4", (2,), readonly=True)) == {"typestr": "<f4", "shape": [2], "readonly": True}
+        assert sent(Source(eight, "|V2", (4,))) == {"typestr": "|V2", "shape": [4]}
+        assert sent(Source(eight, "|V2", (4,), dl_dtype=[4, 16, 1])) == \
+            {"typestr": "|V2", "shape": [4], "dl_dtype": [4, 16, 1]}
+        for _ in range(2):
+            with pytest.raises(InvalidArgument, match="the buffer is 16"):
+                Source(sixteen, "<f4", (2,)).wire_meta()
+        assert Source(eight, "|u1", (8,)).wire_meta() == (None, None)  # plain bytes travel without meta
+    finally:
+        eight.close()
+        sixteen.close()

@@ -18,6 +18,7 @@ by the caller, who then sees what it costs).
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import operator
 from collections.abc import Callable
@@ -63,33 +64,18 @@ class Source:
             cleanup()
 
     def meta(self) -> dict[str, Any]:
-        m: dict[str, Any] = {"typestr": self.typestr, "shape": list(self.shape)}
-        if self.dl_dtype is not None:
-            m["dl_dtype"] = list(self.dl_dtype)
-        if self.readonly:
-            m["readonly"] = True
-        if self.user is not None:
-            m["user"] = self.user
-        return m
+        return _meta(self.typestr, self.shape, self.dl_dtype, self.readonly, self.user)
 
     def wire_meta(self) -> tuple[dict[str, Any] | None, bytes | None]:
         """The HANDOFF's ``meta`` (None for plain bytes without user metadata: spec §2.2) and
         its frame, encoded once and checked against the limits the broker applies (§4.8), so
-        that a handoff the broker would refuse as a whole is refused here, before a grant is taken."""
-        m = self.meta()
-        if m == {"typestr": "|u1", "shape": [self.buffer.size]}:
-            return None, None
-        try:
-            check_meta(m, self.buffer.size)
-        except ProtocolError as e:
-            key = str(e.extra.get("field", "meta")).removeprefix("meta.")
-            raise InvalidArgument(str(e), where=_ARGUMENT_OF.get(key, "send()"), value=m.get(key, m)) from None
-        raw = json_bytes(m)
-        if len(raw) > MAX_HEADER_BYTES:
-            raise InvalidArgument(f"the handoff's metadata encodes to {len(raw)} bytes of JSON; the protocol allows "
-                                  f"{MAX_HEADER_BYTES} (ipc-protocol.md §2.2): send large data as a buffer",
-                                  where="send(meta=)", value=f"<{len(raw)} bytes>")
-        return m, raw
+        that a handoff the broker would refuse as a whole is refused here, before a grant is taken.
+        The dict may be shared with other handoffs: read it, never change it."""
+        if self.user is None:  # then it depends on these alone: a stream of one shape checks it once
+            dl = None if self.dl_dtype is None else tuple(self.dl_dtype)
+            return _plain_wire_meta(self.typestr, self.shape, dl, self.readonly, self.buffer.size)
+        return _wire_meta(self.meta(), self.buffer.size)
+
 
     def describe_as(self, shape: Any = None, dtype: Any = None) -> None:
         """``send(shape=, dtype=)``: describe the bytes as ``shape`` items of ``dtype`` (defaults:
@@ -112,6 +98,41 @@ class Source:
                                   f"{nbytes} bytes, the buffer has {self.buffer.size}", where="send(shape=, dtype=)",
                                   value=new_shape)
         self.shape = new_shape
+
+
+def _meta(typestr: str, shape: tuple[int, ...], dl_dtype: Any, readonly: bool, user: Any) -> dict[str, Any]:
+    m: dict[str, Any] = {"typestr": typestr, "shape": list(shape)}
+    if dl_dtype is not None:
+        m["dl_dtype"] = list(dl_dtype)
+    if readonly:
+        m["readonly"] = True
+    if user is not None:
+        m["user"] = user
+    return m
+
+
+@functools.lru_cache(maxsize=256)
+def _plain_wire_meta(typestr: str, shape: tuple[int, ...], dl_dtype: tuple[int, ...] | None, readonly: bool,
+                     size: int) -> tuple[dict[str, Any] | None, bytes | None]:
+    """:func:`_wire_meta` of metadata without ``user``, remembered (a refusal is not: it raises)."""
+    return _wire_meta(_meta(typestr, shape, dl_dtype, readonly, None), size)
+
+
+def _wire_meta(m: dict[str, Any], size: int) -> tuple[dict[str, Any] | None, bytes | None]:
+    if m == {"typestr": "|u1", "shape": [size]}:
+        return None, None
+    try:
+        check_meta(m, size)
+    except ProtocolError as e:
+        key = str(e.extra.get("field", "meta")).removeprefix("meta.")
+        raise InvalidArgument(str(e), where=_ARGUMENT_OF.get(key, "send()"), value=m.get(key, m)) from None
+    raw = json_bytes(m)
+    if len(raw) > MAX_HEADER_BYTES:
+        raise InvalidArgument(f"the handoff's metadata encodes to {len(raw)} bytes of JSON; the protocol allows "
+                              f"{MAX_HEADER_BYTES} (ipc-protocol.md §2.2): send large data as a buffer",
+                              where="send(meta=)", value=f"<{len(raw)} bytes>")
+    return m, raw
+
 
 
 def parse_shape(shape: Any) -> tuple[int, ...]:
