@@ -76,7 +76,6 @@ class Source:
             return _plain_wire_meta(self.typestr, self.shape, dl, self.readonly, self.buffer.size)
         return _wire_meta(self.meta(), self.buffer.size)
 
-
     def describe_as(self, shape: Any = None, dtype: Any = None) -> None:
         """``send(shape=, dtype=)``: describe the bytes as ``shape`` items of ``dtype`` (defaults:
         the source's own). Raises ValueError when that is not exactly the buffer's size."""
@@ -132,7 +131,6 @@ def _wire_meta(m: dict[str, Any], size: int) -> tuple[dict[str, Any] | None, byt
                               f"{MAX_HEADER_BYTES} (ipc-protocol.md §2.2): send large data as a buffer",
                               where="send(meta=)", value=f"<{len(raw)} bytes>")
     return m, raw
-
 
 
 def parse_shape(shape: Any) -> tuple[int, ...]:
