@@ -664,7 +664,7 @@ class BrokerCore:
             if not isinstance(m, Release | EventRelease):
                 dropped += 1
                 continue
-            d = self.deliveries.get(m.token) or self.claim_of.get((c.rid, m.token))
+            d = self._named(c, m.token)
             if (d is not None and d.consumer == c.rid and 0 <= m.credits <= MAX_CREDITS
                     and (isinstance(m, Release) or d.event_pending)):
                 self._entry(c.rid, raw, ref, now)
@@ -1300,11 +1300,16 @@ class BrokerCore:
         check_meta(msg.meta, handle.size)
 
     # --- releases --------------------------------------------------------------------------
+    def _named(self, c: Client, token: str) -> Delivery | None:
+        """The delivery ``token`` names for consumer ``c``: a delivery (whoever holds it) or ``c``'s
+        own provisional claim (§6); None when neither."""
+        return self.deliveries.get(token) or self.claim_of.get((c.rid, token))
+
     def _delivery_of(self, c: Client, msg: Release | EventRelease) -> Delivery:
         if c.role != "consumer":
             raise ProtocolError("wrong_role", f"{msg.verb} is a consumer's message")
         token = msg.token
-        d = self.deliveries.get(token) or self.claim_of.get((c.rid, token))
+        d = self._named(c, token)
         if d is None:
             if token in self.released or (c.rid, token) in self.withdrawn:
                 raise ProtocolError("already_released", f"token {token[:8]}... was already released")
