@@ -3,6 +3,8 @@ broker reaches only by timing (silent, answering only some messages)."""
 
 from __future__ import annotations
 
+import time
+
 import zmq
 
 from hurray_ipc.wire.ipc import decode_all
@@ -34,3 +36,12 @@ class FakeBroker:
 
     def close(self) -> None:
         self.router.close()
+
+
+def spin_until(cond, what: str) -> None:
+    """Spin (bounded) until another thread (a session's pump, a waiting caller) reached a state
+    the test observes."""
+    limit = time.monotonic() + 10
+    while not cond():
+        assert time.monotonic() < limit, what
+        time.sleep(0.001)

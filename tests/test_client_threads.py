@@ -9,12 +9,11 @@ import logging
 import os
 import select
 import threading
-import time
 import warnings
 
 import numpy as np
 
-from fakebroker import FakeBroker
+from fakebroker import FakeBroker, spin_until
 from hurray_ipc.client import Consumer, Producer
 from hurray_ipc.client import session as session_mod
 from hurray_ipc.client.session import Session
@@ -326,14 +325,6 @@ def _waiting(s: Session, until, what: str, errors: list[BaseException] | None = 
     return th
 
 
-def _until(cond, what: str) -> None:
-    """Spin (bounded) until another thread reached a state the test observes."""
-    limit = time.monotonic() + 10
-    while not cond():
-        assert time.monotonic() < limit, what
-        time.sleep(0.001)
-
-
 def test_a_thread_waiting_for_a_message_never_keeps_another_from_sending(fake):
     """A waits (for a message only the test would send); B's send must leave at once. A pump that
     slept holding the session lock kept B's send back until its heartbeat (a minute here): a
@@ -342,7 +333,7 @@ def test_a_thread_waiting_for_a_message_never_keeps_another_from_sending(fake):
     errors: list[BaseException] = []
     try:
         a = _waiting(s, lambda: False, "waiting for nothing", errors)
-        _until(lambda: s._leader, "A never slept between rounds")
+        spin_until(lambda: s._leader, "A never slept between rounds")
         s.send(Request(3))
         assert fake.next()[0] == b"REQUEST", "B's send left"
     finally:
@@ -360,7 +351,7 @@ def test_a_message_one_waiting_thread_takes_wakes_the_others(fake):
     s = _session(fake, lambda msg: seen.append(msg) or [])
     try:
         threads = [_waiting(s, lambda n=n: len(seen) >= n, f"waiting for message {n}") for n in (1, 2, 3)]
-        _until(lambda: s._leader and s._followers == 2, "the three threads never all waited")
+        spin_until(lambda: s._leader and s._followers == 2, "the three threads never all waited")
         for _ in range(3):
             fake.say(ChannelState(False))
         for th in threads:
@@ -390,11 +381,11 @@ def test_whoever_takes_what_the_sleeping_thread_waits_on_wakes_it(fake):
             s._pump_once(lambda: False, None, [])
             assert not _poked(s), "nothing arrived: no wake"
             fake.say(ChannelState(False))
-            _until(lambda: readable(s.sock), "the message never arrived")
+            spin_until(lambda: readable(s.sock), "the message never arrived")
             s._pump_once(lambda: False, None, [])
             assert _poked(s), "a round dispatched a message and let the leader sleep on"
             fake.say(ChannelState(False))
-            _until(lambda: readable(s.sock), "the message never arrived")
+            spin_until(lambda: readable(s.sock), "the message never arrived")
             s.send(Ping())
             assert _poked(s), "a send found a message arrived and let the leader sleep on"
             s._pump_once(lambda: False, None, [])  # took it

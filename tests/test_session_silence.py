@@ -12,11 +12,9 @@ reads its messages within a second."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from fakebroker import FakeBroker
+from fakebroker import FakeBroker, spin_until
 from hurray_ipc.client.session import Session
 from hurray_ipc.wire.messages import Error, Shutdown, Welcome
 
@@ -42,15 +40,6 @@ def _until_verb(fake: FakeBroker, verb: str, within: int) -> int:
         if verb in fake.next_verbs():
             return n
     raise AssertionError(f"no {verb} among the next {within} messages")
-
-
-def _until(cond, what: str) -> None:
-    """Spin (bounded) until the session's pump thread reached a state the test observes (a pump
-    call here would stop at once: the broker said SHUTDOWN and no WELCOME came since)."""
-    limit = time.monotonic() + 10
-    while not cond():
-        assert time.monotonic() < limit, what
-        time.sleep(0.001)
 
 
 def _shut_down(fake: FakeBroker, s: Session) -> None:
@@ -79,7 +68,8 @@ def test_a_ping_answered_not_registered_sends_the_hello_again(fake: FakeBroker, 
     fake.say(Error("not_registered", "PING before HELLO (or the broker restarted): send HELLO"))
     _until_verb(fake, "HELLO", 20)
     fake.say(WELCOME)
-    _until(lambda: session.registered, "the pump thread to read the WELCOME")
+    # Not session.pump(): it would stop at once, as the broker said SHUTDOWN and no WELCOME came since.
+    spin_until(lambda: session.registered, "the pump thread to read the WELCOME")
 
 
 def test_a_refused_hello_is_sent_again_at_the_next_heartbeat(fake: FakeBroker, session: Session) -> None:
