@@ -12,10 +12,14 @@ per send) and, after a few seconds, one attacker process speaking raw frames:
 - queries: 200 unregistered connections sending STATS and CAPS, never reading;
 - hold: a consumer on the pair's channel asking for 4096 credits, reading every DELIVER and
   releasing none, pinging so that it is never judged silent;
-- deaf: a consumer on the pair's channel with 64 credits that never reads its socket.
+- deaf: a consumer on the pair's channel with 64 credits that never reads its socket;
+- deaf-pings: the same consumer sending PINGs as fast as it can, so that the PONGs it never
+  reads fill its queue at the broker (66,560 messages) and sends to it fail as full; only then
+  does it ask for its 64 credits (REQUEST).
 
-It prints the pair's handoffs and the broker's RSS each second before, during and after the flood,
-then one line per attack with the medians. Loopback only; it stops by itself. Not a test: what it
+It prints the pair's handoffs, those of its producer's that ended other than released (e.g.
+"undelivered: full") and the broker's RSS each second before, during and after the flood, then one
+line per attack with the medians. Loopback only; it stops by itself. Not a test: what it
 measures is load on this machine, which the attacker's own CPU use is part of.
 """
 
@@ -34,18 +38,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the raw-frame client written from the spec, and the broker runner
 
-KINDS = ("releases", "unregistered", "hello", "queries", "hold", "deaf")
+KINDS = ("releases", "unregistered", "hello", "queries", "hold", "deaf", "deaf-pings")
 
 
-def _producer(ep: str, stop: mp.synchronize.Event) -> None:
+def _producer(ep: str, lost: mp.sharedctypes.Synchronized, stop: mp.synchronize.Event) -> None:
     import numpy as np
 
     from hurray_ipc import HurrayError, Producer
+
+    def released(ticket: object) -> None:
+        if getattr(ticket, "outcome", None) != "released":  # e.g. "undelivered: full": never read
+            with lost.get_lock():
+                lost.value += 1
+
     a = np.zeros(1024, np.float32)
     with Producer(channel="good", endpoint=ep) as p:
         while not stop.is_set():
             try:
-                p.send(a, timeout=1)
+                p.send(a, timeout=1, on_release=released)
             except HurrayError:
                 pass  # the flood may delay a grant past the timeout: try again
 
@@ -112,11 +122,18 @@ def _attack(kind: str, ep: str, stop: mp.synchronize.Event) -> None:
     else:
         r = Raw(ctx, ep, kind)
         r.send("HELLO", {"protocol": 2, "role": "consumer", "channel": "good", "client_id": "x", "pid": os.getpid(),
-                         "endpoint": endpoint_dict(os.getpid()), "credits": 4096 if kind == "hold" else 64})
-        if kind == "deaf":
+                         "endpoint": endpoint_dict(os.getpid()),
+                         "credits": {"hold": 4096, "deaf": 64}.get(kind, 0)})
+        if kind.startswith("deaf"):
             r.s.setsockopt(zmq.RCVHWM, 1)
+        pings = 0
         while not stop.is_set():
             r.send("PING", {})
+            if kind == "deaf-pings":
+                pings += 1
+                if pings == 150_000:  # over twice the broker's queue for it, whatever it sent on
+                    r.send("REQUEST", {"credits": 64})
+                continue
             if kind == "hold":
                 while r.s.poll(10):
                     r.s.recv_multipart()
@@ -130,24 +147,26 @@ def run(kind: str, seconds: int) -> dict[str, float]:
     b = BrokerProcess(f"ipc://{tempfile.mkdtemp(prefix='hurray-floods-')}/b.sock", timeout=1.0).start()
     assert b.proc is not None
     stop, attack_stop = mp.Event(), mp.Event()
-    count = mp.Value("q", 0)
-    pair = [mp.Process(target=_producer, args=(b.endpoint, stop)),
+    count, lost = mp.Value("q", 0), mp.Value("q", 0)
+    pair = [mp.Process(target=_producer, args=(b.endpoint, lost, stop)),
             mp.Process(target=_consumer, args=(b.endpoint, count, stop))]
     for p in pair:
         p.start()
     rates: dict[str, list[int]] = {"before": [], "during": [], "after": []}
+    losses: dict[str, int] = {}
     rss = 0
 
     def window(phase: str, n: int) -> None:
         nonlocal rss
         for _ in range(n):
-            c0 = count.value
+            c0, l0 = count.value, lost.value
             time.sleep(1)  # a rate is counted over wall time: this is the measurement's clock
             rates[phase].append(count.value - c0)
+            losses[phase] = losses.get(phase, 0) + lost.value - l0
             now_mb = b.rss_kib // 1024
             rss = max(rss, now_mb)
-            print(f"{kind:8s} {phase:6s} {rates[phase][-1]:6d} handoffs/s  broker RSS {now_mb} MB",
-                  flush=True)
+            print(f"{kind:8s} {phase:6s} {rates[phase][-1]:6d} handoffs/s  {lost.value - l0:5d} not released"
+                  f"  broker RSS {now_mb} MB", flush=True)
 
     try:
         window("before", 4)
@@ -167,7 +186,8 @@ def run(kind: str, seconds: int) -> dict[str, float]:
                 p.kill()
         b.stop()
     return {"before": statistics.median(rates["before"][1:]), "during": statistics.median(rates["during"]),
-            "after_first": rates["after"][0], "after": statistics.median(rates["after"]), "rss_max_mb": rss}
+            "after_first": rates["after"][0], "after": statistics.median(rates["after"]), "rss_max_mb": rss,
+            "not_released": sum(losses.values())}
 
 
 def main() -> int:
@@ -180,10 +200,10 @@ def main() -> int:
         ap.error(f"--seconds takes a whole number of seconds >= 1 (got {args.seconds})")
     mp.set_start_method("spawn")
     results = {k: run(k, args.seconds) for k in args.kinds}
-    print("\nattack     pair before  during  1st s after  after  broker RSS max")
+    print("\nattack     pair before  during  1st s after  after  broker RSS max  pair's handoffs not released")
     for k, r in results.items():
         print(f"{k:10s} {r['before']:9.0f}/s {r['during']:6.0f}/s {r['after_first']:9.0f}/s {r['after']:5.0f}/s"
-              f"  {r['rss_max_mb']} MB")
+              f"  {r['rss_max_mb']:9d} MB  {r['not_released']}")
     return 0
 
 
