@@ -27,6 +27,7 @@ from hurray_ipc import workload
 from hurray_ipc.client import Producer
 from hurray_ipc.devices import shm
 from test_protocol_raw import Raw, endpoint_dict, one_handoff
+from test_stats import wait_for
 from workers import hold_one_buffer, receive_one_later
 
 
@@ -310,17 +311,59 @@ def test_memset_past_the_buffer_is_refused_not_a_segfault():
     buf.close()
 
 
-def test_a_peer_that_stops_reading_is_counted_not_silently_dropped(live):
+def test_a_peer_that_stops_reading_is_counted_and_granted_nothing_until_it_reads_again(live):
     """ROUTER_MANDATORY: messages for a peer whose queue is full are counted (stats at shutdown),
-    and the broker keeps serving everyone else."""
+    and the broker keeps serving everyone else. Such a consumer is choked (spec §1): none of its
+    credits is granted, so no producer's handoff is sent to bounce back ``undelivered: full``
+    (before, about 190 of a healthy pair's handoffs a second did: scripts/floods.py deaf-pings),
+    until it reads its queue and a probe gets through; then they are granted again."""
+    from hurray_ipc.broker.core import BrokerCore
+    from hurray_ipc.client.query import BrokerQuery
     b, ctx = live
     deaf = Raw(ctx, b.endpoint, "deaf")
-    deaf.s.setsockopt(zmq.RCVHWM, 1)
-    deaf.hello("consumer", "deaf", endpoint_dict(os.getpid()))
+    deaf.hello("consumer", "ch", endpoint_dict(os.getpid()))
     ping = [b"PING", b"{}"]
-    for _ in range(120_000):  # replies (PONG, or ERROR past the rate limit) it never reads
+    # Replies (PONG, or ERROR past the rate limit) it does not read: more than the broker's queue
+    # for it (66,560), its own (1000) and the socket buffer between them hold.
+    for _ in range(130_000):
         deaf.s.send_multipart(ping)
-    _alive(b, ctx)  # answered after all of the flood was handled (one connection is ordered)
+    deaf.send("REQUEST", {"credits": 2})
+    stats = BrokerQuery(b.endpoint)
+
+    def state() -> tuple[str, int]:
+        deaf.s.send_multipart(ping)  # it is not silent: never dropped for that
+        (c,) = [c for c in stats.stats(5)["clients"] if c["id"] == BrokerCore.label_of(b"deaf")]
+        return c["state"], c["credits"]
+
+    wait_for("the deaf consumer choked, its REQUEST handled", state, lambda x: x == ("choked", 2))
+    producer, good = Raw(ctx, b.endpoint, "p"), Raw(ctx, b.endpoint, "good")
+    producer.hello("producer", "ch", endpoint_dict(os.getpid()))
+    producer.send("READY", {"credits": 2})
+    good.send("HELLO", {"protocol": 2, "role": "consumer", "channel": "ch", "pid": os.getpid(),
+                        "endpoint": endpoint_dict(os.getpid()), "credits": 1})
+    grant, _ = producer.expect("GRANT")  # the deaf consumer's credits were queued first
+    assert grant["consumer_id"] == BrokerCore.label_of(b"good")
+    good.send("BYE", {})  # its grant, unused, is revoked after the timeout: no credit goes back
+    # The deaf consumer reads again: its queue drains, a probe gets through and its credits are
+    # granted (the producer asked for 2 and got 1).
+    deadline = time.monotonic() + 20
+    grant = None
+    while grant is None:
+        assert time.monotonic() < deadline, "the consumer read its queue, and its credits were never granted"
+        n = 0
+        while n < 5000 and deaf.s.poll(10):  # a share of its queue, then both ping (no lease: 1 s of
+            deaf.s.recv_multipart()          # silence drops them)
+            n += 1
+        for c in (deaf, producer):
+            c.s.send_multipart(ping)
+        while grant is None and producer.s.poll(0):
+            v, h, _ = producer.recv()
+            assert v in ("GRANT", "PONG", "REVOKE"), (v, h)
+            grant = h if v == "GRANT" else None
+    assert grant["consumer_id"] == BrokerCore.label_of(b"deaf")
+    assert stats.stats(5)["totals"]["consumers_choked"] == 1
+    stats.close()
+    _alive(b, ctx)
     deaf.s.close(0)
     log = b.stop()
     (shutdown,) = [json.loads(line.split(" ", 1)[1] if not line.startswith("{") else line)

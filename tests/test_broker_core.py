@@ -192,6 +192,11 @@ class BrokerMachine(RuleBasedStateMachine):
             del self.views[who].held[mine[-1]]
             self.feed(self.core.undeliverable(who, Message("DELIVER", {"token": mine[-1]}), why))
 
+    @rule(who=st.sampled_from(CONSUMERS), why=st.sampled_from(["full", "unreachable"]))
+    def send_fails(self, who: bytes, why: str) -> None:
+        """Any message to the consumer could not be sent (a PONG, a probe): it is choked (spec §1)."""
+        self.feed(self.core.undeliverable(who, Message("PONG", {}), why))
+
     @rule(who=st.sampled_from(PRODUCERS), n=st.integers(1, 3))
     def ready(self, who: bytes, n: int) -> None:
         self.send(who, "READY", {"credits": n})
@@ -1299,10 +1304,16 @@ def test_many_rival_claims_do_not_crowd_out_the_holder():
     core.check_invariants()
 
 
+def _tick(core: BrokerCore, now: float) -> list[tuple[bytes, str, dict]]:
+    return _sent(core.tick(now, lambda c: True))
+
+
 @pytest.mark.parametrize("why", ["full", "unreachable"])
-def test_a_deliver_that_could_not_be_sent_goes_back_to_its_producer_and_the_credit_to_the_queue(why):
+def test_a_deliver_that_could_not_be_sent_goes_back_to_its_producer_and_its_credit_waits_for_a_probe(why):
     """Red team item 16: a DELIVER dropped at the high-water mark stayed held by a consumer that
-    never saw it, stranding the producer's buffer until that consumer died."""
+    never saw it, stranding the producer's buffer until that consumer died. Then its credit went
+    straight back to the queue, so the producer's next handoff went to the same consumer and
+    bounced as well (spec §1: it is choked until a probe gets through)."""
     core = _core()
     _hello(core, b"p", "producer", pid=5)
     _hello(core, b"c", "consumer", pid=6, credits=1)
@@ -1310,12 +1321,98 @@ def test_a_deliver_that_could_not_be_sent_goes_back_to_its_producer_and_the_cred
     (d, _) = [o.msg for o in _handoff(core, gid, ack=True)]
     assert d.verb == "DELIVER" and core.clients[b"c"].held == 1
     sent = _sent(core.undeliverable(b"c", d, why))
-    # The credit is back, so the producer's second READY credit is granted to the same consumer.
-    assert [(rid, verb, h.get("reason")) for rid, verb, h in sent] == [
-        (b"p", "RELEASED", f"undelivered: {why}"), (b"p", "GRANT", None)]
+    assert [(rid, verb, h.get("reason")) for rid, verb, h in sent] == [(b"p", "RELEASED", f"undelivered: {why}")]
     assert core.clients[b"c"].held == 0 and d.fields()["token"] not in core.deliveries
-    (err,) = _errors(core.receive(b"c", frames("RELEASE", {"token": d.fields()["token"]}), 0.1))
+    (err,) = _errors(core.receive(b"c", frames("RELEASE", {"token": d.fields()["token"]}), 0.01))
     assert err["code"] == "already_released"
+    core.check_invariants()
+    assert _tick(core, 0.049) == []
+    assert _tick(core, 0.05) == [(b"c", "PONG", {})]  # the probe
+    # Nothing said the probe failed: the consumer's credit, kept, is granted to the producer's
+    # second READY credit.
+    assert [(rid, verb, h["consumer_id"]) for rid, verb, h in _tick(core, 0.1)] == [
+        (b"p", "GRANT", BrokerCore.label_of(b"c"))]
+    core.check_invariants()
+
+
+def test_a_consumer_a_send_to_which_failed_gets_no_grant_until_a_probe_to_it_got_through():
+    """A consumer that never reads its socket, once its queue at the broker is full, made every
+    handoff granted on its credits bounce back to its producer (``undelivered: full``): 190 of
+    the healthy pair's handoffs a second (scripts/floods.py deaf-pings, 2026-12-07). Once any
+    send to it fails it is choked: its credits are kept but not granted, probed with an unasked
+    PONG 50 ms later, then 100, 200 ... ms after each probe that failed too (spec §1)."""
+    core = _core()
+    _hello(core, b"p", "producer", pid=5)
+    _hello(core, b"deaf", "consumer", pid=6, credits=4)
+    _hello(core, b"good", "consumer", pid=7)
+    _tick(core, 1.0)
+    core.undeliverable(b"deaf", Message("PONG", {}), "full")  # any message: here a PONG it asked for
+    core.receive(b"good", frames("REQUEST", {"credits": 3}), 1.0)
+    granted = _sent(core.receive(b"p", frames("READY", {"credits": 3}), 1.0))
+    assert [h["consumer_id"] for _, verb, h in granted if verb == "GRANT"] == [BrokerCore.label_of(b"good")] * 3
+    core.check_invariants()
+    assert _tick(core, 1.049) == []
+    assert _tick(core, 1.05) == [(b"deaf", "PONG", {})]
+    core.undeliverable(b"deaf", Message("PONG", {}), "full")  # the probe failed: twice as long
+    core.receive(b"p", frames("READY", {"credits": 1}), 1.06)
+    assert _tick(core, 1.1) == [] and _tick(core, 1.149) == []
+    assert _tick(core, 1.151) == [(b"deaf", "PONG", {})]
+    assert [(rid, verb, h["consumer_id"]) for rid, verb, h in _tick(core, 1.2)] == [
+        (b"p", "GRANT", BrokerCore.label_of(b"deaf"))]
+    assert core.clients[b"deaf"].credits == 3  # none lost: 4 asked, 1 granted
+    assert core.stats.consumers_choked == 1
+    core.check_invariants()
+
+
+def test_the_wait_between_probes_doubles_up_to_two_seconds():
+    core = _core()
+    _hello(core, b"deaf", "consumer", pid=6, credits=1)
+    now, probes = 0.0, []
+    core.undeliverable(b"deaf", Message("PONG", {}), "full")
+    while now < 12.0:
+        now = round(now + 0.001, 3)
+        if now % 1 == 0:
+            core.receive(b"deaf", frames("PING", {}), now)  # it is not silent: it is not dropped
+        if _tick(core, now):
+            probes.append(now)
+            core.undeliverable(b"deaf", Message("PONG", {}), "full")
+    assert [round(b - a, 2) for a, b in itertools.pairwise(probes)][:7] == [0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0]
+
+
+def test_a_choked_consumers_unused_grants_are_revoked_without_passing_their_producer_over():
+    """Grants the producer holds for a choked consumer would bounce too: they are revoked, their
+    credits kept with the consumer's. The producer did nothing wrong, so unlike a hoarder's
+    (§4.3a) it is not passed over."""
+    core = _core()
+    _hello(core, b"p", "producer", pid=5)
+    _hello(core, b"q", "producer", pid=8)
+    _hello(core, b"good", "consumer", pid=7)
+    _hello(core, b"deaf", "consumer", pid=6, credits=2)
+    gids = _grant_ids(core.receive(b"p", frames("READY", {"credits": 3}), 0.0))  # one READY credit left
+    assert len(gids) == 2
+    sent = _sent(core.undeliverable(b"deaf", Message("PONG", {}), "full"))
+    assert sent == [(b"p", "REVOKE", {"grant_ids": gids})]
+    assert core.clients[b"deaf"].credits == 2
+    # Producers take turns: q, then p, which has not asked since and is not passed over.
+    core.receive(b"q", frames("READY", {"credits": 1}), 0.0)
+    assert _grants_to(core.receive(b"good", frames("REQUEST", {"credits": 1}), 0.0)) == [b"q"]
+    core.receive(b"q", frames("READY", {"credits": 1}), 0.0)
+    assert _grants_to(core.receive(b"good", frames("REQUEST", {"credits": 1}), 0.0)) == [b"p"]
+    core.check_invariants()
+
+
+def test_a_choked_consumer_stays_choked_when_it_says_hello_again():
+    """A re-HELLO re-declares credits; were the choke forgotten with the old registration, a deaf
+    client could re-HELLO to get each of its credits granted, one bounce each."""
+    core = _core()
+    _hello(core, b"p", "producer", pid=5)
+    _hello(core, b"deaf", "consumer", pid=6)
+    core.undeliverable(b"deaf", Message("PONG", {}), "full")
+    _hello(core, b"deaf", "consumer", pid=6, credits=4)
+    assert _grant_ids(core.receive(b"p", frames("READY", {"credits": 1}), 0.01)) == []
+    core.check_invariants()
+    core.receive(b"deaf", frames("BYE", {}), 0.02)  # gone: nothing of it is kept
+    assert not core.choked and _tick(core, 5.0) == []
     core.check_invariants()
 
 

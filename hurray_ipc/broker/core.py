@@ -10,7 +10,8 @@ hypothesis' stateful testing (tests/test_broker_core.py), and ``hurray_ipc/broke
 Invariants (:meth:`BrokerCore.check_invariants`, asserted after every step of the stateful test):
 
 1. Credits are conserved: a consumer is in its channel's request queue (once, round robin) exactly
-   when its ``credits`` is above 0; no count is negative or above MAX_CREDITS.
+   when its ``credits`` is above 0 and it is not choked (``choked``: a send to it failed and no
+   probe got through since, spec §1); no count is negative or above MAX_CREDITS.
 2. Every delivery is owned by exactly one registered consumer (its token is in ``deliveries`` once,
    bound to that consumer's routing id), and by at most ``MAX_HELD`` per consumer.
 3. Every handoff ends exactly once: a delivery leaves ``deliveries`` either by RELEASE (RELEASED to
@@ -136,6 +137,11 @@ _RELEASED_MEMORY = 100_000  # released (and fenced) tokens remembered, to tell "
 _GONE_LABELS = 65536  # labels of consumers proven gone, remembered to answer UNMAP for them (§4.10)
 MAX_UNSEEN = 4096  # labels one producer's open UNMAPs await unregistered in all (§4.10, §6a)
 _SAMPLE_EVERY_S = 1.0      # tick() samples the counters for the recent rates at most this often
+# A consumer a send to which failed (full, or disconnected) is choked (spec §1): none of its credits
+# is granted until an unasked PONG to it gets through. The first probe goes this long after the
+# failure, each later one twice as long after a failed one, up to CHOKE_MAX_S.
+CHOKE_FIRST_S = 0.05
+CHOKE_MAX_S = 2.0
 
 
 class _Recent:
@@ -306,6 +312,16 @@ class UnmapRound:
 
 
 @dataclass
+class Choke:
+    """A choked consumer (spec §1): when to probe it next, the wait before that, and whether a
+    probe went out since the last send to it that failed."""
+
+    probe_at: float
+    wait: float
+    probed: bool = False
+
+
+@dataclass
 class Channel:
     # Consumers with queued credits (their count is Client.credits), in round-robin order (§4).
     requests: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
@@ -329,6 +345,7 @@ class Stats:
     limits_refused: int = 0
     answers_withheld: int = 0  # STATS/CAPS left unanswered: 8 unread, or the query table full (§6a)
     grants_revoked: int = 0    # grants taken back from a producer that did not use them (§4.3a)
+    consumers_choked: int = 0  # times a consumer's credits were set aside because a send to it failed (§1)
     consumers_fenced: int = 0  # consumers deregistered holding buffers while they may live (§5)
     # Messages as the core sees them: a binary batch's entries count one each (also a message too
     # malformed to split: one). wire_in: ZeroMQ messages received; wire_out: sent (the loop counts
@@ -439,6 +456,9 @@ class BrokerCore:
         self._out: list[Out] = []
         self._now = 0.0  # the latest time receive() or tick() was given
         self._rechecks: dict[str, float] = {}  # channel -> when a grant there will have sat a heartbeat
+        # Registered consumers a send to which failed, by routing id (a re-HELLO keeps it): their
+        # credits are kept but not queued until a probe gets through (spec §1, invariant 1).
+        self.choked: dict[bytes, Choke] = {}
         # Kept mappings (§4.10): open UNMAP rounds by (producer's rid_text, request), the rounds
         # each consumer is awaited in, registered consumers by label, and the labels of consumers
         # proven gone since they last registered (newest last, bounded).
@@ -748,6 +768,7 @@ class BrokerCore:
             self.samples.append(Sample(now, s.handoffs, s.releases, s.messages_in, s.messages_out))
         for rid in self.queries.due_probes(now):
             self._send(rid, Pong())
+        self._probe_choked(now)
         granted: set[bytes] | None = None
         for rid, c in list(self.clients.items()):
             verdict = alive(c) if c.endpoint.identity.host == self.host else None
@@ -817,16 +838,17 @@ class BrokerCore:
         producer (RELEASED, reason ``undelivered: <why>``) and the consumer's credit, which it
         still counts as asked, goes back to the end of its channel's queue (spec §1)."""
         d = self.deliveries.get(msg.token) if isinstance(msg, Deliver) else None
+        c = self.clients.get(rid)
+        if c is not None and c.role == "consumer" and why in ("full", "unreachable"):
+            self._choke(c)
         if isinstance(msg, Unmap) and msg.producer_id is not None:
             # It never reached the consumer: nothing says it unmapped, so it is answered fenced.
             key = (msg.producer_id, msg.request)
             r = self.unmaps.get(key)
-            c = self.clients.get(rid)
             if r is not None and rid in r.waiting and c is not None:
                 self._settle(key, r, rid, r.fenced, c.label)
         if d is not None and d.consumer == rid:
             self._release(d, f"undelivered: {why}"[:200])
-            c = self.clients.get(rid)
             if c is not None and c.role == "consumer":
                 try:
                     self._add_requests(c, 1)
@@ -846,6 +868,44 @@ class BrokerCore:
                                "verb": msg.verb, "undeliverable": self.stats.undeliverable,
                                "dropped_full": self.stats.dropped_full})
         return self._take()
+
+    def _choke(self, c: Client) -> None:
+        """A send to consumer ``c`` failed (its queue is full, or it is disconnected): grant none of
+        its credits until a probe gets through (spec §1), so that no other handoff is sent to
+        bounce. Its unused grants are revoked (their producers are not passed over for it) and
+        their credits kept with its others. A send failing after a probe doubles the wait."""
+        k = self.choked.get(c.rid)
+        if k is not None:
+            if k.probed:
+                k.wait = min(2 * k.wait, CHOKE_MAX_S)
+                k.probe_at, k.probed = self._now + k.wait, False
+            return
+        self.choked[c.rid] = Choke(self._now + CHOKE_FIRST_S, CHOKE_FIRST_S)
+        self.stats.consumers_choked += 1
+        ch = self._channel(c.channel)
+        ch.requests.pop(c.rid, None)
+        revoked: dict[bytes, list[int]] = {}
+        for g in [self.grants[gid] for gid in ch.grants if self.grants[gid].consumer == c.rid]:
+            revoked.setdefault(g.producer, []).append(g.gid)
+            self._void_grant(g)
+        for producer, gids in revoked.items():
+            self._send(producer, Revoke(gids))
+        self._note(logging.WARNING, {"event": "consumer_choked", "client": c.rid_text[:32], "channel": c.channel,
+                                     "credits": c.credits, "grants_revoked": sum(map(len, revoked.values()))})
+
+    def _probe_choked(self, now: float) -> None:
+        """Send each choked consumer whose wait is over an unasked PONG (a client ignores it, §6a);
+        one that went out a tick ago and did not fail (:meth:`undeliverable` would have said so
+        before this tick) ends the choke: the consumer's credits are queued again."""
+        for rid, k in list(self.choked.items()):
+            if k.probed:
+                del self.choked[rid]
+                c = self.clients[rid]
+                self._queue_credits(c, 0)
+                self._match(c.channel)
+            elif now >= k.probe_at:
+                k.probed = True
+                self._send(rid, Pong())
 
     def client_gone(self, rid: bytes, why: str) -> list[Out]:
         self._drop(rid, why)
@@ -1071,11 +1131,12 @@ class BrokerCore:
         self._match(c.channel)
 
     def _queue_credits(self, c: Client, n: int, front: bool = False) -> None:
-        """Queue ``n`` more credits of consumer ``c``; ``front``: credits coming back (a refused
-        HANDOFF, a voided or revoked grant), so ``c`` is served next."""
-        if n <= 0:
+        """Queue ``n`` more credits of consumer ``c`` (0: queue those it has, a choke ended);
+        ``front``: credits coming back (a refused HANDOFF, a voided or revoked grant), so ``c`` is
+        served next. A choked consumer keeps them unqueued (:meth:`_choke`)."""
+        c.credits += max(n, 0)
+        if c.credits <= 0 or c.rid in self.choked:
             return
-        c.credits += n
         requests = self._channel(c.channel).requests
         requests[c.rid] = None
         if front:
@@ -1502,6 +1563,7 @@ class BrokerCore:
         c = self.clients.get(rid)
         if c is None:
             return
+        self.choked.pop(rid, None)
         self._note(logging.INFO, {"event": "client_gone", "client": rid.decode(errors="replace"), "role": c.role,
                                   "why": why, "pid": c.endpoint.pid})
         self._forget(c)
@@ -1707,12 +1769,15 @@ class BrokerCore:
                 assert c is not None and c.channel == name and c.role == "consumer", f"{name}: request of a stranger"
                 assert c.credits > 0, f"{rid!r} queued with no credit"
         assert sum(len(ch.members) for ch in self.channels.values()) == len(self.clients), "channel members: count"
+        for rid in self.choked:
+            assert rid in self.clients and self.clients[rid].role == "consumer", f"{rid!r}: choked but no consumer"
         for c in self.clients.values():
             assert 0 <= c.credits <= MAX_CREDITS, f"credits out of range: {c}"
             assert c.channel in self.channels, f"{c.rid!r}: channel {c.channel!r} missing"
             assert c.rid in self.channels[c.channel].members, f"{c.rid!r}: not a member of {c.channel!r}"
             if c.role == "consumer":
-                assert (c.credits > 0) == (c.rid in self.channels[c.channel].requests), f"{c.rid!r}: credits unqueued"
+                assert (c.credits > 0 and c.rid not in self.choked) == (c.rid in self.channels[c.channel].requests), \
+                    f"{c.rid!r}: credits unqueued, or queued while choked"
             assert all(self.grants.get(gid) is not None and self.grants[gid].producer == c.rid for gid in c.grants), \
                 f"{c.rid!r}: grant index stale"
             assert 0 <= c.held <= MAX_HELD, f"{c.rid!r} holds {c.held}"

@@ -59,6 +59,8 @@ _COUNTERS = {
     "answers_withheld": ("hurray_broker_answers_withheld",
                          "STATS/CAPS left unanswered: 8 answers unread, or the query table full (spec 6a)"),
     "grants_revoked": ("hurray_broker_grants_revoked", "Grants revoked because their producer did not use them"),
+    "consumers_choked": ("hurray_broker_consumers_choked",
+                         "Times a consumer's credits were set aside because a send to it failed (spec 1)"),
     "consumers_fenced": ("hurray_broker_consumers_fenced",
                          "Consumers deregistered holding buffers while they may live (spec 5)"),
 }

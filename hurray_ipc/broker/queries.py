@@ -285,7 +285,7 @@ def stats_snapshot(core: BrokerCore, now: float) -> dict[str, Any]:
                 "device": c.endpoint.identity.spec, "credits": c.credits,
                 "outstanding": c.held if c.role == "consumer" else by_producer.get(c.rid, 0),
                 "events_outstanding": events_of.get(c.rid, 0), "lease": c.lease is not None,
-                "state": "unresponsive" if c.unresponsive else "alive",
+                "state": "unresponsive" if c.unresponsive else "choked" if c.rid in core.choked else "alive",
                 "silent_s": round(max(0.0, now - c.last_seen), 3), "ended": c.ended})
     channels: list[dict[str, Any]] = []
     queued = 0
@@ -318,7 +318,7 @@ def stats_snapshot(core: BrokerCore, now: float) -> dict[str, Any]:
                    "producers_lost": s.producers_lost, "undeliverable": s.undeliverable,
                    "dropped_full": s.dropped_full, "limits_refused": s.limits_refused,
                    "answers_withheld": s.answers_withheld, "grants_revoked": s.grants_revoked,
-                   "consumers_fenced": s.consumers_fenced},
+                   "consumers_fenced": s.consumers_fenced, "consumers_choked": s.consumers_choked},
         "rates": {"life": {k: round(n / uptime, 3) if uptime > 0 else 0.0 for k, n in zip(names, counts, strict=True)},
                   "window": {k: round((n - b) / span, 3) if span > 0 else 0.0
                              for k, n, b in zip(names, counts, base.counts, strict=True)},
