@@ -1011,6 +1011,21 @@ def test_a_producer_past_its_rate_still_ends_its_stream():
     core.check_invariants()
 
 
+def test_a_bye_past_the_rate_ends_the_registration_and_gives_back_what_it_held():
+    """A BYE past the rate was refused whole: the consumer left, but stayed registered holding its
+    producers' buffers until the broker found it gone (its lease) or fenced it (20 timeouts of
+    silence, for a client without one). A BYE passes the rate, once per registration (§6a)."""
+    core = _core()
+    _holding(core, 2)
+    c = core.clients[b"c"]
+    c.allowance, c.allowance_at = 0.5, 10.0
+    outs = core.receive(b"c", frames("BYE", {}), 10.0)
+    assert sorted((to, verb, f["handoff_id"], f["reason"]) for to, verb, f in _sent(outs)) == [
+        (b"p", "RELEASED", 0, "consumer_gone"), (b"p", "RELEASED", 1, "consumer_gone")]
+    assert b"c" not in core.clients and not _errors(outs)
+    core.check_invariants()
+
+
 def test_a_clock_reading_earlier_than_the_last_takes_no_allowance_away():
     """The rate refilled by (now - then) * rate, so a reading earlier than the last (a caller's
     clock that is not monotonic, an injected one) took a second's allowance away per second

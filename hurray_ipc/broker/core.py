@@ -641,10 +641,14 @@ class BrokerCore:
         """Handle what a client's message past its rate still does (§6a), returning True, or
         return False (it is refused whole). Only what the broker's own state bounds passes, and
         only what would be lost for good if refused: a consumer's releases of its own deliveries,
-        its UNMAPPED answering a round that awaits it (each once), and a producer's END (it ends
-        the stream once; a second does nothing and is not answered). What passes costs nothing,
-        so the allowance's floor stays as §6a says."""
+        its UNMAPPED answering a round that awaits it (each once), a producer's END (it ends
+        the stream once; a second does nothing and is not answered) and a BYE (it ends the
+        registration, and with it the rate). What passes costs nothing, so the allowance's floor
+        stays as §6a says."""
         allowance = c.allowance
+        if len(msgs) == 1 and msgs[0].verb == "BYE":
+            self._entry(c.rid, msgs[0], ref, now)
+            return True  # nothing is left to charge
         if c.role == "producer" and len(msgs) == 1 and msgs[0].verb == "END":
             self._entry(c.rid, msgs[0], ref, now)
         elif c.role == "consumer" and len(msgs) == 1 and msgs[0].verb == "UNMAPPED" and self._awaited(c, msgs[0]):
