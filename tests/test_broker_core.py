@@ -190,12 +190,21 @@ class BrokerMachine(RuleBasedStateMachine):
         mine = [t for t in self.views[who].held if t in live and live[t].consumer == who]
         if mine:
             del self.views[who].held[mine[-1]]
+            before = self._asked(who)
             self.feed(self.core.undeliverable(who, Message("DELIVER", {"token": mine[-1]}), why))
+            assert self._asked(who) == before, "a bounced DELIVER's credit was lost or made up"
 
     @rule(who=st.sampled_from(CONSUMERS), why=st.sampled_from(["full", "unreachable"]))
     def send_fails(self, who: bytes, why: str) -> None:
         """Any message to the consumer could not be sent (a PONG, a probe): it is choked (spec §1)."""
+        before = self._asked(who)
         self.feed(self.core.undeliverable(who, Message("PONG", {}), why))
+        assert self._asked(who) == before, "choking lost or made up credits"
+
+    def _asked(self, who: bytes) -> int:
+        """What the broker counts ``who`` asked for and not yet answered, with what it holds."""
+        c = self.core.clients.get(who)
+        return -1 if c is None else c.credits + c.granted + c.held
 
     @rule(who=st.sampled_from(PRODUCERS), n=st.integers(1, 3))
     def ready(self, who: bytes, n: int) -> None:
@@ -371,6 +380,11 @@ class BrokerMachine(RuleBasedStateMachine):
                 assert claims_only and not v.outstanding, f"{rid!r} was dropped while it held something"
                 v.registered = False
                 v.grants.clear()
+
+    @rule(dt=st.floats(0.0, 0.3))
+    def a_moment_passes(self, dt: float) -> None:
+        """Ticks closer together than the timeout: a choked consumer is probed and its choke ends."""
+        self.time_passes(dt)
 
     @rule(order=st.permutations(PRODUCERS + CONSUMERS), late=st.sets(st.sampled_from(PRODUCERS + CONSUMERS)))
     def broker_restart(self, order: list[bytes], late: set[bytes]) -> None:
@@ -1376,6 +1390,56 @@ def test_a_consumer_a_send_to_which_failed_gets_no_grant_until_a_probe_to_it_got
         (b"p", "GRANT", BrokerCore.label_of(b"deaf"))]
     assert core.clients[b"deaf"].credits == 3  # none lost: 4 asked, 1 granted
     assert core.stats.consumers_choked == 1
+    core.check_invariants()
+
+
+def test_grants_count_against_a_consumers_credit_limits():
+    """Only queued credits counted: once granted they left the count, so a consumer's REQUEST of
+    4096 and a producer's READY of 4096, over and over, made 204,800 grants from 100 messages,
+    unbounded broker memory (a reviewer, 2026-12-07). Granted and unused, a credit is still not
+    answered: it counts against ``queued_credits`` and ``held`` (spec §6a)."""
+    core = _core()
+    _hello(core, b"p", "producer", pid=5)
+    _hello(core, b"c", "consumer", pid=6)
+    core.receive(b"c", frames("REQUEST", {"credits": 4096}), 0.0)
+    assert len(_grant_ids(core.receive(b"p", frames("READY", {"credits": 4096}), 0.0))) == 4096
+    (err,) = _errors(core.receive(b"c", frames("REQUEST", {"credits": 1}), 0.0))
+    assert (err["code"], err["limit"], err["value"]) == ("limit_exceeded", "queued_credits", 4097), err
+    assert _grant_ids(core.receive(b"p", frames("READY", {"credits": 4096}), 0.0)) == [] and len(core.grants) == 4096
+    core.check_invariants()
+
+
+def test_grants_count_against_what_a_consumer_may_hold():
+    core = _core()
+    _hello(core, b"p", "producer", pid=5)
+    _hello(core, b"c", "consumer", pid=6)
+    for i in range(66):  # 4224 deliveries held
+        core.receive(b"c", frames("REQUEST", {"credits": 64}), 0.0)
+        gids = _grant_ids(core.receive(b"p", frames("READY", {"credits": 64}), 0.0))
+        core.receive(b"p", encode_batch([Message("HANDOFF", {"grant_id": g, "handoff_id": 64 * i + j, "offset": 0},
+                                                 {"handle": cpu_handle(), "memory": b"M" * 64})
+                                         for j, g in enumerate(gids)]), 0.0)
+    core.receive(b"c", frames("REQUEST", {"credits": 3900}), 0.0)
+    assert len(_grant_ids(core.receive(b"p", frames("READY", {"credits": 4000}), 0.0))) == 3900
+    (err,) = _errors(core.receive(b"c", frames("REQUEST", {"credits": 100}), 0.0))
+    assert (err["limit"], err["value"]) == ("held", 4224 + 3900 + 100), err
+    core.check_invariants()
+
+
+def test_a_bounced_delivers_credit_comes_back_whatever_the_limits():
+    """The credit of a DELIVER that could not be sent went back through the REQUEST limits: with
+    4096 queued already, the limit refused it and the credit was lost, while the consumer counted
+    it asked (a reviewer, 2026-12-07). It is the consumer's own credit, never answered, and the
+    delivery it leaves counted as much: it comes back whatever the limits."""
+    core = _core()
+    _hello(core, b"p", "producer", pid=5)
+    _hello(core, b"c", "consumer", pid=6, credits=4096)
+    (gid,) = _grant_ids(core.receive(b"p", frames("READY", {"credits": 1}), 0.0))
+    (d, _) = [o.msg for o in _handoff(core, gid, ack=True)]
+    core.receive(b"c", frames("REQUEST", {"credits": 1}), 0.0)  # 4096 queued again
+    core.undeliverable(b"c", d, "full")
+    c = core.clients[b"c"]
+    assert (c.held, c.credits, c.granted, core.stats.limits_refused) == (0, 4097, 0, 0)
     core.check_invariants()
 
 

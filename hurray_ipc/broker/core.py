@@ -11,7 +11,10 @@ Invariants (:meth:`BrokerCore.check_invariants`, asserted after every step of th
 
 1. Credits are conserved: a consumer is in its channel's request queue (once, round robin) exactly
    when its ``credits`` is above 0 and it is not choked (``choked``: a send to it failed and no
-   probe got through since, spec §1); no count is negative or above MAX_CREDITS.
+   probe got through since, spec §1). A consumer's ``granted`` is the number of unused grants
+   naming it; its deliveries, queued credits and grants together are at most MAX_HELD (grants
+   coming back and a DELIVER that bounced turn into queued credits, so those alone may pass
+   MAX_CREDITS); a producer's queued credits are at most MAX_CREDITS; no count is negative.
 2. Every delivery is owned by exactly one registered consumer (its token is in ``deliveries`` once,
    bound to that consumer's routing id), and by at most ``MAX_HELD`` per consumer.
 3. Every handoff ends exactly once: a delivery leaves ``deliveries`` either by RELEASE (RELEASED to
@@ -230,6 +233,7 @@ class Client:
     label: str = ""  # what other clients see of it (CAPS, GRANT): never its routing id
     unresponsive: bool = False  # heartbeat timed out but the process is alive: keeps what it holds
     held: int = 0  # consumer: deliveries bound to it
+    granted: int = 0  # consumer: its credits granted to producers, the grants not yet used (§6a counts them)
     allowance: float = MAX_RATE  # token bucket for MAX_RATE
     allowance_at: float = 0.0
     # producer: handoffs it declared outstanding at its last HELLO -> the consumer label it named
@@ -854,10 +858,10 @@ class BrokerCore:
         if d is not None and d.consumer == rid:
             self._release(d, f"undelivered: {why}"[:200])
             if c is not None and c.role == "consumer":
-                try:
-                    self._add_requests(c, 1)
-                except ProtocolError:
-                    pass  # past a limit: the consumer's re-HELLO re-declares its credits
+                # Its own credit, asked and never answered, comes back: no limit applies (the
+                # delivery it leaves counted as much).
+                self._queue_credits(c, 1)
+                self._match(c.channel)
         if why == "full":
             self.stats.dropped_full += 1
         else:
@@ -894,8 +898,11 @@ class BrokerCore:
             self._void_grant(g)
         for producer, gids in revoked.items():
             self._send(producer, Revoke(gids))
-        self._note(logging.WARNING, {"event": "consumer_choked", "client": c.rid_text[:32], "channel": c.channel,
-                                     "credits": c.credits, "grants_revoked": sum(map(len, revoked.values()))})
+        n = self.stats.consumers_choked
+        if n & (n - 1) == 0 or n % 1000 == 0:  # as send_failed: a client choked over and over must not flood the log
+            self._note(logging.WARNING, {"event": "consumer_choked", "client": c.rid_text[:32], "channel": c.channel,
+                                         "credits": c.credits, "grants_revoked": sum(map(len, revoked.values())),
+                                         "consumers_choked": n})
 
     def _probe_choked(self, now: float) -> None:
         """Send each choked consumer whose wait is over an unasked PONG (a client ignores it, §6a);
@@ -1127,10 +1134,10 @@ class BrokerCore:
 
     def _add_requests(self, c: Client, n: int) -> None:
         self._check_queued(c, n)
-        if c.held + c.credits + n > MAX_HELD:
-            self._limit(f"a consumer may hold at most {MAX_HELD} deliveries and queued credits (it holds {c.held}, "
-                        f"has {c.credits} queued and asked for {n} more): release some first", "held",
-                        c.held + c.credits + n)
+        if c.held + c.credits + c.granted + n > MAX_HELD:
+            self._limit(f"a consumer may hold at most {MAX_HELD} deliveries and credits not yet delivered (it holds "
+                        f"{c.held}, has {c.credits} queued and {c.granted} granted and asked for {n} more): release "
+                        "some first", "held", c.held + c.credits + c.granted + n)
         self._queue_credits(c, n)
         self._match(c.channel)
 
@@ -1160,9 +1167,13 @@ class BrokerCore:
         self._match(c.channel)
 
     def _check_queued(self, c: Client, n: int) -> None:
-        if c.credits + n > MAX_CREDITS:
-            self._limit(f"a client may have at most {MAX_CREDITS} credits queued (it has {c.credits} and asked for "
-                        f"{n} more); nothing was added", "queued_credits", c.credits + n)
+        """A consumer's grants count as queued: granted, a credit is not yet answered, and would
+        otherwise escape every limit (a REQUEST and a READY of 4096 each, over and over, made
+        200,000 grants from 100 messages)."""
+        if c.credits + c.granted + n > MAX_CREDITS:
+            self._limit(f"a client may have at most {MAX_CREDITS} credits queued or granted unused (it has "
+                        f"{c.credits + c.granted} and asked for {n} more); nothing was added", "queued_credits",
+                        c.credits + c.granted + n)
 
     def _match(self, name: str) -> None:
         ch = self.channels.get(name)
@@ -1193,6 +1204,7 @@ class BrokerCore:
             consumer_rid = next(iter(ch.requests))  # round robin over consumers too: one greedy one
             consumer = self.clients[consumer_rid]   # (4096 credits, never reading) does not starve others
             consumer.credits -= 1
+            consumer.granted += 1
             if consumer.credits:
                 ch.requests.move_to_end(consumer_rid)
             else:
@@ -1296,6 +1308,7 @@ class BrokerCore:
         if consumer is None or g.consumer_gone:
             self.stats.rejected += 1
             raise ProtocolError("consumer_gone", f"the consumer of grant {gid} died before the handoff arrived")
+        consumer.granted -= 1
         try:
             if (c.rid, hid) in self.by_handoff or (c.rid, hid) in self.orphans:
                 raise ProtocolError("bad_header", f"handoff {hid} of this producer is still outstanding",
@@ -1528,7 +1541,7 @@ class BrokerCore:
         for g in self.grants.values():
             if g.consumer == c.rid:
                 g.consumer_gone = True
-        c.credits = 0
+        c.credits = c.granted = 0
 
     def _return_grants(self, producer: Client) -> None:
         """Void ``producer``'s grants; each one's consumer gets its credit back, at the queue's front."""
@@ -1546,6 +1559,7 @@ class BrokerCore:
             producer.grants.pop(g.gid, None)
         consumer = self.clients.get(g.consumer)
         if consumer is not None and not g.consumer_gone:
+            consumer.granted -= 1
             self._queue_credits(consumer, 1, front=True)
 
     def _forget(self, c: Client) -> None:
@@ -1775,8 +1789,16 @@ class BrokerCore:
         assert sum(len(ch.members) for ch in self.channels.values()) == len(self.clients), "channel members: count"
         for rid in self.choked:
             assert rid in self.clients and self.clients[rid].role == "consumer", f"{rid!r}: choked but no consumer"
+        granted: dict[bytes, int] = {}
+        for g in self.grants.values():
+            if not g.consumer_gone:
+                granted[g.consumer] = granted.get(g.consumer, 0) + 1
         for c in self.clients.values():
-            assert 0 <= c.credits <= MAX_CREDITS, f"credits out of range: {c}"
+            assert c.credits >= 0 and c.granted == granted.get(c.rid, 0), f"credits or grants miscounted: {c}"
+            if c.role == "consumer":
+                assert c.held + c.credits + c.granted <= MAX_HELD, f"credits out of range: {c}"
+            else:
+                assert c.credits <= MAX_CREDITS, f"credits out of range: {c}"
             assert c.channel in self.channels, f"{c.rid!r}: channel {c.channel!r} missing"
             assert c.rid in self.channels[c.channel].members, f"{c.rid!r}: not a member of {c.channel!r}"
             if c.role == "consumer":
