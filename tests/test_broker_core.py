@@ -507,7 +507,7 @@ def test_limits_refuse_with_a_clear_error():
     c.held = MAX_HELD - 150  # as if it held that many
     (err,) = _errors(core.receive(b"c", frames("REQUEST", {"credits": 100}), 0.0))
     assert err["code"] == "limit_exceeded" and "release some first" in err["message"]
-    assert (err["limit"], err["value"]) == ("held", MAX_HELD + 50) and c.credits == 100
+    assert (err["limit"], err["value"], err["credits"]) == ("held", MAX_HELD + 50, 100) and c.credits == 100
     c.held = 0
 
 
@@ -521,6 +521,7 @@ def test_queued_credits_past_the_limit_are_refused_and_nothing_is_added(verb):
     assert not _errors(core.receive(b"x", frames(verb, {"credits": MAX_CREDITS - 100}), 0.0))
     (err,) = _errors(core.receive(b"x", frames(verb, {"credits": 200}), 0.0))
     assert (err["code"], err["limit"], err["value"]) == ("limit_exceeded", "queued_credits", MAX_CREDITS + 100)
+    assert err["credits"] == 200, "named: none was applied, and the client asks for them again"
     assert core.clients[b"x"].credits == MAX_CREDITS - 100 and core.stats.limits_refused == 1
     core.check_invariants()
 
@@ -538,8 +539,35 @@ def test_a_piggybacked_ready_past_the_limit_is_refused_alone():
                                                                    "offset": 0, "ready": 5},
                                                     {"handle": handle, "memory": b"M" * 64})]), 0.0)
     (err,) = _errors(outs)
-    assert (err["code"], err["field"], err["limit"]) == ("limit_exceeded", "ready", "queued_credits")
+    assert (err["code"], err["field"], err["limit"], err["credits"]) == ("limit_exceeded", "ready", "queued_credits", 5)
     assert [o.msg.verb for o in outs if o.msg.verb == "DELIVER"] == ["DELIVER"]
+    core.check_invariants()
+
+
+def test_every_refusal_names_the_credits_it_did_not_apply_and_none_it_did():
+    """Credits a RELEASE carried past a limit were answered without naming them (or, on a refused
+    RELEASE, only logged), so a consumer that once held close to MAX_HELD counted as asked credits
+    the broker never queued, and waited for ever. Every ERROR now names the credits it did not
+    apply (spec §2), and only those: credits named but applied would be asked twice."""
+    core = _core()
+    tokens = _holding(core, 3)
+    core.receive(b"c", frames("REQUEST", {"credits": MAX_CREDITS - 10}), 0.0)
+    batch = lambda m: encode_batch([m])  # noqa: E731
+    # Past the limit, on a RELEASE that is handled: its own ERROR names them.
+    (err,) = _errors(core.receive(b"c", batch(Message("RELEASE", {"token": tokens[0], "credits": 20})), 0.0))
+    assert (err["field"], err["limit"], err["credits"]) == ("credits", "queued_credits", 20)
+    # Past the limit, on a RELEASE that is refused: the refusal names them.
+    (err,) = _errors(core.receive(b"c", batch(Message("RELEASE", {"token": _forged(1), "credits": 20})), 0.0))
+    assert (err["code"], err["credits"]) == ("unknown_token", 20)
+    # Within it, on a RELEASE that is refused: applied, so not named.
+    (err,) = _errors(core.receive(b"c", batch(Message("RELEASE", {"token": _forged(2), "credits": 5})), 0.0))
+    assert err["code"] == "unknown_token" and "credits" not in err
+    assert core.clients[b"c"].credits == MAX_CREDITS - 5
+    # Past the rate, dropped entries: the one ERROR names what a limit refused among theirs.
+    c = core.clients[b"c"]
+    c.allowance, c.allowance_at = 0.5, 10.0
+    (err,) = _errors(core.receive(b"c", batch(Message("RELEASE", {"token": _forged(3), "credits": 30})), 10.0))
+    assert (err["limit"], err["credits"]) == ("message_rate", 30)
     core.check_invariants()
 
 

@@ -1,7 +1,8 @@
-"""What a client does with a REQUEST or READY the broker refused whole (its message rate, spec
-§6a): the refusal names the credits, which were never applied, and the client asks for them
-again. A client that kept counting them as asked asked for nothing more and waited for a
-delivery (or a grant) that could not come, until its timeout.
+"""What a client does with credits the broker refused (a REQUEST or READY past its message rate,
+or credits a RELEASE or HANDOFF carried past a limit, spec §2, §6a): the refusal names them, as
+never applied, and the client asks for them again. A client that kept counting them as asked
+asked for nothing more and waited for a delivery (or a grant) that could not come, until its
+timeout.
 
 A fake broker (tests/fakebroker.py) refuses the first ask and nothing else; with a heartbeat of a
 minute no PING arrives, so the next message the fake reads is the second ask, or nothing within
@@ -29,6 +30,13 @@ def _rate_refusal(verb: str, credits: int) -> Error:
                  {"ref": verb, "limit": "message_rate", "value": 50000, "credits": credits})
 
 
+def _carried_refusal(verb: str, credits: int) -> Error:
+    """The broker's refusal of credits a RELEASE or HANDOFF carried past a limit (spec §6a)."""
+    ref, field = ("RELEASE", "credits") if verb == "REQUEST" else ("HANDOFF", "ready")
+    return Error("limit_exceeded", "a consumer may hold at most 8192 deliveries and credits not yet delivered",
+                 {"ref": ref, "field": field, "limit": "held", "value": 8200, "credits": credits})
+
+
 def _ask(fake: FakeBroker) -> tuple[str, int]:
     """The next message, which must be a lone REQUEST or READY: its verb and credits."""
     (msg,) = decode_all(fake.next())
@@ -36,8 +44,10 @@ def _ask(fake: FakeBroker) -> tuple[str, int]:
     return msg.verb, msg.header["credits"]
 
 
+@pytest.mark.parametrize("refusal", [_rate_refusal, _carried_refusal])
 @pytest.mark.parametrize("role", ["consumer", "producer"])
-def test_credits_a_rate_refusal_names_are_asked_again(fake: FakeBroker, role: str) -> None:
+def test_credits_a_refusal_names_are_asked_again(fake: FakeBroker, role: str, refusal) -> None:
+    """Whatever the refused message: before, only a REQUEST's or READY's refusal counted (spec §2)."""
     kw = {"prefetch": 3, "heartbeat_s": 60.0, "timeout_s": 120.0}
     client = Consumer(fake.endpoint, "ch", **kw) if role == "consumer" else Producer(fake.endpoint, "ch", **kw)
     waiting = threading.Thread(target=lambda: None)
@@ -51,7 +61,7 @@ def test_credits_a_rate_refusal_names_are_asked_again(fake: FakeBroker, role: st
         waiting.start()
         verb, n = _ask(fake)
         assert (verb, n) == (("REQUEST" if role == "consumer" else "READY"), 3)
-        fake.say(_rate_refusal(verb, n))
+        fake.say(refusal(verb, n))
         assert _ask(fake) == (verb, 3), "the refused credits were asked again"
     finally:
         client.session.close()  # not client.close(): the fake answers no BYE or END

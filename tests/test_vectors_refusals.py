@@ -152,7 +152,7 @@ def _check(vec: dict, replies: list[Message]) -> None:
     first = replies[0]
     if "code" in exp:
         assert first.verb == "ERROR", (first.verb, first.fields())
-        for k in ("code", "field", "request_id", "value"):
+        for k in ("code", "field", "request_id", "value", "limit", "credits"):
             if k in exp:
                 assert first.fields().get(k) == exp[k], (k, first.fields())
         if "field" in exp:  # spec §2: an ERROR naming a field at fault shows its value

@@ -211,7 +211,8 @@ def _unindex(index: dict[Any, set[Any]], key: Any, item: Any) -> None:
 
 
 def _asked(msgs: list[Any]) -> int:
-    """The credits of a lone REQUEST or READY (1..MAX_CREDITS, else 0): what its refusal names."""
+    """The credits of a lone REQUEST or READY (1..MAX_CREDITS, else 0): what its refusal names
+    (none of them was applied, spec §2 ERROR)."""
     if len(msgs) == 1 and isinstance(msgs[0], Message) and msgs[0].verb in ("REQUEST", "READY"):
         n = msgs[0].header.get("credits")
         if type(n) is int and 1 <= n <= MAX_CREDITS:
@@ -631,6 +632,9 @@ class BrokerCore:
             head = msg.header if isinstance(msg, Message) else msg.fields()
             extra = {k: head[k] for k in ("handoff_id", "request_id", "token", "request")
                      if k in head and echoable(head[k])}
+            asked = _asked([msg])
+            if asked:  # a refused REQUEST or READY applied none of its credits: named, they are asked again (§2)
+                extra["credits"] = asked
             extra.update(e.extra)
             if "field" in extra and "value" not in extra:  # null: the message has no such field
                 extra["value"] = shown(head, str(extra["field"]))
@@ -683,7 +687,7 @@ class BrokerCore:
         stay held for its consumer's rate. Every other entry would be refused, so could repeat
         without end: it is dropped, all of them answered by one uncharged ERROR; credits it
         carries are applied, as on any RELEASE (§4)."""
-        dropped = 0
+        dropped = refused = 0
         for raw in msgs:
             try:
                 m = parse(raw) if isinstance(raw, Message) else raw
@@ -703,8 +707,9 @@ class BrokerCore:
                     self._add_requests(c, self._credit_count(m.credits, "credits"))
                 except ProtocolError:
                     self.stats.limits_refused += 1
+                    refused += m.credits if 0 < m.credits <= MAX_CREDITS else 0
         if dropped:
-            self._rate_refusal(c.rid, ref, None, 0)
+            self._rate_refusal(c.rid, ref, None, refused)
 
     def _dispatch(self, rid: bytes, msg: Any, now: float) -> None:
         client = self.clients.get(rid)
@@ -1296,7 +1301,8 @@ class BrokerCore:
             try:
                 self._add_ready(c, ready)  # before validation: a refused handoff still asked for more
             except ProtocolError as limit:  # answered on its own; the handoff goes on without it (§6a)
-                self._error(c.rid, limit.code, str(limit), ref="HANDOFF", field="ready", **limit.extra)
+                self._error(c.rid, limit.code, str(limit), ref="HANDOFF", field="ready", credits=ready,
+                            **limit.extra)
         g = self.grants.get(gid)
         if g is None or g.producer != c.rid:
             raise ProtocolError("unknown_grant", f"grant {gid} is not one this producer holds")
@@ -1426,11 +1432,12 @@ class BrokerCore:
         credits = self._credit_count(msg.credits, "credits")
         try:
             entry(c, msg)
-        except ProtocolError:
+        except ProtocolError as refused:
             if credits and c.role == "consumer":
                 try:
                     self._add_requests(c, credits)
                 except ProtocolError as limit:
+                    refused.extra["credits"] = credits  # not applied: its client asks for them again (§2)
                     self._note(logging.WARNING, {"event": "credits_refused", "client": c.rid_text[:32],
                                                  "why": str(limit)[:200]})
             raise
@@ -1438,7 +1445,8 @@ class BrokerCore:
             try:
                 self._add_requests(c, credits)
             except ProtocolError as limit:
-                self._error(c.rid, limit.code, str(limit), ref="RELEASE", field="credits", **limit.extra)
+                self._error(c.rid, limit.code, str(limit), ref="RELEASE", field="credits", credits=credits,
+                            **limit.extra)
 
     def _fence(self, d: Delivery) -> None:
         """Unbind ``d`` from a consumer that may still read it: RELEASED ``consumer_fenced`` (and no

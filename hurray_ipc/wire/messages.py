@@ -549,10 +549,11 @@ class Error(JsonMessage):
 
     @property
     def refused_credits(self) -> int:
-        """The credits of a REQUEST or READY this ERROR refused whole (the message rate's refusal
-        names them, spec §6a): never applied, so no longer asked. 0: none named."""
+        """Credits this ERROR says were not applied (spec §2: a refused REQUEST or READY's, or
+        those a RELEASE or HANDOFF carried over a limit of §6a): never applied, so no longer
+        asked. 0: none named."""
         v = self.extra.get("credits")
-        return v if type(v) is int and v > 0 and self.extra.get("ref") in ("REQUEST", "READY") else 0
+        return v if type(v) is int and 0 < v <= MAX_CREDITS else 0
 
     def fields(self) -> dict[str, Any]:
         return {"code": self.code, "message": self.message, **self.extra,
