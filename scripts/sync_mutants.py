@@ -212,6 +212,55 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                             "        return True\n",
                             "        return False  # MUTANT: an idle grant is never taken back\n",
                             "tests/test_broker_core.py", "tests/test_broker_attacks.py"),
+    # Choked consumers (ipc-protocol.md 1): once a send to a consumer failed, none of its credits
+    # is granted until a probe gets through, or each handoff granted to it bounces back to its
+    # producer `undelivered: full`; and the choke ends only when a probe got through.
+    "choke-never": ("hurray_ipc/broker/core.py",
+                    '        if c is not None and c.role == "consumer" and why in ("full", "unreachable"):\n'
+                    "            self._choke(c)\n",
+                    "        pass  # MUTANT: its credits stay queued\n",
+                    "tests/test_broker_core.py",
+                    "tests/test_broker_attacks.py::test_a_peer_that_stops_reading_is_counted_and_granted_nothing_"
+                    "until_it_reads_again"),
+    "choke-ends-unprobed": ("hurray_ipc/broker/core.py",
+                            "                k.probed = True\n                self._send(rid, Pong())\n",
+                            "                k.probed = True  # MUTANT: ends at the next tick, unprobed\n",
+                            "tests/test_broker_core.py"),
+    "choke-never-ends": ("hurray_ipc/broker/core.py",
+                         "            if k.probed:\n                del self.choked[rid]\n",
+                         "            if False:  # MUTANT: a probe that got through ends nothing\n"
+                         "                del self.choked[rid]\n",
+                         "tests/test_broker_core.py",
+                         "tests/test_broker_attacks.py::test_a_peer_that_stops_reading_is_counted_and_granted_nothing_"
+                         "until_it_reads_again"),
+    # Credit limits (ipc-protocol.md 6a): a consumer's unused grants count, or a REQUEST and a READY
+    # of 4096, over and over, make grants without bound; a bounced DELIVER's credit is the
+    # consumer's own and comes back whatever the limits; every refusal names the credits it did
+    # not apply, and the client asks for them again (or it waits for credits never queued).
+    "grants-uncounted": ("hurray_ipc/broker/core.py",
+                         "        if c.credits + c.granted + n > MAX_CREDITS:\n",
+                         "        if c.credits + n > MAX_CREDITS:  # MUTANT: grants escape the limit\n",
+                         "tests/test_broker_core.py"),
+    "bounced-credit-limited": ("hurray_ipc/broker/core.py",
+                               "                self._queue_credits(c, 1)\n                self._match(c.channel)\n",
+                               "                try:  # MUTANT: through the REQUEST limits\n"
+                               "                    self._add_requests(c, 1)\n"
+                               "                except ProtocolError:\n                    pass\n",
+                               "tests/test_broker_core.py"),
+    "refused-credits-unnamed": ("hurray_ipc/broker/core.py",
+                                "            if asked:  # a refused REQUEST or READY",
+                                "            if False:  # MUTANT: a refused REQUEST or READY",
+                                "tests/test_broker_core.py", "tests/test_vectors_refusals.py"),
+    "named-credits-ignored": ("hurray_ipc/wire/messages.py",
+                              "        return v if type(v) is int and 0 < v <= MAX_CREDITS else 0\n",
+                              "        return v if type(v) is int and v > 0 and self.extra.get(\"ref\") in "
+                              "(\"REQUEST\", \"READY\") else 0  # MUTANT\n",
+                              "tests/test_client_refusals.py"),
+    # A BYE past the message rate: refused, its consumer stays registered holding its buffers.
+    "bye-refused-past-rate": ("hurray_ipc/broker/core.py",
+                              '        if len(msgs) == 1 and msgs[0].verb == "BYE":\n',
+                              '        if False:  # MUTANT: a BYE past the rate is refused whole\n',
+                              "tests/test_broker_core.py"),
     # A HANDOFF that crossed its grant's REVOKE is refused unknown_grant: send() must send again.
     "revoked-not-resent": ("hurray_ipc/client/producer.py",
                            'if ticket.error is not None and ticket.error.code in ("consumer_gone", "unknown_grant"):',
