@@ -568,6 +568,9 @@ def test_every_refusal_names_the_credits_it_did_not_apply_and_none_it_did():
     c.allowance, c.allowance_at = 0.5, 10.0
     (err,) = _errors(core.receive(b"c", batch(Message("RELEASE", {"token": _forged(3), "credits": 30})), 10.0))
     assert (err["limit"], err["credits"]) == ("message_rate", 30)
+    # Not registered: its next HELLO declares what it asked, so nothing is named to ask again.
+    (err,) = _errors(core.receive(b"stranger", frames("REQUEST", {"credits": 5}), 10.0))
+    assert err["code"] == "not_registered" and "credits" not in err
     core.check_invariants()
 
 
@@ -1434,6 +1437,31 @@ def test_grants_count_against_a_consumers_credit_limits():
     (err,) = _errors(core.receive(b"c", frames("REQUEST", {"credits": 1}), 0.0))
     assert (err["code"], err["limit"], err["value"]) == ("limit_exceeded", "queued_credits", 4097), err
     assert _grant_ids(core.receive(b"p", frames("READY", {"credits": 4096}), 0.0)) == [] and len(core.grants) == 4096
+    core.check_invariants()
+
+
+def test_a_consumers_grants_go_with_its_registration():
+    """A consumer's re-HELLO left its old registration's grants on record, counted against no one
+    (a reviewer, 2026-12-07): its HELLO and a producer's READY of 4096, over and over, made 102,400
+    grants from 52 messages. They are revoked when the registration ends (REVOKE, the producer not
+    passed over), and a HANDOFF that crossed the REVOKE is refused consumer_gone, as before."""
+    core = _core()
+    _hello(core, b"p", "producer", pid=5)
+    first: list[int] = []
+    gids: list[int] = []
+    for _ in range(25):
+        outs = _hello(core, b"c", "consumer", pid=6, credits=4096)
+        revokes = [(to, f["grant_ids"]) for to, verb, f in _sent(outs) if verb == "REVOKE"]
+        assert revokes == ([(b"p", gids)] if gids else [])
+        gids = _grant_ids(core.receive(b"p", frames("READY", {"credits": 4096}), 0.0))
+        first = first or gids
+        assert len(gids) == 4096 and len(core.grants) == 4096
+    core.check_invariants()
+    (err,) = _errors(_handoff(core, first[0]))
+    assert err["code"] == "consumer_gone"
+    (err,) = _errors(_handoff(core, first[0], hid=2))
+    assert err["code"] == "unknown_grant", "a grant is used once"
+    assert not core.clients[b"p"].revoked
     core.check_invariants()
 
 

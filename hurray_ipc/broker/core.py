@@ -269,16 +269,13 @@ class Grant:
     consumer: bytes
     channel: str
     issued: float = 0.0
-    consumer_gone: bool = False
 
-    def __init__(self, gid: int, producer: bytes, consumer: bytes, channel: str, issued: float = 0.0,
-                 consumer_gone: bool = False) -> None:
+    def __init__(self, gid: int, producer: bytes, consumer: bytes, channel: str, issued: float = 0.0) -> None:
         self.gid = gid
         self.producer = producer
         self.consumer = consumer
         self.channel = channel
         self.issued = issued
-        self.consumer_gone = consumer_gone
 
 
 @dataclass(init=False)
@@ -453,6 +450,9 @@ class BrokerCore:
         self.claims: dict[bytes, dict[int, list[Delivery]]] = {}
         self.claim_of: dict[tuple[bytes, str], Delivery] = {}
         self.withdrawn = _Recent(_RELEASED_MEMORY)  # (consumer, token) of claims released undecided
+        # (producer, grant id) of grants revoked because their consumer's registration ended: a
+        # HANDOFF that crossed the REVOKE is refused consumer_gone, as before the grant went (§4.5).
+        self.gone_grants = _Recent(_RELEASED_MEMORY)
         self.per_process: dict[str, int] = {}
         # Random start: a grant id a client kept from a previous broker never names one of ours.
         self._gids = itertools.count(int.from_bytes(entropy(5), "little") << 8)
@@ -633,7 +633,9 @@ class BrokerCore:
             extra = {k: head[k] for k in ("handoff_id", "request_id", "token", "request")
                      if k in head and echoable(head[k])}
             asked = _asked([msg])
-            if asked:  # a refused REQUEST or READY applied none of its credits: named, they are asked again (§2)
+            # A refused REQUEST or READY applied none of its credits: named, they are asked again
+            # (§2). Not to a client not registered: the HELLO it sends next declares them.
+            if asked and e.code != "not_registered":
                 extra["credits"] = asked
             extra.update(e.extra)
             if "field" in extra and "value" not in extra:  # null: the message has no such field
@@ -895,19 +897,30 @@ class BrokerCore:
             return
         self.choked[c.rid] = Choke(self._now + CHOKE_FIRST_S, CHOKE_FIRST_S)
         self.stats.consumers_choked += 1
-        ch = self._channel(c.channel)
-        ch.requests.pop(c.rid, None)
-        revoked: dict[bytes, list[int]] = {}
-        for g in [self.grants[gid] for gid in ch.grants if self.grants[gid].consumer == c.rid]:
-            revoked.setdefault(g.producer, []).append(g.gid)
-            self._void_grant(g)
-        for producer, gids in revoked.items():
-            self._send(producer, Revoke(gids))
+        self._channel(c.channel).requests.pop(c.rid, None)
+        revoked = self._revoke_naming(c)
+        self._queue_credits(c, sum(map(len, revoked.values())))  # kept, not queued: it is choked
         n = self.stats.consumers_choked
         if n & (n - 1) == 0 or n % 1000 == 0:  # as send_failed: a client choked over and over must not flood the log
             self._note(logging.WARNING, {"event": "consumer_choked", "client": c.rid_text[:32], "channel": c.channel,
                                          "credits": c.credits, "grants_revoked": sum(map(len, revoked.values())),
                                          "consumers_choked": n})
+
+    def _revoke_naming(self, c: Client) -> dict[bytes, list[int]]:
+        """Take back every unused grant naming consumer ``c`` and tell each producer (REVOKE; it
+        is not passed over for it, §4.3a): the grant ids, by producer. The credits are the
+        caller's to keep or drop."""
+        revoked: dict[bytes, list[int]] = {}
+        ch = self.channels.get(c.channel)
+        if ch is None or not c.granted:
+            return revoked
+        for g in [self.grants[gid] for gid in ch.grants if self.grants[gid].consumer == c.rid]:
+            self._unlist(g)
+            c.granted -= 1
+            revoked.setdefault(g.producer, []).append(g.gid)
+        for producer, gids in revoked.items():
+            self._send(producer, Revoke(gids))
+        return revoked
 
     def _probe_choked(self, now: float) -> None:
         """Send each choked consumer whose wait is over an unasked PONG (a client ignores it, §6a);
@@ -1305,15 +1318,14 @@ class BrokerCore:
                             **limit.extra)
         g = self.grants.get(gid)
         if g is None or g.producer != c.rid:
+            if (c.rid, gid) in self.gone_grants:  # it crossed the REVOKE its consumer's end sent
+                self.gone_grants.discard((c.rid, gid))
+                self.stats.rejected += 1
+                raise ProtocolError("consumer_gone", f"the consumer of grant {gid} died before the handoff arrived")
             raise ProtocolError("unknown_grant", f"grant {gid} is not one this producer holds")
-        del self.grants[gid]  # a grant is used once, whatever the outcome
-        c.grants.pop(gid, None)
-        self._channel(g.channel).grants.pop(gid, None)
+        self._unlist(g)  # a grant is used once, whatever the outcome
         c.revoked = False  # it hands off: no longer passed over
-        consumer = self.clients.get(g.consumer)
-        if consumer is None or g.consumer_gone:
-            self.stats.rejected += 1
-            raise ProtocolError("consumer_gone", f"the consumer of grant {gid} died before the handoff arrived")
+        consumer = self.clients[g.consumer]  # registered: a consumer's grants go with its registration
         consumer.granted -= 1
         try:
             if (c.rid, hid) in self.by_handoff or (c.rid, hid) in self.orphans:
@@ -1541,14 +1553,16 @@ class BrokerCore:
 
     def _void_credits(self, c: Client) -> None:
         """Forget a client's queued credits and grants: a producer's grants give their consumers'
-        credits back (front of the queue); grants *for* a consumer must go to another consumer."""
+        credits back (front of the queue); grants *for* a consumer are revoked (REVOKE), so that
+        its producers ask again and a re-HELLO leaves no grant behind that no limit counts (a
+        consumer's HELLO and a producer's READY, over and over, would pile up grants)."""
         ch = self._channel(c.channel)
+        self._return_grants(c)
+        for producer, gids in self._revoke_naming(c).items():
+            for gid in gids:
+                self.gone_grants.add((producer, gid))
         ch.requests.pop(c.rid, None)
         ch.producers.pop(c.rid, None)
-        self._return_grants(c)
-        for g in self.grants.values():
-            if g.consumer == c.rid:
-                g.consumer_gone = True
         c.credits = c.granted = 0
 
     def _return_grants(self, producer: Client) -> None:
@@ -1558,6 +1572,13 @@ class BrokerCore:
 
     def _void_grant(self, g: Grant) -> None:
         """Forget grant ``g``; its consumer's credit goes back to the front of the queue."""
+        self._unlist(g)
+        consumer = self.clients[g.consumer]  # registered: a consumer's grants go with its registration
+        consumer.granted -= 1
+        self._queue_credits(consumer, 1, front=True)
+
+    def _unlist(self, g: Grant) -> None:
+        """Remove grant ``g`` from the broker's grants and its producer's and channel's indexes."""
         del self.grants[g.gid]
         ch = self.channels.get(g.channel)
         if ch is not None:
@@ -1565,10 +1586,6 @@ class BrokerCore:
         producer = self.clients.get(g.producer)
         if producer is not None:
             producer.grants.pop(g.gid, None)
-        consumer = self.clients.get(g.consumer)
-        if consumer is not None and not g.consumer_gone:
-            consumer.granted -= 1
-            self._queue_credits(consumer, 1, front=True)
 
     def _forget(self, c: Client) -> None:
         """Remove ``c``'s registration (credits, grants, channel membership, process count)."""
@@ -1799,8 +1816,9 @@ class BrokerCore:
             assert rid in self.clients and self.clients[rid].role == "consumer", f"{rid!r}: choked but no consumer"
         granted: dict[bytes, int] = {}
         for g in self.grants.values():
-            if not g.consumer_gone:
-                granted[g.consumer] = granted.get(g.consumer, 0) + 1
+            assert g.consumer in self.clients and self.clients[g.consumer].role == "consumer", \
+                f"grant {g.gid} names no registered consumer"
+            granted[g.consumer] = granted.get(g.consumer, 0) + 1
         for c in self.clients.values():
             assert c.credits >= 0 and c.granted == granted.get(c.rid, 0), f"credits or grants miscounted: {c}"
             if c.role == "consumer":
