@@ -19,7 +19,7 @@ from fakebroker import FakeBroker
 from hurray_ipc.client import Consumer, Producer
 from hurray_ipc.errors import ClosedError, HurrayTimeout
 from hurray_ipc.wire.ipc import decode_all
-from hurray_ipc.wire.messages import Error, Welcome
+from hurray_ipc.wire.messages import Error, Pong, Welcome
 
 WELCOME = Welcome(session="ab" * 8, heartbeat_ms=60_000, timeout_ms=120_000, fence_ms=120_000)
 
@@ -62,6 +62,11 @@ def test_credits_a_refusal_names_are_asked_again(fake: FakeBroker, role: str, re
         verb, n = _ask(fake)
         assert (verb, n) == (("REQUEST" if role == "consumer" else "READY"), 3)
         fake.say(refusal(verb, n))
+        if refusal is _carried_refusal:
+            # A limit would refuse an ask sent at once again, in a loop as fast as the round trip:
+            # the client asks again once something may have made room, here the next PONG.
+            assert not fake.router.poll(500), "asked again at once: a busy loop while the limit holds"
+            fake.say(Pong())
         assert _ask(fake) == (verb, 3), "the refused credits were asked again"
     finally:
         client.session.close()  # not client.close(): the fake answers no BYE or END

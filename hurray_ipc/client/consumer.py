@@ -637,6 +637,8 @@ class Consumer:
                                 what="fences")
         self.session = Session(endpoint, "consumer", channel, self._hello, self._dispatch,
                                heartbeat_s=heartbeat_s, timeout_s=timeout_s, poll=self._poll_releases)
+        self.session.on_pong.append(self.core.credits.retry)
+        self.session.on_welcome.append(self.core.credits.retry)
         self._label = consumer_label(self.session.client_id.encode())  # how producers name us (§1)
         self._kept_from: set[str] = set()  # producers that sent us kept mappings (spec §4.10)
 
@@ -786,7 +788,7 @@ class Consumer:
             self._unmap(msg)
         elif isinstance(msg, Error):
             err = RemoteError(msg.code, msg.message, msg.fields())
-            self.core.credits.answered(msg.refused_credits)  # asked again at the next want()
+            self.core.credits.refused(msg.refused_credits, msg.extra.get("limit"))  # asked again by want()
             if err.code in ("unknown_token", "already_released") and self.core.crossed(msg.token):
                 log.debug("RELEASE crossed PRODUCER_GONE: %s", err)  # expected: nothing to report
             else:

@@ -19,10 +19,14 @@ class Credits:
     def __init__(self, prefetch: int):
         self.prefetch = prefetch
         self.asked = 0
+        self.waiting = False  # a limit refused credits: ask for none until something made room
 
     def want(self, ready: int, *, at_least: int = 0) -> int:
         """How many more to ask for while ``ready`` answers wait unused: ``prefetch`` (or
-        ``at_least``, if more) less those and less what is asked already; never negative."""
+        ``at_least``, if more) less those and less what is asked already; never negative, and
+        none while :attr:`waiting`."""
+        if self.waiting:
+            return 0
         return max(0, max(self.prefetch, at_least) - ready - self.asked)
 
     def ask(self, n: int) -> None:
@@ -30,7 +34,10 @@ class Credits:
         self.asked += n
 
     def ask_for(self, ready: int) -> int:
-        """:meth:`want`, counted as asked at once: the caller sends that many (0: none)."""
+        """:meth:`want`, counted as asked at once: the caller sends that many (0: none). It
+        carries them on a RELEASE or HANDOFF, which makes room (a delivery or a grant fewer), so
+        it asks even while :attr:`waiting`."""
+        self.waiting = False
         n = self.want(ready)
         self.asked += n
         return n
@@ -39,6 +46,23 @@ class Credits:
         """``n`` were answered (a GRANT or DELIVER came) or will never be (the message that
         carried them was refused, or never left)."""
         self.asked = max(0, self.asked - n)
+        self.waiting = False
+
+    def refused(self, n: int, limit: object) -> None:
+        """The broker named ``n`` of them as not applied (spec §2): no longer asked. A limit's
+        refusal (``held``, ``queued_credits``) would come back for an ask sent at once, in a loop
+        as fast as the round trip (2,788 a second, measured): until something may have made room
+        (:meth:`retry`, an answer, or an ask carried on a RELEASE or HANDOFF) :meth:`want` asks
+        for none. The message rate's refusal is asked again at once (its allowance refills within
+        milliseconds)."""
+        self.asked = max(0, self.asked - n)
+        if n and limit != "message_rate":
+            self.waiting = True
+
+    def retry(self) -> None:
+        """Ask again at the next :meth:`want` (the session calls it at each PONG and WELCOME: once
+        a heartbeat while nothing else makes room)."""
+        self.waiting = False
 
     def reset(self) -> None:
         """None is asked any more (an ended producer)."""

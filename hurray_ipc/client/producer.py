@@ -278,6 +278,8 @@ class Producer:
         self.session = Session(endpoint, "producer", channel, self._hello, self._dispatch,
                                heartbeat_s=heartbeat_s, timeout_s=timeout_s, poll=self._settle)
         self.session.on_welcome.append(self._ask_again)
+        self.session.on_welcome.append(self.credits.retry)
+        self.session.on_pong.append(self.credits.retry)
 
     # --- broker messages -------------------------------------------------------------------
     @property
@@ -331,7 +333,7 @@ class Producer:
             self.grants.revoked(msg.grant_ids)
         elif isinstance(msg, Error):
             h = msg.fields()
-            self.credits.answered(msg.refused_credits)  # asked again at the next want()
+            self.credits.refused(msg.refused_credits, msg.extra.get("limit"))  # asked again by want()
             if h.get("ref") == "UNMAP" and h.get("request") in self._rounds:
                 self._unmap_refused(h["request"], msg)
                 return []

@@ -218,6 +218,7 @@ class Session:
         self.deferred: list[Callback] = []  # callbacks the owner queued outside a dispatch
         self.route: dict[str, Any] | None = None  # announced again after every WELCOME (set_route)
         self.on_welcome: list[Callable[[], None]] = []  # the owner's, called (under the lock) after every WELCOME
+        self.on_pong: list[Callable[[], None]] = []  # the owner's, called (under the lock) at every PONG
         self.route_key = ""
         # The owner's own work to check on every pump round (e.g. deferred releases); it returns
         # True while work is pending, and the pump then polls the socket briefly to come back soon.
@@ -326,6 +327,8 @@ class Session:
                 f()
             return
         if isinstance(msg, Pong):
+            for f in self.on_pong:
+                f()
             return
         if isinstance(msg, Shutdown):
             self.registered = False
