@@ -248,14 +248,24 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                                "                except ProtocolError:\n                    pass\n",
                                "tests/test_broker_core.py"),
     "refused-credits-unnamed": ("hurray_ipc/broker/core.py",
-                                "            if asked:  # a refused REQUEST or READY",
-                                "            if False:  # MUTANT: a refused REQUEST or READY",
+                                '            if asked and e.code != "not_registered":',
+                                "            if False:  # MUTANT: no credits named",
                                 "tests/test_broker_core.py", "tests/test_vectors_refusals.py"),
     "named-credits-ignored": ("hurray_ipc/wire/messages.py",
                               "        return v if type(v) is int and 0 < v <= MAX_CREDITS else 0\n",
                               "        return v if type(v) is int and v > 0 and self.extra.get(\"ref\") in "
                               "(\"REQUEST\", \"READY\") else 0  # MUTANT\n",
                               "tests/test_client_refusals.py"),
+    # A consumer's grants go with its registration, or a re-HELLO leaves them counted by no one.
+    "grants-left-at-re-hello": ("hurray_ipc/broker/core.py",
+                                "        for producer, gids in self._revoke_naming(c).items():\n",
+                                "        for producer, gids in {}.items():  # MUTANT: its grants stay\n",
+                                "tests/test_broker_core.py"),
+    # Credits a limit refused are not asked again at once: the two would loop while it holds.
+    "limit-refusal-asked-at-once": ("hurray_ipc/client/credits.py",
+                                    '        if n and limit != "message_rate":\n            self.waiting = True\n',
+                                    "        pass  # MUTANT: asked again at the next want()\n",
+                                    "tests/test_client_refusals.py"),
     # A BYE past the message rate: refused, its consumer stays registered holding its buffers.
     "bye-refused-past-rate": ("hurray_ipc/broker/core.py",
                               '        if len(msgs) == 1 and msgs[0].verb == "BYE":\n',
