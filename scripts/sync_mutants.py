@@ -256,11 +256,17 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                               "        return v if type(v) is int and v > 0 and self.extra.get(\"ref\") in "
                               "(\"REQUEST\", \"READY\") else 0  # MUTANT\n",
                               "tests/test_client_refusals.py"),
-    # A consumer's grants go with its registration, or a re-HELLO leaves them counted by no one.
-    "grants-left-at-re-hello": ("hurray_ipc/broker/core.py",
-                                "        for producer, gids in self._revoke_naming(c).items():\n",
-                                "        for producer, gids in {}.items():  # MUTANT: its grants stay\n",
-                                "tests/test_broker_core.py"),
+    # A producer holds at most MAX_CREDITS unused grants (grants for consumers gone count for no
+    # consumer), and is matched again once it holds fewer.
+    "producer-grants-uncapped": ("hurray_ipc/broker/core.py",
+                                 "                if c.credits > 0 and len(c.grants) < MAX_CREDITS:\n",
+                                 "                if c.credits > 0:  # MUTANT: grants pile up\n",
+                                 "tests/test_broker_core.py"),
+    "producer-cap-never-rematched": ("hurray_ipc/broker/core.py",
+                                     "                self._rechecks[g.channel] = min(self._rechecks.get(g.channel, "
+                                     "math.inf), self._now)\n",
+                                     "                pass  # MUTANT: its READY waits for something else\n",
+                                     "tests/test_broker_core.py"),
     # Credits a limit refused are not asked again at once: the two would loop while it holds.
     "limit-refusal-asked-at-once": ("hurray_ipc/client/credits.py",
                                     '        if n and limit != "message_rate":\n            self.waiting = True\n',

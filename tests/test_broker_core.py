@@ -1440,28 +1440,25 @@ def test_grants_count_against_a_consumers_credit_limits():
     core.check_invariants()
 
 
-def test_a_consumers_grants_go_with_its_registration():
-    """A consumer's re-HELLO left its old registration's grants on record, counted against no one
-    (a reviewer, 2026-12-07): its HELLO and a producer's READY of 4096, over and over, made 102,400
-    grants from 52 messages. They are revoked when the registration ends (REVOKE, the producer not
-    passed over), and a HANDOFF that crossed the REVOKE is refused consumer_gone, as before."""
+def test_a_producer_holds_at_most_4096_unused_grants():
+    """A consumer's re-HELLO left its old registration's grants on record (its producer may still
+    use one, refused consumer_gone), counted against no consumer (a reviewer, 2026-12-07): its HELLO
+    and a producer's READY of 4096, over and over, made 102,400 grants from 52 messages. A producer
+    holding MAX_CREDITS unused grants gets no more until it uses or loses some (spec §6a)."""
     core = _core()
     _hello(core, b"p", "producer", pid=5)
     first: list[int] = []
-    gids: list[int] = []
     for _ in range(25):
-        outs = _hello(core, b"c", "consumer", pid=6, credits=4096)
-        revokes = [(to, f["grant_ids"]) for to, verb, f in _sent(outs) if verb == "REVOKE"]
-        assert revokes == ([(b"p", gids)] if gids else [])
+        _hello(core, b"c", "consumer", pid=6, credits=4096)
         gids = _grant_ids(core.receive(b"p", frames("READY", {"credits": 4096}), 0.0))
         first = first or gids
-        assert len(gids) == 4096 and len(core.grants) == 4096
+        assert len(core.grants) == 4096 and len(gids) == (4096 if gids is first else 0)
     core.check_invariants()
     (err,) = _errors(_handoff(core, first[0]))
-    assert err["code"] == "consumer_gone"
-    (err,) = _errors(_handoff(core, first[0], hid=2))
-    assert err["code"] == "unknown_grant", "a grant is used once"
-    assert not core.clients[b"p"].revoked
+    assert err["code"] == "consumer_gone", "the consumer it names left: refused as before"
+    # One used: the producer's READY that waited takes a grant at the next tick.
+    assert [(to, f["consumer_id"]) for to, verb, f in _tick(core, 0.01) if verb == "GRANT"] == [
+        (b"p", BrokerCore.label_of(b"c"))]
     core.check_invariants()
 
 
@@ -1533,6 +1530,24 @@ def test_a_choked_consumers_unused_grants_are_revoked_without_passing_their_prod
     assert _grants_to(core.receive(b"good", frames("REQUEST", {"credits": 1}), 0.0)) == [b"q"]
     core.receive(b"q", frames("READY", {"credits": 1}), 0.0)
     assert _grants_to(core.receive(b"good", frames("REQUEST", {"credits": 1}), 0.0)) == [b"p"]
+    core.check_invariants()
+
+
+def test_a_choke_revokes_the_grants_of_the_consumers_registration_only():
+    """Grants made for an earlier registration of the same consumer (before its re-HELLO) are
+    not its credits any more: a HANDOFF on one is refused consumer_gone, and a choke leaves them."""
+    core = _core()
+    _hello(core, b"p", "producer", pid=5)
+    _hello(core, b"c", "consumer", pid=6, credits=2)
+    old = _grant_ids(core.receive(b"p", frames("READY", {"credits": 2}), 0.0))
+    _hello(core, b"c", "consumer", pid=6, credits=1)
+    new = _grant_ids(core.receive(b"p", frames("READY", {"credits": 1}), 0.0))
+    assert len(old) == 2 and len(new) == 1
+    assert _sent(core.undeliverable(b"c", Message("PONG", {}), "full")) == [(b"p", "REVOKE", {"grant_ids": new})]
+    assert core.clients[b"c"].credits == 1
+    core.check_invariants()
+    (err,) = _errors(_handoff(core, old[0]))
+    assert err["code"] == "consumer_gone"
     core.check_invariants()
 
 

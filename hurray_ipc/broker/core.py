@@ -269,13 +269,16 @@ class Grant:
     consumer: bytes
     channel: str
     issued: float = 0.0
+    consumer_gone: bool = False
 
-    def __init__(self, gid: int, producer: bytes, consumer: bytes, channel: str, issued: float = 0.0) -> None:
+    def __init__(self, gid: int, producer: bytes, consumer: bytes, channel: str, issued: float = 0.0,
+                 consumer_gone: bool = False) -> None:
         self.gid = gid
         self.producer = producer
         self.consumer = consumer
         self.channel = channel
         self.issued = issued
+        self.consumer_gone = consumer_gone
 
 
 @dataclass(init=False)
@@ -450,9 +453,6 @@ class BrokerCore:
         self.claims: dict[bytes, dict[int, list[Delivery]]] = {}
         self.claim_of: dict[tuple[bytes, str], Delivery] = {}
         self.withdrawn = _Recent(_RELEASED_MEMORY)  # (consumer, token) of claims released undecided
-        # (producer, grant id) of grants revoked because their consumer's registration ended: a
-        # HANDOFF that crossed the REVOKE is refused consumer_gone, as before the grant went (§4.5).
-        self.gone_grants = _Recent(_RELEASED_MEMORY)
         self.per_process: dict[str, int] = {}
         # Random start: a grant id a client kept from a previous broker never names one of ours.
         self._gids = itertools.count(int.from_bytes(entropy(5), "little") << 8)
@@ -914,7 +914,8 @@ class BrokerCore:
         ch = self.channels.get(c.channel)
         if ch is None or not c.granted:
             return revoked
-        for g in [self.grants[gid] for gid in ch.grants if self.grants[gid].consumer == c.rid]:
+        for g in [self.grants[gid] for gid in ch.grants
+                  if self.grants[gid].consumer == c.rid and not self.grants[gid].consumer_gone]:
             self._unlist(g)
             c.granted -= 1
             revoked.setdefault(g.producer, []).append(g.gid)
@@ -1210,7 +1211,9 @@ class BrokerCore:
             first_ready: bytes | None = None
             for rid in ch.producers:
                 c = self.clients[rid]
-                if c.credits > 0:
+                # At MAX_CREDITS unused grants a producer waits (they name consumers that left, or
+                # it never uses them), or grants for consumers gone would pile up without bound.
+                if c.credits > 0 and len(c.grants) < MAX_CREDITS:
                     if not self._passed_over(c, idle_since):
                         producer = rid
                         break
@@ -1248,8 +1251,8 @@ class BrokerCore:
         if oldest.issued >= idle_since:  # scheduled whether or not a producer waits: no walk per handoff
             self._rechecks[name] = min(self._rechecks.get(name, math.inf), oldest.issued + self.heartbeat_s)
             return False
-        if not any(self.clients[r].credits > 0 and not self._passed_over(self.clients[r], idle_since)
-                   for r in ch.producers):
+        if not any(self.clients[r].credits > 0 and len(self.clients[r].grants) < MAX_CREDITS
+                   and not self._passed_over(self.clients[r], idle_since) for r in ch.producers):
             return False
         self._revoke(oldest)
         return True
@@ -1318,14 +1321,13 @@ class BrokerCore:
                             **limit.extra)
         g = self.grants.get(gid)
         if g is None or g.producer != c.rid:
-            if (c.rid, gid) in self.gone_grants:  # it crossed the REVOKE its consumer's end sent
-                self.gone_grants.discard((c.rid, gid))
-                self.stats.rejected += 1
-                raise ProtocolError("consumer_gone", f"the consumer of grant {gid} died before the handoff arrived")
             raise ProtocolError("unknown_grant", f"grant {gid} is not one this producer holds")
         self._unlist(g)  # a grant is used once, whatever the outcome
         c.revoked = False  # it hands off: no longer passed over
-        consumer = self.clients[g.consumer]  # registered: a consumer's grants go with its registration
+        consumer = self.clients.get(g.consumer)
+        if consumer is None or g.consumer_gone:
+            self.stats.rejected += 1
+            raise ProtocolError("consumer_gone", f"the consumer of grant {gid} died before the handoff arrived")
         consumer.granted -= 1
         try:
             if (c.rid, hid) in self.by_handoff or (c.rid, hid) in self.orphans:
@@ -1553,16 +1555,17 @@ class BrokerCore:
 
     def _void_credits(self, c: Client) -> None:
         """Forget a client's queued credits and grants: a producer's grants give their consumers'
-        credits back (front of the queue); grants *for* a consumer are revoked (REVOKE), so that
-        its producers ask again and a re-HELLO leaves no grant behind that no limit counts (a
-        consumer's HELLO and a producer's READY, over and over, would pile up grants)."""
+        credits back (front of the queue); grants *for* a consumer must go to another consumer
+        (a HANDOFF on one is refused consumer_gone, and the producer sends it again)."""
         ch = self._channel(c.channel)
-        self._return_grants(c)
-        for producer, gids in self._revoke_naming(c).items():
-            for gid in gids:
-                self.gone_grants.add((producer, gid))
         ch.requests.pop(c.rid, None)
         ch.producers.pop(c.rid, None)
+        self._return_grants(c)
+        if c.granted:
+            for gid in ch.grants:
+                g = self.grants[gid]
+                if g.consumer == c.rid:
+                    g.consumer_gone = True
         c.credits = c.granted = 0
 
     def _return_grants(self, producer: Client) -> None:
@@ -1573,18 +1576,23 @@ class BrokerCore:
     def _void_grant(self, g: Grant) -> None:
         """Forget grant ``g``; its consumer's credit goes back to the front of the queue."""
         self._unlist(g)
-        consumer = self.clients[g.consumer]  # registered: a consumer's grants go with its registration
-        consumer.granted -= 1
-        self._queue_credits(consumer, 1, front=True)
+        consumer = self.clients.get(g.consumer)
+        if consumer is not None and not g.consumer_gone:
+            consumer.granted -= 1
+            self._queue_credits(consumer, 1, front=True)
 
     def _unlist(self, g: Grant) -> None:
-        """Remove grant ``g`` from the broker's grants and its producer's and channel's indexes."""
+        """Remove grant ``g`` from the broker's grants and its producer's and channel's indexes. A
+        producer at MAX_CREDITS unused grants was passed over (:meth:`_match`): with one fewer,
+        its channel is matched again at the next tick."""
         del self.grants[g.gid]
         ch = self.channels.get(g.channel)
         if ch is not None:
             ch.grants.pop(g.gid, None)
         producer = self.clients.get(g.producer)
         if producer is not None:
+            if len(producer.grants) == MAX_CREDITS and producer.credits:
+                self._rechecks[g.channel] = min(self._rechecks.get(g.channel, math.inf), self._now)
             producer.grants.pop(g.gid, None)
 
     def _forget(self, c: Client) -> None:
@@ -1816,15 +1824,14 @@ class BrokerCore:
             assert rid in self.clients and self.clients[rid].role == "consumer", f"{rid!r}: choked but no consumer"
         granted: dict[bytes, int] = {}
         for g in self.grants.values():
-            assert g.consumer in self.clients and self.clients[g.consumer].role == "consumer", \
-                f"grant {g.gid} names no registered consumer"
-            granted[g.consumer] = granted.get(g.consumer, 0) + 1
+            if not g.consumer_gone:
+                granted[g.consumer] = granted.get(g.consumer, 0) + 1
         for c in self.clients.values():
             assert c.credits >= 0 and c.granted == granted.get(c.rid, 0), f"credits or grants miscounted: {c}"
             if c.role == "consumer":
                 assert c.held + c.credits + c.granted <= MAX_HELD, f"credits out of range: {c}"
             else:
-                assert c.credits <= MAX_CREDITS, f"credits out of range: {c}"
+                assert c.credits <= MAX_CREDITS and len(c.grants) <= MAX_CREDITS, f"credits out of range: {c}"
             assert c.channel in self.channels, f"{c.rid!r}: channel {c.channel!r} missing"
             assert c.rid in self.channels[c.channel].members, f"{c.rid!r}: not a member of {c.channel!r}"
             if c.role == "consumer":
