@@ -851,7 +851,8 @@ class BrokerCore:
         (not this) decides whether it is gone, and its re-HELLO resynchronises what it holds.
         A DELIVER that did not leave never reached its consumer: the buffer goes back to its
         producer (RELEASED, reason ``undelivered: <why>``) and the consumer's credit, which it
-        still counts as asked, goes back to the end of its channel's queue (spec §1)."""
+        still counts as asked, back to the consumer. A consumer a send to which failed as full or
+        unreachable is choked (:meth:`_choke`, spec §1): its credits wait unqueued for a probe."""
         d = self.deliveries.get(msg.token) if isinstance(msg, Deliver) else None
         c = self.clients.get(rid)
         if c is not None and c.role == "consumer" and why in ("full", "unreachable"):
@@ -1188,7 +1189,7 @@ class BrokerCore:
     def _check_queued(self, c: Client, n: int) -> None:
         """A consumer's grants count as queued: granted, a credit is not yet answered, and would
         otherwise escape every limit (a REQUEST and a READY of 4096 each, over and over, made
-        200,000 grants from 100 messages)."""
+        204,800 grants from 100 messages)."""
         if c.credits + c.granted + n > MAX_CREDITS:
             self._limit(f"a client may have at most {MAX_CREDITS} credits queued or granted unused (it has "
                         f"{c.credits + c.granted} and asked for {n} more); nothing was added", "queued_credits",
