@@ -349,7 +349,7 @@ def test_a_peer_that_stops_reading_is_counted_and_granted_nothing_until_it_reads
     producer.send("READY", {"credits": 2})
     good.send("HELLO", {"protocol": 2, "role": "consumer", "channel": "ch", "pid": os.getpid(),
                         "endpoint": endpoint_dict(os.getpid()), "credits": 1})
-    grant, _ = producer.expect("GRANT")  # the deaf consumer's credits were queued first
+    grant, _ = producer.expect("GRANT")  # the deaf consumer asked first, but is choked
     assert grant["consumer_id"] == BrokerCore.label_of(b"good")
     good.send("BYE", {})  # its grant, unused, is revoked after the timeout: no credit goes back
     # The deaf consumer reads again: its queue drains, a probe gets through and its credits are
