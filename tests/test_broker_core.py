@@ -1479,6 +1479,32 @@ def test_grants_count_against_what_a_consumer_may_hold():
     core.check_invariants()
 
 
+def test_hello_credits_past_what_a_consumer_may_hold_are_named_after_the_welcome():
+    """A HELLO's credits past ``held`` were queued only up to it, silently: the client counted the
+    rest as asked, and one re-registering while it held close to 8192 could ask for nothing more.
+    The rest is named (ERROR limit_exceeded, credits) after the WELCOME, so the client counts them
+    as not asked (spec §6a)."""
+    core = _core()
+    _hello(core, b"p", "producer", pid=5)
+    _hello(core, b"c", "consumer", pid=6)
+    for i in range(66):  # 4224 deliveries held
+        core.receive(b"c", frames("REQUEST", {"credits": 64}), 0.0)
+        gids = _grant_ids(core.receive(b"p", frames("READY", {"credits": 64}), 0.0))
+        core.receive(b"p", encode_batch([Message("HANDOFF", {"grant_id": g, "handoff_id": 64 * i + j, "offset": 0},
+                                                 {"handle": cpu_handle(), "memory": b"M" * 64})
+                                         for j, g in enumerate(gids)]), 0.0)
+    held = [{"token": d.token, "producer_id": "p", "handoff_id": d.handoff_id, "event_pending": False}
+            for d in core.deliveries.values()]
+    outs = _hello(core, b"c", "consumer", pid=6, credits=4096, held=held)
+    verbs = [o.msg.verb for o in outs if isinstance(o, Send)]
+    assert verbs == ["WELCOME", "ERROR"], verbs
+    (err,) = _errors(outs)
+    assert (err["code"], err["ref"], err["limit"], err["credits"]) == ("limit_exceeded", "HELLO", "held", 128)
+    c = core.clients[b"c"]
+    assert (c.held, c.credits) == (4224, 8192 - 4224)
+    core.check_invariants()
+
+
 def test_a_bounced_delivers_credit_comes_back_whatever_the_limits():
     """The credit of a DELIVER that could not be sent went back through the REQUEST limits: with
     4096 queued already, the limit refused it and the credit was lost, while the consumer counted

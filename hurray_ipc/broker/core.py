@@ -995,13 +995,22 @@ class BrokerCore:
             if ended:
                 c.credits = 0  # an ended producer asks for nothing
             self._restore_outstanding(c, msg.outstanding, now)
-        else:
+        unqueued = 0
+        if role == "consumer":
             self._restore_held(c, msg.held, now)
             c.credits = 0  # the HELLO's credits are queued (the Client was built with them)
-            self._queue_credits(c, min(credits, MAX_HELD - c.held))
+            unqueued = max(0, credits - (MAX_HELD - c.held))
+            self._queue_credits(c, credits - unqueued)
         self._send(rid, Welcome(session=self.session, heartbeat_ms=int(self.heartbeat_s * 1000),
                                 timeout_ms=int(self.timeout_s * 1000), fence_ms=int(self.fence_s * 1000),
                                 kept_mappings=True))
+        if unqueued:
+            # Past what it may hold: named, after the WELCOME, so that the client counts them as
+            # not asked (§2, §6a); it asks again once it released some.
+            self._error(rid, "limit_exceeded", f"a consumer may hold at most {MAX_HELD} deliveries and credits not "
+                        f"yet delivered (it holds {c.held} and declared {credits} credits): {unqueued} of them were "
+                        "not queued", charge=False, ref="HELLO", field="credits", limit="held",
+                        value=c.held + credits, credits=unqueued)
         for key in list(self.awaited_in.get(rid, ())):  # it thought us gone: an UNMAP may not have reached it
             r = self.unmaps[key]
             if c.kept_mappings:
