@@ -1462,16 +1462,23 @@ def test_a_producer_holds_at_most_4096_unused_grants():
     core.check_invariants()
 
 
-def test_grants_count_against_what_a_consumer_may_hold():
+def _holding_many(batches: int) -> BrokerCore:
+    """Producer ``p`` and consumer ``c`` registered; ``c`` holds ``batches`` x 64 deliveries of ``p``."""
     core = _core()
     _hello(core, b"p", "producer", pid=5)
     _hello(core, b"c", "consumer", pid=6)
-    for i in range(66):  # 4224 deliveries held
+    for i in range(batches):
         core.receive(b"c", frames("REQUEST", {"credits": 64}), 0.0)
         gids = _grant_ids(core.receive(b"p", frames("READY", {"credits": 64}), 0.0))
         core.receive(b"p", encode_batch([Message("HANDOFF", {"grant_id": g, "handoff_id": 64 * i + j, "offset": 0},
                                                  {"handle": cpu_handle(), "memory": b"M" * 64})
                                          for j, g in enumerate(gids)]), 0.0)
+    assert core.clients[b"c"].held == 64 * batches
+    return core
+
+
+def test_grants_count_against_what_a_consumer_may_hold():
+    core = _holding_many(66)
     core.receive(b"c", frames("REQUEST", {"credits": 3900}), 0.0)
     assert len(_grant_ids(core.receive(b"p", frames("READY", {"credits": 4000}), 0.0))) == 3900
     (err,) = _errors(core.receive(b"c", frames("REQUEST", {"credits": 100}), 0.0))
@@ -1484,15 +1491,7 @@ def test_hello_credits_past_what_a_consumer_may_hold_are_named_after_the_welcome
     rest as asked, and one re-registering while it held close to 8192 could ask for nothing more.
     The rest is named (ERROR limit_exceeded, credits) after the WELCOME, so the client counts them
     as not asked (spec §6a)."""
-    core = _core()
-    _hello(core, b"p", "producer", pid=5)
-    _hello(core, b"c", "consumer", pid=6)
-    for i in range(66):  # 4224 deliveries held
-        core.receive(b"c", frames("REQUEST", {"credits": 64}), 0.0)
-        gids = _grant_ids(core.receive(b"p", frames("READY", {"credits": 64}), 0.0))
-        core.receive(b"p", encode_batch([Message("HANDOFF", {"grant_id": g, "handoff_id": 64 * i + j, "offset": 0},
-                                                 {"handle": cpu_handle(), "memory": b"M" * 64})
-                                         for j, g in enumerate(gids)]), 0.0)
+    core = _holding_many(66)
     held = [{"token": d.token, "producer_id": "p", "handoff_id": d.handoff_id, "event_pending": False}
             for d in core.deliveries.values()]
     outs = _hello(core, b"c", "consumer", pid=6, credits=4096, held=held)
