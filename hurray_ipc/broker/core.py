@@ -900,29 +900,31 @@ class BrokerCore:
         self.stats.consumers_choked += 1
         self._channel(c.channel).requests.pop(c.rid, None)
         revoked = self._revoke_naming(c)
-        self._queue_credits(c, sum(map(len, revoked.values())))  # kept, not queued: it is choked
+        self._queue_credits(c, revoked)  # kept, not queued: it is choked
         n = self.stats.consumers_choked
         if n & (n - 1) == 0 or n % 1000 == 0:  # as send_failed: a client choked over and over must not flood the log
             self._note(logging.WARNING, {"event": "consumer_choked", "client": c.rid_text[:32], "channel": c.channel,
-                                         "credits": c.credits, "grants_revoked": sum(map(len, revoked.values())),
-                                         "consumers_choked": n})
+                                         "credits": c.credits, "grants_revoked": revoked, "consumers_choked": n})
 
-    def _revoke_naming(self, c: Client) -> dict[bytes, list[int]]:
+    def _revoke_naming(self, c: Client) -> int:
         """Take back every unused grant naming consumer ``c`` and tell each producer (REVOKE; it
-        is not passed over for it, §4.3a): the grant ids, by producer. The credits are the
-        caller's to keep or drop."""
+        is not passed over for it, §4.3a): how many. The credits are the caller's to keep or drop."""
         revoked: dict[bytes, list[int]] = {}
-        ch = self.channels.get(c.channel)
-        if ch is None or not c.granted:
-            return revoked
-        for g in [self.grants[gid] for gid in ch.grants
-                  if self.grants[gid].consumer == c.rid and not self.grants[gid].consumer_gone]:
+        for g in self._grants_naming(c):
             self._unlist(g)
             c.granted -= 1
             revoked.setdefault(g.producer, []).append(g.gid)
         for producer, gids in revoked.items():
             self._send(producer, Revoke(gids))
-        return revoked
+        return sum(map(len, revoked.values()))
+
+    def _grants_naming(self, c: Client) -> list[Grant]:
+        """The unused grants of ``c``'s channel that name consumer ``c`` and count in its
+        ``granted`` (not yet marked ``consumer_gone``)."""
+        ch = self.channels.get(c.channel)
+        if ch is None or not c.granted:
+            return []
+        return [g for g in map(self.grants.__getitem__, ch.grants) if g.consumer == c.rid and not g.consumer_gone]
 
     def _probe_choked(self, now: float) -> None:
         """Send each choked consumer whose wait is over an unasked PONG (a client ignores it, §6a);
@@ -1571,11 +1573,8 @@ class BrokerCore:
         ch.requests.pop(c.rid, None)
         ch.producers.pop(c.rid, None)
         self._return_grants(c)
-        if c.granted:
-            for gid in ch.grants:
-                g = self.grants[gid]
-                if g.consumer == c.rid:
-                    g.consumer_gone = True
+        for g in self._grants_naming(c):
+            g.consumer_gone = True
         c.credits = c.granted = 0
 
     def _return_grants(self, producer: Client) -> None:
