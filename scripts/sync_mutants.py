@@ -288,6 +288,20 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                       '        self._release(d, "consumer_fenced")\n',
                       '        self._release(d, "consumer_gone")  # MUTANT: a fenced consumer counts as dead\n',
                       *FENCING),
+    # The hold bound (ipc-protocol.md 5): a delivery held past it is fenced (its producer retires
+    # the buffer), never given back as if its consumer were gone, and never left held for ever.
+    "hold-fence-as-gone": ("hurray_ipc/broker/core.py",
+                           "                self._fence(d)\n            self._note(",
+                           '                self._release(d, "consumer_gone")  # MUTANT: reusable at once\n'
+                           "            self._note(",
+                           "tests/test_fencing.py::test_a_consumer_holding_past_the_hold_bound_never_reads_memory_its_"
+                           "producer_reused", "tests/test_broker_core.py"),
+    "hold-never": ("hurray_ipc/broker/core.py",
+                   "        if self.hold_s is not None:\n",
+                   "        if False:  # MUTANT: no hold bound\n",
+                   "tests/test_broker_core.py",
+                   "tests/test_fencing.py::test_a_consumer_holding_past_the_hold_bound_never_reads_memory_its_"
+                   "producer_reused"),
     "fence-event-released": ("hurray_ipc/broker/core.py",
                              "        d.event_pending = False\n        self._release(d, \"consumer_fenced\")\n",
                              "        self._release(d, \"consumer_fenced\")  # MUTANT: EVENT_RELEASED too\n",

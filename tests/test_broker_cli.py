@@ -133,6 +133,12 @@ def test_daemon_and_stop_need_an_ipc_endpoint(option):
     assert r.returncode == 2 and "needs an ipc:// endpoint, not tcp://127.0.0.1:5555" in one_line(r, "stderr")
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan"])
+def test_a_hold_bound_that_is_not_a_positive_number_of_seconds_is_refused(value, tmp_path):
+    r = hurray_broker("--hold", value, "--endpoint", f"ipc://{tmp_path}/b.sock")
+    assert r.returncode == 2 and f"--hold {float(value)} must be a positive number of seconds" in r.stderr
+
+
 # --- a second broker ----------------------------------------------------------------------------------
 
 def test_second_broker_on_a_live_endpoint_is_one_line_exit_1(broker):

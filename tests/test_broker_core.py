@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import os
 import struct
 from typing import Any
@@ -76,6 +77,8 @@ class View:
 
 
 class BrokerMachine(RuleBasedStateMachine):
+    hold_s: float | None = None  # no hold bound (the default): see BrokerMachineWithHold
+
     def __init__(self) -> None:
         super().__init__()
         self.now = 1000.0
@@ -100,7 +103,7 @@ class BrokerMachine(RuleBasedStateMachine):
         n = itertools.count(1)
         # A fence a few timeouts long, so that silent holders are fenced within a run (spec §5).
         return BrokerCore(host=HOST, timeout_s=TIMEOUT, session=f"{self.brokers:016x}",
-                          token=lambda: f"{next(n):032x}", fence_s=3 * TIMEOUT)
+                          token=lambda: f"{next(n):032x}", fence_s=3 * TIMEOUT, hold_s=self.hold_s)
 
     def feed(self, outs: list) -> None:
         for o in outs:
@@ -432,6 +435,31 @@ TestBrokerCore.settings = settings(max_examples=EXAMPLES, stateful_step_count=40
                                    suppress_health_check=[HealthCheck.too_slow])
 
 
+
+class BrokerMachineWithHold(BrokerMachine):
+    """The same steps against a broker with a hold bound (spec §5) shorter than the fence: held
+    deliveries are fenced while their consumers live, speak and stay registered, and every check
+    of the machine holds (a handoff ends once for each side, never RELEASED while a registered
+    consumer holds it, everything owed comes back)."""
+
+    hold_s = TIMEOUT / 2
+
+    # Steps of a tenth of a timeout: floats() draws mostly 0 and tiny values, past the bound rarely.
+    @rule(who=st.sampled_from(PRODUCERS), dt=st.integers(0, 9).map(lambda k: k * TIMEOUT / 10))
+    def hand_off_and_speak_while_time_passes(self, who: bytes, dt: float) -> None:
+        """A handoff, then every registered client speaks (PING) and less than a timeout passes:
+        what ends a delivery then is the hold bound, never silence."""
+        self.handoff(who, "ok")
+        for rid, v in self.views.items():
+            if v.registered and rid in self.core.clients:
+                self.send(rid, "PING", {})
+        self.time_passes(dt)
+
+
+TestBrokerCoreWithHold = BrokerMachineWithHold.TestCase
+TestBrokerCoreWithHold.settings = TestBrokerCore.settings
+
+
 # --- direct checks of single rules ------------------------------------------------------------
 
 def _core() -> BrokerCore:
@@ -679,6 +707,106 @@ def test_an_unclaimed_handoff_after_a_restart_comes_back_fenced_not_gone():
     assert not _sent(core.tick(TIMEOUT - 0.01, lambda c: True))
     assert _sent(core.tick(TIMEOUT, lambda c: True)) == [
         (b"p", "RELEASED", {"handoff_id": 3, "reason": "consumer_fenced"})]
+    core.check_invariants()
+
+
+HOLD = 2.0  # the hold bound of the tests below: shorter than the fence, longer than a tick
+
+
+def _hold_core() -> BrokerCore:
+    return BrokerCore(host=HOST, timeout_s=TIMEOUT, hold_s=HOLD)
+
+
+def _ping_both(core: BrokerCore, now: float) -> None:
+    """Producer and consumer speak: whatever the tick does then is not about silence."""
+    for rid in (b"p", b"c"):
+        assert not _errors(core.receive(rid, frames("PING", {}), now))
+
+
+def test_a_delivery_held_past_the_hold_bound_is_fenced_though_its_consumer_lives_and_speaks():
+    """Spec §5, hold bound: a delivery its consumer holds longer than ``hold_s`` is fenced, however
+    live and talkative the consumer: it is told PRODUCER_GONE ``fenced`` first, then the producer
+    gets RELEASED ``consumer_fenced`` (never ``consumer_gone`` or ``released``, which allow reuse
+    while the consumer may still read) and no EVENT_RELEASED (its wait may not have been issued).
+    Never before the bound. The consumer stays registered; its RELEASE crossing the PRODUCER_GONE
+    is refused without charge, once."""
+    core = _hold_core()
+    token = _event_handoff(core)  # bound at time 0
+    _ping_both(core, HOLD)
+    assert not _sent(core.tick(HOLD, lambda c: True)), "fenced at the bound, not past it"
+    assert core.deliveries[token].consumer == b"c"
+    _ping_both(core, HOLD + 0.01)
+    sent = _sent(core.tick(HOLD + 0.01, lambda c: True))
+    assert sent == [(b"c", "PRODUCER_GONE", {"tokens": [token], "reason": "fenced"}),
+                    (b"p", "RELEASED", {"handoff_id": 1, "reason": "consumer_fenced"})]
+    assert b"c" in core.clients and core.clients[b"c"].held == 0 and not core.deliveries
+    assert core.stats.holds_fenced == 1 and core.stats.consumers_fenced == 0
+    c = core.clients[b"c"]
+    before = c.allowance
+    (err,) = _errors(core.receive(b"c", frames("RELEASE", {"token": token}), HOLD + 0.01))
+    assert err["code"] == "already_released" and c.allowance == before - 1, "a crossing RELEASE is not charged"
+    (err,) = _errors(core.receive(b"c", frames("RELEASE", {"token": token}), HOLD + 0.01))
+    assert err["code"] == "already_released" and c.allowance == before - 11, "a second one is (1 + 9)"
+    core.check_invariants()
+
+
+def test_the_hold_bound_fences_only_the_deliveries_held_past_it():
+    """Two deliveries bound a second apart: the tick between their bounds fences the older alone,
+    the next one the other; each consumer is told in one PRODUCER_GONE."""
+    core = _hold_core()
+    _hello(core, b"p", "producer", pid=5)
+    _hello(core, b"c", "consumer", pid=6, credits=2)
+    gids = _grant_ids(core.receive(b"p", frames("READY", {"credits": 2}), 0.0))
+    tokens = [[o.msg.fields()["token"] for o in _handoff(core, gid, now, hid=hid) if o.msg.verb == "DELIVER"][0]
+              for gid, hid, now in zip(gids, (1, 2), (0.0, 1.0), strict=True)]
+    _ping_both(core, HOLD + 0.5)
+    assert _sent(core.tick(HOLD + 0.5, lambda c: True)) == [
+        (b"c", "PRODUCER_GONE", {"tokens": tokens[:1], "reason": "fenced"}),
+        (b"p", "RELEASED", {"handoff_id": 1, "reason": "consumer_fenced"})]
+    assert list(core.deliveries) == tokens[1:]
+    _ping_both(core, HOLD + 1.5)
+    assert _sent(core.tick(HOLD + 1.5, lambda c: True)) == [
+        (b"c", "PRODUCER_GONE", {"tokens": tokens[1:], "reason": "fenced"}),
+        (b"p", "RELEASED", {"handoff_id": 2, "reason": "consumer_fenced"})]
+    assert core.stats.holds_fenced == 2
+    core.check_invariants()
+
+
+def test_without_a_hold_bound_a_live_consumer_holds_as_long_as_it_likes():
+    """No ``hold_s`` (the default): nothing is fenced for holding, and WELCOME carries no hold_ms;
+    with one, WELCOME says it in milliseconds (spec §2)."""
+    core = _core()
+    token = _event_handoff(core)
+    for now in (HOLD + 1, 100 * TIMEOUT):
+        _ping_both(core, now)
+        assert not _sent(core.tick(now, lambda c: True))
+    assert core.deliveries[token].consumer == b"c"
+    welcome = [o.msg.fields() for o in _hello(core, b"x", "consumer", pid=9) if o.msg.verb == "WELCOME"]
+    assert "hold_ms" not in welcome[0]
+    welcome = [o.msg.fields() for o in _hello(_hold_core(), b"x", "consumer", pid=9) if o.msg.verb == "WELCOME"]
+    assert welcome[0]["hold_ms"] == 2000
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="hold_s"):
+            BrokerCore(host=HOST, timeout_s=TIMEOUT, hold_s=bad)
+
+
+def test_a_claim_adopted_after_a_restart_is_held_from_its_adoption():
+    """A consumer claims a handoff after a broker restart (§6); its producer registers later and
+    adopts the claim. The hold bound counts from the adoption, not from the claim, so the
+    consumer gets its full ``hold_s`` from when the handoff is bound to it again."""
+    core = BrokerCore(host=HOST, timeout_s=TIMEOUT, hold_s=TIMEOUT / 2)
+    honest = "1b" * 24
+    _claim(core, b"c", honest, pid=12, now=0.0)
+    h = {"protocol": PROTOCOL_VERSION, "role": "producer", "channel": "ch", "pid": 10, "endpoint": endpoint(10),
+         "outstanding": [{"handoff_id": 7, "consumer_id": BrokerCore.label_of(b"c")}]}
+    core.receive(b"p", frames("HELLO", h), 0.9 * TIMEOUT)
+    assert core.deliveries[honest].consumer == b"c"
+    _ping_both(core, 1.2 * TIMEOUT)
+    assert not _sent(core.tick(1.2 * TIMEOUT, lambda c: True)), "fenced for the time it waited as a claim"
+    _ping_both(core, 1.5 * TIMEOUT)
+    assert _sent(core.tick(1.5 * TIMEOUT, lambda c: True)) == [
+        (b"c", "PRODUCER_GONE", {"tokens": [honest], "reason": "fenced"}),
+        (b"p", "RELEASED", {"handoff_id": 7, "reason": "consumer_fenced"})]
     core.check_invariants()
 
 

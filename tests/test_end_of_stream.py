@@ -117,10 +117,16 @@ class Driver:
         raise NotImplementedError
 
 
+def hold_s(scenario: dict[str, Any]) -> float | None:
+    """The hold bound a scenario's broker must have (its 'broker': {'hold_ms': N}), or None."""
+    ms = scenario.get("broker", {}).get("hold_ms")
+    return None if ms is None else ms / 1000
+
+
 class CoreDriver(Driver):
-    def __init__(self) -> None:
+    def __init__(self, hold: float | None = None) -> None:
         super().__init__()
-        self.core = BrokerCore(host=HOST)
+        self.core = BrokerCore(host=HOST, hold_s=hold)
         self.now = 0.0
 
     def step(self, who: str, acts: list[dict[str, Any]], expect: dict[str, Any]) -> dict[str, list[Message]]:
@@ -296,7 +302,7 @@ def play(d: Driver, scenario: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("scenario", VEC, ids=[s["name"] for s in VEC])
 def test_vector_on_the_core(scenario):
-    play(CoreDriver(), scenario)
+    play(CoreDriver(hold_s(scenario)), scenario)
 
 
 @pytest.fixture
@@ -308,16 +314,22 @@ def quick_broker(tmp_path):
     b.stop()
 
 
-def test_vectors_on_a_live_broker(quick_broker):
-    broker = quick_broker
+def test_vectors_on_a_live_broker(quick_broker, tmp_path):
+    """Every scenario on a live broker: those without broker settings one after another on one
+    broker, each that needs a hold bound on a broker of its own started with it (--hold)."""
     ctx = zmq.Context()
     try:
         for i, scenario in enumerate(VEC):
+            hold = hold_s(scenario)
+            broker = quick_broker if hold is None else BrokerProcess(
+                f"ipc://{tmp_path}/hold{i}.sock", timeout=1.0, extra_args=["--hold", str(hold)]).start()
             d = LiveDriver(broker.endpoint, ctx, i)
             try:
                 play(d, scenario)
             finally:
                 d.close()
+                if broker is not quick_broker:
+                    broker.stop()
     finally:
         ctx.destroy(linger=0)
 

@@ -1,7 +1,9 @@
 """Fencing (spec §5): a consumer that lives but stays silent past the broker's fence while it holds
-a buffer loses the buffer, and can never read memory its producer reused.
+a buffer loses the buffer, and can never read memory its producer reused; so does one that holds
+a buffer past the broker's hold bound (``--hold``), however live and talkative it is.
 
-The consumer process is stopped with SIGSTOP while it holds a zero-copy view. Its producer gets
+The consumer process is stopped with SIGSTOP while it holds a zero-copy view (the hold bound's
+tests leave it running: it waits, its session pumping and pinging, until told to look). Its producer gets
 the buffer back (RELEASED ``consumer_fenced``) and then does what a producer does with a buffer
 it got back: it writes new bytes into the same ``allocate()``d buffer and hands it on, or stages
 the next handoff of the same size. Only then does the stopped consumer resume and look at its old
@@ -31,14 +33,19 @@ from workers import hold_fenced_then_leave, hold_while_fenced
 
 SIZE = 64 << 10
 TIMEOUT_S, FENCE_S = 1.0, 2.0
+HOLD_S = 1.0  # the hold bound: a running consumer's heartbeats (0.5 s) never stop it
+
+
+def _broker(tmp_path, *options: str):
+    b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=TIMEOUT_S, extra_args=list(options)).start()
+    yield b
+    assert b.proc is not None and b.proc.poll() is None, "the broker died"
+    b.stop()
 
 
 @pytest.fixture
 def fencing(tmp_path):
-    b = BrokerProcess(f"ipc://{tmp_path}/b.sock", timeout=TIMEOUT_S, extra_args=["--fence", str(FENCE_S)]).start()
-    yield b
-    assert b.proc is not None and b.proc.poll() is None, "the broker died"
-    b.stop()
+    yield from _broker(tmp_path, "--fence", str(FENCE_S))
 
 
 def _write(p: Producer, buf, seq: int) -> None:
@@ -47,6 +54,26 @@ def _write(p: Producer, buf, seq: int) -> None:
         p.stream.copy(buf, data)  # type: ignore[union-attr]
     else:
         np.frombuffer(buf.host_view(), dtype=np.uint8)[:] = data
+
+
+@pytest.fixture
+def holding(tmp_path):
+    """A broker with a hold bound and the default fence (20 timeouts): only holding fences here."""
+    yield from _broker(tmp_path, "--hold", str(HOLD_S))
+
+
+@pytest.mark.parametrize("path,delay", [("allocated", None), ("copied", None), ("device", 0.0), ("device", 0.05)])
+def test_a_consumer_holding_past_the_hold_bound_never_reads_memory_its_producer_reused(holding, path, delay):
+    """Spec §5, hold bound: the consumer keeps running and heartbeating while it holds the buffer,
+    so only the bound can fence it. Its producer gets RELEASED ``consumer_fenced`` and retires the
+    buffer (moves it, or for mapped device memory keeps it out of reach), reuses what it can, and
+    only then does the consumer look at its old view; it stays registered, told PRODUCER_GONE
+    ``fenced`` for that handoff alone (mutants hold-fence-as-gone, hold-never)."""
+    with contextlib.ExitStack() as stack:
+        device = stack.enter_context(emulated_gpu(delay)) if path == "device" else "cpu"
+        _fence_and_reuse(holding, device, "cuda:0" if path == "device" else "cpu", delay, copied=path == "copied",
+                         stop=False)
+    assert stats(holding.endpoint, 5)["totals"]["holds_fenced"] == 1
 
 
 @pytest.mark.parametrize("path,delay", [("allocated", None), ("copied", None), ("staged", 0.0), ("staged", 0.05),
@@ -67,7 +94,9 @@ def test_a_fenced_consumer_never_reads_memory_its_producer_reused(fencing, path,
 
 
 def _fence_and_reuse(fencing: BrokerProcess, device, consumer_device: str, delay: float | None,
-                     copied: bool = False) -> None:
+                     copied: bool = False, stop: bool = True) -> None:
+    """``stop``: SIGSTOP the consumer while it holds (silent past the fence); else it keeps running
+    (the hold bound fences it)."""
     ctx = mp.get_context("spawn")
     ready, go = ctx.Event(), ctx.Event()
     env = emu_config(op_delay_s=delay).to_env() if consumer_device != "cpu" else None
@@ -82,8 +111,9 @@ def _fence_and_reuse(fencing: BrokerProcess, device, consumer_device: str, delay
         t = p.send(obj, timeout=30)
         if not ready.wait(60):
             pytest.fail(f"the consumer never held the buffer: {c.result(timeout=5)}")
-        os.kill(c.p.pid, signal.SIGSTOP)
-        stopped = True
+        if stop:
+            os.kill(c.p.pid, signal.SIGSTOP)
+            stopped = True
         try:
             p.wait_released(timeout=FENCE_S + 30)  # the fence gives it back
             assert t.outcome == "consumer_fenced", t

@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="a live consumer silent this long while it holds buffers is fenced: deregistered, "
                    "its buffers retired by their producers, never reused under it (spec §5). "
                    "Default: 20 timeouts; at least --timeout")
+    p.add_argument("--hold", type=float, default=None, metavar="SECONDS",
+                   help="a delivery a consumer holds this long is fenced, however live the consumer: it is told "
+                   "the buffer is gone and its producer retires it, so one consumer cannot keep a producer's "
+                   "buffers from the others (spec §5). Default: no bound")
     p.add_argument("--group", action="store_true", help="socket 0660 and directory 0750 (default owner-only)")
     p.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="default: %(default)s")
@@ -96,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.fence is not None and not (math.isfinite(a.fence) and a.fence >= a.timeout):
         p.error(f"--fence {a.fence} must be at least --timeout ({a.timeout}): a consumer is fenced only "
                 "after it was found unresponsive")
+    if a.hold is not None and not (math.isfinite(a.hold) and a.hold > 0):
+        p.error(f"--hold {a.hold} must be a positive number of seconds")
     ep = a.endpoint or default_endpoint()
     if (a.daemon and not a.detached_child) or a.stop:
         try:
@@ -130,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         b = Broker(ep, timeout_s=a.timeout, heartbeat_s=a.heartbeat, group=a.group,
-                   publish_every_s=1.0 if a.metrics_port else None, fence_s=a.fence)
+                   publish_every_s=1.0 if a.metrics_port else None, fence_s=a.fence,
+                   hold_s=a.hold)
     except BrokerAlreadyRunning as e:
         print(f"hurray-broker: {e}", file=sys.stderr)
         return 1

@@ -352,6 +352,7 @@ class Stats:
     grants_revoked: int = 0    # grants taken back from a producer that did not use them (§4.3a)
     consumers_choked: int = 0  # times a consumer's credits were set aside because a send to it failed (§1)
     consumers_fenced: int = 0  # consumers deregistered holding buffers while they may live (§5)
+    holds_fenced: int = 0      # deliveries fenced because their consumer held them past hold_s (§5)
     # Messages as the core sees them: a binary batch's entries count one each (also a message too
     # malformed to split: one). wire_in: ZeroMQ messages received; wire_out: sent (the loop counts
     # those, after batching).
@@ -395,7 +396,8 @@ class BrokerCore:
                  stats_cache_s: float = 0.0, query_bytes: int = QUERY_BYTES,
                  query_bytes_total: int = QUERY_BYTES_TOTAL, fence_s: float | None = None,
                  route_key: str | None = None, unread_bytes_total: int = UNREAD_BYTES_TOTAL,
-                 entropy: Callable[[int], bytes] = os.urandom, note: Note | None = None):
+                 entropy: Callable[[int], bytes] = os.urandom, note: Note | None = None,
+                 hold_s: float | None = None):
         self.host = host
         # note(level, fields): where the core's events go ({"event": name, ...}); the loop's
         # logger, one JSON object per record (hurray_ipc/notes.py), unless a test collects them.
@@ -430,12 +432,17 @@ class BrokerCore:
         # A live consumer silent this long while it holds buffers is fenced (spec §5): never sooner
         # than the timeout, which decides when it is unresponsive.
         self.fence_s = max(timeout_s, FENCE_TIMEOUTS * timeout_s if fence_s is None else fence_s)
+        # A delivery bound to a consumer this long is fenced, however live the consumer (spec §5):
+        # the operator's bound on what one consumer can keep from its producers. None: no bound.
+        if hold_s is not None and not (math.isfinite(hold_s) and hold_s > 0):
+            raise ValueError(f"hold_s must be a positive number of seconds or None, got {hold_s!r}")
+        self.hold_s = hold_s
         self.session = session or entropy(8).hex()
         self._token = token or self._random_hex32
         self.clients: dict[bytes, Client] = {}
         self.channels: dict[str, Channel] = {}
         self.grants: dict[int, Grant] = {}
-        self.deliveries: dict[str, Delivery] = {}
+        self.deliveries: dict[str, Delivery] = {}  # in binding order, which is ``since`` order (_bind)
         # The same deliveries by consumer and by producer: a BYE or a death costs its own count.
         self.held_by: dict[bytes, dict[str, Delivery]] = {}
         self.handed_by: dict[bytes, dict[str, Delivery]] = {}
@@ -828,6 +835,8 @@ class BrokerCore:
                 rematch.add(name)
         for name in rematch:
             self._match(name)
+        if self.hold_s is not None:
+            self._fence_overdue(now - self.hold_s)
         self._unseen_expired(now)
         for key, deadline in list(self.orphans.items()):
             if now >= deadline:
@@ -1005,6 +1014,7 @@ class BrokerCore:
             self._queue_credits(c, credits - unqueued)
         self._send(rid, Welcome(session=self.session, heartbeat_ms=int(self.heartbeat_s * 1000),
                                 timeout_ms=int(self.timeout_s * 1000), fence_ms=int(self.fence_s * 1000),
+                                hold_ms=0 if self.hold_s is None else math.ceil(self.hold_s * 1000),
                                 kept_mappings=True))
         if unqueued:
             # Past what it may hold: named, after the WELCOME, so that the client counts them as
@@ -1128,6 +1138,9 @@ class BrokerCore:
             consumer.held -= 1
 
     def _bind(self, d: Delivery) -> None:
+        # Held from now (a claim adopted late too): the hold bound counts from here, and
+        # ``deliveries`` stays in ``since`` order, so the tick finds the overdue ones at its front.
+        d.since = self._now
         self.deliveries[d.token] = d
         self.held_by.setdefault(d.consumer, {})[d.token] = d
         self.handed_by.setdefault(d.producer, {})[d.token] = d
@@ -1421,15 +1434,17 @@ class BrokerCore:
         token = msg.token
         d = self._named(c, token)
         if d is None:
-            if token in self.released or (c.rid, token) in self.withdrawn:
-                raise ProtocolError("already_released", f"token {token[:8]}... was already released")
             crossing = token if isinstance(msg, Release) else (token, "event")
+            if token in self.released or (c.rid, token) in self.withdrawn:
+                err = ProtocolError("already_released", f"token {token[:8]}... was already released")
+            elif crossing in self.gone:
+                err = ProtocolError("unknown_token", f"token {token[:8]}...'s producer is gone (PRODUCER_GONE)")
+            else:
+                raise ProtocolError("unknown_token", f"token {token[:8]}... is not one this broker issued")
             if crossing in self.gone:  # a RELEASE (or EVENT_RELEASE) that crossed PRODUCER_GONE: expected, once
                 self.gone.discard(crossing)
-                crossed = ProtocolError("unknown_token", f"token {token[:8]}...'s producer is gone (PRODUCER_GONE)")
-                crossed.charge = False
-                raise crossed
-            raise ProtocolError("unknown_token", f"token {token[:8]}... is not one this broker issued")
+                err.charge = False
+            raise err
         if d.consumer != c.rid:
             raise ProtocolError("foreign_token", f"token {token[:8]}... was delivered to another consumer")
         return d
@@ -1481,6 +1496,28 @@ class BrokerCore:
         self.fenced.add(d.token)
         d.event_pending = False
         self._release(d, "consumer_fenced")
+
+    def _fence_overdue(self, bound: float) -> None:
+        """Fence every delivery bound before ``bound`` (held past ``hold_s``, spec §5): its consumer
+        stays registered but is told PRODUCER_GONE ``fenced`` for it, first, and its producer gets
+        RELEASED ``consumer_fenced`` and retires the buffer, since the consumer may still read it."""
+        overdue: dict[bytes, list[Delivery]] = {}
+        for d in self.deliveries.values():
+            if d.since >= bound:
+                break
+            overdue.setdefault(d.consumer, []).append(d)
+        for rid, ds in overdue.items():
+            tokens = [d.token for d in ds]
+            self.stats.holds_fenced += len(ds)
+            self._send(rid, ProducerGone(tokens, "fenced"))
+            for d in ds:
+                # Its RELEASE (EVENT_RELEASE) crossing the PRODUCER_GONE is expected: refused, not charged (§6a).
+                self.gone.add(d.token)
+                if d.event_pending:
+                    self.gone.add((d.token, "event"))
+                self._fence(d)
+            self._note(logging.WARNING, {"event": "held_past_bound", "client": rid.decode(errors="replace")[:32],
+                                         "fenced": len(ds), "hold_s": self.hold_s})
 
     def _release(self, d: Delivery, reason: str) -> None:
         if self.claim_of.get((d.consumer, d.token)) is d:

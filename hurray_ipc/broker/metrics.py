@@ -63,6 +63,8 @@ _COUNTERS = {
                          "Times a consumer's credits were set aside because a send to it failed (spec 1)"),
     "consumers_fenced": ("hurray_broker_consumers_fenced",
                          "Consumers deregistered holding buffers while they may live (spec 5)"),
+    "holds_fenced": ("hurray_broker_holds_fenced",
+                     "Deliveries fenced because their consumer held them past the hold bound (spec 5)"),
 }
 _CHANNEL = ("producers", "consumers", "queued", "ready", "grants", "in_flight")
 _CLIENT = ("credits", "outstanding", "events_outstanding", "silent_s")

@@ -318,7 +318,8 @@ def stats_snapshot(core: BrokerCore, now: float) -> dict[str, Any]:
                    "producers_lost": s.producers_lost, "undeliverable": s.undeliverable,
                    "dropped_full": s.dropped_full, "limits_refused": s.limits_refused,
                    "answers_withheld": s.answers_withheld, "grants_revoked": s.grants_revoked,
-                   "consumers_fenced": s.consumers_fenced, "consumers_choked": s.consumers_choked},
+                   "consumers_fenced": s.consumers_fenced, "consumers_choked": s.consumers_choked,
+                   "holds_fenced": s.holds_fenced},
         "rates": {"life": {k: round(n / uptime, 3) if uptime > 0 else 0.0 for k, n in zip(names, counts, strict=True)},
                   "window": {k: round((n - b) / span, 3) if span > 0 else 0.0
                              for k, n, b in zip(names, counts, base.counts, strict=True)},

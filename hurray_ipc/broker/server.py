@@ -71,7 +71,7 @@ class Broker:
 
     def __init__(self, endpoint: str, *, timeout_s: float = 3.0, heartbeat_s: float = 0.5, group: bool = False,
                  ctx: zmq.Context | None = None, publish_every_s: float | None = None,
-                 fence_s: float | None = None):
+                 fence_s: float | None = None, hold_s: float | None = None):
         self.endpoint = endpoint
         # publish_every_s: how often the loop publishes core.snapshot() as ``published`` for
         # readers in other threads (the metrics endpoint, hurray_ipc/broker/metrics.py); None: never.
@@ -100,7 +100,7 @@ class Broker:
             raise
         self.core = BrokerCore(host=host_id(), timeout_s=timeout_s, heartbeat_s=heartbeat_s,
                                started=time.monotonic(), pid=os.getpid(), stats_cache_s=STATS_CACHE_S,
-                               fence_s=fence_s, route_key=route_key)
+                               fence_s=fence_s, route_key=route_key, hold_s=hold_s)
         self.session = self.core.session
         self.running = False
         self._last_tick = 0.0

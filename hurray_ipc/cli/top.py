@@ -62,7 +62,7 @@ def render(d: dict[str, Any], endpoint: str = "") -> list[str]:
         f"messages in {_rate(d, 'messages_in')}  out {_rate(d, 'messages_out')}",
         f"errors {t['errors']}" + (": " + ", ".join(f"{k} {v}" for k, v in errors.items()) if errors else "")
         + f"  rejected {t['rejected']}  undeliverable {t['undeliverable']}  dropped_full {t['dropped_full']}"
-        + f"  choked {t['consumers_choked']}",
+        + f"  choked {t['consumers_choked']}  fenced {t['consumers_fenced']}  held too long {t['holds_fenced']}",
         f"shared memory: {shm['segments']} segments, {shm['cleaned']} cleaned in {shm['sweeps']} sweeps",
         "",
     ]

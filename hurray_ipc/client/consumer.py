@@ -348,8 +348,9 @@ class ReceivedHandoff(Handoff):
         #: What the producer passed as ``send(meta=)``, exactly as sent; None when it passed none.
         self.meta: Any = self.wire_meta.get("user")
         self.producer_gone = False
-        #: This consumer was fenced while it held the handoff (spec §5): its producer took it back
-        #: and retired the memory. Views taken before still read the bytes as delivered (that memory
+        #: The handoff was fenced while this consumer held it (spec §5: the consumer was silent past
+        #: the broker's fence_ms, or held it past its hold_ms): its producer took it back and retired
+        #: the memory. Views taken before still read the bytes as delivered (that memory
         #: is never written again); the handoff itself is over (``producer_gone`` is also true).
         self.fenced = False
         self._event = event  # in-process: the producer's CudaEvent
@@ -411,9 +412,10 @@ class ReceivedHandoff(Handoff):
     # --- the sync rule -----------------------------------------------------------------------
     def _check_usable(self) -> None:
         if self.fenced:
-            raise ProducerGone(f"this consumer was fenced: it was silent past the broker's fence_ms while it "
-                               f"held handoff {self.handoff_id}, so its producer took the buffer back; release "
-                               "this handoff (views taken before keep the bytes as delivered)")
+            raise ProducerGone(f"handoff {self.handoff_id} was fenced: this consumer was silent past the broker's "
+                               "fence_ms while it held it, or held it past the broker's hold_ms, so its producer "
+                               "took the buffer back; release this handoff (views taken before keep the bytes as "
+                               "delivered)")
         if self.producer_gone:
             raise ProducerGone(f"the producer of handoff {self.handoff_id} ({self.producer_id[:8]}) went away; its "
                                "buffer is no longer valid: release this handoff")

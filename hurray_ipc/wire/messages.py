@@ -390,17 +390,20 @@ class Welcome(JsonMessage):
     fence_ms: int
     protocol: int = PROTOCOL_VERSION
     kept_mappings: bool = False  # the broker carries ``keep`` and UNMAP rounds (spec §4.10)
+    hold_ms: int = 0  # a delivery held this long is fenced (spec §5); 0: no bound (absent on the wire)
 
     @classmethod
     def parse(cls, m: Message) -> Welcome:
         return cls(protocol=_field(m, "protocol", int), session=_field(m, "session", str),
                    heartbeat_ms=_field(m, "heartbeat_ms", int), timeout_ms=_field(m, "timeout_ms", int),
-                   fence_ms=_field(m, "fence_ms", int, 0), kept_mappings=_field(m, "kept_mappings", bool, False))
+                   fence_ms=_field(m, "fence_ms", int, 0), kept_mappings=_field(m, "kept_mappings", bool, False),
+                   hold_ms=_field(m, "hold_ms", int, 0, lo=1, hi=(1 << 63) - 1))
 
     def fields(self) -> dict[str, Any]:
         return {"protocol": self.protocol, "session": self.session, "heartbeat_ms": self.heartbeat_ms,
                 "timeout_ms": self.timeout_ms, "fence_ms": self.fence_ms,
-                **({"kept_mappings": True} if self.kept_mappings else {})}
+                **({"kept_mappings": True} if self.kept_mappings else {}),
+                **({"hold_ms": self.hold_ms} if self.hold_ms else {})}
 
 
 @_verb
