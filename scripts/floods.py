@@ -1,6 +1,6 @@
 """A healthy pair's rate beside one flood on a live broker (hurray_ipc/broker/DESIGN.md, Known limits).
 
-Usage: .venv/bin/python scripts/floods.py [releases|queries|hold|deaf ...] [--seconds S]
+Usage: .venv/bin/python scripts/floods.py [releases|queries|hold|deaf ...] [--seconds S] [--hold S] [--pool N]
 
 Starts a broker, a producer and a consumer of the public API (one process each, a 4 KiB host array
 per send) and, after a few seconds, one attacker process speaking raw frames:
@@ -16,6 +16,11 @@ per send) and, after a few seconds, one attacker process speaking raw frames:
 - deaf-pings: the same consumer sending PINGs as fast as it can, so that the PONGs it never
   reads fill its queue at the broker (66,560 messages) and sends to it fail as full; only then
   does it ask for its 64 credits (REQUEST).
+
+``--hold S`` gives the broker a hold bound (``hurray-broker --hold``, spec §5): a delivery held
+longer is fenced. ``--pool N``: the pair's producer sends from N buffers of its own (``allocate()``),
+each again once it came back, instead of a new array per send: a fixed pool, which a consumer
+that holds everything stalls.
 
 It prints the pair's handoffs, those of its producer's that ended other than released (e.g.
 "undelivered: full") and the broker's RSS each second before, during and after the flood, then one
@@ -41,7 +46,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the raw-frame client written from the
 KINDS = ("releases", "unregistered", "hello", "queries", "hold", "deaf", "deaf-pings")
 
 
-def _producer(ep: str, lost: mp.sharedctypes.Synchronized, stop: mp.synchronize.Event) -> None:
+def _producer(ep: str, lost: mp.sharedctypes.Synchronized, stop: mp.synchronize.Event, pool: int) -> None:
     import numpy as np
 
     from hurray_ipc import HurrayError, Producer
@@ -53,9 +58,17 @@ def _producer(ep: str, lost: mp.sharedctypes.Synchronized, stop: mp.synchronize.
 
     a = np.zeros(1024, np.float32)
     with Producer(channel="good", endpoint=ep) as p:
+        bufs = [p.allocate(a.nbytes) for _ in range(pool)]
         while not stop.is_set():
+            free = [b for b in bufs if not p.holds(b)]
+            if bufs and not free:
+                try:
+                    p.wait_released(timeout=0.5)
+                except HurrayError:
+                    pass  # every buffer held: wait on
+                continue
             try:
-                p.send(a, timeout=1, on_release=released)
+                p.send(free[0] if bufs else a, timeout=1, on_release=released)
             except HurrayError:
                 pass  # the flood may delay a grant past the timeout: try again
 
@@ -142,13 +155,14 @@ def _attack(kind: str, ep: str, stop: mp.synchronize.Event) -> None:
     ctx.destroy(linger=0)
 
 
-def run(kind: str, seconds: int) -> dict[str, float]:
+def run(kind: str, seconds: int, hold: float | None = None, pool: int = 0) -> dict[str, float]:
     from brokerproc import BrokerProcess
-    b = BrokerProcess(f"ipc://{tempfile.mkdtemp(prefix='hurray-floods-')}/b.sock", timeout=1.0).start()
+    b = BrokerProcess(f"ipc://{tempfile.mkdtemp(prefix='hurray-floods-')}/b.sock", timeout=1.0,
+                      extra_args=[] if hold is None else ["--hold", str(hold)]).start()
     assert b.proc is not None
     stop, attack_stop = mp.Event(), mp.Event()
     count, lost = mp.Value("q", 0), mp.Value("q", 0)
-    pair = [mp.Process(target=_producer, args=(b.endpoint, lost, stop)),
+    pair = [mp.Process(target=_producer, args=(b.endpoint, lost, stop, pool)),
             mp.Process(target=_consumer, args=(b.endpoint, count, stop))]
     for p in pair:
         p.start()
@@ -195,11 +209,19 @@ def main() -> int:
     ap.add_argument("kinds", nargs="*", choices=KINDS, default=list(KINDS), metavar="KIND",
                     help=f"attacks to run, one after another: {', '.join(KINDS)} (default: all)")
     ap.add_argument("--seconds", type=int, default=8, help="how long each flood lasts (default 8)")
+    ap.add_argument("--hold", type=float, default=None, metavar="S",
+                    help="the broker's hold bound in seconds (hurray-broker --hold; default: none)")
+    ap.add_argument("--pool", type=int, default=0, metavar="N",
+                    help="the pair's producer sends from N allocate()d buffers (default 0: a new array per send)")
     args = ap.parse_args()
     if args.seconds < 1:
         ap.error(f"--seconds takes a whole number of seconds >= 1 (got {args.seconds})")
+    if args.hold is not None and not args.hold > 0:
+        ap.error(f"--hold takes a positive number of seconds (got {args.hold})")
+    if args.pool < 0:
+        ap.error(f"--pool takes a number of buffers >= 0 (got {args.pool})")
     mp.set_start_method("spawn")
-    results = {k: run(k, args.seconds) for k in args.kinds}
+    results = {k: run(k, args.seconds, args.hold, args.pool) for k in args.kinds}
     print("\nattack     pair before  during  1st s after  after  broker RSS max  pair's handoffs not released")
     for k, r in results.items():
         print(f"{k:10s} {r['before']:9.0f}/s {r['during']:6.0f}/s {r['after_first']:9.0f}/s {r['after']:5.0f}/s"
