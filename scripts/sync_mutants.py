@@ -291,11 +291,15 @@ MUTANTS: dict[str, tuple[str, ...]] = {
     # The hold bound (ipc-protocol.md 5): a delivery held past it is fenced (its producer retires
     # the buffer), never given back as if its consumer were gone, and never left held for ever.
     "hold-fence-as-gone": ("hurray_ipc/broker/core.py",
-                           "                self._fence(d)\n            self._note(",
-                           '                self._release(d, "consumer_gone")  # MUTANT: reusable at once\n'
-                           "            self._note(",
+                           "                    self.gone.add((d.token, \"event\"))\n                self._fence(d)\n",
+                           "                    self.gone.add((d.token, \"event\"))\n"
+                           '                self._release(d, "consumer_gone")  # MUTANT: reusable at once\n',
                            "tests/test_fencing.py::test_a_consumer_holding_past_the_hold_bound_never_reads_memory_its_"
                            "producer_reused", "tests/test_broker_core.py"),
+    "hold-no-bench": ("hurray_ipc/broker/core.py",
+                      "            if rid in self.clients and rid not in self.benched:\n",
+                      "            if False:  # MUTANT: its credits are granted again at once\n",
+                      "tests/test_broker_core.py"),
     "hold-never": ("hurray_ipc/broker/core.py",
                    "        if self.hold_s is not None:\n",
                    "        if False:  # MUTANT: no hold bound\n",

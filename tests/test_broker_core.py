@@ -772,6 +772,54 @@ def test_the_hold_bound_fences_only_the_deliveries_held_past_it():
     core.check_invariants()
 
 
+def _grant_and_hand_off(core: BrokerCore, now: float, hid: int) -> str:
+    """Producer ``p`` asks for one grant (for ``c``, the only consumer) and hands off on it at
+    ``now``: the DELIVER's token."""
+    (gid,) = _grant_ids(core.receive(b"p", frames("READY", {"credits": 1}), now))
+    (token,) = [o.msg.fields()["token"] for o in _handoff(core, gid, now, hid=hid) if o.msg.verb == "DELIVER"]
+    return token
+
+
+def test_a_consumer_fenced_for_holding_is_benched_then_benched_twice_as_long():
+    """Spec §5, hold bound: a consumer a delivery of which was fenced for holding gets none of its
+    credits granted for one hold bound (else it takes each buffer its producer gets back as soon
+    as it comes back); its unused grants are revoked (REVOKE), their credits kept. A re-HELLO
+    keeps the bench. The next bench, after a later fence, lasts twice as long."""
+    core = _hold_core()
+    _hello(core, b"p", "producer", pid=5)
+    _hello(core, b"c", "consumer", pid=6, credits=2)
+    _grant_and_hand_off(core, 0.0, 1)
+    (gid,) = _grant_ids(core.receive(b"p", frames("READY", {"credits": 1}), 0.0))  # unused, for c
+    fence = HOLD + 0.01
+    _ping_both(core, fence)
+    sent = _sent(core.tick(fence, lambda c: True))
+    assert [v for _, v, _ in sent] == ["PRODUCER_GONE", "RELEASED", "REVOKE"] and sent[2][2]["grant_ids"] == [gid]
+    assert core.clients[b"c"].credits == 1 and core.stats.grants_revoked == 0  # kept; not the producer's fault
+    assert not _grant_ids(core.receive(b"p", frames("READY", {"credits": 1}), fence)), "granted while benched"
+    # A re-HELLO declaring that credit: the bench stays.
+    assert not _grant_ids(_hello(core, b"c", "consumer", pid=6, credits=1) + core.tick(fence, lambda c: True))
+    _ping_both(core, fence + 0.9 * HOLD)
+    assert not _grant_ids(core.tick(fence + 0.9 * HOLD, lambda c: True))
+    _ping_both(core, fence + HOLD)
+    gids = _grant_ids(core.tick(fence + HOLD, lambda c: True))
+    assert len(gids) == 1, "the bench never ended"
+    gid = gids[0]
+    # Held past the bound again: benched twice as long.
+    again = fence + HOLD
+    _handoff(core, gid, again, hid=2)
+    second = again + HOLD + 0.01
+    _ping_both(core, second)
+    assert "PRODUCER_GONE" in [v for _, v, _ in _sent(core.tick(second, lambda c: True))]
+    core.receive(b"c", frames("REQUEST", {"credits": 1}), second)
+    core.receive(b"p", frames("READY", {"credits": 1}), second)
+    for now in (second + 1.0, second + 2.0, second + 3.0, second + 2 * HOLD - 0.01):
+        _ping_both(core, now)
+        assert not _grant_ids(core.tick(now, lambda c: True)), f"the bench ended early: {now}"
+    _ping_both(core, second + 2 * HOLD)
+    assert _grant_ids(core.tick(second + 2 * HOLD, lambda c: True))
+    core.check_invariants()
+
+
 def test_without_a_hold_bound_a_live_consumer_holds_as_long_as_it_likes():
     """No ``hold_s`` (the default): nothing is fenced for holding, and WELCOME carries no hold_ms;
     with one, WELCOME says it in milliseconds (spec §2)."""

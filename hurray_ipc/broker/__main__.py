@@ -70,8 +70,9 @@ def main(argv: list[str] | None = None) -> int:
                    "Default: 20 timeouts; at least --timeout")
     p.add_argument("--hold", type=float, default=None, metavar="SECONDS",
                    help="a delivery a consumer holds this long is fenced, however live the consumer: it is told "
-                   "the buffer is gone and its producer retires it, so one consumer cannot keep a producer's "
-                   "buffers from the others (spec §5). Default: no bound")
+                   "the buffer is gone, its producer retires it, and none of its credits is granted for that long "
+                   "(twice as long each later time), so one consumer cannot keep a producer's buffers from the "
+                   "others (spec §5). Default: no bound")
     p.add_argument("--group", action="store_true", help="socket 0660 and directory 0750 (default owner-only)")
     p.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="default: %(default)s")

@@ -143,6 +143,10 @@ _SAMPLE_EVERY_S = 1.0      # tick() samples the counters for the recent rates at
 # A consumer a send to which failed (full, or disconnected) is choked (spec §1): none of its credits
 # is granted until an unasked PONG to it gets through. The first probe goes this long after the
 # failure, each later one twice as long after a failed one, up to CHOKE_MAX_S.
+# A consumer a delivery of which the hold bound fenced is benched (§5): none of its credits is
+# granted for one hold bound, twice as long as the last time after each later fence, at most this
+# many hold bounds.
+BENCH_MAX_HOLDS = 64
 CHOKE_FIRST_S = 0.05
 CHOKE_MAX_S = 2.0
 
@@ -471,6 +475,10 @@ class BrokerCore:
         # Registered consumers a send to which failed, by routing id (a re-HELLO keeps it): their
         # credits are kept but not queued until a probe gets through (spec §1, invariant 1).
         self.choked: dict[bytes, Choke] = {}
+        # Registered consumers the hold bound fenced (spec §5): until when their credits are kept
+        # but not queued, and the length of each one's latest bench (a re-HELLO keeps both).
+        self.benched: dict[bytes, float] = {}
+        self.bench_wait: dict[bytes, float] = {}
         # Kept mappings (§4.10): open UNMAP rounds by (producer's rid_text, request), the rounds
         # each consumer is awaited in, registered consumers by label, and the labels of consumers
         # proven gone since they last registered (newest last, bounded).
@@ -791,6 +799,12 @@ class BrokerCore:
         for rid in self.queries.due_probes(now):
             self._send(rid, Pong())
         self._probe_choked(now)
+        for rid, until in list(self.benched.items()):
+            if now >= until:
+                del self.benched[rid]
+                c = self.clients[rid]
+                self._queue_credits(c, 0)
+                self._match(c.channel)
         granted: set[bytes] | None = None
         for rid, c in list(self.clients.items()):
             verdict = alive(c) if c.endpoint.identity.host == self.host else None
@@ -1190,7 +1204,7 @@ class BrokerCore:
         ``front``: credits coming back (a refused HANDOFF, a voided or revoked grant), so ``c`` is
         served next. A choked consumer keeps them unqueued (:meth:`_choke`)."""
         c.credits += max(n, 0)
-        if c.credits <= 0 or c.rid in self.choked:
+        if c.credits <= 0 or c.rid in self.choked or c.rid in self.benched:
             return
         requests = self._channel(c.channel).requests
         requests[c.rid] = None
@@ -1516,8 +1530,24 @@ class BrokerCore:
                 if d.event_pending:
                     self.gone.add((d.token, "event"))
                 self._fence(d)
+            if rid in self.clients and rid not in self.benched:
+                self._bench(self.clients[rid])
             self._note(logging.WARNING, {"event": "held_past_bound", "client": rid.decode(errors="replace")[:32],
                                          "fenced": len(ds), "hold_s": self.hold_s})
+
+    def _bench(self, c: Client) -> None:
+        """Consumer ``c`` held a delivery past the hold bound: grant none of its credits for a
+        while (spec §5), or a consumer that keeps what it gets takes a producer's freed buffers
+        again as soon as they come back. Its unused grants are revoked and their credits kept with
+        its others, as for a choke (§1). The bench lasts one hold bound, twice the last one
+        when it was benched before, at most BENCH_MAX_HOLDS of them."""
+        assert self.hold_s is not None
+        last = self.bench_wait.get(c.rid)
+        wait = self.hold_s if last is None else min(2 * last, BENCH_MAX_HOLDS * self.hold_s)
+        self.bench_wait[c.rid] = wait
+        self.benched[c.rid] = self._now + wait
+        self._channel(c.channel).requests.pop(c.rid, None)
+        self._queue_credits(c, self._revoke_naming(c))  # kept, not queued: it is benched
 
     def _release(self, d: Delivery, reason: str) -> None:
         if self.claim_of.get((d.consumer, d.token)) is d:
@@ -1661,6 +1691,8 @@ class BrokerCore:
         if c is None:
             return
         self.choked.pop(rid, None)
+        self.benched.pop(rid, None)
+        self.bench_wait.pop(rid, None)
         self._note(logging.INFO, {"event": "client_gone", "client": rid.decode(errors="replace"), "role": c.role,
                                   "why": why, "pid": c.endpoint.pid})
         self._forget(c)
@@ -1866,8 +1898,8 @@ class BrokerCore:
                 assert c is not None and c.channel == name and c.role == "consumer", f"{name}: request of a stranger"
                 assert c.credits > 0, f"{rid!r} queued with no credit"
         assert sum(len(ch.members) for ch in self.channels.values()) == len(self.clients), "channel members: count"
-        for rid in self.choked:
-            assert rid in self.clients and self.clients[rid].role == "consumer", f"{rid!r}: choked but no consumer"
+        for rid in [*self.choked, *self.benched, *self.bench_wait]:
+            assert rid in self.clients and self.clients[rid].role == "consumer", f"{rid!r}: set aside, no consumer"
         granted: dict[bytes, int] = {}
         for g in self.grants.values():
             if not g.consumer_gone:
@@ -1881,8 +1913,9 @@ class BrokerCore:
             assert c.channel in self.channels, f"{c.rid!r}: channel {c.channel!r} missing"
             assert c.rid in self.channels[c.channel].members, f"{c.rid!r}: not a member of {c.channel!r}"
             if c.role == "consumer":
-                assert (c.credits > 0 and c.rid not in self.choked) == (c.rid in self.channels[c.channel].requests), \
-                    f"{c.rid!r}: credits unqueued, or queued while choked"
+                set_aside = c.rid in self.choked or c.rid in self.benched
+                assert (c.credits > 0 and not set_aside) == (c.rid in self.channels[c.channel].requests), \
+                    f"{c.rid!r}: credits unqueued, or queued while choked or benched"
             assert all(self.grants.get(gid) is not None and self.grants[gid].producer == c.rid for gid in c.grants), \
                 f"{c.rid!r}: grant index stale"
             assert 0 <= c.held <= MAX_HELD, f"{c.rid!r} holds {c.held}"

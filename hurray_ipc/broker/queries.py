@@ -285,7 +285,8 @@ def stats_snapshot(core: BrokerCore, now: float) -> dict[str, Any]:
                 "device": c.endpoint.identity.spec, "credits": c.credits,
                 "outstanding": c.held if c.role == "consumer" else by_producer.get(c.rid, 0),
                 "events_outstanding": events_of.get(c.rid, 0), "lease": c.lease is not None,
-                "state": "unresponsive" if c.unresponsive else "choked" if c.rid in core.choked else "alive",
+                "state": "unresponsive" if c.unresponsive else "choked" if c.rid in core.choked
+                else "benched" if c.rid in core.benched else "alive",
                 "silent_s": round(max(0.0, now - c.last_seen), 3), "ended": c.ended})
     channels: list[dict[str, Any]] = []
     queued = 0
