@@ -94,6 +94,8 @@ class BrokerMachine(RuleBasedStateMachine):
         self.errors: list[str] = []
         self.requests = iter(range(1, 1 << 30))
         self.rounds: dict[tuple[bytes, int], set[bytes]] = {}  # open UNMAPs: the consumers each names
+        self.delivered_at: dict[str, float] = {}  # token -> when its DELIVER went out
+        self.fenced_keys: set[tuple[bytes, int]] = set()  # handoffs whose holder was told PRODUCER_GONE fenced
 
     # --- plumbing ---------------------------------------------------------------------------
     def new_broker(self) -> BrokerCore:
@@ -117,6 +119,7 @@ class BrokerMachine(RuleBasedStateMachine):
                 v.grants = [g for g in v.grants if g not in h["grant_ids"]]
             elif verb == "DELIVER":
                 key = (h["producer_id"].encode(), h["handoff_id"])
+                self.delivered_at[h["token"]] = self.now
                 v.held[h["token"]] = key
                 self.token_of[h["token"]] = key
                 self.holder[key] = o.rid
@@ -126,6 +129,8 @@ class BrokerMachine(RuleBasedStateMachine):
                 key = (o.rid, h["handoff_id"])
                 readers = [c for c in CONSUMERS if self.views[c].registered and key in self.views[c].held.values()]
                 assert not readers, f"{key} went back to its producer while {readers} still hold it"
+                if key in self.fenced_keys:  # its holder may still read it: the producer must retire it
+                    assert h["reason"] == "consumer_fenced", f"{key} was fenced but went back {h['reason']!r}"
                 self._end(self.released, key)
                 v.outstanding.discard(h["handoff_id"])
             elif verb == "PRODUCER_GONE":
@@ -133,6 +138,13 @@ class BrokerMachine(RuleBasedStateMachine):
                     key = v.held.pop(t, None)
                     if key is not None and h.get("reason") != "reclaimed":  # reclaimed: a claim refused
                         self._end(self.gone, key)
+                    if key is not None and h.get("reason") == "fenced":
+                        self.fenced_keys.add(key)
+                        hold = self.core.hold_s
+                        if hold is not None and o.rid in self.core.clients and t in self.delivered_at:
+                            # Fenced while registered: for holding, never before the bound (§5).
+                            assert self.now - self.delivered_at[t] > hold, f"{t} fenced after holding " \
+                                f"{self.now - self.delivered_at[t]} s, under the bound {hold}"
             elif verb == "UNMAP":
                 v.unmaps.append((h["producer_id"], h["request"]))
             elif verb == "UNMAPPED":
@@ -466,9 +478,9 @@ def _core() -> BrokerCore:
     return BrokerCore(host=HOST, timeout_s=TIMEOUT)
 
 
-def _hello(core: BrokerCore, rid: bytes, role: str, pid: int = 5, **extra) -> list:
+def _hello(core: BrokerCore, rid: bytes, role: str, pid: int = 5, now: float = 0.0, **extra) -> list:
     h = {"protocol": PROTOCOL_VERSION, "role": role, "channel": "ch", "pid": pid, "endpoint": endpoint(pid), **extra}
-    return core.receive(rid, frames("HELLO", h), 0.0)
+    return core.receive(rid, frames("HELLO", h), now)
 
 
 def _errors(outs: list) -> list[dict]:
@@ -797,7 +809,8 @@ def test_a_consumer_fenced_for_holding_is_benched_then_benched_twice_as_long():
     assert core.clients[b"c"].credits == 1 and core.stats.grants_revoked == 0  # kept; not the producer's fault
     assert not _grant_ids(core.receive(b"p", frames("READY", {"credits": 1}), fence)), "granted while benched"
     # A re-HELLO declaring that credit: the bench stays.
-    assert not _grant_ids(_hello(core, b"c", "consumer", pid=6, credits=1) + core.tick(fence, lambda c: True))
+    outs = _hello(core, b"c", "consumer", pid=6, now=fence, credits=1)
+    assert not _grant_ids(outs + core.tick(fence, lambda c: True))
     _ping_both(core, fence + 0.9 * HOLD)
     assert not _grant_ids(core.tick(fence + 0.9 * HOLD, lambda c: True))
     _ping_both(core, fence + HOLD)
@@ -820,6 +833,88 @@ def test_a_consumer_fenced_for_holding_is_benched_then_benched_twice_as_long():
     core.check_invariants()
 
 
+def _benched_at_two_holds(core: BrokerCore) -> float:
+    """Consumer ``c`` (pid 6) holds a delivery of ``p`` past the bound from time 0 and is benched:
+    the time of that fence."""
+    _hello(core, b"p", "producer", pid=5)
+    _hello(core, b"c", "consumer", pid=6, credits=1)
+    _grant_and_hand_off(core, 0.0, 1)
+    _ping_both(core, HOLD + 0.01)
+    core.tick(HOLD + 0.01, lambda c: True)
+    assert b"c" in core.benched
+    return HOLD + 0.01
+
+
+@pytest.mark.parametrize("how", ["bye", "silent", "dies"])
+def test_a_bench_outlives_the_registration_of_its_process(how):
+    """Spec §5: a benched consumer holds nothing (its deliveries were fenced), so a BYE costs it
+    nothing; nor does falling silent until it is dropped. Its process's next registration on the
+    channel is benched for what is left of it, the length remembered for the next one; another
+    process is not. A process that died cannot come back (a new process has another pid)."""
+    core = _hold_core()
+    fence = _benched_at_two_holds(core)
+    if how == "bye":
+        core.receive(b"c", frames("BYE", {}), fence)
+    elif how == "silent":
+        core.receive(b"p", frames("PING", {}), fence + TIMEOUT + 0.1)
+        core.tick(fence + TIMEOUT + 0.1, lambda c: True)  # silent past the timeout, holding nothing
+    else:
+        core.client_gone(b"c", "process gone")
+    assert b"c" not in core.clients and b"c" not in core.benched
+    now = fence + 0.5 if how != "silent" else fence + TIMEOUT + 0.1
+    again = _hello(core, b"c2", "consumer", pid=6, now=now, credits=1)  # same process, new routing id
+    again += _hello(core, b"other", "consumer", pid=7, now=now, credits=1)
+    again += core.receive(b"p", frames("READY", {"credits": 1}), now)
+    if how == "silent":  # past the bench's end (fence + HOLD): free again, the length remembered
+        assert b"c2" not in core.benched and core.bench_wait[b"c2"] == (HOLD, fence + HOLD)
+        return
+    assert core.benched.get(b"c2") == fence + HOLD and b"other" not in core.benched
+    (grant,) = [o.msg.fields() for o in again if isinstance(o, Send) and o.msg.verb == "GRANT"]
+    assert grant["consumer_id"] == BrokerCore.label_of(b"other"), "the benched process's credit was granted"
+    core.check_invariants()
+
+
+def test_a_delivery_bound_during_a_bench_and_due_as_it_ends_does_not_bench_again():
+    """Spec §5: deliveries fenced while their consumer is benched do not bench it again, also in
+    the tick where the bench ends (fences are judged before benches end): no grant made and
+    revoked in one tick, no doubled bench."""
+    core = _hold_core()
+    _hello(core, b"p", "producer", pid=5)
+    _hello(core, b"c", "consumer", pid=6, credits=2)
+    _grant_and_hand_off(core, 0.0, 1)
+    gid = _grant_ids(core.receive(b"p", frames("READY", {"credits": 1}), 0.0))[0]
+    _handoff(core, gid, HOLD + 0.005, hid=2)  # on its way before the fence: bound at HOLD + 0.005
+    fence = HOLD + 0.01
+    _ping_both(core, fence)
+    core.tick(fence, lambda c: True)
+    assert core.benched[b"c"] == fence + HOLD
+    core.receive(b"c", frames("REQUEST", {"credits": 1}), fence)
+    core.receive(b"p", frames("READY", {"credits": 1}), fence)
+    _ping_both(core, fence + HOLD)
+    sent = _sent(core.tick(fence + HOLD, lambda c: True))  # the second delivery is due, the bench ends
+    assert [v for _, v, _ in sent] == ["PRODUCER_GONE", "RELEASED", "GRANT"], sent
+    assert b"c" not in core.benched and core.bench_wait[b"c"] == (HOLD, fence + HOLD)
+    core.check_invariants()
+
+
+def test_a_bench_long_after_the_last_starts_short_again():
+    """Spec §5: the bench doubles only while the last one ended less than 64 hold bounds ago; a
+    consumer that overholds once in a long while is benched one hold bound each time."""
+    core = _hold_core()
+    fence = _benched_at_two_holds(core)
+    later = fence + HOLD + 64 * HOLD
+    _ping_both(core, later)
+    core.tick(later, lambda c: True)
+    assert b"c" not in core.benched
+    core.receive(b"c", frames("REQUEST", {"credits": 1}), later)
+    (gid,) = _grant_ids(core.receive(b"p", frames("READY", {"credits": 1}), later))
+    _handoff(core, gid, later, hid=2)
+    _ping_both(core, later + HOLD + 0.01)
+    core.tick(later + HOLD + 0.01, lambda c: True)
+    assert core.benched[b"c"] == later + 2 * HOLD + 0.01
+    core.check_invariants()
+
+
 def test_without_a_hold_bound_a_live_consumer_holds_as_long_as_it_likes():
     """No ``hold_s`` (the default): nothing is fenced for holding, and WELCOME carries no hold_ms;
     with one, WELCOME says it in milliseconds (spec §2)."""
@@ -833,9 +928,13 @@ def test_without_a_hold_bound_a_live_consumer_holds_as_long_as_it_likes():
     assert "hold_ms" not in welcome[0]
     welcome = [o.msg.fields() for o in _hello(_hold_core(), b"x", "consumer", pid=9) if o.msg.verb == "WELCOME"]
     assert welcome[0]["hold_ms"] == 2000
-    for bad in (0.0, -1.0, math.inf, math.nan):
+    for bad in (0.0, -1.0, math.inf, math.nan, 0.0009, 1e17):  # 1e17 s: a hold_ms past 2^63 - 1
         with pytest.raises(ValueError, match="hold_s"):
             BrokerCore(host=HOST, timeout_s=TIMEOUT, hold_s=bad)
+    # Whole milliseconds: the bound applied is the one WELCOME states, never shorter.
+    core = BrokerCore(host=HOST, timeout_s=TIMEOUT, hold_s=1.0004)
+    welcome = [o.msg.fields() for o in _hello(core, b"x", "consumer", pid=9) if o.msg.verb == "WELCOME"]
+    assert welcome[0]["hold_ms"] == 1000 and core.hold_s == 1.0
 
 
 def test_a_claim_adopted_after_a_restart_is_held_from_its_adoption():

@@ -26,6 +26,7 @@ from hurray_ipc.cli.common import LOG_LEVELS, add_version, device, endpoint
 from hurray_ipc.client.endpoint import default_endpoint
 
 from . import daemon
+from .core import HOLD_MAX_S, HOLD_MIN_S
 from .logfmt import FORMATS
 from .logfmt import configure as configure_logging
 from .server import Broker, BrokerAlreadyRunning
@@ -101,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.fence is not None and not (math.isfinite(a.fence) and a.fence >= a.timeout):
         p.error(f"--fence {a.fence} must be at least --timeout ({a.timeout}): a consumer is fenced only "
                 "after it was found unresponsive")
-    if a.hold is not None and not (math.isfinite(a.hold) and a.hold > 0):
-        p.error(f"--hold {a.hold} must be a positive number of seconds")
+    if a.hold is not None and not (math.isfinite(a.hold) and HOLD_MIN_S <= a.hold <= HOLD_MAX_S):
+        p.error(f"--hold {a.hold} must be {HOLD_MIN_S} to {HOLD_MAX_S:.0f} seconds (whole milliseconds count)")
     ep = a.endpoint or default_endpoint()
     if (a.daemon and not a.detached_child) or a.stop:
         try:

@@ -144,9 +144,10 @@ _SAMPLE_EVERY_S = 1.0      # tick() samples the counters for the recent rates at
 # is granted until an unasked PONG to it gets through. The first probe goes this long after the
 # failure, each later one twice as long after a failed one, up to CHOKE_MAX_S.
 # A consumer a delivery of which the hold bound fenced is benched (§5): none of its credits is
-# granted for one hold bound, twice as long as the last time after each later fence, at most this
-# many hold bounds.
+# granted for one hold bound, twice as long as its last bench if that ended less than this many
+# hold bounds ago, and at most this many hold bounds.
 BENCH_MAX_HOLDS = 64
+HOLD_MIN_S, HOLD_MAX_S = 0.001, 366 * 86400.0  # the hold bound's range: whole milliseconds, at most a year
 CHOKE_FIRST_S = 0.05
 CHOKE_MAX_S = 2.0
 
@@ -438,9 +439,11 @@ class BrokerCore:
         self.fence_s = max(timeout_s, FENCE_TIMEOUTS * timeout_s if fence_s is None else fence_s)
         # A delivery bound to a consumer this long is fenced, however live the consumer (spec §5):
         # the operator's bound on what one consumer can keep from its producers. None: no bound.
-        if hold_s is not None and not (math.isfinite(hold_s) and hold_s > 0):
-            raise ValueError(f"hold_s must be a positive number of seconds or None, got {hold_s!r}")
-        self.hold_s = hold_s
+        if hold_s is not None and not (math.isfinite(hold_s) and HOLD_MIN_S <= hold_s <= HOLD_MAX_S):
+            raise ValueError(f"hold_s must be {HOLD_MIN_S} to {HOLD_MAX_S:.0f} seconds or None, got {hold_s!r}")
+        # In whole milliseconds, so that the bound WELCOME states (hold_ms) is exactly the one applied.
+        self.hold_ms = 0 if hold_s is None else int(hold_s * 1000)
+        self.hold_s = None if hold_s is None else self.hold_ms / 1000
         self.session = session or entropy(8).hex()
         self._token = token or self._random_hex32
         self.clients: dict[bytes, Client] = {}
@@ -476,9 +479,12 @@ class BrokerCore:
         # credits are kept but not queued until a probe gets through (spec §1, invariant 1).
         self.choked: dict[bytes, Choke] = {}
         # Registered consumers the hold bound fenced (spec §5): until when their credits are kept
-        # but not queued, and the length of each one's latest bench (a re-HELLO keeps both).
+        # but not queued; each one's latest bench, (length, end) (a re-HELLO keeps both); and the
+        # latest bench of consumers whose registration ended, by (process, channel), so that a
+        # BYE and a HELLO do not end it (newest last, bounded).
         self.benched: dict[bytes, float] = {}
-        self.bench_wait: dict[bytes, float] = {}
+        self.bench_wait: dict[bytes, tuple[float, float]] = {}
+        self.bench_memory: OrderedDict[tuple[str, str], tuple[float, float]] = OrderedDict()
         # Kept mappings (§4.10): open UNMAP rounds by (producer's rid_text, request), the rounds
         # each consumer is awaited in, registered consumers by label, and the labels of consumers
         # proven gone since they last registered (newest last, bounded).
@@ -799,12 +805,6 @@ class BrokerCore:
         for rid in self.queries.due_probes(now):
             self._send(rid, Pong())
         self._probe_choked(now)
-        for rid, until in list(self.benched.items()):
-            if now >= until:
-                del self.benched[rid]
-                c = self.clients[rid]
-                self._queue_credits(c, 0)
-                self._match(c.channel)
         granted: set[bytes] | None = None
         for rid, c in list(self.clients.items()):
             verdict = alive(c) if c.endpoint.identity.host == self.host else None
@@ -850,7 +850,15 @@ class BrokerCore:
         for name in rematch:
             self._match(name)
         if self.hold_s is not None:
+            # Before benches end: a delivery bound while its consumer was benched, fenced in the
+            # tick its bench ends, does not bench it again (§5).
             self._fence_overdue(now - self.hold_s)
+            for rid, until in list(self.benched.items()):
+                if now >= until:
+                    del self.benched[rid]
+                    c = self.clients[rid]
+                    self._queue_credits(c, 0)
+                    self._match(c.channel)
         self._unseen_expired(now)
         for key, deadline in list(self.orphans.items()):
             if now >= deadline:
@@ -1021,6 +1029,12 @@ class BrokerCore:
                 c.credits = 0  # an ended producer asks for nothing
             self._restore_outstanding(c, msg.outstanding, now)
         unqueued = 0
+        if role == "consumer" and old is None:
+            bench = self.bench_memory.pop((c.process, channel), None)
+            if bench is not None:  # a BYE (or silence) and a HELLO do not end a bench (§5)
+                self.bench_wait[rid] = bench
+                if now < bench[1]:
+                    self.benched[rid] = bench[1]
         if role == "consumer":
             self._restore_held(c, msg.held, now)
             c.credits = 0  # the HELLO's credits are queued (the Client was built with them)
@@ -1028,7 +1042,7 @@ class BrokerCore:
             self._queue_credits(c, credits - unqueued)
         self._send(rid, Welcome(session=self.session, heartbeat_ms=int(self.heartbeat_s * 1000),
                                 timeout_ms=int(self.timeout_s * 1000), fence_ms=int(self.fence_s * 1000),
-                                hold_ms=0 if self.hold_s is None else math.ceil(self.hold_s * 1000),
+                                hold_ms=self.hold_ms,
                                 kept_mappings=True))
         if unqueued:
             # Past what it may hold: named, after the WELCOME, so that the client counts them as
@@ -1540,11 +1554,12 @@ class BrokerCore:
         while (spec §5), or a consumer that keeps what it gets takes a producer's freed buffers
         again as soon as they come back. Its unused grants are revoked and their credits kept with
         its others, as for a choke (§1). The bench lasts one hold bound, twice the last one
-        when it was benched before, at most BENCH_MAX_HOLDS of them."""
+        when its last bench ended less than BENCH_MAX_HOLDS hold bounds ago, at most that many."""
         assert self.hold_s is not None
+        span = BENCH_MAX_HOLDS * self.hold_s
         last = self.bench_wait.get(c.rid)
-        wait = self.hold_s if last is None else min(2 * last, BENCH_MAX_HOLDS * self.hold_s)
-        self.bench_wait[c.rid] = wait
+        wait = min(2 * last[0], span) if last is not None and self._now - last[1] < span else self.hold_s
+        self.bench_wait[c.rid] = (wait, self._now + wait)
         self.benched[c.rid] = self._now + wait
         self._channel(c.channel).requests.pop(c.rid, None)
         self._queue_credits(c, self._revoke_naming(c))  # kept, not queued: it is benched
@@ -1692,7 +1707,9 @@ class BrokerCore:
             return
         self.choked.pop(rid, None)
         self.benched.pop(rid, None)
-        self.bench_wait.pop(rid, None)
+        bench = self.bench_wait.pop(rid, None)
+        if bench is not None:  # its next registration from that process, on that channel, takes it up
+            _remember(self.bench_memory, (c.process, c.channel), bench, _GONE_LABELS)
         self._note(logging.INFO, {"event": "client_gone", "client": rid.decode(errors="replace"), "role": c.role,
                                   "why": why, "pid": c.endpoint.pid})
         self._forget(c)
@@ -1920,8 +1937,11 @@ class BrokerCore:
                 f"{c.rid!r}: grant index stale"
             assert 0 <= c.held <= MAX_HELD, f"{c.rid!r} holds {c.held}"
         held: dict[bytes, int] = {}
+        since = -math.inf
         for token, d in self.deliveries.items():
             assert token == d.token and token not in self.released, f"token {token} both live and released"
+            assert d.since >= since, f"{token}: bound before the delivery bound ahead of it (the hold bound's order)"
+            since = d.since
             assert d.consumer in self.clients and self.clients[d.consumer].role == "consumer", \
                 f"delivery {token} owned by no registered consumer"
             assert self.by_handoff.get((d.producer, d.handoff_id)) == token, f"{token}: handoff index stale"
