@@ -836,41 +836,103 @@ def test_a_consumer_fenced_for_holding_is_benched_then_benched_twice_as_long():
 def _benched_at_two_holds(core: BrokerCore) -> float:
     """Consumer ``c`` (pid 6) holds a delivery of ``p`` past the bound from time 0 and is benched:
     the time of that fence."""
+    assert core.hold_s is not None
     _hello(core, b"p", "producer", pid=5)
     _hello(core, b"c", "consumer", pid=6, credits=1)
     _grant_and_hand_off(core, 0.0, 1)
-    _ping_both(core, HOLD + 0.01)
-    core.tick(HOLD + 0.01, lambda c: True)
+    fence = core.hold_s + 0.01
+    _ping_both(core, fence)
+    core.tick(fence, lambda c: True)
     assert b"c" in core.benched
-    return HOLD + 0.01
+    return fence
 
 
-@pytest.mark.parametrize("how", ["bye", "silent", "dies"])
-def test_a_bench_outlives_the_registration_of_its_process(how):
+def _benched_process(core: BrokerCore) -> tuple[str, str]:
+    return (core.clients[b"c"].process, "ch") if b"c" in core.clients else ("", "")
+
+
+@pytest.mark.parametrize("how", ["bye", "silent", "new_id_first", "dies"])
+def test_a_bench_binds_every_registration_of_its_process_on_the_channel(how):
     """Spec §5: a benched consumer holds nothing (its deliveries were fenced), so a BYE costs it
-    nothing; nor does falling silent until it is dropped. Its process's next registration on the
-    channel is benched for what is left of it, the length remembered for the next one; another
-    process is not. A process that died cannot come back (a new process has another pid)."""
-    core = _hold_core()
+    nothing, nor does falling silent until it is dropped, nor registering under a new routing id
+    before it leaves. Every consumer registration of its process on the channel is benched until
+    the bench ends; another process is not. A process that died cannot come back: a new process
+    that reuses its pid is not benched."""
+    core = BrokerCore(host=HOST, timeout_s=TIMEOUT, hold_s=2 * TIMEOUT)  # a bench that outlasts silence
+    hold = 2 * TIMEOUT
     fence = _benched_at_two_holds(core)
-    if how == "bye":
+    key = _benched_process(core)
+    now = fence + TIMEOUT + 0.1
+    if how == "new_id_first":
+        assert not _grant_ids(_hello(core, b"c2", "consumer", pid=6, now=fence, credits=1))
+    if how in ("bye", "new_id_first"):
         core.receive(b"c", frames("BYE", {}), fence)
     elif how == "silent":
-        core.receive(b"p", frames("PING", {}), fence + TIMEOUT + 0.1)
-        core.tick(fence + TIMEOUT + 0.1, lambda c: True)  # silent past the timeout, holding nothing
+        core.receive(b"p", frames("PING", {}), now)
+        core.tick(now, lambda c: True)  # silent past the timeout, holding nothing: dropped
     else:
         core.client_gone(b"c", "process gone")
     assert b"c" not in core.clients and b"c" not in core.benched
-    now = fence + 0.5 if how != "silent" else fence + TIMEOUT + 0.1
-    again = _hello(core, b"c2", "consumer", pid=6, now=now, credits=1)  # same process, new routing id
+    core.receive(b"p", frames("PING", {}), now)
+    again = [] if how == "new_id_first" else _hello(core, b"c2", "consumer", pid=6, now=now, credits=1)
     again += _hello(core, b"other", "consumer", pid=7, now=now, credits=1)
     again += core.receive(b"p", frames("READY", {"credits": 1}), now)
-    if how == "silent":  # past the bench's end (fence + HOLD): free again, the length remembered
-        assert b"c2" not in core.benched and core.bench_wait[b"c2"] == (HOLD, fence + HOLD)
-        return
-    assert core.benched.get(b"c2") == fence + HOLD and b"other" not in core.benched
     (grant,) = [o.msg.fields() for o in again if isinstance(o, Send) and o.msg.verb == "GRANT"]
+    if how == "dies":
+        assert b"c2" not in core.benched and key not in core.bench_of
+        return
+    assert core.benched.get(b"c2") == fence + hold and b"other" not in core.benched
     assert grant["consumer_id"] == BrokerCore.label_of(b"other"), "the benched process's credit was granted"
+    core.receive(b"c2", frames("PING", {}), fence + hold)
+    core.receive(b"other", frames("PING", {}), fence + hold)
+    core.receive(b"p", frames("READY", {"credits": 1}), fence + hold)
+    (grant,) = [o.msg.fields() for o in core.tick(fence + hold, lambda c: True)
+                if isinstance(o, Send) and o.msg.verb == "GRANT"]
+    assert grant["consumer_id"] == BrokerCore.label_of(b"c2"), "the bench never ended"
+    core.check_invariants()
+
+
+def test_a_choke_ending_as_the_bound_fences_grants_nothing_to_revoke():
+    """Spec §5: fences for holding come first in a tick, so a choke that ends in the same tick
+    (or a rematch) does not grant a credit that the bench then revokes."""
+    core = _hold_core()
+    _hello(core, b"p", "producer", pid=5)
+    _hello(core, b"c", "consumer", pid=6, credits=2)
+    _grant_and_hand_off(core, 0.0, 1)
+    core.undeliverable(b"c", Message("PONG", {}), "full")  # choked
+    core.receive(b"p", frames("READY", {"credits": 1}), 1.9)
+    _ping_both(core, 1.95)
+    core.tick(1.95, lambda c: True)  # the probe goes out
+    _ping_both(core, HOLD + 0.05)
+    sent = _sent(core.tick(HOLD + 0.05, lambda c: True))  # the probe got through, and the delivery is due
+    assert [v for _, v, _ in sent] == ["PRODUCER_GONE", "RELEASED"], sent
+    assert b"c" in core.benched and b"c" not in core.choked
+    core.check_invariants()
+
+
+def test_consumers_whose_benches_end_in_one_tick_take_turns():
+    """§4: credits of consumers benched together are queued together when their benches end, so
+    grants alternate between them, as for any consumers with queued credits."""
+    core = _hold_core()
+    _hello(core, b"p", "producer", pid=5)
+    _hello(core, b"a", "consumer", pid=6, credits=1)
+    _hello(core, b"b", "consumer", pid=7, credits=1)
+    (g1, g2) = _grant_ids(core.receive(b"p", frames("READY", {"credits": 2}), 0.0))
+    _handoff(core, g1, 0.0, hid=1)
+    _handoff(core, g2, 0.0, hid=2)
+    fence = HOLD + 0.01
+    for rid in (b"a", b"b", b"p"):
+        core.receive(rid, frames("PING", {}), fence)
+    core.tick(fence, lambda c: True)
+    assert set(core.benched) == {b"a", b"b"}
+    core.receive(b"a", frames("REQUEST", {"credits": 2}), fence)
+    core.receive(b"b", frames("REQUEST", {"credits": 2}), fence)
+    core.receive(b"p", frames("READY", {"credits": 2}), fence)
+    for rid in (b"a", b"b", b"p"):
+        core.receive(rid, frames("PING", {}), fence + HOLD)
+    grants = [o.msg.fields()["consumer_id"] for o in core.tick(fence + HOLD, lambda c: True)
+              if isinstance(o, Send) and o.msg.verb == "GRANT"]
+    assert sorted(grants) == sorted([BrokerCore.label_of(b"a"), BrokerCore.label_of(b"b")]), grants
     core.check_invariants()
 
 
@@ -893,7 +955,7 @@ def test_a_delivery_bound_during_a_bench_and_due_as_it_ends_does_not_bench_again
     _ping_both(core, fence + HOLD)
     sent = _sent(core.tick(fence + HOLD, lambda c: True))  # the second delivery is due, the bench ends
     assert [v for _, v, _ in sent] == ["PRODUCER_GONE", "RELEASED", "GRANT"], sent
-    assert b"c" not in core.benched and core.bench_wait[b"c"] == (HOLD, fence + HOLD)
+    assert b"c" not in core.benched and core.bench_of[_benched_process(core)] == (HOLD, fence + HOLD)
     core.check_invariants()
 
 

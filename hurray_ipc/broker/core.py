@@ -193,6 +193,7 @@ def _remember(memory: OrderedDict[Any, Any], key: Any, value: Any, bound: int) -
     """Note ``key`` (with ``value``) as the newest entry of ``memory``, forgetting the oldest past
     ``bound`` entries."""
     memory[key] = value
+    memory.move_to_end(key)
     while len(memory) > bound:
         memory.popitem(last=False)
 
@@ -442,7 +443,7 @@ class BrokerCore:
         if hold_s is not None and not (math.isfinite(hold_s) and HOLD_MIN_S <= hold_s <= HOLD_MAX_S):
             raise ValueError(f"hold_s must be {HOLD_MIN_S} to {HOLD_MAX_S:.0f} seconds or None, got {hold_s!r}")
         # In whole milliseconds, so that the bound WELCOME states (hold_ms) is exactly the one applied.
-        self.hold_ms = 0 if hold_s is None else int(hold_s * 1000)
+        self.hold_ms = 0 if hold_s is None else round(hold_s * 1000)
         self.hold_s = None if hold_s is None else self.hold_ms / 1000
         self.session = session or entropy(8).hex()
         self._token = token or self._random_hex32
@@ -479,12 +480,11 @@ class BrokerCore:
         # credits are kept but not queued until a probe gets through (spec §1, invariant 1).
         self.choked: dict[bytes, Choke] = {}
         # Registered consumers the hold bound fenced (spec §5): until when their credits are kept
-        # but not queued; each one's latest bench, (length, end) (a re-HELLO keeps both); and the
-        # latest bench of consumers whose registration ended, by (process, channel), so that a
-        # BYE and a HELLO do not end it (newest last, bounded).
+        # but not queued. And the latest bench, (length, end), by the consumer's process and
+        # channel, newest last, bounded: the bench of every consumer registration of that process
+        # on that channel, so that a new routing id, a BYE and a HELLO, or a re-HELLO do not end it.
         self.benched: dict[bytes, float] = {}
-        self.bench_wait: dict[bytes, tuple[float, float]] = {}
-        self.bench_memory: OrderedDict[tuple[str, str], tuple[float, float]] = OrderedDict()
+        self.bench_of: OrderedDict[tuple[str, str], tuple[float, float]] = OrderedDict()
         # Kept mappings (§4.10): open UNMAP rounds by (producer's rid_text, request), the rounds
         # each consumer is awaited in, registered consumers by label, and the labels of consumers
         # proven gone since they last registered (newest last, bounded).
@@ -804,6 +804,12 @@ class BrokerCore:
             self.samples.append(Sample(now, s.handoffs, s.releases, s.messages_in, s.messages_out))
         for rid in self.queries.due_probes(now):
             self._send(rid, Pong())
+        if self.hold_s is not None:
+            # First: a consumer the bound fences is benched before anything else in this tick
+            # (ending a choke, a rematch) could grant it a credit; and a delivery bound during a
+            # bench, fenced in the tick that bench ends, does not bench it again (§5).
+            self._fence_overdue(now - self.hold_s)
+            self._end_benches(now)
         self._probe_choked(now)
         granted: set[bytes] | None = None
         for rid, c in list(self.clients.items()):
@@ -849,16 +855,6 @@ class BrokerCore:
                 rematch.add(name)
         for name in rematch:
             self._match(name)
-        if self.hold_s is not None:
-            # Before benches end: a delivery bound while its consumer was benched, fenced in the
-            # tick its bench ends, does not bench it again (§5).
-            self._fence_overdue(now - self.hold_s)
-            for rid, until in list(self.benched.items()):
-                if now >= until:
-                    del self.benched[rid]
-                    c = self.clients[rid]
-                    self._queue_credits(c, 0)
-                    self._match(c.channel)
         self._unseen_expired(now)
         for key, deadline in list(self.orphans.items()):
             if now >= deadline:
@@ -1029,12 +1025,9 @@ class BrokerCore:
                 c.credits = 0  # an ended producer asks for nothing
             self._restore_outstanding(c, msg.outstanding, now)
         unqueued = 0
-        if role == "consumer" and old is None:
-            bench = self.bench_memory.pop((c.process, channel), None)
-            if bench is not None:  # a BYE (or silence) and a HELLO do not end a bench (§5)
-                self.bench_wait[rid] = bench
-                if now < bench[1]:
-                    self.benched[rid] = bench[1]
+        bench = self.bench_of.get((c.process, channel)) if role == "consumer" else None
+        if bench is not None and now < bench[1]:  # its process's consumers on the channel are benched (§5)
+            self.benched[rid] = bench[1]
         if role == "consumer":
             self._restore_held(c, msg.held, now)
             c.credits = 0  # the HELLO's credits are queued (the Client was built with them)
@@ -1557,12 +1550,23 @@ class BrokerCore:
         when its last bench ended less than BENCH_MAX_HOLDS hold bounds ago, at most that many."""
         assert self.hold_s is not None
         span = BENCH_MAX_HOLDS * self.hold_s
-        last = self.bench_wait.get(c.rid)
+        key = (c.process, c.channel)
+        last = self.bench_of.get(key)
         wait = min(2 * last[0], span) if last is not None and self._now - last[1] < span else self.hold_s
-        self.bench_wait[c.rid] = (wait, self._now + wait)
+        _remember(self.bench_of, key, (wait, self._now + wait), _GONE_LABELS)
         self.benched[c.rid] = self._now + wait
         self._channel(c.channel).requests.pop(c.rid, None)
         self._queue_credits(c, self._revoke_naming(c))  # kept, not queued: it is benched
+
+    def _end_benches(self, now: float) -> None:
+        """Queue the credits of every consumer whose bench is over (unless it is choked), all of
+        them before any is matched, so that consumers benched together take turns (§4)."""
+        ended = [rid for rid, until in self.benched.items() if now >= until]
+        for rid in ended:
+            del self.benched[rid]
+            self._queue_credits(self.clients[rid], 0)
+        for name in dict.fromkeys(self.clients[rid].channel for rid in ended):
+            self._match(name)
 
     def _release(self, d: Delivery, reason: str) -> None:
         if self.claim_of.get((d.consumer, d.token)) is d:
@@ -1707,9 +1711,8 @@ class BrokerCore:
             return
         self.choked.pop(rid, None)
         self.benched.pop(rid, None)
-        bench = self.bench_wait.pop(rid, None)
-        if bench is not None:  # its next registration from that process, on that channel, takes it up
-            _remember(self.bench_memory, (c.process, c.channel), bench, _GONE_LABELS)
+        if why == "process gone":  # no registration comes from it again; a new process may reuse its pid
+            self.bench_of.pop((c.process, c.channel), None)
         self._note(logging.INFO, {"event": "client_gone", "client": rid.decode(errors="replace"), "role": c.role,
                                   "why": why, "pid": c.endpoint.pid})
         self._forget(c)
@@ -1915,7 +1918,7 @@ class BrokerCore:
                 assert c is not None and c.channel == name and c.role == "consumer", f"{name}: request of a stranger"
                 assert c.credits > 0, f"{rid!r} queued with no credit"
         assert sum(len(ch.members) for ch in self.channels.values()) == len(self.clients), "channel members: count"
-        for rid in [*self.choked, *self.benched, *self.bench_wait]:
+        for rid in [*self.choked, *self.benched]:
             assert rid in self.clients and self.clients[rid].role == "consumer", f"{rid!r}: set aside, no consumer"
         granted: dict[bytes, int] = {}
         for g in self.grants.values():
