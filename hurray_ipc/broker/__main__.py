@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--fence {a.fence} must be at least --timeout ({a.timeout}): a consumer is fenced only "
                 "after it was found unresponsive")
     if a.hold is not None and not (math.isfinite(a.hold) and HOLD_MIN_S <= a.hold <= HOLD_MAX_S):
-        p.error(f"--hold {a.hold} must be {HOLD_MIN_S} to {HOLD_MAX_S:.0f} seconds (whole milliseconds count)")
+        p.error(f"--hold {a.hold} must be {HOLD_MIN_S} to {HOLD_MAX_S:.0f} seconds (rounded to whole milliseconds)")
     ep = a.endpoint or default_endpoint()
     if (a.daemon and not a.detached_child) or a.stop:
         try:

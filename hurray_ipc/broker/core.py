@@ -143,13 +143,13 @@ _SAMPLE_EVERY_S = 1.0      # tick() samples the counters for the recent rates at
 # A consumer a send to which failed (full, or disconnected) is choked (spec §1): none of its credits
 # is granted until an unasked PONG to it gets through. The first probe goes this long after the
 # failure, each later one twice as long after a failed one, up to CHOKE_MAX_S.
-# A consumer a delivery of which the hold bound fenced is benched (§5): none of its credits is
-# granted for one hold bound, twice as long as its last bench if that ended less than this many
-# hold bounds ago, and at most this many hold bounds.
-BENCH_MAX_HOLDS = 64
-HOLD_MIN_S, HOLD_MAX_S = 0.001, 366 * 86400.0  # the hold bound's range: whole milliseconds, at most a year
 CHOKE_FIRST_S = 0.05
 CHOKE_MAX_S = 2.0
+# A consumer a delivery of which the hold bound fenced is benched (§5): none of the credits of its
+# process on its channel is granted for one hold bound, or twice as long as that process's last
+# bench there if that was to end less than this many hold bounds earlier, at most this many.
+BENCH_MAX_HOLDS = 64
+HOLD_MIN_S, HOLD_MAX_S = 0.001, 366 * 86400.0  # the hold bound's range: whole milliseconds, at most a year
 
 
 class _Recent:
@@ -1209,7 +1209,7 @@ class BrokerCore:
     def _queue_credits(self, c: Client, n: int, front: bool = False) -> None:
         """Queue ``n`` more credits of consumer ``c`` (0: queue those it has, a choke ended);
         ``front``: credits coming back (a refused HANDOFF, a voided or revoked grant), so ``c`` is
-        served next. A choked consumer keeps them unqueued (:meth:`_choke`)."""
+        served next. A choked or benched consumer keeps them unqueued (:meth:`_choke`, :meth:`_bench`)."""
         c.credits += max(n, 0)
         if c.credits <= 0 or c.rid in self.choked or c.rid in self.benched:
             return
@@ -1546,8 +1546,10 @@ class BrokerCore:
         """Consumer ``c`` held a delivery past the hold bound: grant none of its credits for a
         while (spec §5), or a consumer that keeps what it gets takes a producer's freed buffers
         again as soon as they come back. Its unused grants are revoked and their credits kept with
-        its others, as for a choke (§1). The bench lasts one hold bound, twice the last one
-        when its last bench ended less than BENCH_MAX_HOLDS hold bounds ago, at most that many."""
+        its others, as for a choke (§1). The bench binds its process on its channel (``bench_of``,
+        which later registrations there take up in :meth:`on_hello`) and lasts one hold bound, or
+        twice the last one there if that was to end less than BENCH_MAX_HOLDS bounds ago, at most
+        that many."""
         assert self.hold_s is not None
         span = BENCH_MAX_HOLDS * self.hold_s
         key = (c.process, c.channel)

@@ -627,7 +627,9 @@ class Consumer:
         self._maps: dict[str, Buffer] = {}  # each delivery's mapping, closed when the core says Unmap
         self.name = name or f"consumer-{os.getpid()}"
         self.errors: deque[RemoteError] = deque(maxlen=256)
-        self.fenced = 0  # times the broker fenced this consumer (PRODUCER_GONE reason fenced, spec §5)
+        # PRODUCER_GONE messages with reason fenced (spec §5): this consumer fenced for silence, or
+        # handoffs it held past the broker's hold_ms fenced (one message per tick that fenced some).
+        self.fenced = 0
         self._fence_events: dict[int, CudaEvent] = {}  # the core's pending fence ids -> their events
         self._fence_ids = 0
         # Fence events, recorded again by later releases once completed (creating one per release
