@@ -130,6 +130,7 @@ def _fence_and_reuse(fencing: BrokerProcess, device, consumer_device: str, delay
     assert res["error"] is None, res["error"]
     assert res["same"], "the fenced consumer's view changed under it: its producer reused the memory"
     assert res["fenced"] and res["times_fenced"] == 1 and "fenced" in res["refused"], res
+    assert res["hold_s"] == (None if stop else HOLD_S), "Consumer.hold_s is not the broker's bound"
     assert res["errors"] == [], res
 
 

@@ -125,7 +125,7 @@ def hold_while_fenced(endpoint, channel, ready, go, device="cpu", env=None):
                 refused = str(e)
             h.release()
             return {"same": same, "fenced": h.fenced, "times_fenced": c.fenced, "refused": refused,
-                    "errors": [e.code for e in c.errors], "error": None}
+                    "errors": [e.code for e in c.errors], "hold_s": c.hold_s, "error": None}
     except Exception:  # noqa: BLE001 - reported to the parent
         import traceback
         return {"error": traceback.format_exc()}

@@ -736,6 +736,16 @@ class Consumer:
                 log.warning("%s not carried out: %s", a, e)
 
     @property
+    def hold_s(self) -> float | None:
+        """The broker's hold bound in seconds, as its latest WELCOME stated it (spec §5,
+        ``hurray-broker --hold``): a handoff held longer, counted from when the broker delivered
+        it (a prefetched one not yet received too), is fenced (``h.fenced``: its producer took the
+        buffer back) and this consumer gets nothing for a while. Release sooner, or copy the bytes
+        out first. None when the broker sets no bound, and before it first answered (known once
+        ``receive()`` returned a handoff)."""
+        return self.session.hold_s
+
+    @property
     def releasing(self) -> int:
         """Handoffs released by the application whose RELEASE waits for their device work."""
         return self.core.releasing

@@ -211,6 +211,7 @@ class Session:
         self.shutdown_reason: str | None = None
         self.broker_session: str | None = None
         self.kept_mappings = False  # the latest WELCOME said the broker carries kept mappings (§4.10)
+        self.hold_s: float | None = None  # the latest WELCOME's hold bound (§5, hold_ms); None: none
         self.last_rx = time.monotonic()
         self.last_tx = 0.0
         self._hello_sent = 0.0
@@ -321,6 +322,7 @@ class Session:
             self.shutdown_reason = None
             self.broker_session = msg.session
             self.kept_mappings = msg.kept_mappings
+            self.hold_s = msg.hold_ms / 1000 if msg.hold_ms else None
             if self.route is not None:
                 self.send(RouteMessage(self.route_key, self.route))
             for f in self.on_welcome:
