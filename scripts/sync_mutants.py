@@ -291,9 +291,12 @@ MUTANTS: dict[str, tuple[str, ...]] = {
     # The hold bound (ipc-protocol.md 5): a delivery held past it is fenced (its producer retires
     # the buffer), never given back as if its consumer were gone, and never left held for ever.
     "hold-fence-as-gone": ("hurray_ipc/broker/core.py",
-                           "                    self.gone.add((d.token, \"event\"))\n                self._fence(d)\n",
                            "                    self.gone.add((d.token, \"event\"))\n"
-                           '                self._release(d, "consumer_gone")  # MUTANT: reusable at once\n',
+                           "            self._fence_all(rid, ds)\n",
+                           "                    self.gone.add((d.token, \"event\"))\n"
+                           '            self._send(rid, ProducerGone([d.token for d in ds], "fenced"))\n'
+                           '            for d in ds:  # MUTANT: told, but given back reusable at once\n'
+                           '                self._release(d, "consumer_gone")\n',
                            "tests/test_fencing.py::test_a_consumer_holding_past_the_hold_bound_never_reads_memory_its_"
                            "producer_reused", "tests/test_broker_core.py"),
     "hold-no-bench": ("hurray_ipc/broker/core.py",
@@ -301,8 +304,8 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                       "            if False:  # MUTANT: its credits are granted again at once\n",
                       "tests/test_broker_core.py"),
     "bench-forgotten-at-bye": ("hurray_ipc/broker/core.py",
-                               "        if bench is not None and now < bench[1]:",
-                               "        if False:  # MUTANT: a new registration of a benched process is not benched",
+                               "            if bench is not None and now < bench[1]:",
+                               "            if False:  # MUTANT: a new registration of a benched process isn't",
                                "tests/test_broker_core.py"),
     "hold-never": ("hurray_ipc/broker/core.py",
                    "        if self.hold_s is not None:\n",

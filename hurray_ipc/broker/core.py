@@ -925,9 +925,7 @@ class BrokerCore:
             return
         self.choked[c.rid] = Choke(self._now + CHOKE_FIRST_S, CHOKE_FIRST_S)
         self.stats.consumers_choked += 1
-        self._channel(c.channel).requests.pop(c.rid, None)
-        revoked = self._revoke_naming(c)
-        self._queue_credits(c, revoked)  # kept, not queued: it is choked
+        revoked = self._set_aside(c)
         n = self.stats.consumers_choked
         if n & (n - 1) == 0 or n % 1000 == 0:  # as send_failed: a client choked over and over must not flood the log
             self._note(logging.WARNING, {"event": "consumer_choked", "client": c.rid_text[:32], "channel": c.channel,
@@ -1025,10 +1023,10 @@ class BrokerCore:
                 c.credits = 0  # an ended producer asks for nothing
             self._restore_outstanding(c, msg.outstanding, now)
         unqueued = 0
-        bench = self.bench_of.get((c.process, channel)) if role == "consumer" else None
-        if bench is not None and now < bench[1]:  # its process's consumers on the channel are benched (§5)
-            self.benched[rid] = bench[1]
         if role == "consumer":
+            bench = self.bench_of.get((c.process, channel))
+            if bench is not None and now < bench[1]:  # its process's consumers on the channel are benched (§5)
+                self.benched[rid] = bench[1]
             self._restore_held(c, msg.held, now)
             c.credits = 0  # the HELLO's credits are queued (the Client was built with them)
             unqueued = max(0, credits - (MAX_HELD - c.held))
@@ -1510,6 +1508,12 @@ class BrokerCore:
                 self._error(c.rid, limit.code, str(limit), ref="RELEASE", field="credits", credits=credits,
                             **limit.extra)
 
+    def _fence_all(self, rid: bytes, ds: list[Delivery]) -> None:
+        """Tell consumer ``rid`` PRODUCER_GONE ``fenced`` for ``ds``, first, then fence each (§5)."""
+        self._send(rid, ProducerGone([d.token for d in ds], "fenced"))
+        for d in ds:
+            self._fence(d)
+
     def _fence(self, d: Delivery) -> None:
         """Unbind ``d`` from a consumer that may still read it: RELEASED ``consumer_fenced`` (and no
         EVENT_RELEASED, as its wait may not have been issued); remembered, so that a re-HELLO listing
@@ -1528,15 +1532,13 @@ class BrokerCore:
                 break
             overdue.setdefault(d.consumer, []).append(d)
         for rid, ds in overdue.items():
-            tokens = [d.token for d in ds]
             self.stats.holds_fenced += len(ds)
-            self._send(rid, ProducerGone(tokens, "fenced"))
             for d in ds:
                 # Its RELEASE (EVENT_RELEASE) crossing the PRODUCER_GONE is expected: refused, not charged (§6a).
                 self.gone.add(d.token)
                 if d.event_pending:
                     self.gone.add((d.token, "event"))
-                self._fence(d)
+            self._fence_all(rid, ds)
             if rid in self.clients and rid not in self.benched:
                 self._bench(self.clients[rid])
             self._note(logging.WARNING, {"event": "held_past_bound", "client": rid.decode(errors="replace")[:32],
@@ -1557,8 +1559,16 @@ class BrokerCore:
         wait = min(2 * last[0], span) if last is not None and self._now - last[1] < span else self.hold_s
         _remember(self.bench_of, key, (wait, self._now + wait), _GONE_LABELS)
         self.benched[c.rid] = self._now + wait
+        self._set_aside(c)
+
+    def _set_aside(self, c: Client) -> int:
+        """Consumer ``c`` was just choked or benched: take its credits out of the queue and revoke
+        the unused grants naming it, keeping their credits with its others (§1, §5); how many
+        grants were revoked. The caller has already marked it, so nothing is queued again."""
         self._channel(c.channel).requests.pop(c.rid, None)
-        self._queue_credits(c, self._revoke_naming(c))  # kept, not queued: it is benched
+        revoked = self._revoke_naming(c)
+        self._queue_credits(c, revoked)  # kept, not queued
+        return revoked
 
     def _end_benches(self, now: float) -> None:
         """Queue the credits of every consumer whose bench is over (unless it is choked), all of
@@ -1737,9 +1747,7 @@ class BrokerCore:
                     self._release(d, "consumer_gone")
             else:
                 self.stats.consumers_fenced += 1
-                self._send(rid, ProducerGone([d.token for d in held], "fenced"))
-                for d in held:
-                    self._fence(d)
+                self._fence_all(rid, held)
         else:
             self.stats.producers_lost += why != "bye"
             for key in [k for k, r in self.unmaps.items() if r.producer == rid]:
