@@ -1,6 +1,6 @@
 """A healthy pair's rate beside one flood on a live broker (hurray_ipc/broker/DESIGN.md, Known limits).
 
-Usage: .venv/bin/python scripts/floods.py [releases|queries|hold|deaf ...] [--seconds S] [--hold S] [--pool N]
+Usage: .venv/bin/python scripts/floods.py [releases|queries|hold|deaf|spin ...] [--seconds S] [--hold S] [--pool N]
 
 Starts a broker, a producer and a consumer of the public API (one process each, a 4 KiB host array
 per send) and, after a few seconds, one attacker process speaking raw frames:
@@ -15,7 +15,9 @@ per send) and, after a few seconds, one attacker process speaking raw frames:
 - deaf: a consumer on the pair's channel with 64 credits that never reads its socket;
 - deaf-pings: the same consumer sending PINGs as fast as it can, so that the PONGs it never
   reads fill its queue at the broker (66,560 messages) and sends to it fail as full; only then
-  does it ask for its 64 credits (REQUEST).
+  does it ask for its 64 credits (REQUEST);
+- spin: the control: an attacker process that only burns CPU and never connects, so what the
+  pair loses to it is what any busy process on this machine costs it, not the broker's work.
 
 ``--hold S`` gives the broker a hold bound (``hurray-broker --hold``, spec §5): a delivery held
 longer is fenced. ``--pool N``: the pair's producer sends from N buffers of its own (``allocate()``),
@@ -43,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the raw-frame client written from the spec, and the broker runner
 
-KINDS = ("releases", "unregistered", "hello", "queries", "hold", "deaf", "deaf-pings")
+KINDS = ("releases", "unregistered", "hello", "queries", "hold", "deaf", "deaf-pings", "spin")
 
 
 def _producer(ep: str, lost: mp.sharedctypes.Synchronized, stop: mp.synchronize.Event, pool: int) -> None:
@@ -89,6 +91,10 @@ def _consumer(ep: str, count: mp.sharedctypes.Synchronized, stop: mp.synchronize
 
 
 def _attack(kind: str, ep: str, stop: mp.synchronize.Event) -> None:
+    if kind == "spin":
+        while not stop.is_set():
+            sum(range(10_000))
+        return
     import zmq
 
     from test_protocol_raw import BATCH, RELEASE, Raw, endpoint_dict

@@ -57,12 +57,18 @@ LIVENESS_PERIOD_S = 0.2  # how often a same-host client's lease is probed
 MAX_FRAME = 4 << 20  # bytes: the largest inbound frame a peer may send (spec §2); a legal one is <= 2 MiB (HELLO)
 SWEEP_PERIOD_S = 30.0  # stale segments and leases of dead processes
 STATS_CACHE_S = 0.25  # a STATS_REPLY may be this old: a flood of STATS costs one snapshot per period
-# One drain round (Broker.round) ends after this many entries (a batch counts its entries) or this
-# long, and then what it produced is sent. ZeroMQ reads peers in turn, one message each whatever it
-# costs, so a round bounded only by messages held a quiet client's answer behind hundreds of a
-# flooder's 64-entry batches (measured 2026-12-07: a healthy pair fell from 1,600 to 0-1 handoffs/s).
+# One drain round (Broker.round) ends after this many entries (a batch counts its entries), this
+# long, or one peer's this many messages, and then what it produced is sent. ZeroMQ reads peers in
+# turn, one message each whatever it costs, so a round bounded only by messages held a quiet
+# client's answer behind hundreds of a flooder's 64-entry batches (measured 2026-12-07: a healthy
+# pair fell from 1,600 to 0-1 handoffs/s), and one bounded only by entries and time held it for the
+# whole 2 ms behind a client's PINGs sent within its message rate (a pair at 1,174/s fell to 142/s;
+# with the bound per peer, 692-726/s, scripts/floods.py deaf-pings, 2026-12-07). A client in step
+# with the broker seldom sends 8 messages in one round (in the bench's window-8 rows at 4 KiB, 1 of
+# the rounds of 2,000 handoffs ended that way), so the bound costs its batches nothing.
 ROUND_ENTRIES = 256
 ROUND_S = 0.002
+ROUND_PEER_MESSAGES = 8
 round_clock = time.monotonic  # what Broker.round reads the time with (tests drive it by hand)
 
 
@@ -243,20 +249,22 @@ class Broker:
 
     def round(self) -> None:
         """Handle what waits on the socket, then send what that produced (no exception ends
-        it). The round ends when nothing waits, after ROUND_ENTRIES entries or after ROUND_S,
-        so no peer's answer waits behind more than that of other peers' work, and the loop
-        keeps ticking and sweeping under load."""
+        it). The round ends when nothing waits, after ROUND_ENTRIES entries, after ROUND_S or
+        after one peer's ROUND_PEER_MESSAGES-th message, so no peer's answer waits behind more
+        than that of other peers' work, and the loop keeps ticking and sweeping under load."""
         sock, core, clock = self.sock, self.core, round_clock
         first = core.stats.messages_in
         now = clock()
         until = now + ROUND_S
+        read: dict[bytes, int] = {}
         while readable(sock):
             parts = recv_frames(sock, NOBLOCK)
             self.messages_received += 1
+            n = read[parts[0]] = read.get(parts[0], 0) + 1
             if len(parts) > 1:
                 self._queue(core.receive(parts[0], parts[1:], now))
             now = clock()
-            if core.stats.messages_in - first >= ROUND_ENTRIES or now >= until:
+            if core.stats.messages_in - first >= ROUND_ENTRIES or now >= until or n >= ROUND_PEER_MESSAGES:
                 break
         self._flush()
 
