@@ -24,6 +24,10 @@ longer is fenced. ``--pool N``: the pair's producer sends from N buffers of its 
 each again once it came back, instead of a new array per send: a fixed pool, which a consumer
 that holds everything stalls.
 
+Two seconds into the flood a second pair (channel "late") starts: the time until its first handoff
+arrives, its processes' start included, says whether a client can register while the flood goes
+on ("none": not before it ended).
+
 It prints the pair's handoffs, those of its producer's that ended other than released (e.g.
 "undelivered: full") and the broker's RSS each second before, during and after the flood, then one
 line per attack with the medians. Loopback only; it stops by itself. Not a test: what it
@@ -39,6 +43,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -48,7 +53,8 @@ sys.path.insert(0, str(ROOT / "tests"))  # the raw-frame client written from the
 KINDS = ("releases", "unregistered", "hello", "queries", "hold", "deaf", "deaf-pings", "spin")
 
 
-def _producer(ep: str, lost: mp.sharedctypes.Synchronized, stop: mp.synchronize.Event, pool: int) -> None:
+def _producer(ep: str, lost: mp.sharedctypes.Synchronized, stop: mp.synchronize.Event, pool: int,
+              channel: str = "good") -> None:
     import numpy as np
 
     from hurray_ipc import HurrayError, Producer
@@ -59,7 +65,7 @@ def _producer(ep: str, lost: mp.sharedctypes.Synchronized, stop: mp.synchronize.
                 lost.value += 1
 
     a = np.zeros(1024, np.float32)
-    with Producer(channel="good", endpoint=ep) as p:
+    with Producer(channel=channel, endpoint=ep) as p:
         bufs = [p.allocate(a.nbytes) for _ in range(pool)]
         while not stop.is_set():
             free = [b for b in bufs if not p.holds(b)]
@@ -75,9 +81,10 @@ def _producer(ep: str, lost: mp.sharedctypes.Synchronized, stop: mp.synchronize.
                 pass  # the flood may delay a grant past the timeout: try again
 
 
-def _consumer(ep: str, count: mp.sharedctypes.Synchronized, stop: mp.synchronize.Event) -> None:
+def _consumer(ep: str, count: mp.sharedctypes.Synchronized, stop: mp.synchronize.Event,
+              channel: str = "good") -> None:
     from hurray_ipc import Consumer, HurrayError
-    with Consumer(channel="good", endpoint=ep) as c:
+    with Consumer(channel=channel, endpoint=ep) as c:
         while not stop.is_set():
             try:
                 h = c.receive(timeout=0.5)
@@ -188,26 +195,47 @@ def run(kind: str, seconds: int, hold: float | None = None, pool: int = 0) -> di
             print(f"{kind:8s} {phase:6s} {rates[phase][-1]:6d} handoffs/s  {lost.value - l0:5d} not released"
                   f"  broker RSS {now_mb} MB", flush=True)
 
+    late_count, late_lost = mp.Value("q", 0), mp.Value("q", 0)
+    late = [mp.Process(target=_producer, args=(b.endpoint, late_lost, stop, 0, "late")),
+            mp.Process(target=_consumer, args=(b.endpoint, late_count, stop, "late"))]
+    first_late: float | None = None
     try:
         window("before", 4)
         a = mp.Process(target=_attack, args=(kind, b.endpoint, attack_stop))
         a.start()
-        window("during", seconds)
+        window("during", min(2, seconds))
+        # A new pair starts while the flood goes on: how long until its first handoff arrives
+        # (its processes' start included) says whether newcomers can register during it.
+        late_start = time.monotonic()
+        for p in late:
+            p.start()
+
+        def watch() -> None:
+            nonlocal first_late
+            while not late_count.value and not attack_stop.is_set():
+                time.sleep(0.02)  # polled against wall time, as the rates are
+            if late_count.value and not attack_stop.is_set():
+                first_late = time.monotonic() - late_start
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        window("during", seconds - min(2, seconds))
         attack_stop.set()
+        watcher.join()
         a.join(5)
         if a.is_alive():
             a.kill()
         window("after", 5)
     finally:
         stop.set()
-        for p in pair:
+        for p in pair + [q for q in late if q.pid is not None]:
             p.join(5)
             if p.is_alive():
                 p.kill()
         b.stop()
     return {"before": statistics.median(rates["before"][1:]), "during": statistics.median(rates["during"]),
             "after_first": rates["after"][0], "after": statistics.median(rates["after"]), "rss_max_mb": rss,
-            "not_released": sum(losses.values())}
+            "not_released": sum(losses.values()), "late_first_s": first_late}
 
 
 def main() -> int:
@@ -228,10 +256,12 @@ def main() -> int:
         ap.error(f"--pool takes a number of buffers >= 0 (got {args.pool})")
     mp.set_start_method("spawn")
     results = {k: run(k, args.seconds, args.hold, args.pool) for k in args.kinds}
-    print("\nattack     pair before  during  1st s after  after  broker RSS max  pair's handoffs not released")
+    print("\nattack     pair before  during  1st s after  after  broker RSS max  pair's handoffs not released"
+          "  new pair's 1st handoff during it")
     for k, r in results.items():
+        late = "none" if r["late_first_s"] is None else f"after {r['late_first_s']:.1f} s"
         print(f"{k:10s} {r['before']:9.0f}/s {r['during']:6.0f}/s {r['after_first']:9.0f}/s {r['after']:5.0f}/s"
-              f"  {r['rss_max_mb']:9d} MB  {r['not_released']}")
+              f"  {r['rss_max_mb']:9d} MB  {r['not_released']:29d}  {late}")
     return 0
 
 

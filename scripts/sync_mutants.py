@@ -222,6 +222,25 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                     "tests/test_broker_core.py",
                     "tests/test_broker_attacks.py::test_a_peer_that_stops_reading_is_counted_and_granted_nothing_"
                     "until_it_reads_again"),
+    # Peers not registered (ipc-protocol.md 6a): past the byte budget they share, each peer's
+    # first small messages are still read, so a newcomer registers during a flood; the per-peer
+    # bound keeps that from reopening the flood.
+    "newcomer-dropped": ("hurray_ipc/broker/core.py",
+                         "            if size > NEWCOMER_BYTES:\n                return False\n",
+                         "            if True:  # MUTANT: past the budget everything is dropped\n"
+                         "                return False\n",
+                         "tests/test_broker_core.py"),
+    "newcomer-unbounded": ("hurray_ipc/broker/core.py",
+                           "            if allowance < 1.0:\n                return False\n",
+                           "            if False:  # MUTANT: every small message passes the budget\n"
+                           "                return False\n",
+                           "tests/test_broker_core.py"),
+    # A drain round ends at one peer's 8th message (ipc-protocol.md 1), or one client's PINGs hold
+    # every other answer for the round's 2 ms.
+    "round-peer-unbounded": ("hurray_ipc/broker/server.py",
+                             "ROUND_PEER_MESSAGES = 8\n",
+                             "ROUND_PEER_MESSAGES = 1 << 30  # MUTANT: no bound per peer\n",
+                             "tests/test_broker_fairness.py"),
     "choke-ends-unprobed": ("hurray_ipc/broker/core.py",
                             "                k.probed = True\n                self._send(rid, Pong())\n",
                             "                k.probed = True  # MUTANT: ends at the next tick, unprobed\n",

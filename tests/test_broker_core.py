@@ -1458,6 +1458,60 @@ def test_peers_not_registered_share_a_byte_budget_and_past_it_are_dropped_unread
     assert len(_errors(core.receive(b"y", mib, 1.0 + 1.001 / 8))) == 1
 
 
+def _spend_the_unregistered_budget(core: BrokerCore, now: float) -> int:
+    """Peers not registered send 1 MiB messages at ``now``, each from a connection of its own,
+    until one is dropped unread: the budget they share is spent. Returns how many were read."""
+    mib = [b"HELLO", json.dumps({"pad": "x" * ((1 << 20) - 16)}).encode()]
+    assert sum(map(len, mib)) == 1 << 20
+    for i in range(10):
+        if not _errors(core.receive(b"x%d" % i, mib, now)):
+            return i
+    raise AssertionError("10 MiB read at one instant: the budget is 8 MiB")
+
+
+def test_past_the_unregistered_budget_a_newcomers_hello_is_still_read_and_charged():
+    """While peers that never registered spend the budget they share, a new client's HELLO was
+    dropped with theirs: no client could register until the flood stopped (broker/DESIGN.md,
+    Known limits). Each peer's first two small messages a second are read all the same (§6a),
+    and charged to the shared budget."""
+    core = _core()
+    assert _spend_the_unregistered_budget(core, 1.0) == 8  # exactly 0 left
+    hello = frames("HELLO", {"protocol": PROTOCOL_VERSION, "role": "consumer", "channel": "ch", "pid": 7,
+                             "endpoint": endpoint(7)})
+    size = sum(map(len, hello))
+    assert size <= 16 << 10
+    assert [o.msg.verb for o in core.receive(b"n", hello, 1.0)] == ["WELCOME"]
+    assert b"n" in core.clients
+    # Charged: the shared budget is -size now, so it admits a big message again only once it
+    # refilled past that (8 MiB a second), not at 0.
+    big = [b"HELLO", json.dumps({"pad": "x" * (32 << 10)}).encode()]
+    assert not _errors(core.receive(b"y", big, 1.0 + (size - 1) / (8 << 20)))
+    assert len(_errors(core.receive(b"y", big, 1.0 + (size + 1) / (8 << 20)))) == 1
+
+
+def test_past_the_unregistered_budget_each_peer_gets_two_small_messages_a_second():
+    """The exception is per peer, per second, and for small messages: a flooder whose budget is
+    spent gets two PINGs a second read (each answered not_registered), a message over 16 KiB
+    none, and the broker remembers at most 16384 such peers."""
+    core = _core()
+    _spend_the_unregistered_budget(core, 1.0)
+    ping = frames("PING", {})
+    assert [len(_errors(core.receive(b"f", ping, 1.0))) for _ in range(3)] == [1, 1, 0]
+    assert _spend_the_unregistered_budget(core, 1.4) > 0
+    assert [len(_errors(core.receive(b"f", ping, 1.4))) for _ in range(2)] == [0, 0], "0.8 of a message refilled"
+    _spend_the_unregistered_budget(core, 1.5)
+    assert [len(_errors(core.receive(b"f", ping, 1.5))) for _ in range(2)] == [1, 0]
+    just_over = [b"STATS", b"{" + b" " * ((16 << 10) - 6) + b"}"]
+    assert sum(map(len, just_over)) == (16 << 10) + 1
+    dropped = core.stats.limits_refused
+    assert not core.receive(b"g", just_over, 1.5), "over 16 KiB: dropped unread, unanswered"
+    assert core.stats.limits_refused == dropped + 1
+    for i in range(16400):
+        core.receive(b"r%d" % i, ping, 1.5)
+    assert len(core._newcomers) == 16384
+    core.check_invariants()
+
+
 def test_an_event_release_and_a_release_crossing_producer_gone_are_each_uncharged_once():
     """An event-mode consumer sends EVENT_RELEASE and RELEASE per token: the first must not use
     up the second's exemption (a reviewer's finding: one memory for both kinds did)."""

@@ -134,6 +134,14 @@ ERROR_COST = 9.0
 # reviewer's 0.88 MB HELLOs cost 18 ms each and held a healthy pair at 9-10 handoffs/s). The
 # burst takes the largest HELLO (2 MiB) four times over.
 UNREGISTERED_BYTES = float(8 << 20)
+# Past that budget, each peer's first messages are still read (§6a): while peers flooding it spend
+# it, a newcomer's HELLO (or a PING answered not_registered and the HELLO after it) was dropped with
+# theirs, so no client could register until the flood stopped. Two a second per peer, each at most
+# NEWCOMER_BYTES (the library's HELLO is about 1 KB), remembered for the MAX_NEWCOMERS peers read
+# this way last: a flood gets this way one share per connection it opens.
+NEWCOMER_MESSAGES = 2.0
+NEWCOMER_BYTES = 16 << 10
+MAX_NEWCOMERS = 16384
 FENCE_TIMEOUTS = 20  # a consumer alive but silent this many timeouts while holding buffers is fenced (§5)
 MAX_ROUTING_ID = 32  # bytes: a DELIVER names its producer in a 32-byte field (spec §2.2)
 _RELEASED_MEMORY = 100_000  # released (and fenced) tokens remembered, to tell "already released" from "unknown" (§6a)
@@ -457,6 +465,7 @@ class BrokerCore:
         self.by_handoff: dict[tuple[bytes, int], str] = {}  # (producer, handoff) -> token
         self.released = _Recent(_RELEASED_MEMORY)  # tokens
         self._unregistered = [UNREGISTERED_BYTES, 0.0]  # UNREGISTERED_BYTES' bucket: [allowance, at]
+        self._newcomers: OrderedDict[bytes, list[float]] = OrderedDict()  # rid -> its NEWCOMER_MESSAGES' bucket
         self.fenced = _Recent(_RELEASED_MEMORY)  # tokens of fenced deliveries (§5)
         # Tokens told PRODUCER_GONE while held, until their consumer's RELEASE crosses it: that
         # one refusal is not charged to its rate (§6a), a second is.
@@ -541,15 +550,23 @@ class BrokerCore:
         client.allowance_at = now
         return client.allowance < 1.0
 
-    def _unregistered_budget(self, parts: list[bytes], now: float) -> bool:
+    def _unregistered_budget(self, rid: bytes, parts: list[bytes], now: float) -> bool:
         """Whether a message from a peer not registered may be read: while the bucket all such
-        peers share is above 0, which the message's bytes are then charged to (§6a)."""
+        peers share is above 0, or else while the peer's own bucket of small messages is (§6a);
+        the message's bytes are then charged to the shared one."""
         b = self._unregistered
         b[0] = refilled(b[0], b[1], UNREGISTERED_BYTES, now)
         b[1] = now
+        size = sum(len(p) for p in parts)
         if b[0] <= 0:
-            return False
-        b[0] -= sum(len(p) for p in parts)
+            if size > NEWCOMER_BYTES:
+                return False
+            own = self._newcomers.get(rid)
+            allowance = NEWCOMER_MESSAGES if own is None else refilled(own[0], own[1], NEWCOMER_MESSAGES, now)
+            if allowance < 1.0:
+                return False
+            _remember(self._newcomers, rid, [allowance - 1.0, now], MAX_NEWCOMERS)
+        b[0] -= size
         return True
 
     def _rate_refusal(self, rid: bytes, ref: str, handoff_ids: list[int] | None, credits: int) -> None:
@@ -607,7 +624,7 @@ class BrokerCore:
         self._now = now
         self.stats.wire_in += 1
         client = self.clients.get(rid)
-        if client is None and not self._unregistered_budget(parts, now):
+        if client is None and not self._unregistered_budget(rid, parts, now):
             self.stats.limits_refused += 1  # dropped unread, unanswered (§6a)
             return self._take()
         over = client is not None and self._over_rate(client, now)  # judged as it arrives (§6a)
@@ -1920,6 +1937,7 @@ class BrokerCore:
     # --- invariants ------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise AssertionError naming the first broken invariant (see the module docstring)."""
+        assert len(self._newcomers) <= MAX_NEWCOMERS, "newcomers past their bound"
         for name, ch in self.channels.items():
             for rid in ch.producers:
                 assert rid in self.clients and self.clients[rid].role == "producer", f"{name}: stray producer"
