@@ -26,7 +26,8 @@ that holds everything stalls.
 
 Two seconds into the flood a second pair (channel "late") starts: the time until its first handoff
 arrives, its processes' start included, says whether a client can register while the flood goes
-on ("none": not before it ended).
+on ("none": not before it ended). It stops there, so that it takes from the first pair's rate as
+little as it can.
 
 It prints the pair's handoffs, those of its producer's that ended other than released (e.g.
 "undelivered: full") and the broker's RSS each second before, during and after the flood, then one
@@ -195,9 +196,11 @@ def run(kind: str, seconds: int, hold: float | None = None, pool: int = 0) -> di
             print(f"{kind:8s} {phase:6s} {rates[phase][-1]:6d} handoffs/s  {lost.value - l0:5d} not released"
                   f"  broker RSS {now_mb} MB", flush=True)
 
-    late_count, late_lost = mp.Value("q", 0), mp.Value("q", 0)
-    late = [mp.Process(target=_producer, args=(b.endpoint, late_lost, stop, 0, "late")),
-            mp.Process(target=_consumer, args=(b.endpoint, late_count, stop, "late"))]
+    # The second pair stops at its first handoff (or with the flood), so that it costs the first
+    # pair as little as it can.
+    late_count, late_lost, late_stop = mp.Value("q", 0), mp.Value("q", 0), mp.Event()
+    late = [mp.Process(target=_producer, args=(b.endpoint, late_lost, late_stop, 0, "late")),
+            mp.Process(target=_consumer, args=(b.endpoint, late_count, late_stop, "late"))]
     first_late: float | None = None
     try:
         window("before", 4)
@@ -216,12 +219,15 @@ def run(kind: str, seconds: int, hold: float | None = None, pool: int = 0) -> di
                 time.sleep(0.02)  # polled against wall time, as the rates are
             if late_count.value and not attack_stop.is_set():
                 first_late = time.monotonic() - late_start
+            late_stop.set()
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         window("during", seconds - min(2, seconds))
         attack_stop.set()
-        watcher.join()
+        watcher.join()  # it sets late_stop
+        for p in late:
+            p.join(5)
         a.join(5)
         if a.is_alive():
             a.kill()
