@@ -235,6 +235,10 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                            "            if False:  # MUTANT: every small message passes the budget\n"
                            "                return False\n",
                            "tests/test_broker_core.py"),
+    "unregistered-debt-unfloored": ("hurray_ipc/broker/core.py",
+                                    "        b[0] = max(b[0] - size, -UNREGISTERED_BYTES)\n",
+                                    "        b[0] -= size  # MUTANT: a newcomer flood leaves unbounded debt\n",
+                                    "tests/test_broker_core.py"),
     # A drain round ends at one peer's 8th message (ipc-protocol.md 1), or one client's PINGs hold
     # every other answer for the round's 2 ms.
     "round-peer-unbounded": ("hurray_ipc/broker/server.py",

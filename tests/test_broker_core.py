@@ -1442,7 +1442,8 @@ def test_peers_not_registered_share_a_byte_budget_and_past_it_are_dropped_unread
     """A HELLO is parsed whole before anything can refuse it, and peers not registered have no
     rate: one connection sending 0.88 MB HELLOs (18 ms each to parse) held a healthy pair at
     9-10 handoffs/s. They now share 8 MiB a second (burst 8 MiB, spec §6a); past it a message
-    is dropped unread and unanswered, and registered clients are not charged."""
+    (here of 1 MiB: over the 4 KiB a routing id may still send, tested below) is dropped unread
+    and unanswered, and registered clients are not charged."""
     core = _core()
     _hello(core, b"c", "consumer", pid=6)
     mib = [b"HELLO", json.dumps({"pad": "x" * ((1 << 20) - 16)}).encode()]
@@ -1469,17 +1470,25 @@ def _spend_the_unregistered_budget(core: BrokerCore, now: float) -> int:
     raise AssertionError("10 MiB read at one instant: the budget is 8 MiB")
 
 
+def _padded_ping(size: int) -> list[bytes]:
+    """A PING of exactly ``size`` bytes, all frames (a peer not registered is answered
+    not_registered)."""
+    ping = [b"PING", b'{"pad": "' + b"x" * (size - 15) + b'"}']
+    assert sum(map(len, ping)) == size
+    return ping
+
+
 def test_past_the_unregistered_budget_a_newcomers_hello_is_still_read_and_charged():
     """While peers that never registered spend the budget they share, a new client's HELLO was
     dropped with theirs: no client could register until the flood stopped (broker/DESIGN.md,
-    Known limits). Each peer's first two small messages a second are read all the same (§6a),
-    and charged to the shared budget."""
+    Known limits). Each routing id's first two messages of at most 4 KiB a second are read all
+    the same (§6a), and charged to the shared budget."""
     core = _core()
     assert _spend_the_unregistered_budget(core, 1.0) == 8  # exactly 0 left
     hello = frames("HELLO", {"protocol": PROTOCOL_VERSION, "role": "consumer", "channel": "ch", "pid": 7,
                              "endpoint": endpoint(7)})
     size = sum(map(len, hello))
-    assert size <= 16 << 10
+    assert size <= 4096
     assert [o.msg.verb for o in core.receive(b"n", hello, 1.0)] == ["WELCOME"]
     assert b"n" in core.clients
     # Charged: the shared budget is -size now, so it admits a big message again only once it
@@ -1489,10 +1498,11 @@ def test_past_the_unregistered_budget_a_newcomers_hello_is_still_read_and_charge
     assert len(_errors(core.receive(b"y", big, 1.0 + (size + 1) / (8 << 20)))) == 1
 
 
-def test_past_the_unregistered_budget_each_peer_gets_two_small_messages_a_second():
-    """The exception is per peer, per second, and for small messages: a flooder whose budget is
-    spent gets two PINGs a second read (each answered not_registered), a message over 16 KiB
-    none, and the broker remembers at most 16384 such peers."""
+def test_past_the_unregistered_budget_each_routing_id_gets_two_messages_of_4_kib_a_second():
+    """The exception is per routing id, per second, and for messages of at most 4 KiB: a flooder
+    whose budget is spent gets two PINGs a second read (each answered not_registered), a message
+    of 4097 bytes none; the broker remembers at most 16384 routing ids, and one it forgot starts
+    with a full bucket again."""
     core = _core()
     _spend_the_unregistered_budget(core, 1.0)
     ping = frames("PING", {})
@@ -1501,15 +1511,33 @@ def test_past_the_unregistered_budget_each_peer_gets_two_small_messages_a_second
     assert [len(_errors(core.receive(b"f", ping, 1.4))) for _ in range(2)] == [0, 0], "0.8 of a message refilled"
     _spend_the_unregistered_budget(core, 1.5)
     assert [len(_errors(core.receive(b"f", ping, 1.5))) for _ in range(2)] == [1, 0]
-    just_over = [b"STATS", b"{" + b" " * ((16 << 10) - 6) + b"}"]
-    assert sum(map(len, just_over)) == (16 << 10) + 1
+    assert len(_errors(core.receive(b"g", _padded_ping(4096), 1.5))) == 1, "4 KiB: read"
     dropped = core.stats.limits_refused
-    assert not core.receive(b"g", just_over, 1.5), "over 16 KiB: dropped unread, unanswered"
+    assert not core.receive(b"h", _padded_ping(4097), 1.5), "over 4 KiB: dropped unread, unanswered"
     assert core.stats.limits_refused == dropped + 1
     for i in range(16400):
         core.receive(b"r%d" % i, ping, 1.5)
     assert len(core._newcomers) == 16384
     core.check_invariants()
+    assert [len(_errors(core.receive(b"f", ping, 1.5))) for _ in range(3)] == [1, 1, 0], "forgotten: full again"
+
+
+def test_a_routing_ids_bucket_is_untouched_while_the_budget_lasts_and_the_budgets_debt_stops_at_8_mib():
+    """Messages read within the shared budget take nothing from their routing id's bucket; and
+    however many routing ids read past the budget at once, its debt stops at -8 MiB (§6a), so a
+    flood of newcomers from thousands of connections leaves at most a second of it (without the
+    floor, 4,000 messages of 4 KiB left 16 MiB: two seconds in which no message over 4 KiB was
+    read, then more for each further wave)."""
+    core = _core()
+    ping = frames("PING", {})
+    assert [len(_errors(core.receive(b"z", ping, 1.0))) for _ in range(3)] == [1, 1, 1]  # within the budget
+    assert _spend_the_unregistered_budget(core, 1.0) == 8
+    assert [len(_errors(core.receive(b"z", ping, 1.0))) for _ in range(3)] == [1, 1, 0], "z's bucket was full"
+    for i in range(4000):
+        assert len(_errors(core.receive(b"n%d" % i, _padded_ping(4096), 1.0))) == 1
+    big = [b"HELLO", json.dumps({"pad": "x" * (32 << 10)}).encode()]
+    assert not _errors(core.receive(b"y", big, 1.999)), "at -8 MiB, 0.999 s of refill is not enough"
+    assert len(_errors(core.receive(b"y", big, 2.001))) == 1
 
 
 def test_an_event_release_and_a_release_crossing_producer_gone_are_each_uncharged_once():

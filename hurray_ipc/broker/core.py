@@ -136,11 +136,14 @@ ERROR_COST = 9.0
 UNREGISTERED_BYTES = float(8 << 20)
 # Past that budget, each peer's first messages are still read (§6a): while peers flooding it spend
 # it, a newcomer's HELLO (or a PING answered not_registered and the HELLO after it) was dropped with
-# theirs, so no client could register until the flood stopped. Two a second per peer, each at most
-# NEWCOMER_BYTES (the library's HELLO is about 1 KB), remembered for the MAX_NEWCOMERS peers read
-# this way last: a flood gets this way one share per connection it opens.
+# theirs, so no client could register until the flood stopped. Two a second per routing id, each at
+# most NEWCOMER_BYTES (the library's HELLO is about 530 bytes; one listing held deliveries after a
+# broker restart, about 130 bytes more each, may be larger and then waits for the budget),
+# remembered for the MAX_NEWCOMERS routing ids read this way last. A peer chooses its routing id, so
+# a flood gets this way 8 KiB a second more per connection it opens; charged to the budget, which
+# goes no lower than -UNREGISTERED_BYTES, so that such a flood leaves at most a second of debt.
 NEWCOMER_MESSAGES = 2.0
-NEWCOMER_BYTES = 16 << 10
+NEWCOMER_BYTES = 4 << 10
 MAX_NEWCOMERS = 16384
 FENCE_TIMEOUTS = 20  # a consumer alive but silent this many timeouts while holding buffers is fenced (§5)
 MAX_ROUTING_ID = 32  # bytes: a DELIVER names its producer in a 32-byte field (spec §2.2)
@@ -553,7 +556,7 @@ class BrokerCore:
     def _unregistered_budget(self, rid: bytes, parts: list[bytes], now: float) -> bool:
         """Whether a message from a peer not registered may be read: while the bucket all such
         peers share is above 0, or else while the peer's own bucket of small messages is (§6a);
-        the message's bytes are then charged to the shared one."""
+        the message's bytes are then charged to the shared one, down to -UNREGISTERED_BYTES."""
         b = self._unregistered
         b[0] = refilled(b[0], b[1], UNREGISTERED_BYTES, now)
         b[1] = now
@@ -566,7 +569,7 @@ class BrokerCore:
             if allowance < 1.0:
                 return False
             _remember(self._newcomers, rid, [allowance - 1.0, now], MAX_NEWCOMERS)
-        b[0] -= size
+        b[0] = max(b[0] - size, -UNREGISTERED_BYTES)
         return True
 
     def _rate_refusal(self, rid: bytes, ref: str, handoff_ids: list[int] | None, credits: int) -> None:
