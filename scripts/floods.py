@@ -16,6 +16,9 @@ per send) and, after a few seconds, one attacker process speaking raw frames:
 - deaf-pings: the same consumer sending PINGs as fast as it can, so that the PONGs it never
   reads fill its queue at the broker (66,560 messages) and sends to it fail as full; only then
   does it ask for its 64 credits (REQUEST);
+- newcomers: 500 connections, each sending 4 KiB HELLOs (refused for a bad lease) as fast as it
+  can, never reading: they spend the byte budget peers not registered share, and each also gets
+  the two small messages a second a routing id may send past it (spec §6a);
 - spin: the control: an attacker process that only burns CPU and never connects, so what the
   pair loses to it is what any busy process on this machine costs it, not the broker's work.
 
@@ -24,10 +27,11 @@ longer is fenced. ``--pool N``: the pair's producer sends from N buffers of its 
 each again once it came back, instead of a new array per send: a fixed pool, which a consumer
 that holds everything stalls.
 
-Two seconds into the flood a second pair (channel "late") starts: the time until its first handoff
-arrives, its processes' start included, says whether a client can register while the flood goes
-on ("none": not before it ended). It stops there, so that it takes from the first pair's rate as
-little as it can.
+Two seconds into a flood that lasts longer a second pair (channel "late") starts: the time from
+its clients' construction (the later of the two, after their imports) to its first handoff says
+whether a client can register while the flood goes on ("none": not before it ended). It stops
+there, so that it takes from the first pair's rate as little as it can (its processes' start still
+takes some CPU in the flood's third second).
 
 It prints the pair's handoffs, those of its producer's that ended other than released (e.g.
 "undelivered: full") and the broker's RSS each second before, during and after the flood, then one
@@ -47,15 +51,16 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the raw-frame client written from the spec, and the broker runner
 
-KINDS = ("releases", "unregistered", "hello", "queries", "hold", "deaf", "deaf-pings", "spin")
+KINDS = ("releases", "unregistered", "hello", "newcomers", "queries", "hold", "deaf", "deaf-pings", "spin")
 
 
 def _producer(ep: str, lost: mp.sharedctypes.Synchronized, stop: mp.synchronize.Event, pool: int,
-              channel: str = "good") -> None:
+              channel: str = "good", times: Any = None) -> None:
     import numpy as np
 
     from hurray_ipc import HurrayError, Producer
@@ -66,6 +71,8 @@ def _producer(ep: str, lost: mp.sharedctypes.Synchronized, stop: mp.synchronize.
                 lost.value += 1
 
     a = np.zeros(1024, np.float32)
+    if times is not None:
+        times[1] = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of this machine
     with Producer(channel=channel, endpoint=ep) as p:
         bufs = [p.allocate(a.nbytes) for _ in range(pool)]
         while not stop.is_set():
@@ -83,8 +90,10 @@ def _producer(ep: str, lost: mp.sharedctypes.Synchronized, stop: mp.synchronize.
 
 
 def _consumer(ep: str, count: mp.sharedctypes.Synchronized, stop: mp.synchronize.Event,
-              channel: str = "good") -> None:
+              channel: str = "good", times: Any = None) -> None:
     from hurray_ipc import Consumer, HurrayError
+    if times is not None:
+        times[0] = time.monotonic()
     with Consumer(channel=channel, endpoint=ep) as c:
         while not stop.is_set():
             try:
@@ -94,6 +103,8 @@ def _consumer(ep: str, count: mp.sharedctypes.Synchronized, stop: mp.synchronize
             if h is None:
                 break
             h.release()
+            if times is not None and not times[2]:
+                times[2] = time.monotonic()
             with count.get_lock():
                 count.value += 1
 
@@ -131,6 +142,24 @@ def _attack(kind: str, ep: str, stop: mp.synchronize.Event) -> None:
                 s.send_multipart([b"HELLO", hello], zmq.NOBLOCK)
             except zmq.Again:
                 stop.wait(0.001)
+    elif kind == "newcomers":
+        socks = []
+        for _ in range(500):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(ep)
+            socks.append(s)
+        hello = {"protocol": 2, "role": "consumer", "channel": "x", "pid": os.getpid(),
+                 "endpoint": endpoint_dict(os.getpid()), "lease": "not a lease", "pad": ""}
+        hello["pad"] = "x" * (4096 - len(b"HELLO") - len(json.dumps(hello)))
+        small = [b"HELLO", json.dumps(hello).encode()]
+        assert sum(map(len, small)) == 4096
+        while not stop.is_set():
+            for s in socks:
+                try:
+                    s.send_multipart(small, zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
     elif kind == "queries":
         socks = []
         for _ in range(200):
@@ -197,37 +226,39 @@ def run(kind: str, seconds: int, hold: float | None = None, pool: int = 0) -> di
                   f"  broker RSS {now_mb} MB", flush=True)
 
     # The second pair stops at its first handoff (or with the flood), so that it costs the first
-    # pair as little as it can.
+    # pair as little as it can. Its processes note when each began to construct its client (after
+    # their imports) and when the first handoff was released: [consumer, producer, first].
     late_count, late_lost, late_stop = mp.Value("q", 0), mp.Value("q", 0), mp.Event()
-    late = [mp.Process(target=_producer, args=(b.endpoint, late_lost, late_stop, 0, "late")),
-            mp.Process(target=_consumer, args=(b.endpoint, late_count, late_stop, "late"))]
+    late_times = mp.Array("d", 3)
+    late = [mp.Process(target=_producer, args=(b.endpoint, late_lost, late_stop, 0, "late", late_times)),
+            mp.Process(target=_consumer, args=(b.endpoint, late_count, late_stop, "late", late_times))]
     first_late: float | None = None
     try:
         window("before", 4)
         a = mp.Process(target=_attack, args=(kind, b.endpoint, attack_stop))
         a.start()
         window("during", min(2, seconds))
-        # A new pair starts while the flood goes on: how long until its first handoff arrives
-        # (its processes' start included) says whether newcomers can register during it.
-        late_start = time.monotonic()
-        for p in late:
-            p.start()
+        # A new pair starts while the flood goes on (when it lasts over 2 s): how long from its
+        # clients' construction to its first handoff says whether newcomers can register during it.
+        if seconds > 2:
+            for p in late:
+                p.start()
 
-        def watch() -> None:
-            nonlocal first_late
-            while not late_count.value and not attack_stop.is_set():
-                time.sleep(0.02)  # polled against wall time, as the rates are
-            if late_count.value and not attack_stop.is_set():
-                first_late = time.monotonic() - late_start
-            late_stop.set()
+            def watch() -> None:
+                while not late_times[2] and not attack_stop.is_set():
+                    time.sleep(0.02)  # polled against wall time, as the rates are
+                late_stop.set()
 
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
+            watcher = threading.Thread(target=watch, daemon=True)
+            watcher.start()
         window("during", seconds - min(2, seconds))
         attack_stop.set()
-        watcher.join()  # it sets late_stop
-        for p in late:
-            p.join(5)
+        if seconds > 2:
+            watcher.join()  # it set late_stop
+            for p in late:
+                p.join(5)
+            if late_times[2]:
+                first_late = late_times[2] - max(late_times[0], late_times[1])
         a.join(5)
         if a.is_alive():
             a.kill()
@@ -265,7 +296,8 @@ def main() -> int:
     print("\nattack     pair before  during  1st s after  after  broker RSS max  pair's handoffs not released"
           "  new pair's 1st handoff during it")
     for k, r in results.items():
-        late = "none" if r["late_first_s"] is None else f"after {r['late_first_s']:.1f} s"
+        late = ("n/a (--seconds 2 or less)" if args.seconds <= 2 else "none" if r["late_first_s"] is None
+                else f"after {r['late_first_s']:.2f} s")
         print(f"{k:10s} {r['before']:9.0f}/s {r['during']:6.0f}/s {r['after_first']:9.0f}/s {r['after']:5.0f}/s"
               f"  {r['rss_max_mb']:9d} MB  {r['not_released']:29d}  {late}")
     return 0
