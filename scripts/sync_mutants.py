@@ -226,17 +226,17 @@ MUTANTS: dict[str, tuple[str, ...]] = {
     # first small messages are still read, so a newcomer registers during a flood; the per-peer
     # bound keeps that from reopening the flood.
     "newcomer-dropped": ("hurray_ipc/broker/core.py",
-                         "            if size > NEWCOMER_BYTES:\n                return False\n",
-                         "            if True:  # MUTANT: past the budget everything is dropped\n"
-                         "                return False\n",
+                         "        if size > NEWCOMER_BYTES:\n            return False\n",
+                         "        if True:  # MUTANT: past the budget everything is dropped\n"
+                         "            return False\n",
                          "tests/test_broker_core.py"),
     "newcomer-unbounded": ("hurray_ipc/broker/core.py",
-                           "            if allowance < 1.0:\n                return False\n",
-                           "            if False:  # MUTANT: every small message passes the budget\n"
-                           "                return False\n",
+                           "        if allowance < 1.0:\n            return False\n",
+                           "        if False:  # MUTANT: every small message passes the budget\n"
+                           "            return False\n",
                            "tests/test_broker_core.py"),
     "unregistered-debt-unfloored": ("hurray_ipc/broker/core.py",
-                                    "        b[0] = max(b[0] - size, -UNREGISTERED_BYTES)\n",
+                                    "        b[0] = min(b[0], max(b[0] - size, -UNREGISTERED_BYTES))\n",
                                     "        b[0] -= size  # MUTANT: a newcomer flood leaves unbounded debt\n",
                                     "tests/test_broker_core.py"),
     # A drain round ends at one peer's 8th message (ipc-protocol.md 1), or one client's PINGs hold

@@ -1507,19 +1507,26 @@ def test_past_the_unregistered_budget_each_routing_id_gets_two_messages_of_4_kib
     _spend_the_unregistered_budget(core, 1.0)
     ping = frames("PING", {})
     assert [len(_errors(core.receive(b"f", ping, 1.0))) for _ in range(3)] == [1, 1, 0]
-    assert _spend_the_unregistered_budget(core, 1.4) > 0
-    assert [len(_errors(core.receive(b"f", ping, 1.4))) for _ in range(2)] == [0, 0], "0.8 of a message refilled"
+    assert _spend_the_unregistered_budget(core, 1.49) > 0
+    assert not _errors(core.receive(b"f", ping, 1.49)), "0.98 of a message refilled (2 a second)"
     _spend_the_unregistered_budget(core, 1.5)
     assert [len(_errors(core.receive(b"f", ping, 1.5))) for _ in range(2)] == [1, 0]
-    assert len(_errors(core.receive(b"g", _padded_ping(4096), 1.5))) == 1, "4 KiB: read"
+    _spend_the_unregistered_budget(core, 9.0)  # idle for 7.5 s: refilled to 2, no more
+    assert [len(_errors(core.receive(b"f", ping, 9.0))) for _ in range(3)] == [1, 1, 0]
+    assert len(_errors(core.receive(b"g", _padded_ping(4096), 9.0))) == 1, "4 KiB: read"
     dropped = core.stats.limits_refused
-    assert not core.receive(b"h", _padded_ping(4097), 1.5), "over 4 KiB: dropped unread, unanswered"
+    assert not core.receive(b"h", _padded_ping(4097), 9.0), "over 4 KiB: dropped unread, unanswered"
     assert core.stats.limits_refused == dropped + 1
-    for i in range(16400):
-        core.receive(b"r%d" % i, ping, 1.5)
+    assert [len(_errors(core.receive(b"h", ping, 9.0))) for _ in range(3)] == [1, 1, 0], "the 4097 took none"
+    # Forgotten least recently used first: f used its bucket last, just before the 16,384 others.
+    for i in range(16384):
+        core.receive(b"r%d" % i, ping, 9.0)
     assert len(core._newcomers) == 16384
     core.check_invariants()
-    assert [len(_errors(core.receive(b"f", ping, 1.5))) for _ in range(3)] == [1, 1, 0], "forgotten: full again"
+    core.receive(b"r0", ping, 9.0)  # r0 used again: now the most recent
+    core.receive(b"new", ping, 9.0)  # one more routing id: r1 is forgotten, r0 kept
+    assert [len(_errors(core.receive(b"r0", ping, 9.0))) for _ in range(1)] == [0], "r0 remembered, empty"
+    assert [len(_errors(core.receive(b"r1", ping, 9.0))) for _ in range(3)] == [1, 1, 0], "forgotten: full again"
 
 
 def test_a_routing_ids_bucket_is_untouched_while_the_budget_lasts_and_the_budgets_debt_stops_at_8_mib():
@@ -1536,8 +1543,29 @@ def test_a_routing_ids_bucket_is_untouched_while_the_budget_lasts_and_the_budget
     for i in range(4000):
         assert len(_errors(core.receive(b"n%d" % i, _padded_ping(4096), 1.0))) == 1
     big = [b"HELLO", json.dumps({"pad": "x" * (32 << 10)}).encode()]
-    assert not _errors(core.receive(b"y", big, 1.999)), "at -8 MiB, 0.999 s of refill is not enough"
-    assert len(_errors(core.receive(b"y", big, 2.001))) == 1
+    step = 64 / (8 << 20)  # the time 64 bytes of the budget take to refill
+    assert not _errors(core.receive(b"y", big, 2.0 - step)), "at -8 MiB, just under 1 s of refill is not enough"
+    assert len(_errors(core.receive(b"y", big, 2.0 + step))) == 1, "exactly -8 MiB, not lower"
+
+
+def test_a_big_message_read_within_the_unregistered_budget_is_charged_in_full_and_no_clock_refills_twice():
+    """A message read while the budget is above 0 is charged in full, however big (frames are
+    limited, their number is not), and the -8 MiB floor of reads past the budget never raises a
+    deeper debt; a clock reading earlier than the last refills nothing, then or later (a
+    reviewer showed that storing the earlier reading refilled the same interval twice)."""
+    core = _core()
+    huge = [b"HELLO", json.dumps({"pad": "x" * (20 << 20)}).encode()]
+    assert len(_errors(core.receive(b"x", huge, 1.0))) == 1  # the budget is now about -12 MiB
+    assert len(_errors(core.receive(b"n", _padded_ping(4096), 1.0))) == 1  # read past it: debt deeper, not -8 MiB
+    big = [b"HELLO", json.dumps({"pad": "x" * (32 << 10)}).encode()]
+    assert not _errors(core.receive(b"y", big, 2.49)), "12 MiB and 4 KiB of debt: 1.49 s is not enough"
+    assert len(_errors(core.receive(b"y", big, 2.51))) == 1
+    # Spent again at 10.0; readings of 9.0 then 10.0 give no second refill of that interval.
+    _spend_the_unregistered_budget(core, 10.0)
+    assert not _errors(core.receive(b"y", big, 9.0))
+    assert not _errors(core.receive(b"y", big, 10.0)), "the interval 9-10 was refilled already"
+    # The same for a routing id's bucket: one of two taken at 10.0, the other at 9.0, none back at 10.0.
+    assert [len(_errors(core.receive(b"z", frames("PING", {}), t))) for t in (10.0, 9.0, 10.0)] == [1, 1, 0]
 
 
 def test_an_event_release_and_a_release_crossing_producer_gone_are_each_uncharged_once():

@@ -134,14 +134,14 @@ ERROR_COST = 9.0
 # reviewer's 0.88 MB HELLOs cost 18 ms each and held a healthy pair at 9-10 handoffs/s). The
 # burst takes the largest HELLO (2 MiB) four times over.
 UNREGISTERED_BYTES = float(8 << 20)
-# Past that budget, each peer's first messages are still read (§6a): while peers flooding it spend
-# it, a newcomer's HELLO (or a PING answered not_registered and the HELLO after it) was dropped with
+# Past that budget, a few small messages of each routing id are still read (§6a): while peers
+# flooding it spend it, a newcomer's HELLO (or a PING answered not_registered and the HELLO after it) was dropped with
 # theirs, so no client could register until the flood stopped. Two a second per routing id, each at
 # most NEWCOMER_BYTES (the library's HELLO is about 530 bytes; one listing held deliveries after a
-# broker restart, about 130 bytes more each, may be larger and then waits for the budget),
+# broker restart, about 150 bytes more each, may be larger and then waits for the budget),
 # remembered for the MAX_NEWCOMERS routing ids read this way last. A peer chooses its routing id, so
-# a flood gets this way 8 KiB a second more per connection it opens; charged to the budget, which
-# goes no lower than -UNREGISTERED_BYTES, so that such a flood leaves at most a second of debt.
+# a flood gets this way 8 KiB a second more per connection it opens; charged to the budget, but
+# no lower than -UNREGISTERED_BYTES, so that such a flood leaves at most a second of debt.
 NEWCOMER_MESSAGES = 2.0
 NEWCOMER_BYTES = 4 << 10
 MAX_NEWCOMERS = 16384
@@ -554,22 +554,28 @@ class BrokerCore:
         return client.allowance < 1.0
 
     def _unregistered_budget(self, rid: bytes, parts: list[bytes], now: float) -> bool:
-        """Whether a message from a peer not registered may be read: while the bucket all such
-        peers share is above 0, or else while the peer's own bucket of small messages is (§6a);
-        the message's bytes are then charged to the shared one, down to -UNREGISTERED_BYTES."""
+        """Whether a message from a peer not registered may be read (§6a): while the budget all
+        such peers share is above 0, charged in full; or else while the routing id's own bucket of
+        small messages has one, charged down to -UNREGISTERED_BYTES at most."""
         b = self._unregistered
         b[0] = refilled(b[0], b[1], UNREGISTERED_BYTES, now)
-        b[1] = now
+        b[1] = max(b[1], now)  # a clock reading earlier than the last must not refill a second time
         size = sum(len(p) for p in parts)
-        if b[0] <= 0:
-            if size > NEWCOMER_BYTES:
-                return False
-            own = self._newcomers.get(rid)
-            allowance = NEWCOMER_MESSAGES if own is None else refilled(own[0], own[1], NEWCOMER_MESSAGES, now)
-            if allowance < 1.0:
-                return False
-            _remember(self._newcomers, rid, [allowance - 1.0, now], MAX_NEWCOMERS)
-        b[0] = max(b[0] - size, -UNREGISTERED_BYTES)
+        if b[0] > 0:
+            b[0] -= size
+            return True
+        if size > NEWCOMER_BYTES:
+            return False
+        own = self._newcomers.get(rid)
+        if own is None:
+            allowance, at = NEWCOMER_MESSAGES, now
+        else:
+            allowance, at = refilled(own[0], own[1], NEWCOMER_MESSAGES, now), max(own[1], now)
+        if allowance < 1.0:
+            return False
+        _remember(self._newcomers, rid, [allowance - 1.0, at], MAX_NEWCOMERS)
+        # Never below the floor, and never up to it from a debt a big message left deeper.
+        b[0] = min(b[0], max(b[0] - size, -UNREGISTERED_BYTES))
         return True
 
     def _rate_refusal(self, rid: bytes, ref: str, handoff_ids: list[int] | None, credits: int) -> None:
