@@ -64,8 +64,8 @@ STATS_CACHE_S = 0.25  # a STATS_REPLY may be this old: a flood of STATS costs on
 # pair fell from 1,600 to 0-1 handoffs/s), and one bounded only by entries and time held it for the
 # whole 2 ms behind a client's PINGs sent within its message rate (a pair at 1,174/s fell to 142/s;
 # with the bound per peer, 692-726/s, scripts/floods.py deaf-pings, 2026-12-07). A client in step
-# with the broker seldom sends 8 messages in one round (in the bench's window-8 rows at 4 KiB, 1 of
-# the rounds of 2,000 handoffs ended that way); a producer whose send()s arrive 64 at a time has
+# with the broker seldom sends 8 messages in one round (in the bench's window-8 rows at 4 KiB, 1
+# round in 2,000 handoffs ended that way); a producer whose send()s arrive 64 at a time has
 # its rounds cut every 8, perhaps 10% of its rate (broker/DESIGN.md, Known limits).
 ROUND_ENTRIES = 256
 ROUND_S = 0.002
