@@ -222,9 +222,9 @@ MUTANTS: dict[str, tuple[str, ...]] = {
                     "tests/test_broker_core.py",
                     "tests/test_broker_attacks.py::test_a_peer_that_stops_reading_is_counted_and_granted_nothing_"
                     "until_it_reads_again"),
-    # Peers not registered (ipc-protocol.md 6a): past the byte budget they share, each peer's
-    # first small messages are still read, so a newcomer registers during a flood; the per-peer
-    # bound keeps that from reopening the flood.
+    # Peers not registered (ipc-protocol.md 6a): past the byte budget they share, two small
+    # messages a second of each routing id are still read, so a newcomer registers during a flood;
+    # the bound per routing id, and the debt's floor, keep that from reopening the flood.
     "newcomer-dropped": ("hurray_ipc/broker/core.py",
                          "        if size > NEWCOMER_BYTES:\n            return False\n",
                          "        if True:  # MUTANT: past the budget everything is dropped\n"

@@ -135,13 +135,14 @@ ERROR_COST = 9.0
 # burst takes the largest HELLO (2 MiB) four times over.
 UNREGISTERED_BYTES = float(8 << 20)
 # Past that budget, a few small messages of each routing id are still read (§6a): while peers
-# flooding it spend it, a newcomer's HELLO (or a PING answered not_registered and the HELLO after it) was dropped with
-# theirs, so no client could register until the flood stopped. Two a second per routing id, each at
-# most NEWCOMER_BYTES (the library's HELLO is about 530 bytes; one listing held deliveries after a
-# broker restart, about 150 bytes more each, may be larger and then waits for the budget),
-# remembered for the MAX_NEWCOMERS routing ids read this way last. A peer chooses its routing id, so
-# a flood gets this way 8 KiB a second more per connection it opens; charged to the budget, but
-# no lower than -UNREGISTERED_BYTES, so that such a flood leaves at most a second of debt.
+# flooding it spent it, a newcomer's HELLO (or a PING answered not_registered and the HELLO after
+# it) was dropped with theirs, so no client could register until the flood stopped. Two a second
+# per routing id, each at most NEWCOMER_BYTES (the library's HELLO is about 530 bytes; one listing
+# held deliveries after a broker restart, about 150 bytes more each, may be larger and then waits
+# for the budget), remembered for the MAX_NEWCOMERS routing ids read this way last. A peer chooses
+# its routing id, so a flood gets this way 8 KiB a second more per connection it opens; charged to
+# the budget, but no lower than -UNREGISTERED_BYTES, so that such a flood leaves at most a second
+# of debt.
 NEWCOMER_MESSAGES = 2.0
 NEWCOMER_BYTES = 4 << 10
 MAX_NEWCOMERS = 16384
@@ -468,7 +469,8 @@ class BrokerCore:
         self.by_handoff: dict[tuple[bytes, int], str] = {}  # (producer, handoff) -> token
         self.released = _Recent(_RELEASED_MEMORY)  # tokens
         self._unregistered = [UNREGISTERED_BYTES, 0.0]  # UNREGISTERED_BYTES' bucket: [allowance, at]
-        self._newcomers: OrderedDict[bytes, list[float]] = OrderedDict()  # rid -> its NEWCOMER_MESSAGES' bucket
+        # Routing ids read past that budget, least recently first: rid -> [allowance, at] (NEWCOMER_MESSAGES).
+        self._newcomers: OrderedDict[bytes, list[float]] = OrderedDict()
         self.fenced = _Recent(_RELEASED_MEMORY)  # tokens of fenced deliveries (§5)
         # Tokens told PRODUCER_GONE while held, until their consumer's RELEASE crosses it: that
         # one refusal is not charged to its rate (§6a), a second is.
