@@ -1,6 +1,6 @@
 """A healthy pair's rate beside one flood on a live broker (hurray_ipc/broker/DESIGN.md, Known limits).
 
-Usage: .venv/bin/python scripts/floods.py [releases|queries|hold|deaf|spin ...] [--seconds S] [--hold S] [--pool N]
+Usage: .venv/bin/python scripts/floods.py [KIND ...] [--seconds S] [--hold S] [--pool N]  (KIND: below)
 
 Starts a broker, a producer and a consumer of the public API (one process each, a 4 KiB host array
 per send) and, after a few seconds, one attacker process speaking raw frames:
@@ -252,12 +252,13 @@ def run(kind: str, seconds: int, hold: float | None = None, pool: int = 0) -> di
             watcher = threading.Thread(target=watch, daemon=True)
             watcher.start()
         window("during", seconds - min(2, seconds))
+        flood_end = time.monotonic()
         attack_stop.set()
         if seconds > 2:
             watcher.join()  # it set late_stop
             for p in late:
                 p.join(5)
-            if late_times[2]:
+            if 0 < late_times[2] <= flood_end:  # a first handoff after the flood does not count
                 first_late = late_times[2] - max(late_times[0], late_times[1])
         a.join(5)
         if a.is_alive():
