@@ -29,7 +29,7 @@ from hurray_ipc.broker.core import (
     Send,
     _Recent,
 )
-from hurray_ipc.broker.queries import MAX_QUERY_PEERS, MAX_UNREAD, PROBE_FIRST_S
+from hurray_ipc.broker.queries import MAX_QUERY_PEERS, MAX_UNREAD, PROBE_FIRST_S, refill
 from hurray_ipc.devices.base import host_id
 from hurray_ipc.wire.ipc import ERROR_CODES, HOT_VERBS, PROTOCOL_VERSION, Message, encode_batch
 
@@ -1411,13 +1411,27 @@ def test_a_bye_past_the_rate_ends_the_registration_and_gives_back_what_it_held()
 def test_a_clock_reading_earlier_than_the_last_takes_no_allowance_away():
     """The rate refilled by (now - then) * rate, so a reading earlier than the last (a caller's
     clock that is not monotonic, an injected one) took a second's allowance away per second
-    back, as the byte budgets' shared refill (queries.refilled) never did."""
+    back, as the byte budgets' shared refill (queries.refill) never did."""
     core = _core()
     _hello(core, b"c", "consumer", pid=6)
     c = core.clients[b"c"]
     c.allowance, c.allowance_at = 100.0, 10.0
     assert not _errors(core.receive(b"c", frames("PING", {}), 9.0))
     assert c.allowance == 99.0
+    # Nor is the earlier reading kept as the time of the refill: 10.0 again refills nothing.
+    assert not _errors(core.receive(b"c", frames("PING", {}), 10.0))
+    assert (c.allowance, c.allowance_at) == (98.0, 10.0)
+
+
+def test_every_budget_refills_by_one_mechanism_that_never_runs_time_back():
+    """The message rate, the query budgets and the unregistered budgets all refill with
+    ``queries.refill`` (§6a): at ``rate`` a second up to one second's worth, and a reading earlier
+    than the last keeps the last as the refill's time (storing the earlier one refilled the same
+    interval twice, a reviewer's finding in the unregistered budget; the other budgets did it
+    too)."""
+    assert refill(0.0, 10.0, 8.0, 10.5) == (4.0, 10.5)
+    assert refill(7.0, 10.0, 8.0, 11.0) == (8.0, 11.0), "one second's worth at most"
+    assert refill(-3.0, 10.0, 8.0, 9.0) == (-3.0, 10.0), "earlier: nothing taken, nothing refilled, 10.0 kept"
 
 
 def test_a_request_or_ready_past_the_rate_names_its_credits():
@@ -1470,6 +1484,10 @@ def _spend_the_unregistered_budget(core: BrokerCore, now: float) -> int:
     raise AssertionError("10 MiB read at one instant: the budget is 8 MiB")
 
 
+# A message over the 4 KiB a routing id may send past the unregistered budget, far under the budget.
+_BIG_HELLO = [b"HELLO", json.dumps({"pad": "x" * (32 << 10)}).encode()]
+
+
 def _padded_ping(size: int) -> list[bytes]:
     """A PING of exactly ``size`` bytes, all frames (a peer not registered is answered
     not_registered)."""
@@ -1493,7 +1511,7 @@ def test_past_the_unregistered_budget_a_newcomers_hello_is_still_read_and_charge
     assert b"n" in core.clients
     # Charged: the shared budget is -size now, so it admits a big message again only once it
     # refilled past that (8 MiB a second), not at 0.
-    big = [b"HELLO", json.dumps({"pad": "x" * (32 << 10)}).encode()]
+    big = _BIG_HELLO
     assert not _errors(core.receive(b"y", big, 1.0 + (size - 1) / (8 << 20)))
     assert len(_errors(core.receive(b"y", big, 1.0 + (size + 1) / (8 << 20)))) == 1
 
@@ -1543,7 +1561,7 @@ def test_a_routing_ids_bucket_is_untouched_while_the_budget_lasts_and_the_budget
     assert [len(_errors(core.receive(b"z", ping, 1.0))) for _ in range(3)] == [1, 1, 0], "z's bucket was full"
     for i in range(4000):
         assert len(_errors(core.receive(b"n%d" % i, _padded_ping(4096), 1.0))) == 1
-    big = [b"HELLO", json.dumps({"pad": "x" * (32 << 10)}).encode()]
+    big = _BIG_HELLO
     step = 64 / (8 << 20)  # the time 64 bytes of the budget take to refill
     assert not _errors(core.receive(b"y", big, 2.0 - step)), "at -8 MiB, just under 1 s of refill is not enough"
     assert len(_errors(core.receive(b"y", big, 2.0 + step))) == 1, "exactly -8 MiB, not lower"
@@ -1558,7 +1576,7 @@ def test_a_big_message_read_within_the_unregistered_budget_is_charged_in_full_an
     huge = [b"HELLO", json.dumps({"pad": "x" * (20 << 20)}).encode()]
     assert len(_errors(core.receive(b"x", huge, 1.0))) == 1  # the budget is now about -12 MiB
     assert len(_errors(core.receive(b"n", _padded_ping(4096), 1.0))) == 1  # read past it: debt deeper, not -8 MiB
-    big = [b"HELLO", json.dumps({"pad": "x" * (32 << 10)}).encode()]
+    big = _BIG_HELLO
     assert not _errors(core.receive(b"y", big, 2.49)), "12 MiB and 4 KiB of debt: 1.49 s is not enough"
     assert len(_errors(core.receive(b"y", big, 2.51))) == 1
     # Spent again at 10.0; readings of 9.0 then 10.0 give no second refill of that interval.

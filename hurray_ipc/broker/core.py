@@ -116,7 +116,7 @@ from .queries import (
     QueryLedger,
     Sample,
     caps_reply,
-    refilled,
+    refill,
     stats_snapshot,
 )
 
@@ -551,8 +551,7 @@ class BrokerCore:
         """Refill ``client``'s allowance (MAX_RATE a second, at most one second's worth) and say
         whether a message arriving now is past its rate: each entry it carries costs 1 and each
         ERROR answering it ERROR_COST more (§6a), so a message may take the allowance below 0."""
-        client.allowance = refilled(client.allowance, client.allowance_at, MAX_RATE, now)
-        client.allowance_at = now
+        client.allowance, client.allowance_at = refill(client.allowance, client.allowance_at, MAX_RATE, now)
         return client.allowance < 1.0
 
     def _unregistered_budget(self, rid: bytes, parts: list[bytes], now: float) -> bool:
@@ -560,19 +559,15 @@ class BrokerCore:
         such peers share is above 0, charged in full; or else while the routing id's own bucket of
         small messages has one, charged down to -UNREGISTERED_BYTES at most."""
         b = self._unregistered
-        b[0] = refilled(b[0], b[1], UNREGISTERED_BYTES, now)
-        b[1] = max(b[1], now)  # a clock reading earlier than the last must not refill a second time
+        b[0], b[1] = refill(b[0], b[1], UNREGISTERED_BYTES, now)
         size = sum(len(p) for p in parts)
         if b[0] > 0:
             b[0] -= size
             return True
         if size > NEWCOMER_BYTES:
             return False
-        own = self._newcomers.get(rid)
-        if own is None:
-            allowance, at = NEWCOMER_MESSAGES, now
-        else:
-            allowance, at = refilled(own[0], own[1], NEWCOMER_MESSAGES, now), max(own[1], now)
+        own = self._newcomers.get(rid) or [NEWCOMER_MESSAGES, now]  # full when first seen
+        allowance, at = refill(own[0], own[1], NEWCOMER_MESSAGES, now)
         if allowance < 1.0:
             return False
         _remember(self._newcomers, rid, [allowance - 1.0, at], MAX_NEWCOMERS)

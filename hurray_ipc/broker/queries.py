@@ -84,10 +84,12 @@ class Asker:
     proved: bool = False  # its latest query named its latest unread answer: it reads, and holds nothing
 
 
-def refilled(allowance: float, at: float, rate: float, now: float) -> float:
+def refill(allowance: float, at: float, rate: float, now: float) -> tuple[float, float]:
     """A budget of ``rate`` a second that holds at most ``rate`` (one second's worth): what
-    ``allowance``, as it was at ``at``, has become at ``now`` (never less: time does not run back)."""
-    return min(rate, allowance + max(0.0, now - at) * rate)
+    ``allowance``, as it was at ``at``, has become at ``now``, and the time to keep with it. Time
+    does not run back: a reading earlier than ``at`` neither takes allowance away nor becomes
+    the new ``at``, so no interval is refilled twice (§6a)."""
+    return min(rate, allowance + max(0.0, now - at) * rate), max(at, now)
 
 
 class QueryLedger:
@@ -151,11 +153,9 @@ class QueryLedger:
         second per connection; False (no answer) for the rest of those. True: answer it (its
         fields are judged next: a malformed one is answered ERROR, stamped the same), then
         :meth:`charge` its size."""
-        a.allowance = refilled(a.allowance, a.at, self.query_bytes, now)
-        a.at = now
+        a.allowance, a.at = refill(a.allowance, a.at, self.query_bytes, now)
         t = self._total
-        t[0] = refilled(t[0], t[1], self.query_bytes_total, now)
-        t[1] = now
+        t[0], t[1] = refill(t[0], t[1], self.query_bytes_total, now)
         # Past the total, a connection that just showed it read everything is still answered, from
         # a reserve of as much again: peers that stay connected and never read would otherwise
         # lock every tool out for as long as they stay (they are never forgotten).
